@@ -1,0 +1,579 @@
+"""Jobs and the requests that create and move them: value objects and pure rules.
+
+A store persists :class:`Job` records and applies :class:`NewJob` and
+:class:`Transition` requests atomically. The rules that decide whether a
+request applies live here, as pure functions (:func:`check_transition`,
+:func:`apply_transition`), so that the in-memory and SQL stores share one
+implementation and the Redis Lua scripts have one reference to agree with
+(the contract suite and the model-based test hold them to it).
+
+Times are timezone-aware UTC :class:`~datetime.datetime` values at microsecond
+precision; stores keep them as integer microseconds since the UNIX epoch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+import json
+import uuid
+from collections.abc import Mapping, Sequence
+from datetime import datetime, timezone
+from typing import Any
+
+from celery_exactonce import exceptions
+from celery_exactonce.states import (
+    ALLOWED,
+    CREATABLE,
+    NEXT_ATTEMPT_EDGES,
+    TERMINAL,
+    State,
+)
+
+#: How many transitions a record remembers. Enough to explain a job's life
+#: (create, claim, dispatch, a few retries, completion) without letting a job
+#: that is replayed for days grow without bound.
+HISTORY_LIMIT = 32
+
+#: Longest task name, job id, entry key, node id or reason we store. Celery ids
+#: are 36-character UUIDs; entry names are short. Anything longer is a bug or
+#: an attack on the indexes.
+MAX_ID_LENGTH = 200
+MAX_NAME_LENGTH = 255
+MAX_REASON_LENGTH = 500
+
+#: Largest JSON payload (args, kwargs and options together) we store.
+MAX_PAYLOAD_BYTES = 1024 * 1024
+
+EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+
+
+class Space(str, enum.Enum):
+    """The key space of a job id.
+
+    Beat occurrences and caller-chosen ids never share a key space, so a
+    guessed ``task_id`` can never pre-empt a beat slot (DESIGN.md section 2).
+    """
+
+    OCCURRENCE = "o"
+    TASK = "t"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class JobRef:
+    """The identity of a job: its key space and its id (the Celery ``task_id``)."""
+
+    space: Space
+    id: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.space, Space):
+            object.__setattr__(self, "space", Space(self.space))
+        validate_identifier(self.id, "job id", MAX_ID_LENGTH)
+
+    @classmethod
+    def task(cls, task_id: str) -> JobRef:
+        """A caller-chosen (or generated) job id."""
+        return cls(Space.TASK, task_id)
+
+    @classmethod
+    def occurrence(cls, job_id: str) -> JobRef:
+        """A beat occurrence's job id."""
+        return cls(Space.OCCURRENCE, job_id)
+
+    def __str__(self) -> str:
+        return f"{self.space.value}:{self.id}"
+
+    @classmethod
+    def parse(cls, text: str) -> JobRef:
+        """Inverse of ``str(ref)``."""
+        space, sep, job_id = text.partition(":")
+        if not sep:
+            raise exceptions.InvalidPayload(f"not a job reference: {text!r}")
+        return cls(Space(space), job_id)
+
+
+@dataclasses.dataclass(frozen=True)
+class HistoryEntry:
+    """One transition in a job's capped history."""
+
+    src: State | None
+    dst: State
+    at: datetime
+    node: str
+    reason: str
+    rev: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "from": self.src.value if self.src else None,
+            "to": self.dst.value,
+            "at": to_micros(self.at),
+            "node": self.node,
+            "reason": self.reason,
+            "rev": self.rev,
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> HistoryEntry:
+        src = data.get("from")
+        return cls(
+            src=State(src) if src else None,
+            dst=State(data["to"]),
+            at=from_micros(int(data["at"])),
+            node=str(data["node"]),
+            reason=str(data["reason"]),
+            rev=str(data["rev"]),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """A stored job record, as read from a store. Immutable; stores return new ones."""
+
+    ref: JobRef
+    task: str
+    state: State
+    rev: str
+    """Globally unique token written by every transition (the op id of that write)."""
+    attempt: int
+    run_id: str | None
+    args: list[Any]
+    kwargs: dict[str, Any]
+    options: dict[str, Any]
+    entry: str | None
+    """The beat entry's key, for an occurrence."""
+    fire_time: datetime | None
+    """The nominal slot, for an occurrence."""
+    run_at: datetime | None
+    """When a delayed job is due."""
+    deadline: datetime | None
+    """After this instant the job must not run (the message's ``expires``)."""
+    created_at: datetime
+    touched_at: datetime
+    """Last transition or heartbeat, on the store's clock: what staleness is measured from."""
+    heartbeat_at: datetime | None
+    terminal_at: datetime | None
+    dispatches: int
+    """How many times the job went to ``DISPATCHED`` (replays and redispatches included)."""
+    node: str
+    reason: str
+    history: tuple[HistoryEntry, ...] = ()
+
+    @property
+    def terminal(self) -> bool:
+        return self.state in TERMINAL
+
+    @property
+    def payload(self) -> dict[str, Any]:
+        """The JSON payload: args, kwargs and options."""
+        return {"args": self.args, "kwargs": self.kwargs, "options": self.options}
+
+    def expires_at(self, retention: float) -> datetime | None:
+        """When a terminal record may be purged; ``None`` while the job is live."""
+        if self.terminal_at is None:
+            return None
+        start = max(self.terminal_at, self.fire_time or self.terminal_at)
+        return from_micros(to_micros(start) + int(retention * 1_000_000))
+
+    def applied(self, op_id: str) -> bool:
+        """Whether the write whose op id (new ``rev``) is ``op_id`` applied to this record.
+
+        This is how a writer settles a write that timed out: read the record
+        back and ask it.
+        """
+        return self.rev == op_id or any(h.rev == op_id for h in self.history)
+
+
+@dataclasses.dataclass(frozen=True)
+class NewJob:
+    """A request to create a job if no record with its ``ref`` exists.
+
+    For an occurrence (``ref.space`` is :attr:`Space.OCCURRENCE`), ``entry`` and
+    ``fire_time`` are required: the create also checks and advances the entry's
+    durable watermark in the same atomic step.
+    """
+
+    ref: JobRef
+    task: str
+    state: State
+    node: str
+    args: Sequence[Any] = ()
+    kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    entry: str | None = None
+    fire_time: datetime | None = None
+    run_at: datetime | None = None
+    deadline: datetime | None = None
+    run_id: str | None = None
+    reason: str = "created"
+    rev: str = dataclasses.field(default_factory=lambda: new_token())
+
+    def __post_init__(self) -> None:
+        validate_identifier(self.task, "task name", MAX_NAME_LENGTH)
+        validate_identifier(self.node, "node id", MAX_NAME_LENGTH)
+        validate_identifier(self.rev, "rev", MAX_NAME_LENGTH)
+        validate_reason(self.reason)
+        if self.state not in CREATABLE:
+            raise exceptions.InvalidPayload(
+                f"a job cannot be created in state {self.state}; "
+                f"only {', '.join(sorted(s.value for s in CREATABLE))}"
+            )
+        occurrence = self.ref.space is Space.OCCURRENCE
+        if occurrence != (self.entry is not None) or occurrence != (self.fire_time is not None):
+            raise exceptions.InvalidPayload(
+                f"job {self.ref}: an occurrence needs entry and fire_time, other jobs take neither"
+            )
+        if self.entry is not None:
+            validate_identifier(self.entry, "entry key", MAX_NAME_LENGTH)
+        if (self.state is State.PENDING) != (self.run_at is not None):
+            raise exceptions.InvalidPayload(f"job {self.ref}: run_at is set exactly for PENDING jobs")
+        if (self.state is State.RUNNING) != (self.run_id is not None):
+            raise exceptions.InvalidPayload(f"job {self.ref}: run_id is set exactly for RUNNING jobs")
+        for name in ("fire_time", "run_at", "deadline"):
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, require_aware(value, name))
+        # Freeze the payload as JSON now: a payload that cannot be stored fails
+        # here, before anything is written.
+        object.__setattr__(self, "args", list(self.args))
+        object.__setattr__(self, "kwargs", dict(self.kwargs))
+        object.__setattr__(self, "options", dict(self.options))
+        encode_payload(self.payload, context=str(self.ref))
+
+    @property
+    def payload(self) -> dict[str, Any]:
+        return {"args": self.args, "kwargs": self.kwargs, "options": self.options}
+
+
+class CreateStatus(str, enum.Enum):
+    """What a create-if-absent did. Lost races are values, not exceptions."""
+
+    CREATED = "created"
+    """This call created the record."""
+    EXISTS = "exists"
+    """A record with this ref exists (``job`` is it; its ``rev`` tells whether it is ours)."""
+    BELOW_WATERMARK = "below_watermark"
+    """No record, but the entry's watermark is at or past this slot: settled, never claimed."""
+    EPOCH_MISMATCH = "epoch_mismatch"
+    """The store's epoch is not the one the caller holds: the store lost data."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CreateResult:
+    status: CreateStatus
+    job: Job | None = None
+    epoch: str | None = None
+    """The store's epoch at the time of the call, when it was checked."""
+
+    @property
+    def created(self) -> bool:
+        return self.status is CreateStatus.CREATED
+
+
+@dataclasses.dataclass(frozen=True)
+class Lease:
+    """A lease held under a token; stores check it atomically with a transition."""
+
+    name: str
+    token: str
+
+    def __post_init__(self) -> None:
+        validate_identifier(self.name, "lease name", MAX_NAME_LENGTH)
+        validate_identifier(self.token, "lease token", MAX_NAME_LENGTH)
+
+
+@dataclasses.dataclass(frozen=True)
+class Transition:
+    """A compare-and-swap request: move a job to ``to`` if every guard holds.
+
+    Guards (all that are set must hold, atomically with the write):
+
+    * the current state is in ``expect``;
+    * ``rev``: the current rev equals it (dispatchers, reconciler, release, cancel);
+    * ``attempt``: the current attempt equals it (the worker gate);
+    * ``run_id``: the current run id equals it (worker writes);
+    * ``lease``: the lease is held with that token (the reconciler);
+    * ``stale_for``: the job was last touched (transition or heartbeat) at
+      least this many seconds ago, by the store's clock at the write.
+
+    Effects: state, a new ``rev`` (``new_rev``, chosen by the caller so a
+    write that timed out can be settled by reading back), the history entry,
+    and optionally a new ``run_id``, the next attempt, a new ``run_at`` and
+    new args/kwargs (a Celery retry may change them).
+    """
+
+    to: State
+    expect: frozenset[State]
+    node: str
+    reason: str
+    rev: str | None = None
+    attempt: int | None = None
+    run_id: str | None = None
+    lease: Lease | None = None
+    stale_for: float | None = None
+    new_run_id: str | None = None
+    next_attempt: bool = False
+    run_at: datetime | None = None
+    args: Sequence[Any] | None = None
+    kwargs: Mapping[str, Any] | None = None
+    new_rev: str = dataclasses.field(default_factory=lambda: new_token())
+
+    def __post_init__(self) -> None:
+        expect = frozenset(State(s) for s in self.expect)
+        object.__setattr__(self, "expect", expect)
+        if not expect:
+            raise exceptions.InvalidPayload("a transition needs at least one expected state")
+        for src in expect:
+            if self.to not in ALLOWED[src]:
+                raise exceptions.InvalidPayload(f"transition {src} → {self.to} is not allowed")
+            if ((src, self.to) in NEXT_ATTEMPT_EDGES) != self.next_attempt:
+                raise exceptions.InvalidPayload(
+                    f"transition {src} → {self.to}: next_attempt must be "
+                    f"{(src, self.to) in NEXT_ATTEMPT_EDGES}"
+                )
+        if (self.to is State.RUNNING) != (self.new_run_id is not None):
+            raise exceptions.InvalidPayload("new_run_id is set exactly for transitions to RUNNING")
+        if (self.to is State.PENDING) != (self.run_at is not None):
+            raise exceptions.InvalidPayload("run_at is set exactly for transitions to PENDING")
+        if self.run_at is not None:
+            object.__setattr__(self, "run_at", require_aware(self.run_at, "run_at"))
+        if (self.args is not None or self.kwargs is not None) and not self.next_attempt:
+            raise exceptions.InvalidPayload("args/kwargs change only with the next attempt")
+        if self.args is not None:
+            object.__setattr__(self, "args", list(self.args))
+        if self.kwargs is not None:
+            object.__setattr__(self, "kwargs", dict(self.kwargs))
+        if self.args is not None or self.kwargs is not None:
+            encode_payload({"args": self.args, "kwargs": self.kwargs}, context="transition")
+        if self.stale_for is not None and self.stale_for < 0:
+            raise exceptions.InvalidPayload("stale_for must be >= 0 seconds")
+        validate_identifier(self.node, "node id", MAX_NAME_LENGTH)
+        validate_identifier(self.new_rev, "rev", MAX_NAME_LENGTH)
+        validate_reason(self.reason)
+
+
+class TransitionStatus(str, enum.Enum):
+    APPLIED = "applied"
+    CONFLICT = "conflict"
+    """A guard failed; ``job`` is the record as it is."""
+    NOT_FOUND = "not_found"
+    LEASE_LOST = "lease_lost"
+    """The lease named in the request is not held with its token."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TransitionResult:
+    status: TransitionStatus
+    job: Job | None = None
+
+    @property
+    def applied(self) -> bool:
+        return self.status is TransitionStatus.APPLIED
+
+
+# -- pure rules shared by the stores ---------------------------------------------------
+
+
+def check_transition(job: Job, t: Transition, now: datetime) -> bool:
+    """Whether every guard of ``t`` except the lease holds for ``job`` at store time ``now``."""
+    if job.state not in t.expect or job.terminal:
+        return False
+    if t.rev is not None and job.rev != t.rev:
+        return False
+    if t.attempt is not None and job.attempt != t.attempt:
+        return False
+    if t.run_id is not None and job.run_id != t.run_id:
+        return False
+    if t.stale_for is not None:
+        age = (to_micros(now) - to_micros(job.touched_at)) / 1_000_000
+        if age < t.stale_for:
+            return False
+    return True
+
+
+def apply_transition(job: Job, t: Transition, now: datetime) -> Job:
+    """The record after ``t`` applied to ``job`` at store time ``now`` (guards not checked)."""
+    entry = HistoryEntry(job.state, t.to, now, t.node, t.reason, t.new_rev)
+    running = t.to is State.RUNNING
+    return dataclasses.replace(
+        job,
+        state=t.to,
+        rev=t.new_rev,
+        attempt=job.attempt + 1 if t.next_attempt else job.attempt,
+        run_id=t.new_run_id if running else (None if t.next_attempt else job.run_id),
+        args=list(t.args) if t.args is not None else job.args,
+        kwargs=dict(t.kwargs) if t.kwargs is not None else job.kwargs,
+        run_at=t.run_at if t.run_at is not None else job.run_at,
+        touched_at=now,
+        heartbeat_at=now if running else job.heartbeat_at,
+        terminal_at=now if t.to in TERMINAL else None,
+        dispatches=job.dispatches + (1 if t.to is State.DISPATCHED else 0),
+        node=t.node,
+        reason=t.reason,
+        history=(*job.history, entry)[-HISTORY_LIMIT:],
+    )
+
+
+def job_from_new(new: NewJob, now: datetime) -> Job:
+    """The record a create of ``new`` writes at store time ``now``."""
+    return Job(
+        ref=new.ref,
+        task=new.task,
+        state=new.state,
+        rev=new.rev,
+        attempt=0,
+        run_id=new.run_id,
+        args=list(new.args),
+        kwargs=dict(new.kwargs),
+        options=dict(new.options),
+        entry=new.entry,
+        fire_time=new.fire_time,
+        run_at=new.run_at,
+        deadline=new.deadline,
+        created_at=now,
+        touched_at=now,
+        heartbeat_at=now if new.state is State.RUNNING else None,
+        terminal_at=None,
+        dispatches=0,
+        node=new.node,
+        reason=new.reason,
+        history=(HistoryEntry(None, new.state, now, new.node, new.reason, new.rev),),
+    )
+
+
+# -- encoding ----------------------------------------------------------------------------
+
+
+def encode_payload(payload: Mapping[str, Any], *, context: str) -> str:
+    """Canonical JSON for a payload; raises :class:`InvalidPayload` naming the culprit."""
+    for field, value in payload.items():
+        try:
+            json.dumps(value, allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise exceptions.InvalidPayload(
+                f"{context}: {field} cannot be stored as JSON: {exc}"
+            ) from exc
+    text = json.dumps(payload, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    if len(text.encode()) > MAX_PAYLOAD_BYTES:
+        raise exceptions.InvalidPayload(
+            f"{context}: payload is {len(text.encode())} bytes, over {MAX_PAYLOAD_BYTES}"
+        )
+    return text
+
+
+def payload_digest(payload: Mapping[str, Any]) -> str:
+    """A stable digest of a payload, to tell a resubmission from a different job."""
+    return hashlib.sha256(encode_payload(payload, context="payload").encode()).hexdigest()
+
+
+def job_to_json(job: Job) -> dict[str, Any]:
+    """A JSON-able dict of a job (times as integer microseconds)."""
+    return {
+        "ref": str(job.ref),
+        "task": job.task,
+        "state": job.state.value,
+        "rev": job.rev,
+        "attempt": job.attempt,
+        "run_id": job.run_id,
+        "args": job.args,
+        "kwargs": job.kwargs,
+        "options": job.options,
+        "entry": job.entry,
+        "fire_time": to_micros_opt(job.fire_time),
+        "run_at": to_micros_opt(job.run_at),
+        "deadline": to_micros_opt(job.deadline),
+        "created_at": to_micros(job.created_at),
+        "touched_at": to_micros(job.touched_at),
+        "heartbeat_at": to_micros_opt(job.heartbeat_at),
+        "terminal_at": to_micros_opt(job.terminal_at),
+        "dispatches": job.dispatches,
+        "node": job.node,
+        "reason": job.reason,
+        "history": [h.to_json() for h in job.history],
+    }
+
+
+def job_from_json(data: Mapping[str, Any]) -> Job:
+    """Inverse of :func:`job_to_json`."""
+    return Job(
+        ref=JobRef.parse(data["ref"]),
+        task=data["task"],
+        state=State(data["state"]),
+        rev=data["rev"],
+        attempt=int(data["attempt"]),
+        run_id=data.get("run_id") or None,
+        args=list(data.get("args") or []),
+        kwargs=dict(data.get("kwargs") or {}),
+        options=dict(data.get("options") or {}),
+        entry=data.get("entry") or None,
+        fire_time=from_micros_opt(data.get("fire_time")),
+        run_at=from_micros_opt(data.get("run_at")),
+        deadline=from_micros_opt(data.get("deadline")),
+        created_at=from_micros(int(data["created_at"])),
+        touched_at=from_micros(int(data["touched_at"])),
+        heartbeat_at=from_micros_opt(data.get("heartbeat_at")),
+        terminal_at=from_micros_opt(data.get("terminal_at")),
+        dispatches=int(data.get("dispatches") or 0),
+        node=data["node"],
+        reason=data["reason"],
+        history=tuple(HistoryEntry.from_json(h) for h in data.get("history") or ()),
+    )
+
+
+# -- small helpers ---------------------------------------------------------------------
+
+
+def new_token() -> str:
+    """A globally unique token (revs, run ids, lease tokens, op ids)."""
+    return uuid.uuid4().hex
+
+
+def to_micros(value: datetime) -> int:
+    """Integer microseconds since the UNIX epoch of an aware datetime."""
+    delta = require_aware(value, "time") - EPOCH
+    return (delta.days * 86_400 + delta.seconds) * 1_000_000 + delta.microseconds
+
+
+def from_micros(value: int) -> datetime:
+    """Inverse of :func:`to_micros`."""
+    seconds, micros = divmod(int(value), 1_000_000)
+    return datetime.fromtimestamp(seconds, tz=timezone.utc).replace(microsecond=micros)
+
+
+def to_micros_opt(value: datetime | None) -> int | None:
+    return None if value is None else to_micros(value)
+
+
+def from_micros_opt(value: Any) -> datetime | None:
+    return None if value is None or value == "" else from_micros(int(value))
+
+
+def require_aware(value: datetime, name: str) -> datetime:
+    """``value`` in UTC; naive datetimes are refused (they mean different instants on different nodes)."""
+    if not isinstance(value, datetime):
+        raise exceptions.InvalidPayload(f"{name} must be a datetime, got {type(value).__name__}")
+    if value.tzinfo is None or value.utcoffset() is None:
+        raise exceptions.InvalidPayload(f"{name} must be timezone-aware, got naive {value!r}")
+    return value.astimezone(timezone.utc)
+
+
+def validate_identifier(value: object, what: str, max_length: int) -> None:
+    """Refuse empty, over-long or control-character identifiers, naming ``what``."""
+    if not isinstance(value, str):
+        raise exceptions.InvalidPayload(f"{what} must be a string, got {type(value).__name__}")
+    if not value:
+        raise exceptions.InvalidPayload(f"{what} must not be empty")
+    if len(value) > max_length:
+        raise exceptions.InvalidPayload(f"{what} {value[:40]!r}… is over {max_length} characters")
+    if any(ord(c) < 32 or ord(c) == 127 for c in value):
+        raise exceptions.InvalidPayload(f"{what} {value!r} contains control characters")
+
+
+def validate_reason(reason: object) -> None:
+    if not isinstance(reason, str) or len(reason) > MAX_REASON_LENGTH:
+        raise exceptions.InvalidPayload(f"reason must be a string of at most {MAX_REASON_LENGTH}")

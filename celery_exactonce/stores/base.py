@@ -1,0 +1,156 @@
+"""The store contract: what every job store does, atomically.
+
+:class:`StateStore` is a :class:`typing.Protocol`: structural, importing no
+driver, so third-party stores and test fakes fit it without inheriting. The
+docstrings say what each operation guarantees; the contract suite
+(``tests/contract``) holds every store to them, on every backend.
+
+Conventions shared by every operation:
+
+* A store is bound to one namespace; every key or row it touches is under it.
+* All ages, due checks and expiries use the store's own clock
+  (:meth:`StateStore.now`), never the caller's.
+* Driver errors are wrapped: :class:`~celery_exactonce.exceptions.StoreUnavailable`
+  when retrying may help (connection refused or reset, timeout, lock wait),
+  :class:`~celery_exactonce.exceptions.StoreError` otherwise. An error raised
+  after the request was sent leaves the outcome unknown: settle it by reading
+  the record back (:meth:`celery_exactonce.jobs.Job.applied`).
+* Lost races are return values (:class:`~celery_exactonce.jobs.CreateStatus`,
+  :class:`~celery_exactonce.jobs.TransitionStatus`), never exceptions.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Protocol, runtime_checkable
+
+from celery_exactonce.jobs import CreateResult, Job, JobRef, NewJob, Transition, TransitionResult
+from celery_exactonce.states import State
+
+#: Version of the key format / schema this code writes. A store holding a
+#: newer version refuses to start (a rolling deploy never mixes formats).
+FORMAT_VERSION = 1
+
+
+@runtime_checkable
+class StateStore(Protocol):
+    """A durable job store for one namespace."""
+
+    @property
+    def namespace(self) -> str:
+        """The namespace every key or row of this store lives under."""
+        ...
+
+    @property
+    def retention(self) -> float:
+        """Seconds a terminal record is kept, from ``max(fire_time, terminal_at)``."""
+        ...
+
+    def now(self) -> datetime:
+        """The store's clock (Redis ``TIME``, SQL ``now()``), as an aware UTC datetime."""
+        ...
+
+    def setup(self) -> None:
+        """Create or upgrade what the store needs (schema, format marker). Idempotent.
+
+        Raises :class:`~celery_exactonce.exceptions.SchemaMismatch` when the
+        store holds a newer format than this code writes.
+        """
+        ...
+
+    def epoch(self) -> str:
+        """The store's epoch, created if absent (atomically: one winner).
+
+        The epoch is a random token written once per store life. A store that
+        lost its data (a Redis restart without persistence) no longer holds the
+        epoch a node remembers, and :meth:`create` with that epoch reports
+        :attr:`~celery_exactonce.jobs.CreateStatus.EPOCH_MISMATCH`.
+        """
+        ...
+
+    def create(self, new: NewJob, *, epoch: str | None = None) -> CreateResult:
+        """Create a job if no record with ``new.ref`` exists. Atomic, one round trip.
+
+        In the same atomic step:
+
+        * when ``epoch`` is given, the store's epoch must equal it, else
+          nothing is written and the status is ``EPOCH_MISMATCH``;
+        * for an occurrence, the entry's durable watermark: if a record
+          exists the status is ``EXISTS``; if none exists and ``fire_time`` is
+          at or below the watermark, nothing is written and the status is
+          ``BELOW_WATERMARK``; otherwise the record is created and the
+          watermark advanced to ``fire_time``.
+
+        Repeating a call that applied returns ``EXISTS`` with the record, whose
+        ``rev`` equals ``new.rev``: that is how a create that timed out is
+        settled.
+        """
+        ...
+
+    def get(self, ref: JobRef) -> Job | None:
+        """The record, or ``None``."""
+        ...
+
+    def transition(self, ref: JobRef, request: Transition) -> TransitionResult:
+        """Compare-and-swap: apply ``request`` if all its guards hold. Atomic.
+
+        The guards and effects are those of :class:`~celery_exactonce.jobs.Transition`
+        (:func:`~celery_exactonce.jobs.check_transition`, with the lease checked
+        in the same atomic step). Terminal records refuse every transition.
+        Indexes (state, due, expiry) move with the record.
+        """
+        ...
+
+    def heartbeat(self, ref: JobRef, run_id: str) -> bool:
+        """Touch a ``RUNNING`` job owned by ``run_id`` (store time); ``rev`` is unchanged.
+
+        Returns whether the job is ``RUNNING`` under ``run_id`` (and so was touched).
+        """
+        ...
+
+    def watermark(self, entry: str) -> datetime | None:
+        """The highest ``fire_time`` claimed for ``entry``, or ``None``."""
+        ...
+
+    def list_stale(self, state: State, older_than: float, limit: int) -> list[Job]:
+        """Jobs in ``state`` last touched at least ``older_than`` seconds ago (store time).
+
+        Oldest first, at most ``limit``, served by an index on
+        ``(state, touched_at)``: the cost follows the stale jobs, not all jobs.
+        """
+        ...
+
+    def claim_due(self, limit: int, *, node: str, reason: str = "claimed") -> list[Job]:
+        """Move up to ``limit`` due ``PENDING`` jobs (``run_at <= now``) to ``SCHEDULED``.
+
+        In ``run_at`` order; safe with many concurrent claimers (each job is
+        returned by exactly one call); every claimed job gets a new ``rev``.
+        """
+        ...
+
+    def purge_expired(self, limit: int) -> int:
+        """Delete up to ``limit`` terminal records past the retention; return how many.
+
+        Only terminal records ever expire; live ones are kept however old.
+        """
+        ...
+
+    def acquire_lease(self, name: str, token: str, ttl: float) -> bool:
+        """Take lease ``name`` for ``ttl`` seconds if it is free or expired. Atomic.
+
+        Re-acquiring a lease already held with the same token renews it.
+        """
+        ...
+
+    def renew_lease(self, name: str, token: str, ttl: float) -> bool:
+        """Extend lease ``name`` by ``ttl`` seconds if it is still held with ``token``."""
+        ...
+
+    def release_lease(self, name: str, token: str) -> bool:
+        """Release lease ``name`` if it is held with ``token``; a stale token releases nothing."""
+        ...
+
+    def close(self) -> None:
+        """Release connections. The store may not be used afterwards."""
+        ...
+

@@ -1,0 +1,244 @@
+"""InMemoryStore: the job store in a Python dict, for tests and single-process use.
+
+Public and thread-safe (one lock around every operation, which is what makes
+each operation atomic). It keeps nothing across processes or restarts, so it
+is for unit tests, examples and users testing their own code; it implements
+the whole contract and passes the same contract suite as the real stores.
+
+The clock is injectable (:class:`~celery_exactonce.testing.FrozenClock`), so
+tests can move store time without sleeping.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from datetime import datetime, timedelta
+
+from celery_exactonce import exceptions, jobs
+from celery_exactonce.clock import Clock, SystemClock
+from celery_exactonce.jobs import (
+    CreateResult,
+    CreateStatus,
+    Job,
+    JobRef,
+    NewJob,
+    Transition,
+    TransitionResult,
+    TransitionStatus,
+)
+from celery_exactonce.states import TERMINAL, State
+
+
+class InMemoryStore:
+    """A thread-safe, in-process :class:`~celery_exactonce.stores.base.StateStore`."""
+
+    def __init__(
+        self,
+        namespace: str = "default",
+        *,
+        retention: float = 7 * 86_400,
+        clock: Clock | None = None,
+    ) -> None:
+        jobs.validate_identifier(namespace, "namespace", jobs.MAX_NAME_LENGTH)
+        if retention <= 0:
+            raise exceptions.ConfigurationError("retention must be > 0", setting="retention")
+        self._namespace = namespace
+        self._retention = float(retention)
+        self._clock = clock or SystemClock()
+        self._lock = threading.RLock()
+        self._closed = False
+        self._reset()
+
+    def _reset(self) -> None:
+        self._jobs: dict[JobRef, Job] = {}
+        self._by_state: dict[State, set[JobRef]] = {state: set() for state in State}
+        self._watermarks: dict[str, datetime] = {}
+        self._leases: dict[str, tuple[str, datetime]] = {}
+        self._epoch: str | None = None
+
+    # -- properties ------------------------------------------------------------------
+
+    @property
+    def namespace(self) -> str:
+        return self._namespace
+
+    @property
+    def retention(self) -> float:
+        return self._retention
+
+    def now(self) -> datetime:
+        self._check_open()
+        return jobs.from_micros(jobs.to_micros(self._clock.now()))
+
+    def setup(self) -> None:
+        self._check_open()
+
+    def simulate_loss(self) -> None:
+        """Forget everything, epoch included, as a Redis restart without persistence would."""
+        with self._lock:
+            self._reset()
+
+    # -- epoch and create ----------------------------------------------------------------
+
+    def epoch(self) -> str:
+        with self._lock:
+            self._check_open()
+            if self._epoch is None:
+                self._epoch = jobs.new_token()
+            return self._epoch
+
+    def create(self, new: NewJob, *, epoch: str | None = None) -> CreateResult:
+        with self._lock:
+            self._check_open()
+            if epoch is not None and self._epoch != epoch:
+                return CreateResult(CreateStatus.EPOCH_MISMATCH, epoch=self._epoch)
+            existing = self._jobs.get(new.ref)
+            if existing is not None:
+                return CreateResult(CreateStatus.EXISTS, existing, epoch=self._epoch)
+            if new.entry is not None and new.fire_time is not None:
+                mark = self._watermarks.get(new.entry)
+                if mark is not None and new.fire_time <= mark:
+                    return CreateResult(CreateStatus.BELOW_WATERMARK, epoch=self._epoch)
+                self._watermarks[new.entry] = new.fire_time
+            job = jobs.job_from_new(new, self.now())
+            self._store(None, job)
+            return CreateResult(CreateStatus.CREATED, job, epoch=self._epoch)
+
+    def get(self, ref: JobRef) -> Job | None:
+        with self._lock:
+            self._check_open()
+            return self._jobs.get(ref)
+
+    # -- transitions ---------------------------------------------------------------------
+
+    def transition(self, ref: JobRef, request: Transition) -> TransitionResult:
+        with self._lock:
+            self._check_open()
+            job = self._jobs.get(ref)
+            if job is None:
+                return TransitionResult(TransitionStatus.NOT_FOUND)
+            now = self.now()
+            if request.lease is not None and not self._holds(
+                request.lease.name, request.lease.token, now
+            ):
+                return TransitionResult(TransitionStatus.LEASE_LOST, job)
+            if not jobs.check_transition(job, request, now):
+                return TransitionResult(TransitionStatus.CONFLICT, job)
+            updated = jobs.apply_transition(job, request, now)
+            self._store(job, updated)
+            return TransitionResult(TransitionStatus.APPLIED, updated)
+
+    def heartbeat(self, ref: JobRef, run_id: str) -> bool:
+        with self._lock:
+            self._check_open()
+            job = self._jobs.get(ref)
+            if job is None or job.state is not State.RUNNING or job.run_id != run_id:
+                return False
+            now = self.now()
+            self._jobs[ref] = dataclasses.replace(job, touched_at=now, heartbeat_at=now)
+            return True
+
+    def watermark(self, entry: str) -> datetime | None:
+        with self._lock:
+            self._check_open()
+            return self._watermarks.get(entry)
+
+    # -- queries and sweeps --------------------------------------------------------------
+
+    def list_stale(self, state: State, older_than: float, limit: int) -> list[Job]:
+        with self._lock:
+            self._check_open()
+            cutoff = self.now() - timedelta(seconds=older_than)
+            stale = [
+                job
+                for job in (self._jobs[ref] for ref in self._by_state[State(state)])
+                if job.touched_at <= cutoff
+            ]
+            stale.sort(key=lambda job: (job.touched_at, job.ref))
+            return stale[: max(limit, 0)]
+
+    def claim_due(self, limit: int, *, node: str, reason: str = "claimed") -> list[Job]:
+        with self._lock:
+            self._check_open()
+            now = self.now()
+            due = [
+                job
+                for job in (self._jobs[ref] for ref in self._by_state[State.PENDING])
+                if job.run_at is not None and job.run_at <= now
+            ]
+            due.sort(key=lambda job: (job.run_at or now, job.ref))
+            claimed = []
+            for job in due[: max(limit, 0)]:
+                request = Transition(
+                    State.SCHEDULED, frozenset({State.PENDING}), node=node, reason=reason
+                )
+                updated = jobs.apply_transition(job, request, now)
+                self._store(job, updated)
+                claimed.append(updated)
+            return claimed
+
+    def purge_expired(self, limit: int) -> int:
+        with self._lock:
+            self._check_open()
+            now = self.now()
+            expired = [
+                job
+                for state in TERMINAL
+                for job in (self._jobs[ref] for ref in self._by_state[state])
+                if (at := job.expires_at(self._retention)) is not None and at <= now
+            ]
+            expired.sort(key=lambda job: job.expires_at(self._retention) or now)
+            for job in expired[: max(limit, 0)]:
+                del self._jobs[job.ref]
+                self._by_state[job.state].discard(job.ref)
+            return min(len(expired), max(limit, 0))
+
+    # -- leases --------------------------------------------------------------------------
+
+    def acquire_lease(self, name: str, token: str, ttl: float) -> bool:
+        jobs.Lease(name, token)  # validates
+        with self._lock:
+            self._check_open()
+            now = self.now()
+            held = self._leases.get(name)
+            if held is not None and held[1] > now and held[0] != token:
+                return False
+            self._leases[name] = (token, now + timedelta(seconds=ttl))
+            return True
+
+    def renew_lease(self, name: str, token: str, ttl: float) -> bool:
+        with self._lock:
+            self._check_open()
+            now = self.now()
+            if not self._holds(name, token, now):
+                return False
+            self._leases[name] = (token, now + timedelta(seconds=ttl))
+            return True
+
+    def release_lease(self, name: str, token: str) -> bool:
+        with self._lock:
+            self._check_open()
+            if not self._holds(name, token, self.now()):
+                return False
+            del self._leases[name]
+            return True
+
+    def close(self) -> None:
+        self._closed = True
+
+    # -- internals -----------------------------------------------------------------------
+
+    def _holds(self, name: str, token: str, now: datetime) -> bool:
+        held = self._leases.get(name)
+        return held is not None and held[0] == token and held[1] > now
+
+    def _store(self, old: Job | None, new: Job) -> None:
+        if old is not None:
+            self._by_state[old.state].discard(old.ref)
+        self._jobs[new.ref] = new
+        self._by_state[new.state].add(new.ref)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise exceptions.StoreError("the store is closed")

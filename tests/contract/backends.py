@@ -1,0 +1,70 @@
+"""How the contract suite builds each store, and how it makes one lose its data."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from celery_exactonce.stores import InMemoryStore, store_from_url
+from celery_exactonce.stores.base import StateStore
+from tests import services
+
+BACKENDS = ("memory", "redis", "postgres", "mysql", "sqlite")
+
+#: Backends reachable from several processes (the memory store lives in one).
+SHARED_BACKENDS = ("redis", "postgres", "mysql", "sqlite")
+
+
+def store_url(backend: str, tmpdir: str) -> str:
+    """The store URL of ``backend`` for this test run."""
+    if backend == "memory":
+        return "memory://"
+    if backend == "sqlite":
+        return f"sqlite:///{os.path.join(tmpdir, 'exactonce.db')}"
+    return services.SERVICE_URLS[backend]
+
+
+def make_store(backend: str, url: str, namespace: str, retention: float = 3600.0) -> StateStore:
+    if backend == "memory":
+        return InMemoryStore(namespace, retention=retention)
+    store = store_from_url(url, namespace=namespace, retention=retention)
+    store.setup()
+    return store
+
+
+def lose_data(store: Any) -> None:
+    """Make ``store`` forget everything of its namespace, as a restart without persistence would."""
+    if isinstance(store, InMemoryStore):
+        store.simulate_loss()
+    else:
+        store.drop_namespace()
+
+
+class StoreFactory:
+    """Builds stores of one backend, each in a fresh namespace unless told otherwise."""
+
+    def __init__(self, backend: str) -> None:
+        self.backend = backend
+        self._tmp = tempfile.mkdtemp(prefix="exactonce-contract-")
+        self.url = store_url(backend, self._tmp)
+        self.namespace = f"t{uuid.uuid4().hex[:12]}"
+        self._made: list[StateStore] = []
+
+    def __call__(self, namespace: str | None = None, retention: float = 3600.0) -> StateStore:
+        store = make_store(self.backend, self.url, namespace or self.namespace, retention)
+        self._made.append(store)
+        return store
+
+    def cleanup(self) -> None:
+        for store in self._made:
+            try:
+                if not isinstance(store, InMemoryStore):
+                    store.drop_namespace()  # type: ignore[attr-defined]
+            finally:
+                store.close()
+
+
+Factory = Callable[..., StateStore]

@@ -1,0 +1,54 @@
+"""Where the test services are, and what to do when one is down.
+
+Locally a test that needs a service that does not answer is skipped, with the
+reason shown (``-ra``). With ``EXACTONCE_REQUIRE_SERVICES=1`` (CI) it fails
+instead: CI must never pass by skipping.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from urllib.parse import urlsplit
+
+import pytest
+
+REDIS_URL = os.environ.get("EXACTONCE_TEST_REDIS_URL", "redis://127.0.0.1:6379/9")
+POSTGRES_URL = os.environ.get("EXACTONCE_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
+MYSQL_URL = os.environ.get("EXACTONCE_TEST_MYSQL_URL", "mysql://root@127.0.0.1:3306/test")
+AMQP_URL = os.environ.get("EXACTONCE_TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672//")
+
+SERVICE_URLS = {
+    "redis": REDIS_URL,
+    "postgres": POSTGRES_URL,
+    "mysql": MYSQL_URL,
+    "rabbitmq": AMQP_URL,
+}
+
+_answers: dict[str, bool] = {}
+
+
+def required() -> bool:
+    return os.environ.get("EXACTONCE_REQUIRE_SERVICES", "") not in ("", "0", "false", "no")
+
+
+def answers(service: str) -> bool:
+    """Whether the service's port accepts a TCP connection (cached per run)."""
+    if service not in _answers:
+        parts = urlsplit(SERVICE_URLS[service])
+        try:
+            with socket.create_connection((parts.hostname or "127.0.0.1", parts.port or 0), 2):
+                _answers[service] = True
+        except OSError:
+            _answers[service] = False
+    return _answers[service]
+
+
+def need(service: str) -> None:
+    """Skip (locally) or fail (CI) unless ``service`` answers."""
+    if answers(service):
+        return
+    message = f"{service} does not answer at {SERVICE_URLS[service]}"
+    if required():
+        pytest.fail(f"{message} and EXACTONCE_REQUIRE_SERVICES is set", pytrace=False)
+    pytest.skip(message)
