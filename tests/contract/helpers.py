@@ -1,0 +1,79 @@
+"""Builders and polling helpers shared by the contract tests."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from datetime import datetime, timedelta
+from typing import TypeVar
+
+from celery_exactonce.jobs import JobRef, NewJob, Transition
+from celery_exactonce.states import State
+from celery_exactonce.stores.base import StateStore
+
+T = TypeVar("T")
+
+NODE = "node-a"
+
+
+def task_job(
+    job_id: str | None = None,
+    state: State = State.SCHEDULED,
+    *,
+    run_at: datetime | None = None,
+    task: str = "tasks.add",
+    args: tuple[object, ...] = (1, 2),
+    kwargs: dict[str, object] | None = None,
+) -> NewJob:
+    """A caller-chosen job (``apply_async``), SCHEDULED unless told otherwise."""
+    run_id = uuid.uuid4().hex if state is State.RUNNING else None
+    return NewJob(
+        ref=JobRef.task(job_id or uuid.uuid4().hex),
+        task=task,
+        state=state,
+        node=NODE,
+        args=args,
+        kwargs=kwargs if kwargs is not None else {"x": "ü"},
+        options={"queue": "celery"},
+        run_at=run_at,
+        run_id=run_id,
+    )
+
+
+def occurrence(entry: str, fire_time: datetime, task: str = "tasks.tick") -> NewJob:
+    """A beat occurrence of ``entry`` at ``fire_time`` (its id derived from both)."""
+    return NewJob(
+        ref=JobRef.occurrence(f"{entry}@{fire_time.isoformat()}"),
+        task=task,
+        state=State.SCHEDULED,
+        node=NODE,
+        entry=entry,
+        fire_time=fire_time,
+    )
+
+
+def to(state: State, *expect: State, **guards: object) -> Transition:
+    """A transition request to ``state`` from any of ``expect``."""
+    return Transition(state, frozenset(expect), node=NODE, reason="test", **guards)  # type: ignore[arg-type]
+
+
+def poll(check: Callable[[], T | None], timeout: float = 10.0, interval: float = 0.02) -> T:
+    """Call ``check`` until it returns something truthy; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout} s")
+        time.sleep(interval)
+
+
+def wait_store_past(store: StateStore, instant: datetime) -> None:
+    """Poll until the store's clock is strictly past ``instant``."""
+    poll(lambda: store.now() > instant)
+
+
+def past(store: StateStore, seconds: float) -> datetime:
+    return store.now() - timedelta(seconds=seconds)

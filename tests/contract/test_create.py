@@ -1,0 +1,148 @@
+"""create-if-absent, the epoch and the watermark: the same bodies on every store."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+
+from celery_exactonce import exceptions
+from celery_exactonce.jobs import CreateStatus, JobRef, NewJob, Space
+from celery_exactonce.states import State
+from celery_exactonce.stores.base import StateStore
+from tests.contract.backends import StoreFactory, lose_data
+from tests.contract.helpers import NODE, occurrence, poll, task_job, to
+
+
+def test_create_then_read_back(store: StateStore) -> None:
+    # Given a new SCHEDULED job
+    new = task_job(args=(1, [2, 3], {"k": None}), kwargs={"name": "ü", "n": 1.5})
+    # When it is created
+    result = store.create(new)
+    # Then this call created it, and reading it back gives the same record
+    assert result.status is CreateStatus.CREATED
+    job = store.get(new.ref)
+    assert job == result.job
+    assert job is not None
+    assert (job.state, job.rev, job.attempt, job.run_id) == (State.SCHEDULED, new.rev, 0, None)
+    assert (job.task, job.args, job.kwargs) == ("tasks.add", [1, [2, 3], {"k": None}], new.kwargs)
+    assert job.options == {"queue": "celery"}
+    assert job.node == NODE and job.dispatches == 0 and job.terminal_at is None
+    assert [(h.src, h.dst, h.rev) for h in job.history] == [(None, State.SCHEDULED, new.rev)]
+    assert abs(job.created_at - store.now()) < timedelta(seconds=5)
+
+
+def test_second_create_reports_existing(store: StateStore) -> None:
+    first = task_job("same-id")
+    store.create(first)
+    # A retried create (same rev) and a competing one (another rev) both see EXISTS
+    again = store.create(first)
+    other = store.create(task_job("same-id", args=(9,)))
+    assert again.status is CreateStatus.EXISTS and other.status is CreateStatus.EXISTS
+    assert again.job is not None and again.job.rev == first.rev  # the retry learns it was its own
+    assert other.job is not None and other.job.args == [1, 2]  # nothing overwritten
+
+
+def test_missing_job_reads_none(store: StateStore) -> None:
+    assert store.get(JobRef.task("nope")) is None
+
+
+def test_occurrence_and_task_ids_are_separate_key_spaces(store: StateStore) -> None:
+    fire = store.now().replace(microsecond=0)
+    occ = occurrence("report", fire)
+    # A caller choosing the occurrence's id cannot pre-empt the beat slot
+    assert store.create(task_job(occ.ref.id)).created
+    assert store.create(occ).created
+    task_side = store.get(JobRef(Space.TASK, occ.ref.id))
+    occ_side = store.get(occ.ref)
+    assert task_side is not None and occ_side is not None
+    assert (task_side.task, occ_side.task) == ("tasks.add", "tasks.tick")
+
+
+@pytest.mark.parametrize(
+    "job_id", ["a:b:c", "x@2024-01-01T00:00:00+00:00", "weird/\\%*?[]{}'\"", "é", "0" * 200]
+)
+def test_ids_with_separators_round_trip(store: StateStore, job_id: str) -> None:
+    new = task_job(job_id)
+    assert store.create(new).created
+    job = store.get(JobRef.task(job_id))
+    assert job is not None and job.ref.id == job_id
+
+
+def test_delayed_and_adopted_jobs_keep_their_fields(store: StateStore) -> None:
+    run_at = store.now() + timedelta(hours=1)
+    pending = store.create(task_job(state=State.PENDING, run_at=run_at)).job
+    running = store.create(task_job(state=State.RUNNING)).job
+    assert pending is not None and pending.run_at == run_at.replace(microsecond=run_at.microsecond)
+    assert running is not None and running.run_id and running.heartbeat_at is not None
+
+
+def test_epoch_is_stable_and_checked(store: StateStore) -> None:
+    epoch = store.epoch()
+    assert store.epoch() == epoch
+    # A create that holds another epoch writes nothing
+    wrong = store.create(task_job("e1"), epoch="not-the-epoch")
+    assert wrong.status is CreateStatus.EPOCH_MISMATCH and wrong.epoch == epoch
+    assert store.get(JobRef.task("e1")) is None
+    assert store.create(task_job("e1"), epoch=epoch).created
+
+
+def test_store_loss_is_detected_by_the_next_claim(store_factory: StoreFactory) -> None:
+    # Given a node that claimed a slot and remembers the epoch
+    store = store_factory()
+    epoch = store.epoch()
+    fire = store.now().replace(microsecond=0)
+    assert store.create(occurrence("e", fire), epoch=epoch).created
+    # When the store loses its data (a restart without persistence)
+    lose_data(store)
+    # Then the next claim, with the remembered epoch, is refused and writes nothing
+    result = store.create(occurrence("e", fire + timedelta(seconds=1)), epoch=epoch)
+    assert result.status is CreateStatus.EPOCH_MISMATCH
+    assert store.get(occurrence("e", fire + timedelta(seconds=1)).ref) is None
+    # and the store starts a new epoch
+    assert store.epoch() != epoch
+
+
+def test_watermark_is_never_passed_by_an_older_slot(store: StateStore) -> None:
+    t0 = store.now().replace(microsecond=0)
+    t1, t2 = t0 + timedelta(seconds=1), t0 + timedelta(seconds=2)
+    assert store.watermark("wm") is None
+    assert store.create(occurrence("wm", t2)).created
+    assert store.watermark("wm") == t2
+    # An older slot with no record is below the watermark: settled, never claimed
+    below = store.create(occurrence("wm", t1))
+    assert below.status is CreateStatus.BELOW_WATERMARK and below.job is None
+    assert store.get(occurrence("wm", t1).ref) is None
+    # The claimed slot itself reports EXISTS; the watermark does not move back
+    assert store.create(occurrence("wm", t2)).status is CreateStatus.EXISTS
+    assert store.watermark("wm") == t2
+    # Watermarks are per entry
+    assert store.create(occurrence("other", t1)).created
+
+
+def test_watermark_decides_after_the_record_expired(store_factory: StoreFactory) -> None:
+    # A monthly slot whose record expired (short retention) is still never claimed again
+    store = store_factory(retention=0.05)
+    fire = store.now() - timedelta(days=1)
+    new = occurrence("monthly", fire)
+    assert store.create(new).created
+    assert store.transition(new.ref, to(State.CANCELLED, State.SCHEDULED)).applied
+    poll(lambda: store.purge_expired(10) or store.get(new.ref) is None)
+    assert store.get(new.ref) is None
+    assert store.create(new).status is CreateStatus.BELOW_WATERMARK
+
+
+def test_invalid_new_jobs_are_refused_before_any_write(store: StateStore) -> None:
+    with pytest.raises(exceptions.InvalidPayload, match="args"):
+        task_job("bad", args=(object(),))
+    with pytest.raises(exceptions.InvalidPayload, match="kwargs"):
+        task_job("bad", kwargs={"x": float("nan")})
+    with pytest.raises(exceptions.InvalidPayload, match="job id"):
+        task_job("bad\nid")
+    with pytest.raises(exceptions.InvalidPayload, match="run_at"):
+        task_job("bad", state=State.PENDING)
+    with pytest.raises(exceptions.InvalidPayload, match="timezone-aware"):
+        occurrence("e", store.now().replace(tzinfo=None))
+    with pytest.raises(exceptions.InvalidPayload, match="cannot be created"):
+        NewJob(JobRef.task("bad"), "t", State.DISPATCHED, node=NODE)
+    assert store.get(JobRef.task("bad")) is None

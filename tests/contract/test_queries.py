@@ -1,0 +1,166 @@
+"""Stale listing, due claims, expiry and leases, on every store."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from celery_exactonce.jobs import JobRef
+from celery_exactonce.states import State
+from celery_exactonce.stores.base import StateStore
+from tests.contract.backends import StoreFactory
+from tests.contract.helpers import NODE, occurrence, poll, task_job, to, wait_store_past
+
+
+def test_list_stale_oldest_first_bounded_by_state_and_age(store: StateStore) -> None:
+    refs = []
+    for i in range(5):
+        result = store.create(task_job(f"s{i}"))
+        assert result.job is not None
+        refs.append(result.job.ref)
+        wait_store_past(store, result.job.touched_at)  # distinct touch times
+    store.create(task_job("p", state=State.PENDING, run_at=store.now()))
+    stale = store.list_stale(State.SCHEDULED, older_than=0, limit=3)
+    assert [job.ref for job in stale] == refs[:3]
+    assert [job.ref for job in store.list_stale(State.SCHEDULED, 0, 100)] == refs
+    assert store.list_stale(State.SCHEDULED, older_than=3600, limit=100) == []
+    assert [j.ref for j in store.list_stale(State.PENDING, 0, 10)] == [JobRef.task("p")]
+    assert store.list_stale(State.RUNNING, 0, 10) == []
+
+
+def test_list_stale_follows_transitions_and_heartbeats(store: StateStore) -> None:
+    a, b = task_job("a"), task_job("b")
+    store.create(a)
+    store.create(b)
+    store.transition(a.ref, to(State.DISPATCHED, State.SCHEDULED))
+    assert [j.ref for j in store.list_stale(State.SCHEDULED, 0, 10)] == [b.ref]
+    assert [j.ref for j in store.list_stale(State.DISPATCHED, 0, 10)] == [a.ref]
+    store.transition(a.ref, to(State.RUNNING, State.DISPATCHED, attempt=0, new_run_id="r"))
+    store.transition(b.ref, to(State.DISPATCHED, State.SCHEDULED))
+    store.transition(b.ref, to(State.RUNNING, State.DISPATCHED, attempt=0, new_run_id="r"))
+    # A heartbeat moves a job to the back of the staleness order
+    job_b = store.get(b.ref)
+    assert job_b is not None
+    wait_store_past(store, job_b.touched_at)
+    assert store.heartbeat(a.ref, "r")
+    assert [j.ref for j in store.list_stale(State.RUNNING, 0, 10)] == [b.ref, a.ref]
+    store.transition(a.ref, to(State.SUCCEEDED, State.RUNNING, run_id="r"))
+    assert [j.ref for j in store.list_stale(State.RUNNING, 0, 10)] == [b.ref]
+    assert [j.ref for j in store.list_stale(State.SUCCEEDED, 0, 10)] == [a.ref]
+
+
+def test_claim_due_in_run_at_order(store: StateStore) -> None:
+    now = store.now()
+    for i, minutes in enumerate([3, 1, 2]):
+        store.create(task_job(f"d{i}", state=State.PENDING, run_at=now - timedelta(minutes=minutes)))
+    store.create(task_job("future", state=State.PENDING, run_at=now + timedelta(hours=1)))
+    first = store.claim_due(2, node=NODE)
+    assert [j.ref.id for j in first] == ["d0", "d2"]
+    assert all(j.state is State.SCHEDULED and j.node == NODE for j in first)
+    assert all(j.history[-1].src is State.PENDING for j in first)
+    assert len({j.rev for j in first}) == 2
+    second = store.claim_due(10, node=NODE)
+    assert [j.ref.id for j in second] == ["d1"]
+    assert store.claim_due(10, node=NODE) == []
+    assert [j.ref.id for j in store.list_stale(State.PENDING, 0, 10)] == ["future"]
+    # A claimed job is a SCHEDULED record like any other
+    got = store.get(JobRef.task("d1"))
+    assert got is not None and got == second[0]
+
+
+def test_released_and_cancelled_pending_jobs(store: StateStore) -> None:
+    past = store.now() - timedelta(seconds=1)
+    store.create(task_job("rel", state=State.PENDING, run_at=past))
+    store.create(task_job("can", state=State.PENDING, run_at=past))
+    cancel = store.get(JobRef.task("can"))
+    assert cancel is not None
+    assert store.transition(cancel.ref, to(State.CANCELLED, State.PENDING, rev=cancel.rev)).applied
+    (claimed,) = store.claim_due(10, node=NODE)
+    assert claimed.ref.id == "rel"
+    # SIGTERM mid-batch: the sweeper releases its claim back to PENDING, due again
+    release = to(State.PENDING, State.SCHEDULED, rev=claimed.rev, run_at=claimed.run_at)
+    assert store.transition(claimed.ref, release).applied
+    assert [j.ref.id for j in store.claim_due(10, node=NODE)] == ["rel"]
+
+
+def test_only_terminal_records_expire(store_factory: StoreFactory) -> None:
+    store = store_factory(retention=0.05)
+    old = store.now() - timedelta(days=30)
+    live = [
+        task_job("live-pending", state=State.PENDING, run_at=old),
+        task_job("live-scheduled"),
+        task_job("live-running", state=State.RUNNING),
+    ]
+    for new in live:
+        store.create(new)
+    done = task_job("done")
+    store.create(done)
+    store.transition(done.ref, to(State.CANCELLED, State.SCHEDULED))
+    # A terminal occurrence whose slot lies in the future is kept until slot + retention
+    future = occurrence("later", store.now() + timedelta(hours=1))
+    store.create(future)
+    store.transition(future.ref, to(State.CANCELLED, State.SCHEDULED))
+    poll(lambda: store.purge_expired(100) or store.get(done.ref) is None)
+    assert store.get(done.ref) is None
+    assert store.purge_expired(100) == 0
+    for new in [*live, future]:
+        assert store.get(new.ref) is not None, new.ref
+    assert store.list_stale(State.CANCELLED, 0, 10)[0].ref == future.ref
+
+
+def test_purge_is_bounded(store_factory: StoreFactory) -> None:
+    store = store_factory(retention=0.01)
+    for i in range(5):
+        new = task_job(f"t{i}")
+        store.create(new)
+        store.transition(new.ref, to(State.CANCELLED, State.SCHEDULED))
+    job = store.get(JobRef.task("t4"))
+    assert job is not None and job.terminal_at is not None
+    poll(lambda: store.now() - job.terminal_at >= timedelta(seconds=0.05))  # type: ignore[operator]
+    assert store.purge_expired(2) == 2
+    assert store.purge_expired(10) == 3
+    assert store.purge_expired(10) == 0
+
+
+def test_lease_acquire_renew_release(store: StateStore) -> None:
+    assert store.acquire_lease("recon", "t1", 30)
+    assert not store.acquire_lease("recon", "t2", 30)
+    assert store.acquire_lease("recon", "t1", 30)  # the holder re-acquiring renews
+    assert store.renew_lease("recon", "t1", 30)
+    assert not store.renew_lease("recon", "t2", 30)
+    assert not store.release_lease("recon", "t2")  # a stale token releases nothing
+    assert not store.acquire_lease("recon", "t2", 30)
+    assert store.release_lease("recon", "t1")
+    assert not store.release_lease("recon", "t1")
+    assert not store.renew_lease("recon", "t1", 30)
+    assert store.acquire_lease("recon", "t2", 30)
+    assert store.acquire_lease("other", "t1", 30)  # leases are per name
+
+
+def test_expired_lease_passes_on_and_the_old_token_is_dead(store: StateStore) -> None:
+    assert store.acquire_lease("recon", "old", 0.05)
+    poll(lambda: store.acquire_lease("recon", "new", 30))
+    assert not store.renew_lease("recon", "old", 30)
+    assert not store.release_lease("recon", "old")
+    assert store.renew_lease("recon", "new", 30)
+
+
+def test_namespaces_are_isolated(store_factory: StoreFactory) -> None:
+    a = store_factory("ns-a-" + store_factory.namespace)
+    b = store_factory("ns-b-" + store_factory.namespace)
+    new = task_job("shared-id")
+    assert a.create(new).created
+    assert b.create(new).created
+    assert a.transition(new.ref, to(State.CANCELLED, State.SCHEDULED)).applied
+    got = b.get(new.ref)
+    assert got is not None and got.state is State.SCHEDULED
+    assert a.epoch() != b.epoch()
+    fire = a.now()
+    assert a.create(occurrence("e", fire)).created
+    assert b.watermark("e") is None
+    assert a.acquire_lease("l", "x", 30) and b.acquire_lease("l", "y", 30)
+
+
+def test_store_time_is_utc_and_moves(store: StateStore) -> None:
+    first = store.now()
+    assert first.utcoffset() == timedelta(0)
+    poll(lambda: store.now() > first)

@@ -1,0 +1,234 @@
+"""Compare-and-swap transitions, heartbeats and terminal states, on every store."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from datetime import timedelta
+
+import pytest
+
+from celery_exactonce import exceptions
+from celery_exactonce.jobs import HISTORY_LIMIT, JobRef, Lease, Transition, TransitionStatus
+from celery_exactonce.states import TERMINAL, State
+from celery_exactonce.stores.base import StateStore
+from tests.contract.backends import StoreFactory
+from tests.contract.helpers import NODE, poll, task_job, to
+
+
+def _dispatched(store: StateStore, job_id: str | None = None) -> tuple[JobRef, str]:
+    new = task_job(job_id)
+    store.create(new)
+    result = store.transition(new.ref, to(State.DISPATCHED, State.SCHEDULED, rev=new.rev))
+    assert result.applied and result.job is not None
+    return new.ref, result.job.rev
+
+
+def test_dispatch_cas_returns_the_payload(store: StateStore) -> None:
+    new = task_job(args=(4, 5), kwargs={"a": 1})
+    store.create(new)
+    request = to(State.DISPATCHED, State.SCHEDULED, rev=new.rev)
+    result = store.transition(new.ref, request)
+    assert result.status is TransitionStatus.APPLIED and result.job is not None
+    job = result.job
+    assert (job.state, job.rev, job.dispatches) == (State.DISPATCHED, request.new_rev, 1)
+    assert (job.args, job.kwargs) == ([4, 5], {"a": 1})
+    assert job.history[-1].src is State.SCHEDULED and job.history[-1].rev == request.new_rev
+    assert store.get(new.ref) == job
+
+
+def test_wrong_state_or_rev_conflicts_and_changes_nothing(store: StateStore) -> None:
+    ref, rev = _dispatched(store)
+    before = store.get(ref)
+    stale = store.transition(ref, to(State.DISPATCHED, State.SCHEDULED, rev=rev))
+    wrong_rev = store.transition(ref, to(State.PUBLISHED, State.DISPATCHED, rev="old"))
+    assert stale.status is TransitionStatus.CONFLICT and wrong_rev.status is TransitionStatus.CONFLICT
+    assert stale.job == before and store.get(ref) == before
+
+
+def test_missing_record_is_not_found(store: StateStore) -> None:
+    result = store.transition(JobRef.task("ghost"), to(State.DISPATCHED, State.SCHEDULED))
+    assert result.status is TransitionStatus.NOT_FOUND and result.job is None
+
+
+def test_gate_cas_on_attempt_sets_run_id(store: StateStore) -> None:
+    ref, _ = _dispatched(store)
+    stale_attempt = to(State.RUNNING, State.DISPATCHED, State.SCHEDULED, attempt=1, new_run_id="r0")
+    assert store.transition(ref, stale_attempt).status is TransitionStatus.CONFLICT
+    gate = to(State.RUNNING, State.DISPATCHED, State.SCHEDULED, attempt=0, new_run_id="run-1")
+    job = store.transition(ref, gate).job
+    assert job is not None and (job.state, job.run_id) == (State.RUNNING, "run-1")
+    assert job.heartbeat_at is not None
+    # A second delivery of the same attempt loses
+    again = to(State.RUNNING, State.DISPATCHED, State.SCHEDULED, attempt=0, new_run_id="run-2")
+    assert store.transition(ref, again).status is TransitionStatus.CONFLICT
+
+
+def test_worker_writes_cas_on_run_id(store: StateStore) -> None:
+    ref, _ = _dispatched(store)
+    store.transition(ref, to(State.RUNNING, State.DISPATCHED, attempt=0, new_run_id="mine"))
+    zombie = to(State.SUCCEEDED, State.RUNNING, run_id="not-mine")
+    assert store.transition(ref, zombie).status is TransitionStatus.CONFLICT
+    done = store.transition(ref, to(State.SUCCEEDED, State.RUNNING, run_id="mine")).job
+    assert done is not None and done.state is State.SUCCEEDED and done.terminal_at is not None
+
+
+def test_retry_is_the_next_attempt_with_new_arguments(store: StateStore) -> None:
+    ref, _ = _dispatched(store)
+    store.transition(ref, to(State.RUNNING, State.DISPATCHED, attempt=0, new_run_id="r1"))
+    retry = to(State.DISPATCHED, State.RUNNING, run_id="r1", next_attempt=True, args=[7], kwargs={})
+    job = store.transition(ref, retry).job
+    assert job is not None
+    assert (job.state, job.attempt, job.run_id, job.args, job.kwargs) == (
+        State.DISPATCHED, 1, None, [7], {},
+    )
+    assert job.options == {"queue": "celery"}
+    # The old attempt's message no longer passes the gate; the new one does
+    old = to(State.RUNNING, State.DISPATCHED, attempt=0, new_run_id="late")
+    assert store.transition(ref, old).status is TransitionStatus.CONFLICT
+    assert store.transition(ref, to(State.RUNNING, State.DISPATCHED, attempt=1, new_run_id="r2")).applied
+
+
+def test_countdown_retry_goes_back_to_pending(store: StateStore) -> None:
+    ref, _ = _dispatched(store)
+    store.transition(ref, to(State.RUNNING, State.DISPATCHED, attempt=0, new_run_id="r1"))
+    run_at = store.now() + timedelta(seconds=30)
+    job = store.transition(
+        ref, to(State.PENDING, State.RUNNING, run_id="r1", next_attempt=True, run_at=run_at)
+    ).job
+    assert job is not None and (job.state, job.attempt, job.run_at) == (State.PENDING, 1, run_at)
+
+
+@pytest.mark.parametrize("terminal", sorted(TERMINAL, key=str))
+def test_terminal_refuses_every_transition(store: StateStore, terminal: State) -> None:
+    # Given a job driven into a terminal state along a legal path
+    ref, rev = _dispatched(store)
+    if terminal in (State.SUCCEEDED, State.FAILED):
+        store.transition(ref, to(State.RUNNING, State.DISPATCHED, attempt=0, new_run_id="r"))
+        final = store.transition(ref, to(terminal, State.RUNNING, run_id="r"))
+    else:
+        final = store.transition(ref, to(terminal, State.DISPATCHED, rev=rev))
+    assert final.applied and final.job is not None and final.job.terminal
+    # Then no transition, whatever its guards, moves it
+    for src in (State.PENDING, State.SCHEDULED, State.DISPATCHED, State.RUNNING):
+        for dst in sorted(set(State) - {src}, key=str):
+            try:
+                request = to(
+                    dst, src,
+                    new_run_id="x" if dst is State.RUNNING else None,
+                    run_at=store.now() if dst is State.PENDING else None,
+                    next_attempt=(src, dst) in {(State.RUNNING, State.DISPATCHED), (State.RUNNING, State.PENDING)},
+                )
+            except exceptions.InvalidPayload:
+                continue  # not an edge of the table at all
+            assert store.transition(ref, request).status is TransitionStatus.CONFLICT
+    assert store.get(ref) == final.job
+
+
+def test_transitions_out_of_terminal_states_cannot_be_requested() -> None:
+    for terminal in TERMINAL:
+        with pytest.raises(exceptions.InvalidPayload, match="not allowed"):
+            to(State.RUNNING, terminal, new_run_id="r")
+    with pytest.raises(exceptions.InvalidPayload, match="next_attempt"):
+        to(State.DISPATCHED, State.RUNNING)
+
+
+def test_eight_concurrent_attempts_one_winner(store: StateStore) -> None:
+    ref, rev = _dispatched(store)
+    barrier = threading.Barrier(8)
+    results: list[TransitionStatus] = []
+    lock = threading.Lock()
+
+    def attempt(i: int) -> None:
+        request = to(State.RUNNING, State.DISPATCHED, attempt=0, new_run_id=f"run-{i}")
+        barrier.wait(timeout=10)
+        status = store.transition(ref, request).status
+        with lock:
+            results.append(status)
+
+    threads = [threading.Thread(target=attempt, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert sorted(results) == sorted([TransitionStatus.APPLIED] + [TransitionStatus.CONFLICT] * 7)
+    job = store.get(ref)
+    assert job is not None and job.state is State.RUNNING and len(job.history) == 3
+
+
+def test_stale_rev_loses_after_expiry_and_recreation(store_factory: StoreFactory) -> None:
+    store = store_factory(retention=0.05)
+    ref, rev = _dispatched(store, "recycled")
+    store.transition(ref, to(State.PUBLISHED, State.DISPATCHED, rev=rev))
+    poll(lambda: store.purge_expired(10) or store.get(ref) is None)
+    # The id is created again; an old writer's rev must not match the new record
+    store.create(task_job("recycled"))
+    store.transition(ref, to(State.DISPATCHED, State.SCHEDULED))
+    late = store.transition(ref, to(State.PUBLISHED, State.DISPATCHED, rev=rev))
+    assert late.status is TransitionStatus.CONFLICT
+
+
+def test_history_is_capped(store: StateStore) -> None:
+    ref, rev = _dispatched(store)
+    for _ in range(HISTORY_LIMIT + 5):
+        result = store.transition(ref, to(State.DISPATCHED, State.DISPATCHED, rev=rev))
+        assert result.job is not None
+        rev = result.job.rev
+    job = store.get(ref)
+    assert job is not None and len(job.history) == HISTORY_LIMIT
+    assert job.history[-1].rev == rev and job.dispatches == HISTORY_LIMIT + 6
+
+
+def test_op_id_reads_back_after_an_unknown_outcome(store: StateStore) -> None:
+    # A writer whose write timed out settles it by reading the record back
+    ref, rev = _dispatched(store)
+    request = to(State.PUBLISHED, State.DISPATCHED, rev=rev)
+    store.transition(ref, request)
+    job = store.get(ref)
+    assert job is not None and job.applied(request.new_rev)
+    assert not job.applied(uuid.uuid4().hex)
+
+
+def test_heartbeat_touches_without_changing_rev(store: StateStore) -> None:
+    ref, _ = _dispatched(store)
+    job = store.transition(ref, to(State.RUNNING, State.DISPATCHED, attempt=0, new_run_id="r")).job
+    assert job is not None
+    poll(lambda: store.now() > job.touched_at)
+    assert store.heartbeat(ref, "r")
+    beat = store.get(ref)
+    assert beat is not None and beat.rev == job.rev and beat.touched_at > job.touched_at
+    assert beat.heartbeat_at is not None and beat.heartbeat_at > job.touched_at
+    assert beat.history == job.history
+    assert not store.heartbeat(ref, "other-run")
+    assert not store.heartbeat(JobRef.task("ghost"), "r")
+
+
+def test_timeout_cas_requires_staleness_by_store_time(store: StateStore) -> None:
+    ref, _ = _dispatched(store)
+    store.transition(ref, to(State.RUNNING, State.DISPATCHED, attempt=0, new_run_id="r"))
+    fresh = to(State.TIMEOUT, State.RUNNING, stale_for=3600)
+    assert store.transition(ref, fresh).status is TransitionStatus.CONFLICT
+    job = store.get(ref)
+    assert job is not None
+    poll(lambda: store.now() - job.touched_at >= timedelta(seconds=0.05))
+    assert store.transition(ref, to(State.TIMEOUT, State.RUNNING, stale_for=0.05)).applied
+
+
+def test_lease_guards_reconciler_transitions(store: StateStore) -> None:
+    ref, rev = _dispatched(store)
+    lease = Lease("reconcile", "token-1")
+    request = to(State.TIMEOUT, State.DISPATCHED, rev=rev, lease=lease)
+    # Without the lease the transition is refused
+    lost = store.transition(ref, request)
+    assert lost.status is TransitionStatus.LEASE_LOST
+    assert store.acquire_lease("reconcile", "token-2", 30)
+    assert store.transition(ref, request).status is TransitionStatus.LEASE_LOST
+    assert store.release_lease("reconcile", "token-2")
+    # With it, it applies
+    assert store.acquire_lease("reconcile", "token-1", 30)
+    assert store.transition(ref, request).applied
+
+
+def test_transition_to_running_requires_a_run_id() -> None:
+    with pytest.raises(exceptions.InvalidPayload, match="new_run_id"):
+        Transition(State.RUNNING, frozenset({State.DISPATCHED}), node=NODE, reason="x")
