@@ -231,9 +231,13 @@ class NewJob:
         if self.entry is not None:
             validate_identifier(self.entry, "entry key", MAX_NAME_LENGTH)
         if (self.state is State.PENDING) != (self.run_at is not None):
-            raise exceptions.InvalidPayload(f"job {self.ref}: run_at is set exactly for PENDING jobs")
+            raise exceptions.InvalidPayload(
+                f"job {self.ref}: run_at is set exactly for PENDING jobs"
+            )
         if (self.state is State.RUNNING) != (self.run_id is not None):
-            raise exceptions.InvalidPayload(f"job {self.ref}: run_id is set exactly for RUNNING jobs")
+            raise exceptions.InvalidPayload(
+                f"job {self.ref}: run_id is set exactly for RUNNING jobs"
+            )
         for name in ("fire_time", "run_at", "deadline"):
             value = getattr(self, name)
             if value is not None:

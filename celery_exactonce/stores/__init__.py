@@ -22,14 +22,25 @@ from __future__ import annotations
 
 import importlib
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit, urlunsplit
 
 from celery_exactonce import exceptions
 from celery_exactonce.stores.base import FORMAT_VERSION, StateStore
 from celery_exactonce.stores.memory import InMemoryStore
 
-__all__ = ["FORMAT_VERSION", "InMemoryStore", "StateStore", "redact_url", "store_from_url"]
+if TYPE_CHECKING:
+    from celery_exactonce.config import ExactOnceConfig
+
+__all__ = [
+    "FORMAT_VERSION",
+    "KNOWN_SCHEMES",
+    "InMemoryStore",
+    "StateStore",
+    "open_store",
+    "redact_url",
+    "store_from_url",
+]
 
 _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
@@ -40,6 +51,11 @@ _SQL_DRIVERS = {
     "mariadb": ("mysql+pymysql", "mysql"),
     "sqlite": ("sqlite", "sqlite"),
 }
+
+_REDIS_SCHEMES = frozenset({"redis", "rediss", "unix"})
+
+#: URL schemes (before any ``+driver``) that name a store.
+KNOWN_SCHEMES = frozenset({"memory", *_REDIS_SCHEMES, *_SQL_DRIVERS})
 
 
 def validate_namespace(namespace: object, setting: str = "exactonce_namespace") -> str:
@@ -96,7 +112,7 @@ def store_from_url(
     base = scheme.split("+", 1)[0]
     if base == "memory":
         return InMemoryStore(namespace, retention=retention)
-    if base in ("redis", "rediss", "unix"):
+    if base in _REDIS_SCHEMES:
         module = _import("celery_exactonce.stores.redis", "redis")
         store: StateStore = module.RedisStore.from_url(
             url, namespace=namespace, retention=retention, **options
@@ -106,7 +122,9 @@ def store_from_url(
         driver, extra = _SQL_DRIVERS[base]
         sa_url = url if "+" in scheme else driver + url[len(scheme) :]
         module = _import("celery_exactonce.stores.sql", extra)
-        store = module.SqlStore.from_url(sa_url, namespace=namespace, retention=retention, **options)
+        store = module.SqlStore.from_url(
+            sa_url, namespace=namespace, retention=retention, **options
+        )
         return store
     raise exceptions.ConfigurationError(
         f"exactonce_store_url={redact_url(url)!r}: unknown scheme {scheme!r} "
@@ -115,13 +133,49 @@ def store_from_url(
     )
 
 
+def open_store(config: ExactOnceConfig) -> StateStore:
+    """Build, set up and check the store of ``config``: what every node does at start-up.
+
+    Runs :meth:`StateStore.setup` (schema and format version) and the
+    backend's own start-up checks (Redis must run with
+    ``maxmemory-policy noeviction``).
+
+    Raises
+    ------
+    ConfigurationError
+        The URL is unusable or the backend is misconfigured.
+    SchemaMismatch
+        The store holds a newer format than this code writes.
+    StoreUnavailable
+        The store does not answer.
+    """
+    url = config.store_url
+    base = url.split("://", 1)[0].lower().split("+", 1)[0]
+    options: dict[str, Any] = {}
+    if base in _REDIS_SCHEMES:
+        options = {"prefix": config.key_prefix, "socket_timeout": config.store_timeout}
+    elif base in _SQL_DRIVERS:
+        options = {"table_prefix": config.table_prefix}
+    store = store_from_url(url, namespace=config.namespace, retention=config.retention, **options)
+    try:
+        store.setup()
+        check = getattr(store, "check_config", None)
+        if check is not None:
+            check()
+    except BaseException:
+        store.close()
+        raise
+    return store
+
+
 def _import(module: str, extra: str) -> Any:
     try:
         return importlib.import_module(module)
     except ImportError as exc:
+        if exc.name and exc.name.startswith("celery_exactonce"):
+            raise
         raise exceptions.ConfigurationError(
             f"the {extra} store needs an optional dependency ({exc.name}): "
             f"pip install 'celery-exactonce[{extra}]'",
             setting="exactonce_store_url",
         ) from exc
-

@@ -52,9 +52,17 @@ class StoreFactory:
         self.url = store_url(backend, self._tmp)
         self.namespace = f"t{uuid.uuid4().hex[:12]}"
         self._made: list[StateStore] = []
+        self._memory: dict[tuple[str, float], StateStore] = {}
 
     def __call__(self, namespace: str | None = None, retention: float = 3600.0) -> StateStore:
-        store = make_store(self.backend, self.url, namespace or self.namespace, retention)
+        """A new client of the store; for memory, the one store of that namespace."""
+        namespace = namespace or self.namespace
+        if self.backend == "memory":
+            key = (namespace, retention)
+            if key not in self._memory:
+                self._memory[key] = make_store("memory", self.url, namespace, retention)
+            return self._memory[key]
+        store = make_store(self.backend, self.url, namespace, retention)
         self._made.append(store)
         return store
 

@@ -1,0 +1,50 @@
+"""celery-exactonce: at-most-once dispatch for Celery.
+
+Several ``celery beat`` nodes at once with each scheduled occurrence
+dispatched once, durable delayed jobs, and a worker-side gate so that a
+redelivered message never runs a task body twice. Effects are exactly-once
+only where task code uses :func:`idempotency_key`.
+"""
+
+from __future__ import annotations
+
+from celery_exactonce.config import ExactOnceConfig
+from celery_exactonce.exceptions import (
+    ConfigurationError,
+    ExactOnceError,
+    InvalidPayload,
+    LeaseLost,
+    SchedulingError,
+    SchemaMismatch,
+    StoreError,
+    StoreUnavailable,
+    SubmitAmbiguous,
+)
+from celery_exactonce.jobs import Job, JobRef
+from celery_exactonce.keys import idempotency_key
+from celery_exactonce.states import State
+from celery_exactonce.stores import InMemoryStore, StateStore, open_store, store_from_url
+
+__version__ = "0.1.0.dev0"
+
+__all__ = [
+    "ConfigurationError",
+    "ExactOnceConfig",
+    "ExactOnceError",
+    "InMemoryStore",
+    "InvalidPayload",
+    "Job",
+    "JobRef",
+    "LeaseLost",
+    "SchedulingError",
+    "SchemaMismatch",
+    "State",
+    "StateStore",
+    "StoreError",
+    "StoreUnavailable",
+    "SubmitAmbiguous",
+    "__version__",
+    "idempotency_key",
+    "open_store",
+    "store_from_url",
+]

@@ -1,0 +1,249 @@
+"""ExactOnceConfig: every ``exactonce_*`` setting, typed, frozen and validated once.
+
+Settings are read from the Celery app's configuration, where they are spelled
+with the ``exactonce_`` prefix (``app.conf.exactonce_store_url``); Django
+projects that load Celery settings with ``namespace="CELERY"`` write
+``CELERY_EXACTONCE_STORE_URL``. :meth:`ExactOnceConfig.from_app` reads them
+once at start-up and refuses anything inconsistent with an error that names
+the setting (DESIGN.md section 5). The config is then passed explicitly to the
+store, the scheduler and the reconciler; nothing is set on the app.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import warnings
+from collections.abc import Mapping
+from typing import Any, Literal, cast
+
+from celery_exactonce import exceptions
+from celery_exactonce.stores import KNOWN_SCHEMES, redact_url, validate_namespace
+
+PREFIX = "exactonce_"
+
+Catchup = Literal["latest", "all", "none"]
+ReconcileOn = Literal["beat", "worker"]
+
+_PREFIX_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+_TABLE_PREFIX_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,31}$")
+
+
+class UnknownSettingWarning(UserWarning):
+    """An ``exactonce_*`` setting that this version does not know (a typo?)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ExactOnceConfig:
+    """The settings of celery-exactonce. Durations are in seconds."""
+
+    store_url: str
+    """Where jobs live: ``redis://``, ``postgresql://``, ``mysql://``, ``sqlite:///`` or ``memory://``."""
+    namespace: str = "default"
+    """Separates apps sharing one store; part of every key and idempotency key."""
+    tick_interval: float = 1.0
+    """How often a beat node looks for due slots and due delayed jobs."""
+    window_lookback: float = 300.0
+    """How far back a tick still claims a missed slot (judged on store time)."""
+    max_skew: float = 5.0
+    """Largest clock difference tolerated between a node and the store."""
+    catchup: Catchup = "latest"
+    """Slots missed during downtime: ``latest`` (only the newest), ``all`` (up to
+    ``catchup_limit``) or ``none``. Per entry under ``options["exactonce"]``."""
+    catchup_limit: int = 100
+    """Most missed slots of one entry that ``catchup="all"`` dispatches."""
+    max_lateness: float | None = None
+    """A slot later than this is skipped (and counted) whatever the catch-up policy."""
+    retention: float = 7 * 86_400.0
+    """How long a terminal record is kept, from ``max(fire_time, terminal_at)``."""
+    replay_age: float = 60.0
+    """A ``SCHEDULED`` job older than this is replayed by the reconciler."""
+    dispatch_timeout: float = 300.0
+    """A plain job still ``DISPATCHED`` after this ends ``TIMEOUT`` (``unconfirmed``)."""
+    dispatch_deadline: float = 3600.0
+    """A gated job still ``DISPATCHED`` after this ends ``TIMEOUT`` (unless it opts into redispatch)."""
+    running_timeout: float = 600.0
+    """A ``RUNNING`` job with no heartbeat for this long ends ``TIMEOUT``."""
+    heartbeat_interval: float = 30.0
+    """How often a running gated task touches its job."""
+    reconcile_interval: float = 30.0
+    """How often the reconciler runs (once per interval across all nodes)."""
+    reconcile_on: ReconcileOn = "beat"
+    """Where the reconciler runs: in a beat node's own thread, or as a worker task."""
+    lease_ttl: float = 60.0
+    """Lifetime of the reconciler's lease; renewed while a pass runs."""
+    store_timeout: float = 5.0
+    """Socket / statement timeout of store operations."""
+    publish_timeout: float = 10.0
+    """How long a publish may take before it counts as ambiguous."""
+    retry_delay_store: float = 1.0
+    """Back-off before retrying after a store error."""
+    signing_key: str | None = None
+    """HMAC key for payloads (anyone who can write the store can make workers run tasks)."""
+    key_prefix: str = "exactonce"
+    """Redis key prefix."""
+    table_prefix: str = "exactonce_"
+    """SQL table name prefix."""
+    node_id: str | None = None
+    """This node's name in job histories; defaults to ``hostname:pid``."""
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            _check_type(field.name, getattr(self, field.name), field.type)
+        validate_namespace(self.namespace, "exactonce_namespace")
+        _check_store_url(self.store_url)
+        _check_choice("catchup", self.catchup, ("latest", "all", "none"))
+        _check_choice("reconcile_on", self.reconcile_on, ("beat", "worker"))
+        for name in (
+            "tick_interval", "window_lookback", "retention", "replay_age", "dispatch_timeout",
+            "dispatch_deadline", "running_timeout", "heartbeat_interval", "reconcile_interval",
+            "lease_ttl", "store_timeout", "publish_timeout", "retry_delay_store", "catchup_limit",
+        ):  # fmt: skip
+            if not getattr(self, name) > 0:
+                raise _error(name, f"must be > 0, got {getattr(self, name)!r}")
+        if self.max_skew < 0:
+            raise _error("max_skew", f"must be >= 0, got {self.max_skew!r}")
+        if self.max_lateness is not None and self.max_lateness <= 0:
+            raise _error("max_lateness", f"must be > 0 or None, got {self.max_lateness!r}")
+        if not _PREFIX_RE.match(self.key_prefix):
+            raise _error("key_prefix", "must be 1-64 letters, digits, '_', '.' or '-'")
+        if not _TABLE_PREFIX_RE.match(self.table_prefix):
+            raise _error(
+                "table_prefix", "must be 1-32 letters, digits or '_', not starting with a digit"
+            )
+        if self.signing_key is not None and len(self.signing_key) < 16:
+            raise _error("signing_key", "must be at least 16 characters")
+        self._check_consistency()
+
+    def _check_consistency(self) -> None:
+        horizon = self.window_lookback + self.tick_interval + self.max_skew
+        if self.retention < horizon:
+            raise _error(
+                "retention",
+                f"({self.retention:g} s) must be >= window_lookback + tick_interval + max_skew "
+                f"({horizon:g} s): a record must outlive every node's look-back",
+            )
+        floor = 2 * (self.tick_interval + self.publish_timeout + self.store_timeout)
+        if self.replay_age < floor:
+            raise _error(
+                "replay_age",
+                f"({self.replay_age:g} s) must be >= 2 x (tick_interval + publish_timeout + "
+                f"store_timeout) = {floor:g} s, or live dispatches would be replayed",
+            )
+        if self.dispatch_timeout <= self.replay_age:
+            raise _error(
+                "dispatch_timeout",
+                f"({self.dispatch_timeout:g} s) must be > replay_age ({self.replay_age:g} s)",
+            )
+        if self.dispatch_deadline < self.dispatch_timeout:
+            raise _error(
+                "dispatch_deadline",
+                f"({self.dispatch_deadline:g} s) must be >= dispatch_timeout "
+                f"({self.dispatch_timeout:g} s)",
+            )
+        floor = 3 * self.heartbeat_interval + self.max_skew
+        if self.running_timeout < floor:
+            raise _error(
+                "running_timeout",
+                f"({self.running_timeout:g} s) must be >= 3 x heartbeat_interval + max_skew "
+                f"({floor:g} s), or live jobs would time out between heartbeats",
+            )
+        if self.lease_ttl <= self.store_timeout:
+            raise _error(
+                "lease_ttl",
+                f"({self.lease_ttl:g} s) must be > store_timeout ({self.store_timeout:g} s)",
+            )
+
+    @classmethod
+    def from_mapping(cls, settings: Mapping[str, Any]) -> ExactOnceConfig:
+        """Build from ``exactonce_*`` keys; unknown ones warn (:class:`UnknownSettingWarning`)."""
+        known = {field.name for field in dataclasses.fields(cls)}
+        values: dict[str, Any] = {}
+        for raw_key, value in settings.items():
+            name = raw_key.lower()[len(PREFIX) :]
+            if name in known:
+                values[name] = value
+            else:
+                warnings.warn(
+                    f"unknown setting {raw_key!r} ignored (known: "
+                    f"{', '.join(PREFIX + n for n in sorted(known))})",
+                    UnknownSettingWarning,
+                    stacklevel=3,
+                )
+        if values.get("store_url") is None:
+            raise _error("store_url", "is required (e.g. redis://localhost:6379/0)")
+        return cls(**values)
+
+    @classmethod
+    def from_app(cls, app: Any) -> ExactOnceConfig:
+        """Read and validate the settings of Celery app ``app``.
+
+        Raises
+        ------
+        ConfigurationError
+            A setting is missing, of the wrong type or inconsistent; the message
+            names it as the app spells it (``exactonce_retention``).
+        """
+        conf = app.conf
+        namespace = (getattr(app, "namespace", None) or "").lower()
+        strip = f"{namespace}_" if namespace else ""
+        settings: dict[str, Any] = {}
+        for key in list(conf.keys()):
+            lowered = str(key).lower()
+            if strip and lowered.startswith(strip + PREFIX):
+                lowered = lowered[len(strip) :]
+            if lowered.startswith(PREFIX):
+                settings[lowered] = conf.get(key)
+        return cls.from_mapping(settings)
+
+    def redacted(self) -> dict[str, Any]:
+        """The settings as a dict for logs and ``exactonce check``: no secret in clear."""
+        data = dataclasses.asdict(self)
+        data["store_url"] = redact_url(self.store_url)
+        if self.signing_key is not None:
+            data["signing_key"] = "***"
+        return data
+
+
+def _error(name: str, problem: str) -> exceptions.ConfigurationError:
+    return exceptions.ConfigurationError(f"{PREFIX}{name} {problem}", setting=PREFIX + name)
+
+
+def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise _error(name, f"must be one of {', '.join(map(repr, choices))}, got {value!r}")
+
+
+def _check_type(name: str, value: object, annotation: object) -> None:
+    text = str(annotation)
+    optional = "None" in text
+    if value is None:
+        if not optional:
+            raise _error(name, "must be set, got None")
+        return
+    if text.startswith(("float", "int")):
+        number_ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if text.startswith("int") and not isinstance(value, int):
+            number_ok = False
+        if not number_ok or (isinstance(value, float) and not math.isfinite(value)):
+            kind = "an integer" if text.startswith("int") else "a finite number of seconds"
+            raise _error(name, f"must be {kind}, got {type(value).__name__} {value!r}")
+    elif not isinstance(value, str):
+        raise _error(name, f"must be a string, got {type(value).__name__} {value!r}")
+
+
+def _check_store_url(url: str) -> None:
+    scheme = url.split("://", 1)[0].lower().split("+", 1)[0] if "://" in url else ""
+    if scheme not in KNOWN_SCHEMES:
+        raise exceptions.ConfigurationError(
+            f"{PREFIX}store_url={redact_url(url)!r} is not a store URL "
+            f"(expected one of {', '.join(s + '://' for s in sorted(KNOWN_SCHEMES))})",
+            setting=PREFIX + "store_url",
+        )
+
+
+def as_catchup(value: str) -> Catchup:
+    """``value`` checked as a catch-up policy (for per-entry overrides)."""
+    _check_choice("catchup", value, ("latest", "all", "none"))
+    return cast(Catchup, value)

@@ -1,0 +1,114 @@
+"""ExactOnceConfig: types, consistency rules, unknown keys, Django spelling, redaction."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from celery import Celery
+
+from celery_exactonce import ConfigurationError, ExactOnceConfig, open_store
+from celery_exactonce.config import UnknownSettingWarning
+from celery_exactonce.stores import InMemoryStore, redact_url, store_from_url
+
+
+def app_with(**settings: Any) -> Celery:
+    app = Celery("test-config", set_as_current=False)
+    app.conf.update({"exactonce_store_url": "memory://", **settings})
+    return app
+
+
+def test_defaults_are_consistent() -> None:
+    config = ExactOnceConfig.from_app(app_with())
+    assert config.namespace == "default" and config.catchup == "latest"
+    assert config.retention >= config.window_lookback + config.tick_interval + config.max_skew
+
+
+@pytest.mark.parametrize(
+    ("settings", "culprit"),
+    [
+        ({"exactonce_tick_interval": "1"}, "exactonce_tick_interval"),
+        ({"exactonce_tick_interval": True}, "exactonce_tick_interval"),
+        ({"exactonce_retention": float("inf")}, "exactonce_retention"),
+        ({"exactonce_catchup_limit": 1.5}, "exactonce_catchup_limit"),
+        ({"exactonce_namespace": 7}, "exactonce_namespace"),
+        ({"exactonce_namespace": "has space"}, "exactonce_namespace"),
+        ({"exactonce_namespace": ""}, "exactonce_namespace"),
+        ({"exactonce_catchup": "sometimes"}, "exactonce_catchup"),
+        ({"exactonce_reconcile_on": "cron"}, "exactonce_reconcile_on"),
+        ({"exactonce_window_lookback": 0}, "exactonce_window_lookback"),
+        ({"exactonce_max_skew": -1}, "exactonce_max_skew"),
+        ({"exactonce_retention": 100}, "exactonce_retention"),
+        ({"exactonce_replay_age": 10}, "exactonce_replay_age"),
+        ({"exactonce_dispatch_timeout": 60}, "exactonce_dispatch_timeout"),
+        ({"exactonce_dispatch_deadline": 200}, "exactonce_dispatch_deadline"),
+        ({"exactonce_running_timeout": 60}, "exactonce_running_timeout"),
+        ({"exactonce_lease_ttl": 1}, "exactonce_lease_ttl"),
+        ({"exactonce_key_prefix": "a b"}, "exactonce_key_prefix"),
+        ({"exactonce_table_prefix": "x;drop"}, "exactonce_table_prefix"),
+        ({"exactonce_signing_key": "short"}, "exactonce_signing_key"),
+        ({"exactonce_store_url": "ftp://host/x"}, "exactonce_store_url"),
+        ({"exactonce_store_url": "not a url"}, "exactonce_store_url"),
+        ({"exactonce_store_url": None}, "exactonce_store_url"),
+    ],
+)
+def test_bad_settings_name_the_culprit(settings: dict[str, Any], culprit: str) -> None:
+    with pytest.raises(ConfigurationError) as info:
+        ExactOnceConfig.from_app(app_with(**settings))
+    assert info.value.setting == culprit
+    assert culprit in str(info.value)
+
+
+def test_retention_rule_is_inclusive() -> None:
+    config = ExactOnceConfig.from_app(
+        app_with(exactonce_retention=306, exactonce_window_lookback=300, exactonce_max_skew=5)
+    )
+    assert config.retention == 306
+
+
+def test_unknown_setting_warns_and_is_ignored() -> None:
+    with pytest.warns(UnknownSettingWarning, match="exactonce_retenton"):
+        config = ExactOnceConfig.from_app(app_with(exactonce_retenton=1))
+    assert config.retention == 7 * 86_400
+
+
+def test_django_style_namespace() -> None:
+    class Settings:
+        CELERY_EXACTONCE_STORE_URL = "memory://"
+        CELERY_EXACTONCE_NAMESPACE = "shop"
+        CELERY_EXACTONCE_TICK_INTERVAL = 2.0
+
+    app = Celery("django-style", set_as_current=False)
+    app.config_from_object(Settings, namespace="CELERY")
+    config = ExactOnceConfig.from_app(app)
+    assert (config.namespace, config.tick_interval) == ("shop", 2.0)
+
+
+def test_credentials_never_show() -> None:
+    url = "redis://user:s3cret@cache.internal:6380/0"
+    config = ExactOnceConfig.from_app(
+        app_with(exactonce_store_url=url, exactonce_signing_key="k" * 32)
+    )
+    text = repr(config.redacted())
+    assert "s3cret" not in text and "k" * 32 not in text
+    assert redact_url(url) == "redis://user:***@cache.internal:6380/0"
+    assert redact_url("postgresql://u:p%40ss@[::1]:5432/db") == "postgresql://u:***@[::1]:5432/db"
+    assert redact_url("sqlite:///tmp/x.db") == "sqlite:///tmp/x.db"
+    with pytest.raises(ConfigurationError) as info:
+        ExactOnceConfig.from_app(app_with(exactonce_store_url="ftp://u:s3cret@h/x"))
+    assert "s3cret" not in str(info.value)
+
+
+def test_store_from_url_memory_and_bad_scheme() -> None:
+    assert isinstance(store_from_url("memory://", namespace="n"), InMemoryStore)
+    with pytest.raises(ConfigurationError, match="unknown scheme"):
+        store_from_url("mongodb://u:pw@h/x")
+    with pytest.raises(ConfigurationError, match="exactonce_namespace"):
+        store_from_url("memory://", namespace="bad ns")
+
+
+def test_open_store_sets_up_the_configured_store() -> None:
+    config = ExactOnceConfig.from_app(app_with(exactonce_namespace="app1"))
+    store = open_store(config)
+    assert isinstance(store, InMemoryStore)
+    assert store.namespace == "app1" and store.retention == config.retention
