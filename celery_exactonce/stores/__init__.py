@@ -70,19 +70,22 @@ def validate_namespace(namespace: object, setting: str = "exactonce_namespace") 
 
 
 def redact_url(url: str) -> str:
-    """``url`` with any password replaced by ``***`` (for logs, errors and CLI output)."""
+    """``url`` with any password replaced by ``***`` (for logs, errors and CLI output).
+
+    A URL too malformed to parse is replaced whole: it may hold a password
+    where a parser would not look for one.
+    """
     try:
         parts = urlsplit(url)
+        if parts.password is None:
+            return url
+        port = f":{parts.port}" if parts.port else ""
     except ValueError:
         return "<unparsable url>"
-    if parts.password is None:
-        return url
-    user = parts.username or ""
     host = parts.hostname or ""
     if ":" in host:
         host = f"[{host}]"
-    port = f":{parts.port}" if parts.port else ""
-    netloc = f"{user}:***@{host}{port}"
+    netloc = f"{parts.username or ''}:***@{host}{port}"
     return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
 
 

@@ -1,0 +1,44 @@
+-- Helpers shared by every RedisStore script. RedisStore prepends a header
+-- generated from the Python constants (STATES, TERMINAL, HISTORY_LIMIT), then
+-- this file, to each script: Lua has no includes.
+--
+-- Conventions: every time is integer microseconds since the UNIX epoch, on the
+-- Redis clock (TIME); every key is a KEYS entry (job records are KEYS[i] ..
+-- member, where KEYS[i] is the namespace's job key prefix); optional ARGV
+-- values are '' when absent and '=' .. value when present.
+
+local STATE_POS = {}
+for i, s in ipairs(STATES) do STATE_POS[s] = i end
+
+-- The store's clock, in microseconds (exact in a double until year 2255).
+local function clock()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000000 + tonumber(t[2])
+end
+
+-- An integer as a decimal string (tostring and cjson would print 1.7e+15).
+local function us(n)
+  return string.format('%.0f', n)
+end
+
+-- An optional ARGV value: nil when absent.
+local function opt(v)
+  if v == '' then return nil end
+  return string.sub(v, 2)
+end
+
+-- The state index key of `state`, given the KEYS position of PENDING's.
+local function state_key(first, state)
+  return KEYS[first + STATE_POS[state] - 1]
+end
+
+-- The history JSON array with one entry appended, capped to HISTORY_LIMIT.
+-- `at` is stored as a decimal string: cjson would round a 16-digit number.
+local function history_append(raw, src, dst, at, node, reason, rev)
+  local h = {}
+  if raw then h = cjson.decode(raw) end
+  h[#h + 1] = {['from'] = src or cjson.null, to = dst, at = us(at),
+               node = node, reason = reason, rev = rev}
+  while #h > HISTORY_LIMIT do table.remove(h, 1) end
+  return cjson.encode(h)
+end

@@ -1,0 +1,467 @@
+"""RedisStore: the job store in Redis, one Lua script per operation.
+
+Every key of a namespace lives under ``{prefix}:{<namespace>}:``, the namespace
+in a Redis Cluster hash tag so all of them share one slot (scripts may touch
+several). With ``base = "{prefix}:{<namespace>}"``:
+
+====================================  ======  ==================================================
+key                                   type    content
+====================================  ======  ==================================================
+``base:job:<space>:<id>``             HASH    one record; scalar fields, ``args``/``kwargs``/
+                                              ``options`` as opaque JSON, ``history`` a JSON array
+``base:state:<STATE>``                ZSET    ``str(JobRef)`` by ``touched_at`` (one per state)
+``base:due``                          ZSET    ``PENDING`` jobs by ``run_at``
+``base:expire``                       ZSET    terminal jobs by ``max(fire_time, terminal_at)
+                                              + retention``
+``base:wm``                           HASH    beat entry -> watermark (``fire_time``)
+``base:epoch``                        STRING  the store epoch
+``base:lease:<name>``                 STRING  the lease token, with a ``PX`` expiry
+``base:meta``                         HASH    ``format_version``, ``namespace``
+====================================  ======  ==================================================
+
+All times are integer microseconds since the UNIX epoch, read from Redis
+``TIME`` inside the scripts. Absent optional fields (``run_id``, ``run_at``...)
+are absent from the hash. Index members are ``str(JobRef)`` (``t:<id>``), and
+a record's key is the job key prefix followed by its member, so ids may hold
+any printable character. The scripts (``stores/lua/*.lua``) take every key as
+``KEYS``; those that walk an index get the job key prefix as a ``KEYS`` entry.
+Redis must run with ``maxmemory-policy noeviction`` (:meth:`RedisStore.check_config`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import re
+from collections.abc import Iterator, Sequence
+from datetime import datetime, timedelta
+from importlib import resources
+from typing import Any
+from urllib.parse import urlsplit
+
+import redis
+import redis.exceptions as rexc
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from celery_exactonce import exceptions, jobs
+from celery_exactonce.jobs import (
+    CreateResult,
+    CreateStatus,
+    Job,
+    JobRef,
+    NewJob,
+    Transition,
+    TransitionResult,
+    TransitionStatus,
+)
+from celery_exactonce.states import TERMINAL, State
+from celery_exactonce.stores import redact_url, validate_namespace
+from celery_exactonce.stores.base import FORMAT_VERSION
+
+logger = logging.getLogger(__name__)
+
+_PREFIX_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+#: Errors after which retrying may help: the server is unreachable, slow,
+#: loading, failing over or read-only (a replica promoted under us).
+_TRANSIENT: tuple[type[Exception], ...] = (
+    rexc.ConnectionError,
+    rexc.TimeoutError,
+    rexc.TryAgainError,
+    rexc.ClusterDownError,
+    rexc.MasterDownError,
+    rexc.ReadOnlyError,
+)
+#: Server replies that mean the same though redis-py has no class for them.
+_TRANSIENT_REPLIES = ("BUSY", "MASTERDOWN", "NOREPLICAS", "LOADING", "TRYAGAIN")
+
+_SCRIPTS = (
+    "create", "transition", "heartbeat", "list_stale", "claim_due", "purge_expired",
+    "epoch", "lease_acquire", "lease_renew", "lease_release", "setup",
+)  # fmt: skip
+
+
+def _lua_header() -> str:
+    """The Python constants the scripts share, so Lua cannot drift from them."""
+    states = ", ".join(f"'{s.value}'" for s in State)
+    terminal = ", ".join(f"{s.value} = true" for s in State if s in TERMINAL)
+    return (
+        f"local STATES = {{{states}}}\n"
+        f"local TERMINAL = {{{terminal}}}\n"
+        f"local HISTORY_LIMIT = {jobs.HISTORY_LIMIT}\n"
+    )
+
+
+def _lua(name: str) -> str:
+    lua = resources.files("celery_exactonce.stores").joinpath("lua")
+    return lua.joinpath(f"{name}.lua").read_text(encoding="utf-8")
+
+
+def _text(value: Any) -> str:
+    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+
+
+def _opt(value: object | None) -> str:
+    """An optional script argument: ``''`` when absent, ``'=' + value`` when present."""
+    return "" if value is None else f"={value}"
+
+
+def _json(value: Any) -> str:
+    # ASCII-escaped: a lone surrogate in a string round-trips instead of failing to encode.
+    return json.dumps(value, separators=(",", ":"), allow_nan=False)
+
+
+def _decode_job(flat: Sequence[Any]) -> Job:
+    """A :class:`~celery_exactonce.jobs.Job` from a record's ``HGETALL`` reply."""
+    data: dict[str, Any] = {_text(flat[i]): _text(flat[i + 1]) for i in range(0, len(flat) - 1, 2)}
+    for field in ("args", "kwargs", "options", "history"):
+        data[field] = json.loads(data.get(field) or "null")
+    return jobs.job_from_json(data)
+
+
+class RedisStore:
+    """A :class:`~celery_exactonce.stores.base.StateStore` in Redis.
+
+    Parameters
+    ----------
+    client
+        A ``redis.Redis`` client (``decode_responses`` either way). The store
+        does not close a client it was given.
+    namespace
+        The namespace every key lives under (validated).
+    retention
+        Seconds a terminal record is kept, from ``max(fire_time, terminal_at)``.
+    prefix
+        The first part of every key (``exactonce_key_prefix``): 1-64 letters,
+        digits, ``_``, ``.`` or ``-``.
+    """
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        *,
+        namespace: str,
+        retention: float,
+        prefix: str = "exactonce",
+    ) -> None:
+        validate_namespace(namespace)
+        if not isinstance(prefix, str) or not _PREFIX_RE.match(prefix):
+            raise exceptions.ConfigurationError(
+                f"exactonce_key_prefix={prefix!r}: a key prefix is 1-64 letters, digits, "
+                "'_', '.' or '-'",
+                setting="exactonce_key_prefix",
+            )
+        if retention <= 0:
+            raise exceptions.ConfigurationError("retention must be > 0", setting="retention")
+        self._client = client
+        self._namespace = namespace
+        self._retention = float(retention)
+        self._retention_us = int(retention * 1_000_000)
+        self._base = f"{prefix}:{{{namespace}}}"
+        self._owns_client = False
+        self._closed = False
+        kwargs = client.connection_pool.connection_kwargs
+        self._where = (
+            f"unix://{kwargs['path']}"
+            if kwargs.get("path")
+            else f"redis://{kwargs.get('host', 'localhost')}:{kwargs.get('port', 6379)}"
+            f"/{kwargs.get('db', 0)}"
+        )
+        self._secret: str | None = kwargs.get("password") or None
+        header = _lua_header() + _lua("common")
+        self._scripts = {name: client.register_script(header + _lua(name)) for name in _SCRIPTS}
+
+    @classmethod
+    def from_url(
+        cls,
+        url: str,
+        *,
+        namespace: str,
+        retention: float,
+        prefix: str = "exactonce",
+        socket_timeout: float = 5.0,
+        **kwargs: Any,
+    ) -> RedisStore:
+        """A store on a new client for ``url`` (``redis://``, ``rediss://``, ``unix://``).
+
+        The client does not retry commands by itself (``retry`` may be passed):
+        a script resent after a timeout could apply twice and answer as if
+        another writer had won, where the caller must instead settle the
+        unknown outcome by reading the record back.
+        """
+        kwargs.setdefault("socket_connect_timeout", socket_timeout)
+        kwargs.setdefault("retry", Retry(NoBackoff(), 0))
+        try:
+            client = redis.Redis.from_url(url, socket_timeout=socket_timeout, **kwargs)
+        except (ValueError, TypeError) as exc:
+            reason = str(exc)
+            with contextlib.suppress(ValueError):
+                secret = urlsplit(url).password
+                reason = reason.replace(secret, "***") if secret else reason
+            raise exceptions.ConfigurationError(
+                f"exactonce_store_url={redact_url(url)!r}: {reason}",
+                setting="exactonce_store_url",
+            ) from None
+        store = cls(client, namespace=namespace, retention=retention, prefix=prefix)
+        store._owns_client = True
+        store._where = redact_url(url)
+        return store
+
+    # -- properties and housekeeping ---------------------------------------------------
+
+    @property
+    def namespace(self) -> str:
+        return self._namespace
+
+    @property
+    def retention(self) -> float:
+        return self._retention
+
+    def now(self) -> datetime:
+        with self._wrap("TIME"):
+            seconds, micros = self._client.time()
+        return jobs.from_micros(int(seconds) * 1_000_000 + int(micros))
+
+    def ping(self) -> bool:
+        """Whether Redis answers (raises :class:`StoreUnavailable` when it does not)."""
+        with self._wrap("PING"):
+            return bool(self._client.ping())
+
+    def setup(self) -> None:
+        with self._wrap("setup"):
+            stored = self._run("setup", [self._key("meta")], [FORMAT_VERSION, self._namespace])
+        version = _text(stored)
+        if not version.isdigit() or int(version) > FORMAT_VERSION:
+            raise exceptions.SchemaMismatch(
+                f"Redis store {self._where}, namespace {self._namespace!r}: key format "
+                f"{version!r} is not one this version reads (it writes {FORMAT_VERSION}); "
+                "upgrade celery-exactonce"
+            )
+
+    def check_config(self) -> None:
+        """Refuse a Redis that may evict keys (``maxmemory-policy`` other than ``noeviction``).
+
+        Reads ``CONFIG GET``, or ``INFO memory`` when ``CONFIG`` is disabled or
+        renamed; when neither is readable, logs a warning and passes.
+        """
+        policy = self._maxmemory_policy()
+        if policy is None:
+            logger.warning(
+                "cannot read maxmemory-policy of Redis store %s; it must be noeviction",
+                self._where,
+                extra={"action": "store_config_unknown"},
+            )
+        elif policy != "noeviction":
+            raise exceptions.ConfigurationError(
+                f"exactonce_store_url={self._where!r}: Redis maxmemory-policy is {policy!r}; "
+                "it must be 'noeviction' (an evicted record could let a job run twice)",
+                setting="exactonce_store_url",
+            )
+
+    def drop_namespace(self) -> None:
+        """Delete every key of this namespace (records, indexes, epoch, leases, meta)."""
+        pattern = f"{self._base}:*"
+        with self._wrap("drop_namespace"):
+            batch: list[Any] = []
+            for key in self._client.scan_iter(match=pattern, count=500):
+                batch.append(key)
+                if len(batch) >= 500:
+                    self._client.delete(*batch)
+                    batch = []
+            if batch:
+                self._client.delete(*batch)
+
+    def close(self) -> None:
+        if not self._closed and self._owns_client:
+            with contextlib.suppress(rexc.RedisError, OSError):
+                self._client.close()
+                self._client.connection_pool.disconnect()
+        self._closed = True
+
+    # -- epoch and create ----------------------------------------------------------------
+
+    def epoch(self) -> str:
+        with self._wrap("epoch"):
+            return _text(self._run("epoch", [self._key("epoch")], [jobs.new_token()]))
+
+    def create(self, new: NewJob, *, epoch: str | None = None) -> CreateResult:
+        member = str(new.ref)
+        fields: list[Any] = [
+            "ref", member, "task", new.task, "state", new.state.value, "rev", new.rev,
+            "node", new.node, "reason", new.reason, "args", _json(new.args),
+            "kwargs", _json(new.kwargs), "options", _json(new.options),
+        ]  # fmt: skip
+        for name in ("run_id", "entry", "fire_time", "run_at", "deadline"):
+            value = getattr(new, name)
+            if value is not None:
+                fields += [name, jobs.to_micros(value) if isinstance(value, datetime) else value]
+        fire_time = jobs.to_micros_opt(new.fire_time)
+        run_at = jobs.to_micros_opt(new.run_at)
+        keys = [
+            self._job_key(new.ref), self._key("epoch"), self._key("wm"),
+            self._state_key(new.state), self._key("due"),
+        ]  # fmt: skip
+        args = [
+            _opt(epoch), new.entry or "", "" if fire_time is None else fire_time, member,
+            new.state.value, "" if run_at is None else run_at, new.node, new.reason, new.rev,
+            *fields,
+        ]  # fmt: skip
+        with self._wrap("create"):
+            reply = self._run("create", keys, args)
+        status = CreateStatus(_text(reply[0]))
+        current = None if reply[1] is None else _text(reply[1])
+        job = _decode_job(reply[2]) if len(reply) > 2 else None
+        return CreateResult(status, job, epoch=current)
+
+    def get(self, ref: JobRef) -> Job | None:
+        with self._wrap("get"):
+            record = dict(self._client.hgetall(self._job_key(ref)))
+        return _decode_job([item for pair in record.items() for item in pair]) if record else None
+
+    def watermark(self, entry: str) -> datetime | None:
+        with self._wrap("watermark"):
+            mark = self._client.hget(self._key("wm"), entry)
+        return None if mark is None else jobs.from_micros(int(_text(mark)))
+
+    # -- transitions ---------------------------------------------------------------------
+
+    def transition(self, ref: JobRef, request: Transition) -> TransitionResult:
+        lease = request.lease
+        keys = [
+            self._job_key(ref),
+            self._key("lease", lease.name) if lease else self._key("nolease"),
+            *self._state_keys(), self._key("due"), self._key("expire"),
+        ]  # fmt: skip
+        args = [
+            str(ref), request.to.value, ",".join(s.value for s in request.expect),
+            request.node, request.reason, _opt(request.rev), _opt(request.attempt),
+            _opt(request.run_id), _opt(lease.token if lease else None),
+            _opt(None if request.stale_for is None else repr(float(request.stale_for))),
+            request.new_rev, _opt(request.new_run_id), "1" if request.next_attempt else "0",
+            _opt(jobs.to_micros_opt(request.run_at)),
+            _opt(None if request.args is None else _json(request.args)),
+            _opt(None if request.kwargs is None else _json(request.kwargs)),
+            self._retention_us,
+        ]  # fmt: skip
+        with self._wrap("transition"):
+            reply = self._run("transition", keys, args)
+        status = TransitionStatus(_text(reply[0]))
+        return TransitionResult(status, _decode_job(reply[1]) if len(reply) > 1 else None)
+
+    def heartbeat(self, ref: JobRef, run_id: str) -> bool:
+        keys = [self._job_key(ref), self._state_key(State.RUNNING)]
+        with self._wrap("heartbeat"):
+            return bool(self._run("heartbeat", keys, [run_id, str(ref)]))
+
+    # -- queries and sweeps --------------------------------------------------------------
+
+    def list_stale(self, state: State, older_than: float, limit: int) -> list[Job]:
+        if limit <= 0:
+            self._check_open()
+            return []
+        # As the in-memory store: the age rounded to microseconds by timedelta.
+        age = timedelta(seconds=older_than) // timedelta(microseconds=1)
+        keys = [self._state_key(State(state)), self._key("job", "")]
+        with self._wrap("list_stale"):
+            records = self._run("list_stale", keys, [age, limit])
+        return [_decode_job(flat) for flat in records]
+
+    def claim_due(self, limit: int, *, node: str, reason: str = "claimed") -> list[Job]:
+        jobs.validate_identifier(node, "node id", jobs.MAX_NAME_LENGTH)
+        jobs.validate_reason(reason)
+        if limit <= 0:
+            self._check_open()
+            return []
+        keys = [
+            self._key("due"), self._state_key(State.PENDING), self._state_key(State.SCHEDULED),
+            self._key("job", ""),
+        ]  # fmt: skip
+        with self._wrap("claim_due"):
+            records = self._run("claim_due", keys, [limit, jobs.new_token(), node, reason])
+        return [_decode_job(flat) for flat in records]
+
+    def purge_expired(self, limit: int) -> int:
+        if limit <= 0:
+            self._check_open()
+            return 0
+        keys = [self._key("expire"), self._key("due"), self._key("job", ""), *self._state_keys()]
+        with self._wrap("purge_expired"):
+            return int(self._run("purge_expired", keys, [limit]))
+
+    # -- leases --------------------------------------------------------------------------
+
+    def acquire_lease(self, name: str, token: str, ttl: float) -> bool:
+        jobs.Lease(name, token)  # validates
+        with self._wrap("acquire_lease"):
+            return bool(self._run("lease_acquire", [self._key("lease", name)], [token, _ms(ttl)]))
+
+    def renew_lease(self, name: str, token: str, ttl: float) -> bool:
+        with self._wrap("renew_lease"):
+            return bool(self._run("lease_renew", [self._key("lease", name)], [token, _ms(ttl)]))
+
+    def release_lease(self, name: str, token: str) -> bool:
+        with self._wrap("release_lease"):
+            return bool(self._run("lease_release", [self._key("lease", name)], [token]))
+
+    # -- internals -----------------------------------------------------------------------
+
+    def _key(self, *parts: str) -> str:
+        return ":".join((self._base, *parts))
+
+    def _job_key(self, ref: JobRef) -> str:
+        return self._key("job", str(ref))
+
+    def _state_key(self, state: State) -> str:
+        return self._key("state", state.value)
+
+    def _state_keys(self) -> list[str]:
+        """Every state index, in :class:`State` order (the scripts' ``STATES``)."""
+        return [self._state_key(state) for state in State]
+
+    def _run(self, name: str, keys: list[str], args: list[Any]) -> Any:
+        return self._scripts[name](keys=keys, args=args)
+
+    def _maxmemory_policy(self) -> str | None:
+        with self._wrap("check_config"):
+            try:
+                reply = self._client.config_get("maxmemory-policy")
+                values = {_text(k): _text(v) for k, v in dict(reply).items()}
+                if "maxmemory-policy" in values:
+                    return values["maxmemory-policy"]
+            except rexc.ResponseError:
+                pass  # CONFIG disabled or renamed: ask INFO
+            try:
+                info = self._client.info("memory")
+                policy = dict(info).get("maxmemory_policy")
+                return None if policy is None else _text(policy)
+            except rexc.ResponseError:
+                return None
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise exceptions.StoreError("the store is closed")
+
+    @contextlib.contextmanager
+    def _wrap(self, action: str) -> Iterator[None]:
+        """Translate driver errors into the package's (the one boundary of this store)."""
+        self._check_open()
+        try:
+            yield
+        except rexc.RedisError as exc:
+            message = f"Redis store {self._where}: {action} failed: {type(exc).__name__}: {exc}"
+            if self._secret:
+                message = message.replace(self._secret, "***")
+            transient = isinstance(exc, _TRANSIENT) or (
+                isinstance(exc, rexc.ResponseError) and str(exc).startswith(_TRANSIENT_REPLIES)
+            )
+            error = exceptions.StoreUnavailable if transient else exceptions.StoreError
+            raise error(message) from exc
+        except UnicodeError as exc:  # an identifier redis-py cannot encode (lone surrogate)
+            raise exceptions.InvalidPayload(f"{action}: {exc}") from exc
+
+
+def _ms(ttl: float) -> int:
+    """A lease ttl in whole milliseconds, at least 1 (``PX 0`` is an error)."""
+    return max(1, round(ttl * 1000))
