@@ -62,7 +62,8 @@ class ExactOnceConfig:
     dispatch_timeout: float = 300.0
     """A plain job still ``DISPATCHED`` after this ends ``TIMEOUT`` (``unconfirmed``)."""
     dispatch_deadline: float = 3600.0
-    """A gated job still ``DISPATCHED`` after this ends ``TIMEOUT`` (unless it opts into redispatch)."""
+    """A gated job still ``DISPATCHED`` after this ends ``TIMEOUT`` (unless it opts in to
+    redispatch)."""
     running_timeout: float = 600.0
     """A ``RUNNING`` job with no heartbeat for this long ends ``TIMEOUT``."""
     heartbeat_interval: float = 30.0

@@ -49,6 +49,11 @@ MAX_PAYLOAD_BYTES = 1024 * 1024
 EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 
 
+def new_token() -> str:
+    """A globally unique token (revs, run ids, lease tokens, op ids)."""
+    return uuid.uuid4().hex
+
+
 class Space(str, enum.Enum):
     """The key space of a job id.
 
@@ -211,7 +216,7 @@ class NewJob:
     deadline: datetime | None = None
     run_id: str | None = None
     reason: str = "created"
-    rev: str = dataclasses.field(default_factory=lambda: new_token())
+    rev: str = dataclasses.field(default_factory=new_token)
 
     def __post_init__(self) -> None:
         validate_identifier(self.task, "task name", MAX_NAME_LENGTH)
@@ -325,7 +330,7 @@ class Transition:
     run_at: datetime | None = None
     args: Sequence[Any] | None = None
     kwargs: Mapping[str, Any] | None = None
-    new_rev: str = dataclasses.field(default_factory=lambda: new_token())
+    new_rev: str = dataclasses.field(default_factory=new_token)
 
     def __post_init__(self) -> None:
         expect = frozenset(State(s) for s in self.expect)
@@ -532,11 +537,6 @@ def job_from_json(data: Mapping[str, Any]) -> Job:
 # -- small helpers ---------------------------------------------------------------------
 
 
-def new_token() -> str:
-    """A globally unique token (revs, run ids, lease tokens, op ids)."""
-    return uuid.uuid4().hex
-
-
 def to_micros(value: datetime) -> int:
     """Integer microseconds since the UNIX epoch of an aware datetime."""
     delta = require_aware(value, "time") - EPOCH
@@ -558,7 +558,10 @@ def from_micros_opt(value: Any) -> datetime | None:
 
 
 def require_aware(value: datetime, name: str) -> datetime:
-    """``value`` in UTC; naive datetimes are refused (they mean different instants on different nodes)."""
+    """``value`` in UTC; naive datetimes are refused.
+
+    A naive datetime means different instants on nodes in different time zones.
+    """
     if not isinstance(value, datetime):
         raise exceptions.InvalidPayload(f"{name} must be a datetime, got {type(value).__name__}")
     if value.tzinfo is None or value.utcoffset() is None:

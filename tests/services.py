@@ -14,7 +14,9 @@ from urllib.parse import urlsplit
 import pytest
 
 REDIS_URL = os.environ.get("EXACTONCE_TEST_REDIS_URL", "redis://127.0.0.1:6379/9")
-POSTGRES_URL = os.environ.get("EXACTONCE_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
+POSTGRES_URL = os.environ.get(
+    "EXACTONCE_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test"
+)
 MYSQL_URL = os.environ.get("EXACTONCE_TEST_MYSQL_URL", "mysql://root@127.0.0.1:3306/test")
 AMQP_URL = os.environ.get("EXACTONCE_TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672//")
 

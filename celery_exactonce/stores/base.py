@@ -153,4 +153,3 @@ class StateStore(Protocol):
     def close(self) -> None:
         """Release connections. The store may not be used afterwards."""
         ...
-

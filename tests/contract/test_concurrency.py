@@ -45,9 +45,14 @@ def race(
         with ProcessPoolExecutor(processes, mp_context=context) as pool:
             futures = [
                 pool.submit(
-                    process_main, racer, factory.backend, factory.url, factory.namespace,
-                    barrier, chunk,
-                )  # fmt: skip
+                    process_main,
+                    racer,
+                    factory.backend,
+                    factory.url,
+                    factory.namespace,
+                    barrier,
+                    chunk,
+                )
                 for chunk in chunks
             ]
             return [result for f in futures for result in f.result(timeout=900)]
@@ -93,9 +98,7 @@ def test_three_processes_claim_every_due_job_once(store_factory: StoreFactory) -
     # Given 10,000 due delayed jobs
     expected = _create_due(store_factory, CLAIM_JOBS)
     # When three claimers (processes; threads for memory) sweep them in batches of 100
-    results = race(
-        store_factory, "claim", [(100, f"node-{i}") for i in range(3)], processes=3
-    )
+    results = race(store_factory, "claim", [(100, f"node-{i}") for i in range(3)], processes=3)
     # Then every job was claimed exactly once and the union is the input
     claimed = collections.Counter(job_id for result in results for job_id in result)
     duplicates = [job_id for job_id, n in claimed.items() if n > 1]

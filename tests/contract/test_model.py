@@ -73,7 +73,11 @@ class StoreMachine(RuleBasedStateMachine):
         self.ticks += 1  # distinct, increasing, all in the past: claim order is predictable
         return self.base + timedelta(seconds=self.ticks)
 
-    @rule(i=st.integers(0, 3), state=st.sampled_from([State.PENDING, State.SCHEDULED, State.RUNNING]), fault=FAULTS)
+    @rule(
+        i=st.integers(0, 3),
+        state=st.sampled_from([State.PENDING, State.SCHEDULED, State.RUNNING]),
+        fault=FAULTS,
+    )
     def create(self, i: int, state: State, fault: str) -> None:
         ref = self.refs[i]
         new = NewJob(
@@ -96,7 +100,9 @@ class StoreMachine(RuleBasedStateMachine):
             assert job is not None and job.rev == self.model[ref].rev
 
     @rule(
-        i=st.integers(0, 3), edge=st.sampled_from(EDGES), extra=st.sets(st.sampled_from(list(State))),
+        i=st.integers(0, 3),
+        edge=st.sampled_from(EDGES),
+        extra=st.sets(st.sampled_from(list(State))),
         rev=GUARD, attempt=GUARD, run_id=GUARD, fault=FAULTS,
     )  # fmt: skip
     def transition(
@@ -119,7 +125,7 @@ class StoreMachine(RuleBasedStateMachine):
             dst, frozenset(expect), node=NODE, reason="model",
             rev=guard(rev, current.rev if current else "r", "wrong-rev"),
             attempt=guard(attempt, current.attempt if current else 0, 99),
-            run_id=guard(run_id, current.run_id if current and current.run_id else "x", "wrong-run"),
+            run_id=guard(run_id, (current.run_id if current else None) or "x", "wrong-run"),
             new_run_id=uuid.uuid4().hex if dst is State.RUNNING else None,
             next_attempt=nxt,
             run_at=self._run_at() if dst is State.PENDING else None,
@@ -145,7 +151,9 @@ class StoreMachine(RuleBasedStateMachine):
             current.state = dst
             current.rev = request.new_rev
             current.attempt += 1 if nxt else 0
-            current.run_id = request.new_run_id if dst is State.RUNNING else (None if nxt else current.run_id)
+            current.run_id = (
+                request.new_run_id if dst is State.RUNNING else (None if nxt else current.run_id)
+            )
             current.run_at = request.run_at or current.run_at
 
     @rule(i=st.integers(0, 3), right=st.booleans())
@@ -154,7 +162,9 @@ class StoreMachine(RuleBasedStateMachine):
         current = self.model.get(ref)
         run_id = current.run_id if current and right and current.run_id else "nobody"
         touched = self.store.heartbeat(ref, run_id)
-        expected = current is not None and current.state is State.RUNNING and current.run_id == run_id
+        expected = (
+            current is not None and current.state is State.RUNNING and current.run_id == run_id
+        )
         assert touched == expected
 
     @rule(limit=st.integers(1, 3), fault=FAULTS)

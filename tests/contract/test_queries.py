@@ -51,7 +51,9 @@ def test_list_stale_follows_transitions_and_heartbeats(store: StateStore) -> Non
 def test_claim_due_in_run_at_order(store: StateStore) -> None:
     now = store.now()
     for i, minutes in enumerate([3, 1, 2]):
-        store.create(task_job(f"d{i}", state=State.PENDING, run_at=now - timedelta(minutes=minutes)))
+        store.create(
+            task_job(f"d{i}", state=State.PENDING, run_at=now - timedelta(minutes=minutes))
+        )
     store.create(task_job("future", state=State.PENDING, run_at=now + timedelta(hours=1)))
     first = store.claim_due(2, node=NODE)
     assert [j.ref.id for j in first] == ["d0", "d2"]

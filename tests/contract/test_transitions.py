@@ -42,7 +42,9 @@ def test_wrong_state_or_rev_conflicts_and_changes_nothing(store: StateStore) -> 
     before = store.get(ref)
     stale = store.transition(ref, to(State.DISPATCHED, State.SCHEDULED, rev=rev))
     wrong_rev = store.transition(ref, to(State.PUBLISHED, State.DISPATCHED, rev="old"))
-    assert stale.status is TransitionStatus.CONFLICT and wrong_rev.status is TransitionStatus.CONFLICT
+    assert (
+        stale.status is TransitionStatus.CONFLICT and wrong_rev.status is TransitionStatus.CONFLICT
+    )
     assert stale.job == before and store.get(ref) == before
 
 
@@ -80,13 +82,19 @@ def test_retry_is_the_next_attempt_with_new_arguments(store: StateStore) -> None
     job = store.transition(ref, retry).job
     assert job is not None
     assert (job.state, job.attempt, job.run_id, job.args, job.kwargs) == (
-        State.DISPATCHED, 1, None, [7], {},
+        State.DISPATCHED,
+        1,
+        None,
+        [7],
+        {},
     )
     assert job.options == {"queue": "celery"}
     # The old attempt's message no longer passes the gate; the new one does
     old = to(State.RUNNING, State.DISPATCHED, attempt=0, new_run_id="late")
     assert store.transition(ref, old).status is TransitionStatus.CONFLICT
-    assert store.transition(ref, to(State.RUNNING, State.DISPATCHED, attempt=1, new_run_id="r2")).applied
+    assert store.transition(
+        ref, to(State.RUNNING, State.DISPATCHED, attempt=1, new_run_id="r2")
+    ).applied
 
 
 def test_countdown_retry_goes_back_to_pending(store: StateStore) -> None:
@@ -114,10 +122,12 @@ def test_terminal_refuses_every_transition(store: StateStore, terminal: State) -
         for dst in sorted(set(State) - {src}, key=str):
             try:
                 request = to(
-                    dst, src,
+                    dst,
+                    src,
                     new_run_id="x" if dst is State.RUNNING else None,
                     run_at=store.now() if dst is State.PENDING else None,
-                    next_attempt=(src, dst) in {(State.RUNNING, State.DISPATCHED), (State.RUNNING, State.PENDING)},
+                    next_attempt=(src, dst)
+                    in {(State.RUNNING, State.DISPATCHED), (State.RUNNING, State.PENDING)},
                 )
             except exceptions.InvalidPayload:
                 continue  # not an edge of the table at all
@@ -134,7 +144,7 @@ def test_transitions_out_of_terminal_states_cannot_be_requested() -> None:
 
 
 def test_eight_concurrent_attempts_one_winner(store: StateStore) -> None:
-    ref, rev = _dispatched(store)
+    ref, _ = _dispatched(store)
     barrier = threading.Barrier(8)
     results: list[TransitionStatus] = []
     lock = threading.Lock()

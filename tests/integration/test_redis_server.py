@@ -36,7 +36,9 @@ def test_restart_without_persistence_is_detected_by_the_next_claim() -> None:
             # Then the next claim with the remembered epoch is refused, writing nothing
             def claim() -> CreateStatus | None:
                 try:
-                    return store.create(occurrence("e", fire + timedelta(seconds=1)), epoch=epoch).status
+                    return store.create(
+                        occurrence("e", fire + timedelta(seconds=1)), epoch=epoch
+                    ).status
                 except StoreUnavailable:
                     return None  # reconnecting
 
