@@ -1,0 +1,709 @@
+"""SqlStore: the job store in PostgreSQL, MySQL/MariaDB or SQLite (SQLAlchemy Core).
+
+One class serves the three dialects; what differs between them is the small
+:data:`_DIALECTS` table. Each operation is one database transaction (retried as
+a whole, bounded and with jittered backoff, after a deadlock, a serialization
+failure, a lock-wait timeout or SQLite's "database is locked": such a
+transaction was rolled back, so running it again is safe). The guards and
+effects of a transition are those of :mod:`celery_exactonce.jobs`; this module
+only reads a record under a lock, asks :func:`~celery_exactonce.jobs.check_transition`
+and writes what :func:`~celery_exactonce.jobs.apply_transition` returns.
+
+Store time is the database server's clock, read once per transaction (in SQL,
+as integer microseconds since the UNIX epoch):
+
+* PostgreSQL: ``clock_timestamp()`` (µs);
+* MySQL/MariaDB: ``TIMESTAMPDIFF(MICROSECOND, '1970-01-01', UTC_TIMESTAMP(6))``
+  (µs, independent of the session time zone, DST folds included);
+* SQLite: ``strftime('%s')`` plus the milliseconds of ``strftime('%f')``
+  (SQLite's own clock has millisecond resolution).
+
+Locking: PostgreSQL and MySQL run at ``READ COMMITTED`` and lock the rows a
+decision depends on (``SELECT … FOR UPDATE``, ``SKIP LOCKED`` for claims and
+purges); SQLite runs every write transaction under ``BEGIN IMMEDIATE`` (which
+serialises writers across threads and processes) in WAL mode with a busy
+timeout.
+
+A store must not be shared across ``fork()``: each process builds its own. As
+a safety net (SQLAlchemy's documented recipe), a forked child drops the pool
+it inherited (``engine.dispose(close=False)``) before its first query, so a
+connection is never used by two processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import random
+import re
+import time
+import weakref
+from collections.abc import Callable, Iterator, Mapping
+from datetime import datetime
+from typing import Any, TypeVar
+from urllib.parse import urlsplit
+
+import sqlalchemy as sa
+from sqlalchemy import event
+from sqlalchemy import exc as sa_exc
+from sqlalchemy.dialects import postgresql, sqlite
+
+from celery_exactonce import exceptions, jobs
+from celery_exactonce.jobs import (
+    CreateResult,
+    CreateStatus,
+    Job,
+    JobRef,
+    NewJob,
+    Transition,
+    TransitionResult,
+    TransitionStatus,
+)
+from celery_exactonce.states import State
+from celery_exactonce.stores import redact_url, sql_schema, validate_namespace
+
+__all__ = ["SqlStore"]
+
+_T = TypeVar("_T")
+_PREFIX_RE = re.compile(r"^[A-Za-z0-9_]{1,32}$")
+_ATTEMPTS = 8
+"""Runs of one transaction at most (the first and the retries)."""
+_BACKOFF = 0.005
+"""Seconds; the n-th retry sleeps up to ``_BACKOFF * 2**n`` (full jitter)."""
+_SQLITE_BUSY = 30.0
+"""Seconds a SQLite transaction waits for the write lock (``from_url`` default)."""
+_READ = "exactonce_read"
+"""Execution option of read-only transactions (SQLite: plain ``BEGIN``)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Dialect:
+    now: str
+    """SQL expression of the server clock in integer microseconds since the epoch."""
+    insert: Callable[[sa.Table], Any] | None
+    """An insert with ``on_conflict_do_nothing``; ``None``: catch the duplicate key."""
+    locks: bool
+    """``FOR UPDATE [SKIP LOCKED]`` exists (else ``BEGIN IMMEDIATE`` serialises)."""
+    retry: frozenset[object]
+    """Error codes after which the transaction was rolled back and may be rerun."""
+    unavailable: frozenset[object] | None
+    """Codes of an ``OperationalError`` worth retrying later; ``None``: every one."""
+    engine: Mapping[str, Any]
+    """Defaults for :func:`sqlalchemy.create_engine`."""
+
+
+_DIALECTS: dict[str, _Dialect] = {
+    "postgresql": _Dialect(
+        now="floor(extract(epoch from clock_timestamp()) * 1000000)::bigint",
+        insert=postgresql.insert,
+        locks=True,
+        retry=frozenset({"40001", "40P01", "55P03"}),
+        unavailable=None,
+        engine={"isolation_level": "READ COMMITTED", "connect_args": {"connect_timeout": 10}},
+    ),
+    "mysql": _Dialect(
+        now="TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6))",
+        insert=None,
+        locks=True,
+        retry=frozenset({1205, 1213}),
+        unavailable=None,
+        engine={"isolation_level": "READ COMMITTED", "connect_args": {"connect_timeout": 10}},
+    ),
+    "sqlite": _Dialect(
+        now="CAST(strftime('%s', 'now') AS INTEGER) * 1000000"
+        " + CAST(substr(strftime('%f', 'now'), 4, 3) AS INTEGER) * 1000",
+        insert=sqlite.insert,
+        locks=False,
+        retry=frozenset({5, 6}),  # SQLITE_BUSY, SQLITE_LOCKED
+        unavailable=frozenset({5, 6, 10, 13, 14}),  # … IOERR, FULL, CANTOPEN
+        engine={"connect_args": {"check_same_thread": False, "timeout": _SQLITE_BUSY}},
+    ),
+}
+_DUPLICATE_KEY = 1062  # MySQL: does not abort the transaction, only the statement
+
+
+class _Rerun(Exception):
+    """Raised inside a transaction to roll it back and run it again."""
+
+
+def _code(exc: BaseException | None) -> object:
+    """The driver's error code: SQLSTATE (psycopg), errno (PyMySQL), primary code (sqlite3)."""
+    if exc is None:
+        return None
+    args = getattr(exc, "args", ())
+    if args and isinstance(args[0], int):  # PyMySQL: (errno, message); it has a sqlstate too
+        return args[0]
+    sqlite_code = getattr(exc, "sqlite_errorcode", None)
+    if isinstance(sqlite_code, int):
+        return sqlite_code & 0xFF
+    return getattr(exc, "sqlstate", None)
+
+
+def _sqlite_connect(dbapi_conn: Any, _record: Any) -> None:
+    # The pysqlite recipe of the SQLAlchemy docs: let SQLAlchemy emit BEGIN.
+    dbapi_conn.isolation_level = None
+    # The busy timeout is sqlite3's ``timeout`` (from_url: 30 s), so WAL waits for it too.
+    cursor = dbapi_conn.cursor()
+    try:
+        cursor.execute("PRAGMA journal_mode = WAL")
+    finally:
+        cursor.close()
+
+
+def _sqlite_begin(conn: sa.Connection) -> None:
+    read = conn.get_execution_options().get(_READ, False)
+    conn.exec_driver_sql("BEGIN" if read else "BEGIN IMMEDIATE")
+
+
+_LIVE: weakref.WeakSet[SqlStore] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for store in list(_LIVE):
+        store._forget_pool()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+class SqlStore:
+    """A :class:`~celery_exactonce.stores.base.StateStore` in a SQL database.
+
+    Parameters
+    ----------
+    engine
+        A SQLAlchemy engine (PostgreSQL with psycopg, MySQL/MariaDB with
+        PyMySQL, or SQLite). On SQLite the store adds the ``BEGIN IMMEDIATE``
+        and WAL listeners to it; build it with :meth:`from_url` to get the
+        right pool and driver settings.
+    namespace
+        Every row this store touches carries it (1-64 characters).
+    retention
+        Seconds a terminal record is kept, counted from ``max(fire_time, terminal_at)``.
+    table_prefix
+        Prefix of the five tables (``{prefix}jobs``, ``watermarks``, ``leases``,
+        ``meta``, ``schema``): 1-32 letters, digits or ``_``.
+    """
+
+    def __init__(
+        self,
+        engine: sa.Engine,
+        *,
+        namespace: str,
+        retention: float,
+        table_prefix: str = "exactonce_",
+    ) -> None:
+        validate_namespace(namespace)
+        if not isinstance(table_prefix, str) or not _PREFIX_RE.match(table_prefix):
+            raise exceptions.ConfigurationError(
+                f"exactonce_table_prefix={table_prefix!r}: 1-32 letters, digits or '_'",
+                setting="exactonce_table_prefix",
+            )
+        if retention <= 0:
+            raise exceptions.ConfigurationError(
+                "exactonce_retention must be > 0", setting="exactonce_retention"
+            )
+        dialect = _DIALECTS.get(engine.dialect.name)
+        if dialect is None:
+            raise exceptions.ConfigurationError(
+                f"no SQL store for the {engine.dialect.name!r} dialect "
+                f"(expected one of {', '.join(sorted(_DIALECTS))})",
+                setting="exactonce_store_url",
+            )
+        self._engine = engine
+        self._d = dialect
+        self._namespace = namespace
+        self._retention = float(retention)
+        self._t = sql_schema.build(table_prefix)
+        self._now_col = sa.literal_column(dialect.now, sa.BigInteger)
+        self._where = (
+            f"{engine.dialect.name} store {engine.url.render_as_string(hide_password=True)}"
+        )
+        self._secret = engine.url.password
+        dbapi = getattr(engine.dialect, "dbapi", None)
+        self._driver_errors: tuple[type[BaseException], ...] = (
+            (dbapi.Error,) if dbapi is not None and hasattr(dbapi, "Error") else ()
+        )
+        self._owns_engine = False
+        self._closed = False
+        self._pid = os.getpid()
+        if engine.dialect.name == "sqlite":
+            for name, listener in (("connect", _sqlite_connect), ("begin", _sqlite_begin)):
+                if not event.contains(engine, name, listener):
+                    event.listen(engine, name, listener)
+        _LIVE.add(self)
+
+    @classmethod
+    def from_url(
+        cls,
+        url: str,
+        *,
+        namespace: str,
+        retention: float,
+        table_prefix: str = "exactonce_",
+        **engine_kwargs: Any,
+    ) -> SqlStore:
+        """Build the engine for ``url`` (a SQLAlchemy URL naming its driver) and the store.
+
+        ``engine_kwargs`` go to :func:`sqlalchemy.create_engine` over the
+        defaults of the dialect (``pool_pre_ping``, ``READ COMMITTED``, connect
+        timeouts; SQLite: ``check_same_thread=False`` and a 30 s busy timeout).
+        """
+        shown = redact_url(url)
+        try:
+            sa_url = sa.engine.make_url(url)
+            dialect = _DIALECTS.get(sa_url.get_backend_name())
+            if dialect is None:
+                raise exceptions.ConfigurationError(
+                    f"exactonce_store_url={shown!r}: not a PostgreSQL, MySQL or SQLite URL",
+                    setting="exactonce_store_url",
+                )
+            kwargs: dict[str, Any] = {"pool_pre_ping": True, **dialect.engine}
+            connect_args = {
+                **kwargs.get("connect_args", {}),
+                **engine_kwargs.pop("connect_args", {}),
+            }
+            kwargs.update(engine_kwargs, connect_args=connect_args)
+            engine = sa.create_engine(sa_url, **kwargs)
+        except (sa_exc.ArgumentError, ImportError, TypeError, ValueError) as exc:
+            detail = str(exc)
+            password = urlsplit(url).password if "://" in url else None
+            if password:
+                detail = detail.replace(password, "***")
+            raise exceptions.ConfigurationError(
+                f"exactonce_store_url={shown!r}: {type(exc).__name__}: {detail}",
+                setting="exactonce_store_url",
+            ) from None
+        store = cls(engine, namespace=namespace, retention=retention, table_prefix=table_prefix)
+        store._owns_engine = True
+        return store
+
+    # -- properties and housekeeping -------------------------------------------------
+
+    @property
+    def namespace(self) -> str:
+        return self._namespace
+
+    @property
+    def retention(self) -> float:
+        return self._retention
+
+    @property
+    def engine(self) -> sa.Engine:
+        return self._engine
+
+    def now(self) -> datetime:
+        return jobs.from_micros(self._run("now", self._now, write=False))
+
+    def setup(self) -> None:
+        """Create absent tables and indexes, record or upgrade the schema version. Idempotent.
+
+        Raises
+        ------
+        SchemaMismatch
+            The database holds a newer schema version than this code writes.
+        """
+        with self._guard("setup"):
+            self._check_usable()
+            sql_schema.create(self._engine, self._t, self._where)
+
+    def ping(self) -> None:
+        """Run ``SELECT 1``; raise ``StoreUnavailable`` when the database does not answer."""
+        self._run("ping", lambda conn: conn.execute(sa.select(1)).scalar_one(), write=False)
+
+    def drop_namespace(self) -> None:
+        """Delete every row of this namespace (jobs, watermarks, leases, epoch)."""
+
+        def op(conn: sa.Connection) -> None:
+            for table in self._t.per_namespace:
+                conn.execute(table.delete().where(table.c.namespace == self._namespace))
+
+        self._run("drop_namespace", op)
+
+    def close(self) -> None:
+        """Mark the store closed; dispose the engine's pool if :meth:`from_url` built it."""
+        self._closed = True
+        _LIVE.discard(self)
+        if self._owns_engine:
+            self._engine.dispose()
+
+    # -- epoch and create ------------------------------------------------------------
+
+    def epoch(self) -> str:
+        meta = self._t.meta
+        query = sa.select(meta.c.epoch).where(meta.c.namespace == self._namespace)
+
+        def op(conn: sa.Connection) -> str:
+            stored = conn.execute(query).scalar_one_or_none()
+            if stored is None:
+                values = {"namespace": self._namespace, "epoch": jobs.new_token()}
+                self._insert_absent(conn, meta, values)
+                stored = conn.execute(query).scalar_one()
+            return str(stored)
+
+        return self._run("epoch", op)
+
+    def create(self, new: NewJob, *, epoch: str | None = None) -> CreateResult:
+        meta, wm = self._t.meta, self._t.watermarks
+        stored_epoch = (
+            sa.select(meta.c.epoch).where(meta.c.namespace == self._namespace).scalar_subquery()
+        )
+
+        def op(conn: sa.Connection) -> CreateResult:
+            now, stored = conn.execute(sa.select(self._now_col, stored_epoch)).one()
+            if epoch is not None and stored != epoch:
+                return CreateResult(CreateStatus.EPOCH_MISMATCH, epoch=stored)
+            mark: int | None = None
+            occurrence = new.entry is not None and new.fire_time is not None
+            if new.entry is not None and new.fire_time is not None:
+                # Lock the entry's watermark first: creates of one entry queue
+                # here, so the existence check below sees the winner's record.
+                where = (wm.c.namespace == self._namespace, wm.c.entry == new.entry)
+                row = self._locked(conn, wm, where)
+                if row is None:
+                    values = {"namespace": self._namespace, "entry": new.entry, "fire_time": None}
+                    self._insert_absent(conn, wm, values)
+                    row = self._locked(conn, wm, where)
+                    if row is None:
+                        raise _Rerun
+                mark = row.fire_time
+            existing = self._select_job(conn, new.ref)
+            if existing is not None:
+                return CreateResult(CreateStatus.EXISTS, existing, epoch=stored)
+            if (
+                new.fire_time is not None
+                and mark is not None
+                and jobs.to_micros(new.fire_time) <= mark
+            ):
+                return CreateResult(CreateStatus.BELOW_WATERMARK, epoch=stored)
+            job = jobs.job_from_new(new, jobs.from_micros(now))
+            if not self._insert_absent(conn, self._t.jobs, self._values(job)):
+                existing = self._select_job(conn, new.ref)
+                if existing is None:
+                    raise _Rerun
+                return CreateResult(CreateStatus.EXISTS, existing, epoch=stored)
+            if occurrence:
+                conn.execute(
+                    wm.update()
+                    .where(wm.c.namespace == self._namespace, wm.c.entry == new.entry)
+                    .values(fire_time=jobs.to_micros_opt(new.fire_time))
+                )
+            return CreateResult(CreateStatus.CREATED, job, epoch=stored)
+
+        return self._run("create", op)
+
+    def get(self, ref: JobRef) -> Job | None:
+        return self._run("get", lambda conn: self._select_job(conn, ref), write=False)
+
+    # -- transitions -----------------------------------------------------------------
+
+    def transition(self, ref: JobRef, request: Transition) -> TransitionResult:
+        def op(conn: sa.Connection) -> TransitionResult:
+            job = self._select_job(conn, ref, lock=True)
+            if job is None:
+                return TransitionResult(TransitionStatus.NOT_FOUND)
+            now = self._now(conn)  # after the row lock: no writer of this job can follow
+            lease = request.lease
+            if lease is not None and not self._holds(conn, lease.name, lease.token, now):
+                return TransitionResult(TransitionStatus.LEASE_LOST, job)
+            at = jobs.from_micros(now)
+            if not jobs.check_transition(job, request, at):
+                return TransitionResult(TransitionStatus.CONFLICT, job)
+            updated = jobs.apply_transition(job, request, at)
+            c = self._t.jobs.c
+            result = conn.execute(
+                self._t.jobs.update()
+                .where(self._pk(ref), c.rev == job.rev)
+                .values(self._values(updated, key=False))
+            )
+            if result.rowcount != 1:  # belt and braces: the row lock forbids this
+                raise _Rerun
+            return TransitionResult(TransitionStatus.APPLIED, updated)
+
+        return self._run("transition", op)
+
+    def heartbeat(self, ref: JobRef, run_id: str) -> bool:
+        c = self._t.jobs.c
+
+        def op(conn: sa.Connection) -> bool:
+            now = self._now(conn)
+            result = conn.execute(
+                self._t.jobs.update()
+                .where(self._pk(ref), c.state == State.RUNNING.value, c.run_id == run_id)
+                .values(touched_at=now, heartbeat_at=now)
+            )
+            return bool(result.rowcount == 1)
+
+        return self._run("heartbeat", op)
+
+    def watermark(self, entry: str) -> datetime | None:
+        wm = self._t.watermarks
+        query = sa.select(wm.c.fire_time).where(
+            wm.c.namespace == self._namespace, wm.c.entry == entry
+        )
+        return self._run(
+            "watermark",
+            lambda conn: jobs.from_micros_opt(conn.execute(query).scalar_one_or_none()),
+            write=False,
+        )
+
+    # -- queries and sweeps ------------------------------------------------------------
+
+    def list_stale(self, state: State, older_than: float, limit: int) -> list[Job]:
+        state = State(state)
+        c = self._t.jobs.c
+
+        def op(conn: sa.Connection) -> list[Job]:
+            cutoff = self._now(conn) - round(older_than * 1_000_000)
+            rows = conn.execute(
+                sa.select(self._t.jobs)
+                .where(
+                    c.namespace == self._namespace, c.state == state.value, c.touched_at <= cutoff
+                )
+                .order_by(c.touched_at, c.space, c.id)
+                .limit(limit)
+            )
+            return [self._job(row) for row in rows]
+
+        return self._run("list_stale", op, write=False) if limit > 0 else self._empty([])
+
+    def claim_due(self, limit: int, *, node: str, reason: str = "claimed") -> list[Job]:
+        def claim() -> Transition:
+            return Transition(State.SCHEDULED, frozenset({State.PENDING}), node=node, reason=reason)
+
+        claim()  # validates node and reason before anything is read
+        table, c = self._t.jobs, self._t.jobs.c
+
+        def op(conn: sa.Connection) -> list[Job]:
+            now = self._now(conn)
+            query = (
+                sa.select(table)
+                .where(
+                    c.namespace == self._namespace, c.state == State.PENDING.value, c.run_at <= now
+                )
+                .order_by(c.run_at, c.space, c.id)
+                .limit(limit)
+            )
+            if self._d.locks:
+                query = query.with_for_update(skip_locked=True)
+            due = [self._job(row) for row in conn.execute(query)]
+            claimed = [jobs.apply_transition(job, claim(), jobs.from_micros(now)) for job in due]
+            if claimed:
+                update = table.update().where(
+                    c.namespace == self._namespace,
+                    c.space == sa.bindparam("k_space"),
+                    c.id == sa.bindparam("k_id"),
+                    c.rev == sa.bindparam("k_rev"),
+                )
+                params = [
+                    {
+                        **self._values(new, key=False),
+                        "k_space": old.ref.space.value,
+                        "k_id": old.ref.id,
+                        "k_rev": old.rev,
+                    }
+                    for old, new in zip(due, claimed, strict=True)
+                ]
+                conn.execute(update, params)
+            return claimed
+
+        return self._run("claim_due", op) if limit > 0 else self._empty([])
+
+    def purge_expired(self, limit: int) -> int:
+        table, c = self._t.jobs, self._t.jobs.c
+
+        def op(conn: sa.Connection) -> int:
+            now = self._now(conn)
+            expired = (c.namespace == self._namespace, c.expires_at <= now)
+            query = sa.select(c.space, c.id).where(*expired).order_by(c.expires_at).limit(limit)
+            if self._d.locks:
+                query = query.with_for_update(skip_locked=True)
+            keys = [(row.space, row.id) for row in conn.execute(query)]
+            if not keys:
+                return 0
+            result = conn.execute(
+                table.delete().where(*expired, sa.tuple_(c.space, c.id).in_(keys))
+            )
+            return int(result.rowcount)
+
+        return self._run("purge_expired", op) if limit > 0 else self._empty(0)
+
+    # -- leases ------------------------------------------------------------------------
+
+    def acquire_lease(self, name: str, token: str, ttl: float) -> bool:
+        jobs.Lease(name, token)  # validates
+        leases = self._t.leases
+        where = (leases.c.namespace == self._namespace, leases.c.name == name)
+
+        def op(conn: sa.Connection) -> bool:
+            now = self._now(conn)
+            until = now + round(ttl * 1_000_000)
+            row = self._locked(conn, leases, where)
+            if row is None:
+                values = {"namespace": self._namespace, "name": name, "token": token}
+                if self._insert_absent(conn, leases, {**values, "expires_at": until}):
+                    return True
+                raise _Rerun  # another node inserted it first: decide on its row
+            if row.token != token and row.expires_at > now:
+                return False
+            conn.execute(leases.update().where(*where).values(token=token, expires_at=until))
+            return True
+
+        return self._run("acquire_lease", op)
+
+    def renew_lease(self, name: str, token: str, ttl: float) -> bool:
+        leases = self._t.leases
+
+        def op(conn: sa.Connection) -> bool:
+            now = self._now(conn)
+            result = conn.execute(
+                leases.update()
+                .where(*self._lease_held(name, token, now))
+                .values(expires_at=now + round(ttl * 1_000_000))
+            )
+            return bool(result.rowcount == 1)
+
+        return self._run("renew_lease", op)
+
+    def release_lease(self, name: str, token: str) -> bool:
+        leases = self._t.leases
+
+        def op(conn: sa.Connection) -> bool:
+            now = self._now(conn)
+            result = conn.execute(leases.delete().where(*self._lease_held(name, token, now)))
+            return bool(result.rowcount == 1)
+
+        return self._run("release_lease", op)
+
+    # -- internals: rows ---------------------------------------------------------------
+
+    def _now(self, conn: sa.Connection) -> int:
+        return int(conn.execute(sa.select(self._now_col)).scalar_one())
+
+    def _pk(self, ref: JobRef) -> sa.ColumnElement[bool]:
+        c = self._t.jobs.c
+        return sa.and_(c.namespace == self._namespace, c.space == ref.space.value, c.id == ref.id)
+
+    def _select_job(self, conn: sa.Connection, ref: JobRef, *, lock: bool = False) -> Job | None:
+        query = sa.select(self._t.jobs).where(self._pk(ref))
+        if lock and self._d.locks:
+            query = query.with_for_update()
+        row = conn.execute(query).first()
+        return None if row is None else self._job(row)
+
+    def _locked(
+        self, conn: sa.Connection, table: sa.Table, where: tuple[sa.ColumnElement[bool], ...]
+    ) -> sa.Row[Any] | None:
+        query = sa.select(table).where(*where)
+        if self._d.locks:
+            query = query.with_for_update()
+        return conn.execute(query).first()
+
+    def _insert_absent(self, conn: sa.Connection, table: sa.Table, values: dict[str, Any]) -> bool:
+        """Insert ``values`` unless the primary key exists; whether this call inserted."""
+        if self._d.insert is not None:
+            # RETURNING, not rowcount: drivers need not count INSERTs.
+            stmt = self._d.insert(table).values(values).on_conflict_do_nothing()
+            return conn.execute(stmt.returning(table.c.namespace)).first() is not None
+        try:
+            conn.execute(table.insert().values(values))
+        except sa_exc.IntegrityError as exc:
+            if _code(exc.orig) == _DUPLICATE_KEY:
+                return False
+            raise
+        return True
+
+    def _holds(self, conn: sa.Connection, name: str, token: str, now: int) -> bool:
+        # A shared lock: the lease cannot change hands before this transaction ends.
+        query = sa.select(self._t.leases.c.token).where(*self._lease_held(name, token, now))
+        if self._d.locks:
+            query = query.with_for_update(read=True)
+        return conn.execute(query).first() is not None
+
+    def _lease_held(self, name: str, token: str, now: int) -> tuple[sa.ColumnElement[bool], ...]:
+        c = self._t.leases.c
+        return (
+            c.namespace == self._namespace,
+            c.name == name,
+            c.token == token,
+            c.expires_at > now,
+        )
+
+    def _values(self, job: Job, *, key: bool = True) -> dict[str, Any]:
+        return sql_schema.job_values(job, self._namespace, self._retention, key=key)
+
+    _job = staticmethod(sql_schema.job_from_row)
+
+    # -- internals: transactions and errors --------------------------------------------
+
+    def _run(self, op: str, fn: Callable[[sa.Connection], _T], *, write: bool = True) -> _T:
+        """Run ``fn`` in one transaction, rerun after a rolled-back conflict, errors wrapped."""
+        with self._guard(op):
+            self._check_usable()
+            for attempt in range(_ATTEMPTS):
+                try:
+                    with self._engine.connect() as conn:
+                        if not write:
+                            conn.execution_options(**{_READ: True})
+                        with conn.begin():
+                            return fn(conn)
+                except _Rerun:
+                    if attempt + 1 == _ATTEMPTS:
+                        raise exceptions.StoreUnavailable(
+                            f"{op} on {self._where}: kept racing with concurrent writers"
+                        ) from None
+                except sa_exc.DBAPIError as exc:
+                    if attempt + 1 == _ATTEMPTS or _code(exc.orig) not in self._d.retry:
+                        raise
+                # Full jitter: concurrent losers do not retry in lockstep.
+                time.sleep(random.uniform(0, _BACKOFF * 2**attempt))  # noqa: S311 (not crypto)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    @contextlib.contextmanager
+    def _guard(self, op: str) -> Iterator[None]:
+        """Wrap driver errors: StoreUnavailable when retrying may help, else StoreError."""
+        wrapped: tuple[type[BaseException], ...] = (
+            sa_exc.SQLAlchemyError,
+            OSError,
+            *self._driver_errors,
+        )
+        try:
+            yield
+        except exceptions.ExactOnceError:
+            raise
+        except wrapped as exc:
+            orig = getattr(exc, "orig", None) or exc
+            code = _code(orig)
+            transient = (
+                code in self._d.retry
+                or isinstance(exc, (sa_exc.TimeoutError, sa_exc.DisconnectionError, OSError))
+                or (isinstance(exc, sa_exc.DBAPIError) and exc.connection_invalidated)
+                or (
+                    isinstance(exc, (sa_exc.OperationalError, sa_exc.InterfaceError))
+                    and (self._d.unavailable is None or code in self._d.unavailable)
+                )
+            )
+            detail = (str(orig).strip().splitlines() or [""])[0]
+            if self._secret:
+                detail = detail.replace(self._secret, "***")
+            message = f"{op} on {self._where} failed: {type(orig).__name__}: {detail}"
+            cls = exceptions.StoreUnavailable if transient else exceptions.StoreError
+            raise cls(message) from exc
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise exceptions.StoreError("the store is closed")
+        if os.getpid() != self._pid:
+            self._forget_pool()
+
+    def _forget_pool(self) -> None:
+        """In a forked child: drop the parent's pooled connections without closing them."""
+        self._engine.dispose(close=False)
+        self._pid = os.getpid()
+
+    def _empty(self, value: _T) -> _T:
+        """The answer to a request for nothing (``limit <= 0``), once the store is checked."""
+        self._check_usable()
+        return value
