@@ -38,6 +38,7 @@ __all__ = [
     "InMemoryStore",
     "StateStore",
     "open_store",
+    "redact_message",
     "redact_url",
     "store_from_url",
 ]
@@ -87,6 +88,15 @@ def redact_url(url: str) -> str:
         host = f"[{host}]"
     netloc = f"{parts.username or ''}:***@{host}{port}"
     return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+
+
+def redact_message(message: str, url: str) -> str:
+    """``message`` with the password of ``url`` blanked out wherever a driver echoed it."""
+    try:
+        secret = urlsplit(url).password if "://" in url else None
+    except ValueError:
+        return message
+    return message.replace(secret, "***") if secret else message
 
 
 def store_from_url(

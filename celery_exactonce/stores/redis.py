@@ -38,7 +38,6 @@ from collections.abc import Iterator, Sequence
 from datetime import datetime, timedelta
 from importlib import resources
 from typing import Any
-from urllib.parse import urlsplit
 
 import redis
 import redis.exceptions as rexc
@@ -57,7 +56,7 @@ from celery_exactonce.jobs import (
     TransitionStatus,
 )
 from celery_exactonce.states import TERMINAL, State
-from celery_exactonce.stores import redact_url, validate_namespace
+from celery_exactonce.stores import redact_message, redact_url, validate_namespace
 from celery_exactonce.stores.base import FORMAT_VERSION
 
 logger = logging.getLogger(__name__)
@@ -196,12 +195,8 @@ class RedisStore:
         try:
             client = redis.Redis.from_url(url, socket_timeout=socket_timeout, **kwargs)
         except (ValueError, TypeError) as exc:
-            reason = str(exc)
-            with contextlib.suppress(ValueError):
-                secret = urlsplit(url).password
-                reason = reason.replace(secret, "***") if secret else reason
             raise exceptions.ConfigurationError(
-                f"exactonce_store_url={redact_url(url)!r}: {reason}",
+                f"exactonce_store_url={redact_url(url)!r}: {redact_message(str(exc), url)}",
                 setting="exactonce_store_url",
             ) from None
         store = cls(client, namespace=namespace, retention=retention, prefix=prefix)

@@ -42,7 +42,6 @@ import weakref
 from collections.abc import Callable, Iterator, Mapping
 from datetime import datetime
 from typing import Any, TypeVar
-from urllib.parse import urlsplit
 
 import sqlalchemy as sa
 from sqlalchemy import event
@@ -61,7 +60,7 @@ from celery_exactonce.jobs import (
     TransitionStatus,
 )
 from celery_exactonce.states import State
-from celery_exactonce.stores import redact_url, sql_schema, validate_namespace
+from celery_exactonce.stores import redact_message, redact_url, sql_schema, validate_namespace
 
 __all__ = ["SqlStore"]
 
@@ -268,10 +267,7 @@ class SqlStore:
             kwargs.update(engine_kwargs, connect_args=connect_args)
             engine = sa.create_engine(sa_url, **kwargs)
         except (sa_exc.ArgumentError, ImportError, TypeError, ValueError) as exc:
-            detail = str(exc)
-            password = urlsplit(url).password if "://" in url else None
-            if password:
-                detail = detail.replace(password, "***")
+            detail = redact_message(str(exc), url)
             raise exceptions.ConfigurationError(
                 f"exactonce_store_url={shown!r}: {type(exc).__name__}: {detail}",
                 setting="exactonce_store_url",
