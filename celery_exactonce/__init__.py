@@ -13,6 +13,7 @@ from celery_exactonce.exceptions import (
     ConfigurationError,
     ExactOnceError,
     InvalidPayload,
+    JobConflict,
     LeaseLost,
     SchedulingError,
     SchemaMismatch,
@@ -24,6 +25,7 @@ from celery_exactonce.jobs import Job, JobRef
 from celery_exactonce.keys import idempotency_key
 from celery_exactonce.states import State
 from celery_exactonce.stores import InMemoryStore, StateStore, open_store, store_from_url
+from celery_exactonce.task import ExactOnceTask
 
 __version__ = "0.1.0.dev0"
 
@@ -31,9 +33,11 @@ __all__ = [
     "ConfigurationError",
     "ExactOnceConfig",
     "ExactOnceError",
+    "ExactOnceTask",
     "InMemoryStore",
     "InvalidPayload",
     "Job",
+    "JobConflict",
     "JobRef",
     "LeaseLost",
     "SchedulingError",

@@ -76,5 +76,9 @@ class SubmitAmbiguous(ExactOnceError):
         )
 
 
+class JobConflict(ExactOnceError):
+    """A ``task_id`` that exists already, for another task or another payload."""
+
+
 class SchedulingError(ExactOnceError):
     """An occurrence or job could not be published."""

@@ -1,0 +1,353 @@
+"""The dispatch path: write ``DISPATCHED`` first, then publish what that write returned.
+
+Beat, the delayed-job sweeper, the reconciler, Celery retries and
+``ExactOnceTask.apply_async`` all publish through :class:`Dispatcher` and
+nothing else (DESIGN.md section 4, "Dispatch"):
+
+1. CAS ``SCHEDULED → DISPATCHED`` on the job's ``rev``. A write that errors is
+   settled by reading back: if the record holds this writer's new ``rev`` the
+   write applied and the publish goes ahead; otherwise nothing is published
+   (*fail closed*).
+2. Publish the payload the CAS returned, with our headers and an ``expires``
+   at the job's deadline, kombu's own publish retry off.
+3. A failure is *definite* only when nothing can have been sent (the
+   connection was refused): CAS back to ``SCHEDULED`` and count a rollback; the
+   job is retried later (the reconciler replays stale ``SCHEDULED`` jobs).
+   Anything else is *ambiguous*: the job stays ``DISPATCHED`` and is counted;
+   a second copy, if one is ever published, is stopped by the worker gate.
+4. A plain job (no gate) ends ``PUBLISHED`` once its publish returned.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import errno
+import logging
+import socket
+import time
+from collections.abc import Callable, Mapping
+from datetime import datetime
+from typing import Any, Protocol
+
+from celery_exactonce import exceptions, jobs, keys, metrics
+from celery_exactonce.jobs import Job, JobRef, Space, Transition
+from celery_exactonce.states import State
+from celery_exactonce.stores.base import StateStore
+
+logger = logging.getLogger(__name__)
+
+#: Job option (stored with the job, never published) telling that the consumer
+#: runs the gate for this task.
+GATED_OPTION = "exactonce_gated"
+
+#: Options stored with a job that Celery's ``send_task`` accepts as publish options.
+PUBLISH_OPTIONS = frozenset(
+    {
+        "queue", "exchange", "routing_key", "priority", "countdown", "eta", "link", "link_error",
+        "time_limit", "soft_time_limit", "shadow", "expires", "serializer", "compression",
+        "ignore_result", "reply_to", "headers",
+    }
+)  # fmt: skip
+
+HEADER_JOB_ID = "exactonce_job_id"
+HEADER_ATTEMPT = "exactonce_attempt"
+HEADER_IDEMPOTENCY_KEY = "idempotency_key"
+HEADER_KEY = "exactonce_key"
+HEADER_FIRE_TIME = "exactonce_fire_time"
+
+#: How long a writer keeps trying to read back a write whose answer was lost.
+READ_BACK_TRIES = 3
+READ_BACK_DELAY = 0.05
+
+
+class Outcome(str, enum.Enum):
+    """What one dispatch did. Every value but ``PUBLISHED`` and ``LOST`` is counted."""
+
+    PUBLISHED = "published"
+    """Handed to the broker (a plain job is now ``PUBLISHED``, a gated one ``DISPATCHED``)."""
+    LOST = "lost"
+    """The CAS lost: another dispatcher, a cancel or the reconciler moved the job first."""
+    FAIL_CLOSED = "fail_closed"
+    """The store could not be written or read back: nothing was published."""
+    ROLLED_BACK = "rolled_back"
+    """The publish failed definitely; the job is ``SCHEDULED`` again, to be retried."""
+    ROLLBACK_FAILED = "rollback_failed"
+    """The publish failed definitely and the rollback write failed too (reported)."""
+    AMBIGUOUS = "ambiguous"
+    """The broker may or may not have the message; the job stays ``DISPATCHED``."""
+    FAILED = "failed"
+    """Permanent: unknown task or unpublishable payload; the job is ``FAILED``."""
+    EXPIRED = "expired"
+    """Past its deadline before it could be published; the job is ``CANCELLED``."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DispatchResult:
+    outcome: Outcome
+    job: Job | None = None
+    error: BaseException | None = None
+
+
+class PublishFailed(Exception):
+    """A publish that did not (certainly) reach the broker."""
+
+    def __init__(self, message: str, *, definite: bool, permanent: bool = False) -> None:
+        super().__init__(message)
+        self.definite = definite
+        self.permanent = permanent
+
+
+class Publisher(Protocol):
+    """Sends one job's message. Raises :class:`PublishFailed` on failure."""
+
+    def __call__(self, job: Job, headers: Mapping[str, Any], extra: Mapping[str, Any]) -> None: ...
+
+
+def job_idempotency_key(job: Job, namespace: str) -> str:
+    """The ``idempotency_key`` header of ``job``.
+
+    For a beat occurrence: :func:`~celery_exactonce.keys.idempotency_key` of
+    its entry and slot. For any other job: that of ``"job:" + task_id`` at the
+    UNIX epoch, so it is the same across retries and re-submissions of the id.
+    """
+    if job.entry is not None and job.fire_time is not None:
+        return keys.idempotency_key(job.entry, job.fire_time, namespace)
+    return keys.idempotency_key(f"job:{job.ref.id}", jobs.EPOCH, namespace)
+
+
+def message_headers(job: Job, namespace: str) -> dict[str, Any]:
+    """The headers every dispatch of ``job`` carries (DESIGN.md section 6)."""
+    headers: dict[str, Any] = {
+        HEADER_JOB_ID: job.ref.id,
+        HEADER_ATTEMPT: job.attempt,
+        HEADER_IDEMPOTENCY_KEY: job_idempotency_key(job, namespace),
+    }
+    if job.ref.space is Space.OCCURRENCE and job.fire_time is not None:
+        headers[HEADER_KEY] = job.entry
+        headers[HEADER_FIRE_TIME] = keys.canonical_instant(job.fire_time)
+    return headers
+
+
+def ref_from_headers(headers: Mapping[str, Any], task_id: str) -> JobRef:
+    """The job a message belongs to: an occurrence if it carries ``exactonce_key``."""
+    job_id = str(headers.get(HEADER_JOB_ID) or task_id)
+    if headers.get(HEADER_KEY) is not None:
+        return JobRef.occurrence(job_id)
+    return JobRef.task(job_id)
+
+
+def connection_refused(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what caused it) is a refused or unresolvable connect.
+
+    Only such a failure proves that nothing was sent; every other publish
+    error may have left a message on the broker.
+    """
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, (ConnectionRefusedError, socket.gaierror)):
+            return True
+        if isinstance(current, OSError) and current.errno == errno.ECONNREFUSED:
+            return True
+        if "Connection refused" in str(current) and "connecting to" in str(current):
+            return True  # redis-py's connect error, which keeps no errno
+        current = current.__cause__ or current.__context__
+    return False
+
+
+class CeleryPublisher:
+    """Publishes through the Celery app's producer pool, kombu's retry off."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    def __call__(self, job: Job, headers: Mapping[str, Any], extra: Mapping[str, Any]) -> None:
+        from kombu.exceptions import EncodeError
+
+        options = {k: v for k, v in {**job.options, **extra}.items() if k in PUBLISH_OPTIONS}
+        if isinstance(options.get("eta"), str):
+            options["eta"] = datetime.fromisoformat(options["eta"])
+        options["headers"] = {**dict(options.get("headers") or {}), **headers}
+        if job.deadline is not None:
+            options["expires"] = job.deadline
+        try:
+            with self.app.producer_or_acquire(None) as producer:
+                try:
+                    producer.connection.ensure_connection(max_retries=0)
+                except Exception as exc:
+                    raise PublishFailed(f"connect failed: {exc}", definite=True) from exc
+                self.app.send_task(
+                    job.task, args=job.args, kwargs=job.kwargs, task_id=job.ref.id,
+                    producer=producer, retries=job.attempt, retry=False, **options,
+                )  # fmt: skip
+        except PublishFailed:
+            raise
+        except EncodeError as exc:
+            raise PublishFailed(f"cannot encode: {exc}", definite=True, permanent=True) from exc
+        except Exception as exc:
+            raise PublishFailed(str(exc), definite=connection_refused(exc)) from exc
+
+
+class Dispatcher:
+    """Moves ``SCHEDULED`` jobs to the broker, at most once per dispatch decision."""
+
+    def __init__(
+        self,
+        store: StateStore,
+        publisher: Publisher,
+        *,
+        node: str,
+        known_task: Callable[[str], bool] | None = None,
+    ) -> None:
+        self.store = store
+        self.publisher = publisher
+        self.node = node
+        self.known_task = known_task or (lambda _name: True)
+
+    def dispatch(self, job: Job, *, reason: str = "dispatch") -> DispatchResult:
+        """CAS ``job`` (as listed, ``SCHEDULED``) to ``DISPATCHED`` and publish it."""
+        if job.state is not State.SCHEDULED:
+            return DispatchResult(Outcome.LOST, job)
+        if job.options.get(GATED_OPTION) and not self.known_task(job.task):
+            return self._fail(job, f"unknown task {job.task!r}")
+        request = Transition(
+            State.DISPATCHED, frozenset({State.SCHEDULED}), node=self.node, reason=reason,
+            rev=job.rev,
+        )  # fmt: skip
+        try:
+            result = self.store.transition(job.ref, request)
+        except exceptions.StoreError as exc:
+            dispatched = self.read_back(job.ref, request.new_rev)
+            if dispatched is None:
+                self._fail_closed("dispatched_write", job, exc)
+                return DispatchResult(Outcome.FAIL_CLOSED, job, exc)
+        else:
+            if not result.applied or result.job is None:
+                logger.debug(
+                    "job %s already taken (%s)", job.ref, result.status.value,
+                    extra={"action": "dispatch_lost", "job_id": job.ref.id},
+                )  # fmt: skip
+                return DispatchResult(Outcome.LOST, result.job)
+            dispatched = result.job
+        return self.publish(dispatched)
+
+    def publish(self, job: Job, *, extra: Mapping[str, Any] | None = None) -> DispatchResult:
+        """Publish ``job``, which this caller just wrote ``DISPATCHED`` (its ``rev`` is ours).
+
+        ``extra`` holds publish options for this publish only (a retry's ``eta``).
+        """
+        if job.deadline is not None and job.touched_at >= job.deadline:
+            self._write(job, State.CANCELLED, "deadline passed before publish")
+            metrics.event("dispatch_expired", f"job {job.ref} expired before publish",
+                          job_id=job.ref.id, task=job.task)  # fmt: skip
+            return DispatchResult(Outcome.EXPIRED, job)
+        headers = message_headers(job, self.store.namespace)
+        try:
+            self.publisher(job, headers, extra or {})
+        except PublishFailed as exc:
+            if exc.permanent:
+                return self._fail(self._rollback(job, exc) or job, f"cannot publish: {exc}")
+            if not exc.definite:
+                metrics.event(
+                    "publish_ambiguous", f"publish of {job.ref} may or may not have landed: {exc}",
+                    level=logging.WARNING, job_id=job.ref.id, task=job.task, attempt=job.attempt,
+                )  # fmt: skip
+                return DispatchResult(Outcome.AMBIGUOUS, job, exc)
+            rolled = self._rollback(job, exc)
+            if rolled is None:
+                return DispatchResult(Outcome.ROLLBACK_FAILED, job, exc)
+            return DispatchResult(Outcome.ROLLED_BACK, rolled, exc)
+        if not job.options.get(GATED_OPTION):
+            self._write(job, State.PUBLISHED, "publish returned")
+        metrics.event(
+            "dispatched", f"job {job.ref} published (attempt {job.attempt})",
+            level=logging.DEBUG, job_id=job.ref.id, task=job.task, attempt=job.attempt,
+        )  # fmt: skip
+        return DispatchResult(Outcome.PUBLISHED, job)
+
+    def read_back(self, ref: JobRef, op_id: str) -> Job | None:
+        """The record if the write ``op_id`` applied and is still the latest; else ``None``.
+
+        ``None`` also when the record cannot be read (bounded tries): the caller
+        then publishes nothing, and the reconciler settles the job visibly.
+        """
+        for attempt in range(READ_BACK_TRIES):
+            try:
+                job = self.store.get(ref)
+            except exceptions.StoreError:
+                time.sleep(READ_BACK_DELAY * (2**attempt))
+                continue
+            return job if job is not None and job.rev == op_id else None
+        return None
+
+    # -- internals ------------------------------------------------------------------
+
+    def _rollback(self, job: Job, exc: BaseException) -> Job | None:
+        """CAS our ``DISPATCHED`` back to ``SCHEDULED``; ``None`` if that write failed."""
+        request = Transition(
+            State.SCHEDULED, frozenset({State.DISPATCHED}), node=self.node,
+            reason=f"publish failed: {exc}"[: jobs.MAX_REASON_LENGTH], rev=job.rev,
+        )  # fmt: skip
+        try:
+            result = self.store.transition(job.ref, request)
+        except exceptions.StoreError as error:
+            result_job = self.read_back(job.ref, request.new_rev)
+            if result_job is not None:
+                return result_job
+            self._rollback_failed(job, error)
+            return None
+        if not result.applied or result.job is None:
+            # Someone (the gate: the message did land after all) moved it on.
+            logger.info(
+                "rollback of %s found %s", job.ref, result.job.state if result.job else "nothing",
+                extra={"action": "rollback_superseded", "job_id": job.ref.id},
+            )  # fmt: skip
+            return result.job
+        metrics.event(
+            "publish_rolled_back", f"publish of {job.ref} refused ({exc}); back to SCHEDULED",
+            level=logging.WARNING, labels={"phase": "publish"}, job_id=job.ref.id, task=job.task,
+        )  # fmt: skip
+        return result.job
+
+    def _rollback_failed(self, job: Job, exc: BaseException) -> None:
+        metrics.event(
+            "rollback_failed",
+            f"publish of {job.ref} failed and the rollback write failed too: "
+            "the job stays DISPATCHED for the reconciler",
+            level=logging.ERROR, labels={"phase": "rollback_write"}, sentry=True,
+            job_id=job.ref.id, task=job.task, exc_info=exc,
+        )  # fmt: skip
+
+    def _fail_closed(self, phase: str, job: Job, exc: BaseException) -> None:
+        metrics.event(
+            "fail_closed", f"store error while dispatching {job.ref} ({phase}): nothing published",
+            level=logging.WARNING, labels={"phase": phase}, sentry=True, job_id=job.ref.id,
+            task=job.task, exc_info=exc,
+        )  # fmt: skip
+
+    def _fail(self, job: Job, reason: str) -> DispatchResult:
+        if job.state is State.SCHEDULED:
+            self._write(job, State.FAILED, reason)
+        metrics.event(
+            "dispatch_failed", f"job {job.ref} cannot be dispatched: {reason}",
+            level=logging.ERROR, job_id=job.ref.id, task=job.task,
+        )  # fmt: skip
+        return DispatchResult(Outcome.FAILED, job)
+
+    def _write(self, job: Job, state: State, reason: str) -> Job | None:
+        """A best-effort CAS on our own rev; failures are logged (the reconciler settles)."""
+        request = Transition(
+            state, frozenset({job.state}), node=self.node,
+            reason=reason[: jobs.MAX_REASON_LENGTH], rev=job.rev,
+        )  # fmt: skip
+        try:
+            result = self.store.transition(job.ref, request)
+        except exceptions.StoreError as exc:
+            logger.warning(
+                "could not write %s for %s: %s", state, job.ref, exc,
+                extra={"action": "state_write_failed", "job_id": job.ref.id, "state": str(state)},
+            )  # fmt: skip
+            return None
+        return result.job if result.applied else None

@@ -1,0 +1,136 @@
+"""Counters, structured log events and Sentry reports: how every skip is made visible.
+
+Every event the package wants an operator to see goes through :func:`event`:
+one log record whose ``extra`` carries a stable ``action`` key (grep and alert
+on it), one increment of a counter of the same name (with labels such as the
+phase of a fail-closed event), and, for the events that need a human, a Sentry
+event when, and only when, the host application initialised Sentry.
+
+Counters are per process (:data:`COUNTERS`); when ``prometheus-client`` is
+installed they are mirrored into a Prometheus counter
+``exactonce_events_total{action=…, …}``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+from collections.abc import Mapping
+from typing import Any
+
+logger = logging.getLogger("celery_exactonce")
+
+#: Label names that may appear on counters: a closed set keeps the metric's
+#: cardinality bounded (a job id is a log field, never a label).
+LABELS = ("phase", "where", "state", "task")
+
+
+class Counters:
+    """Thread-safe event counters keyed by ``(action, labels)``."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: Counter[tuple[str, tuple[tuple[str, str], ...]]] = Counter()
+
+    def incr(self, action: str, labels: Mapping[str, str] | None = None, amount: int = 1) -> None:
+        """Add ``amount`` to ``action`` under ``labels`` (only names in :data:`LABELS` count)."""
+        pairs = (labels or {}).items()
+        key = (action, tuple(sorted((k, str(v)) for k, v in pairs if k in LABELS)))
+        with self._lock:
+            self._counts[key] += amount
+        _prometheus_incr(action, dict(key[1]), amount)
+
+    def get(self, action: str, **labels: str) -> int:
+        """The count of ``action``, summed over every label set that includes ``labels``."""
+        wanted = {(k, str(v)) for k, v in labels.items()}
+        with self._lock:
+            return sum(
+                n for (a, lbl), n in self._counts.items() if a == action and wanted <= set(lbl)
+            )
+
+    def snapshot(self) -> dict[str, int]:
+        """``{"action{label=value,…}": count}`` for reports and tests."""
+        with self._lock:
+            items = list(self._counts.items())
+        return {
+            action + ("{" + ",".join(f"{k}={v}" for k, v in labels) + "}" if labels else ""): n
+            for (action, labels), n in sorted(items)
+        }
+
+    def reset(self) -> None:
+        with self._lock:
+            self._counts.clear()
+
+
+COUNTERS = Counters()
+
+
+def event(
+    action: str,
+    message: str,
+    *,
+    level: int = logging.INFO,
+    labels: Mapping[str, str] | None = None,
+    sentry: bool = False,
+    exc_info: BaseException | None = None,
+    **fields: Any,
+) -> None:
+    """Count ``action``, log ``message`` with ``extra={"action": action, **fields}``.
+
+    With ``sentry=True`` the event also goes to Sentry, tagged with the
+    action, the labels and the job id, if the host app initialised Sentry.
+    """
+    COUNTERS.incr(action, labels)
+    extra = {"action": action, **dict(labels or {}), **fields}
+    logger.log(level, message, extra=extra, exc_info=exc_info)
+    if sentry:
+        report_to_sentry(action, message, {**dict(labels or {}), **fields}, exc_info)
+
+
+def report_to_sentry(
+    action: str, message: str, tags: Mapping[str, Any], exc: BaseException | None = None
+) -> bool:
+    """Send an event to Sentry if the host app initialised it; return whether it was sent."""
+    try:
+        import sentry_sdk
+    except ImportError:
+        return False
+    if not sentry_sdk.get_client().is_active():
+        return False
+    with sentry_sdk.new_scope() as scope:
+        scope.set_tag("exactonce.action", action)
+        for key, value in tags.items():
+            if value is not None:
+                scope.set_tag(f"exactonce.{key}", str(value))
+        if exc is not None:
+            sentry_sdk.capture_exception(exc)
+        else:
+            sentry_sdk.capture_message(message, level="error")
+    return True
+
+
+_prometheus_lock = threading.Lock()
+_prometheus_counter: Any = None
+_prometheus_checked = False
+
+
+def _prometheus_incr(action: str, labels: dict[str, str], amount: int) -> None:
+    global _prometheus_counter, _prometheus_checked  # noqa: PLW0603  (one lazy metric per process)
+    if not _prometheus_checked:
+        with _prometheus_lock:
+            if not _prometheus_checked:
+                try:
+                    import prometheus_client
+
+                    _prometheus_counter = prometheus_client.Counter(
+                        "exactonce_events",
+                        "celery-exactonce events by action",
+                        ["action", *LABELS],
+                    )
+                except (ImportError, ValueError):
+                    _prometheus_counter = None
+                _prometheus_checked = True
+    if _prometheus_counter is not None:
+        values = {name: labels.get(name, "") for name in LABELS}
+        _prometheus_counter.labels(action=action, **values).inc(amount)

@@ -1,0 +1,84 @@
+"""Per-process runtime of one Celery app: its config, store client and dispatcher.
+
+Store clients must not cross ``fork()`` (a prefork child would share its
+parent's sockets), so the runtime is built lazily in each process and rebuilt
+when the pid changes. The config is read and validated once per app.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import weakref
+from typing import Any
+
+from celery_exactonce import dispatch
+from celery_exactonce.config import ExactOnceConfig
+from celery_exactonce.stores import open_store
+from celery_exactonce.stores.base import StateStore
+
+
+class Runtime:
+    """What one process needs to dispatch and gate the jobs of one app."""
+
+    def __init__(self, app: Any, config: ExactOnceConfig, store: StateStore | None = None) -> None:
+        self.app = app
+        self.config = config
+        self.pid = os.getpid()
+        self.node = config.node_id or f"{socket.gethostname()}:{self.pid}"
+        self.store = store if store is not None else open_store(config)
+        self.dispatcher = dispatch.Dispatcher(
+            self.store,
+            dispatch.CeleryPublisher(app),
+            node=self.node,
+            known_task=lambda name: name in app.tasks,
+        )
+
+    def close(self) -> None:
+        self.store.close()
+
+
+_lock = threading.Lock()
+_runtimes: weakref.WeakKeyDictionary[Any, Runtime] = weakref.WeakKeyDictionary()
+_configs: weakref.WeakKeyDictionary[Any, ExactOnceConfig] = weakref.WeakKeyDictionary()
+
+
+def config_for(app: Any) -> ExactOnceConfig:
+    """The validated config of ``app`` (read once)."""
+    with _lock:
+        config = _configs.get(app)
+        if config is None:
+            config = _configs[app] = ExactOnceConfig.from_app(app)
+        return config
+
+
+def runtime_for(app: Any) -> Runtime:
+    """The runtime of ``app`` in this process, built on first use (and again after a fork)."""
+    with _lock:
+        runtime = _runtimes.get(app)
+        if runtime is not None and runtime.pid == os.getpid():
+            return runtime
+    config = config_for(app)
+    with _lock:
+        runtime = _runtimes.get(app)
+        if runtime is None or runtime.pid != os.getpid():
+            runtime = _runtimes[app] = Runtime(app, config)
+        return runtime
+
+
+def install(app: Any, store: StateStore, config: ExactOnceConfig | None = None) -> Runtime:
+    """Use ``store`` for ``app`` in this process (tests, embedding: e.g. an InMemoryStore)."""
+    runtime = Runtime(app, config or config_for(app), store)
+    with _lock:
+        _runtimes[app] = runtime
+    return runtime
+
+
+def reset(app: Any) -> None:
+    """Forget the runtime and config of ``app`` in this process (closing its store)."""
+    with _lock:
+        runtime = _runtimes.pop(app, None)
+        _configs.pop(app, None)
+    if runtime is not None and runtime.pid == os.getpid():
+        runtime.close()

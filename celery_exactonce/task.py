@@ -1,0 +1,511 @@
+"""ExactOnceTask: the worker gate around the body, and submission through the store.
+
+Subclass it (``@app.task(base=ExactOnceTask)``) for the tasks whose body must
+run at most once per attempt whatever the broker redelivers (DESIGN.md
+section 4, "Worker gate"):
+
+* **Submission.** ``apply_async``/``delay`` create the job in the store
+  (create-if-absent on the ``task_id``) and publish it through the dispatch
+  path. Once a record may exist, the only error it raises is
+  :class:`~celery_exactonce.exceptions.SubmitAmbiguous` (resubmit the same id).
+* **The gate.** Before the body: CAS ``SCHEDULED/DISPATCHED → RUNNING`` on the
+  message's attempt, with a fresh ``run_id``. Any other state (a duplicate)
+  raises Celery's ``Ignore``: the message is acked, no result is stored and no
+  callback fires. A store error never lets the body run: the gate retries for
+  a bounded time, then sends the delivery back through Celery's retry
+  mechanism, carrying the run ids it tried so that a gate write that did
+  apply is recognised as its own.
+* **After the body.** ``RUNNING → SUCCEEDED`` or ``FAILED`` on the ``run_id``.
+  A Celery retry (``self.retry``, ``autoretry_for``) is the next attempt of the
+  same job, written before the retry is published.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+from celery import Task, signals
+from celery.exceptions import Ignore, Reject, Retry
+
+from celery_exactonce import dispatch, exceptions, jobs, metrics
+from celery_exactonce.jobs import CreateStatus, Job, JobRef, NewJob, Transition
+from celery_exactonce.runtime import Runtime, runtime_for
+from celery_exactonce.states import State
+
+logger = logging.getLogger(__name__)
+
+#: Header carrying the run ids that earlier deliveries of this message wrote
+#: (or may have written) at the gate before a store error sent them back.
+HEADER_GATE_RUNS = "exactonce_gate_runs"
+
+#: Options of ``apply_async`` that are stored with the job and published with it.
+_STORED_OPTIONS = frozenset(
+    {"queue", "exchange", "routing_key", "priority", "time_limit", "soft_time_limit",
+     "shadow", "ignore_result", "headers"}
+)  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class _Run:
+    """The gated run in progress in this thread (what ``self.retry`` needs)."""
+
+    ref: JobRef
+    run_id: str
+    attempt: int
+    headers: Mapping[str, Any]
+
+
+_current: contextvars.ContextVar[_Run | None] = contextvars.ContextVar(
+    "exactonce_run", default=None
+)
+#: Set (to the attempt) while the gate sends a delivery back unchanged.
+_raw_republish: contextvars.ContextVar[int | None] = contextvars.ContextVar(
+    "exactonce_raw", default=None
+)
+
+
+class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
+    """A Celery task whose body runs at most once per attempt (see the module docs)."""
+
+    #: How long the gate keeps retrying a store error before sending the
+    #: delivery back through Celery's retry mechanism.
+    exactonce_gate_timeout: float = 30.0
+    #: Opt in to redispatch of a stale ``DISPATCHED`` job by the reconciler
+    #: (asserts that every consumer of the queue runs the gate).
+    exactonce_redispatch: bool = False
+    #: Opt in to re-running a ``RUNNING`` job whose worker vanished (at-least-once).
+    exactonce_rerun: bool = False
+
+    # -- submission ----------------------------------------------------------------
+
+    def apply_async(
+        self,
+        args: Sequence[Any] | None = None,
+        kwargs: Mapping[str, Any] | None = None,
+        task_id: str | None = None,
+        producer: Any = None,
+        link: Any = None,
+        link_error: Any = None,
+        shadow: str | None = None,
+        **options: Any,
+    ) -> Any:
+        """Create the job in the store, then dispatch it; returns its ``AsyncResult``.
+
+        Raises
+        ------
+        InvalidPayload
+            The arguments or options cannot be stored as JSON (nothing was stored).
+        SubmitAmbiguous
+            The store failed in a way that leaves the create's outcome unknown:
+            submit the same ``task_id`` again.
+        JobConflict
+            ``task_id`` exists with a different task or payload.
+        """
+        raw_attempt = _raw_republish.get()
+        if self.app.conf.task_always_eager or raw_attempt is not None:
+            if raw_attempt is not None:
+                options["retries"] = raw_attempt  # the same attempt, delivered again
+            return super().apply_async(
+                args, kwargs, task_id=task_id, producer=producer, link=link,
+                link_error=link_error, shadow=shadow, **options,
+            )  # fmt: skip
+        run = _current.get()
+        if run is not None and task_id == run.ref.id:
+            return self._retry_next_attempt(run, args, kwargs, options)
+        return self._submit(args, kwargs, task_id, link, link_error, shadow, options)
+
+    def _submit(
+        self,
+        args: Sequence[Any] | None,
+        kwargs: Mapping[str, Any] | None,
+        task_id: str | None,
+        link: Any,
+        link_error: Any,
+        shadow: str | None,
+        options: dict[str, Any],
+    ) -> Any:
+        runtime = runtime_for(self.app)
+        task_id = task_id or str(uuid.uuid4())
+        stored = {k: v for k, v in options.items() if k in _STORED_OPTIONS and v is not None}
+        for name, value in (("link", link), ("link_error", link_error)):
+            if value is not None:
+                stored[name] = [dict(s) for s in (value if isinstance(value, list) else [value])]
+        if shadow is not None:
+            stored["shadow"] = shadow
+        eta = _eta(options)
+        if eta is not None:
+            stored["eta"] = eta.isoformat()
+        stored[dispatch.GATED_OPTION] = True
+        new = NewJob(
+            JobRef.task(task_id), self.name, State.SCHEDULED, node=runtime.node,
+            args=list(args or ()), kwargs=dict(kwargs or {}), options=stored,
+            deadline=_deadline(options.get("expires"), eta), reason="apply_async",
+        )  # fmt: skip
+        job = self._create(runtime, new)
+        if job.rev == new.rev and job.state is State.SCHEDULED:
+            runtime.dispatcher.dispatch(job, reason="apply_async")
+        return self.AsyncResult(task_id)
+
+    def _create(self, runtime: Runtime, new: NewJob) -> Job:
+        try:
+            result = runtime.store.create(new)
+        except exceptions.StoreError as exc:
+            try:
+                existing = runtime.store.get(new.ref)
+            except exceptions.StoreError:
+                raise exceptions.SubmitAmbiguous(new.ref.id) from exc
+            if existing is None:
+                raise exceptions.SubmitAmbiguous(new.ref.id) from exc
+            result = jobs.CreateResult(CreateStatus.EXISTS, existing)
+        if result.job is None:
+            raise exceptions.SubmitAmbiguous(new.ref.id)
+        job = result.job
+        if result.status is CreateStatus.EXISTS and job.rev != new.rev:
+            same = (job.task, job.args, job.kwargs) == (new.task, new.args, new.kwargs)
+            if not same:
+                raise exceptions.JobConflict(
+                    f"task_id {new.ref.id!r} already exists as {job.task} with another payload"
+                )
+        return job
+
+    def _retry_next_attempt(
+        self,
+        run: _Run,
+        args: Sequence[Any] | None,
+        kwargs: Mapping[str, Any] | None,
+        options: dict[str, Any],
+    ) -> Any:
+        """Celery's retry re-publishes the task: make it the next attempt of the job first."""
+        runtime = runtime_for(self.app)
+        request = Transition(
+            State.DISPATCHED, frozenset({State.RUNNING}), node=runtime.node, reason="retry",
+            run_id=run.run_id, next_attempt=True,
+            args=list(args) if args is not None else None,
+            kwargs=dict(kwargs) if kwargs is not None else None,
+        )  # fmt: skip
+        try:
+            result = runtime.store.transition(run.ref, request)
+            job = result.job if result.applied else None
+        except exceptions.StoreError as exc:
+            job = runtime.dispatcher.read_back(run.ref, request.new_rev)
+            if job is None:
+                metrics.event(
+                    "fail_closed", f"retry of {run.ref} not written: nothing published",
+                    level=logging.WARNING, labels={"phase": "dispatched_write"}, sentry=True,
+                    job_id=run.ref.id, task=self.name, exc_info=exc,
+                )  # fmt: skip
+                raise Reject(exc, requeue=False) from exc
+        if job is None:
+            logger.info(
+                "retry of %s refused: the job moved on", run.ref,
+                extra={"action": "retry_refused", "job_id": run.ref.id},
+            )  # fmt: skip
+            return self.AsyncResult(run.ref.id)
+        extra: dict[str, Any] = {}
+        eta = _eta(options)
+        if eta is not None:
+            extra["eta"] = eta.isoformat()
+        runtime.dispatcher.publish(job, extra=extra)
+        return self.AsyncResult(run.ref.id)
+
+    def replace(self, sig: Any) -> Any:
+        """Not supported on a gated task yet: the replacement's run would escape the gate."""
+        raise exceptions.ExactOnceError(
+            f"{self.name}: replace() is not supported on an ExactOnceTask yet"
+        )
+
+    # -- the gate --------------------------------------------------------------------
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        request = self.request
+        if request.called_directly or request.is_eager:
+            return self.run(*args, **kwargs)
+        validate_gated_task(self)
+        runtime = runtime_for(self.app)
+        headers = _headers(request)
+        ref = dispatch.ref_from_headers(headers, request.id)
+        attempt = int(headers.get(dispatch.HEADER_ATTEMPT, request.retries or 0))
+        run_id = jobs.new_token()
+        job = self._gate(runtime, ref, attempt, run_id, headers, args, kwargs)
+        run_id = job.run_id or run_id
+        request.idempotency_key = headers.get(dispatch.HEADER_IDEMPOTENCY_KEY) or (
+            dispatch.job_idempotency_key(job, runtime.store.namespace)
+        )
+        token = _current.set(_Run(ref, run_id, attempt, headers))
+        beat = _Heartbeat(runtime, ref, run_id)
+        try:
+            result = self.run(*args, **kwargs)
+        except Retry:
+            raise  # the retry already made this the next attempt of the job
+        except Ignore:
+            self._finish(runtime, ref, run_id, State.CANCELLED, "the body raised Ignore")
+            raise
+        except BaseException as exc:
+            self._finish(runtime, ref, run_id, State.FAILED, f"{type(exc).__name__}: {exc}")
+            raise
+        else:
+            self._finish(runtime, ref, run_id, State.SUCCEEDED, "body returned")
+            return result
+        finally:
+            beat.stop()
+            _current.reset(token)
+
+    def _gate(
+        self,
+        runtime: Runtime,
+        ref: JobRef,
+        attempt: int,
+        run_id: str,
+        headers: Mapping[str, Any],
+        args: Sequence[Any],
+        kwargs: Mapping[str, Any],
+    ) -> Job:
+        """Pass the gate (returning the ``RUNNING`` job) or raise ``Ignore``/``Retry``."""
+        earlier_runs = set(headers.get(HEADER_GATE_RUNS) or ())
+        request = Transition(
+            State.RUNNING, frozenset({State.SCHEDULED, State.DISPATCHED}), node=runtime.node,
+            reason="gate", attempt=attempt, new_run_id=run_id,
+        )  # fmt: skip
+        deadline = time.monotonic() + self.exactonce_gate_timeout
+        delay = runtime.config.retry_delay_store
+        adopted = False
+        while True:
+            try:
+                result = runtime.store.transition(ref, request)
+                job = result.job
+                if result.status is jobs.TransitionStatus.NOT_FOUND:
+                    if dispatch.HEADER_JOB_ID in headers:
+                        metrics.event(
+                            "record_lost", f"no record for {ref}, whose message carries our "
+                            "headers: not run (the store lost it)",
+                            level=logging.ERROR, job_id=ref.id, task=self.name,
+                        )  # fmt: skip
+                        raise Ignore()
+                    if adopted:
+                        raise Ignore()
+                    adopted = True
+                    job = self._adopt(runtime, ref, run_id, args, kwargs)
+                    if job is not None:
+                        return job
+                    continue  # someone else adopted it: the next CAS decides
+            except exceptions.StoreError as exc:
+                job = self._read_own_run(runtime, ref, {run_id, *earlier_runs})
+                if job is not None:
+                    return job
+                if time.monotonic() + delay > deadline:
+                    metrics.event(
+                        "fail_closed", f"gate of {ref} cannot reach the store: delivery sent back",
+                        level=logging.WARNING, labels={"phase": "gate_read"}, sentry=True,
+                        job_id=ref.id, task=self.name, exc_info=exc,
+                    )  # fmt: skip
+                    back = self._send_back(headers, attempt, earlier_runs | {run_id}, delay)
+                    raise back from exc
+                time.sleep(delay)
+                delay = min(delay * 2, 10.0)
+                continue
+            if result.applied and job is not None:
+                return job
+            if job is not None and job.state is State.RUNNING and job.run_id in earlier_runs:
+                return job  # an earlier delivery's gate write did apply: this run is ours
+            self._refuse(ref, job, attempt)
+
+    def _adopt(
+        self,
+        runtime: Runtime,
+        ref: JobRef,
+        run_id: str,
+        args: Sequence[Any],
+        kwargs: Mapping[str, Any],
+    ) -> Job | None:
+        """A message from elsewhere (no headers, no record): create its job as ``RUNNING``."""
+        new = NewJob(
+            ref, self.name, State.RUNNING, node=runtime.node, args=list(args),
+            kwargs=dict(kwargs), run_id=run_id, reason="adopted at the gate",
+        )  # fmt: skip
+        result = runtime.store.create(new)
+        if result.created or (result.job is not None and result.job.rev == new.rev):
+            metrics.event("adopted", f"adopted {ref} at the gate", level=logging.DEBUG,
+                          job_id=ref.id, task=self.name)  # fmt: skip
+            return result.job
+        return None
+
+    def _refuse(self, ref: JobRef, job: Job | None, attempt: int) -> None:
+        if job is not None and job.task != self.name:
+            metrics.event(
+                "gate_conflict", f"message for {ref} as {self.name}, but the record is "
+                f"{job.task}: not run",
+                level=logging.ERROR, job_id=ref.id, task=self.name,
+            )  # fmt: skip
+            raise Ignore()
+        where = str(job.state) if job is not None else "missing"
+        if job is not None and job.attempt != attempt and not job.terminal:
+            where = "stale_attempt"
+        metrics.event(
+            "suppressed_duplicate", f"duplicate delivery of {ref} (attempt {attempt}) skipped",
+            level=logging.DEBUG, labels={"where": where}, job_id=ref.id, task=self.name,
+        )  # fmt: skip
+        raise Ignore()
+
+    def _read_own_run(self, runtime: Runtime, ref: JobRef, run_ids: set[str]) -> Job | None:
+        try:
+            job = runtime.store.get(ref)
+        except exceptions.StoreError:
+            return None
+        if job is not None and job.state is State.RUNNING and job.run_id in run_ids:
+            return job
+        return None
+
+    def _send_back(
+        self, headers: Mapping[str, Any], attempt: int, runs: set[str], delay: float
+    ) -> Retry:
+        """Re-publish this delivery unchanged (same attempt) through Celery's retry."""
+        new_headers = {**dict(headers), HEADER_GATE_RUNS: sorted(runs)}
+        raw = _raw_republish.set(attempt)
+        try:
+            return self.retry(countdown=delay, max_retries=None, headers=new_headers, throw=False)
+        finally:
+            _raw_republish.reset(raw)
+
+    def _finish(
+        self, runtime: Runtime, ref: JobRef, run_id: str, state: State, reason: str
+    ) -> None:
+        request = Transition(
+            state, frozenset({State.RUNNING}), node=runtime.node,
+            reason=reason[: jobs.MAX_REASON_LENGTH], run_id=run_id,
+        )  # fmt: skip
+        delay = runtime.config.retry_delay_store
+        for _ in range(3):
+            try:
+                runtime.store.transition(ref, request)
+                return
+            except exceptions.StoreError as exc:
+                job = runtime.dispatcher.read_back(ref, request.new_rev)
+                if job is not None:
+                    return
+                error = exc
+                time.sleep(delay)
+        metrics.event(
+            "completion_write_failed", f"could not record {state} for {ref}; "
+            "the reconciler will settle it",
+            level=logging.ERROR, labels={"state": str(state)}, sentry=True, job_id=ref.id,
+            task=self.name, exc_info=error,
+        )  # fmt: skip
+
+
+class _Heartbeat:
+    """Touches the running job every ``heartbeat_interval`` from the child process."""
+
+    def __init__(self, runtime: Runtime, ref: JobRef, run_id: str) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, args=(runtime, ref, run_id), name=f"exactonce-heartbeat-{ref.id}",
+            daemon=True,
+        )  # fmt: skip
+        self._thread.start()
+
+    def _run(self, runtime: Runtime, ref: JobRef, run_id: str) -> None:
+        while not self._stop.wait(runtime.config.heartbeat_interval):
+            try:
+                if not runtime.store.heartbeat(ref, run_id):
+                    return  # no longer ours (timed out, cancelled)
+            except exceptions.StoreError as exc:
+                logger.warning("heartbeat of %s failed: %s", ref, exc,
+                               extra={"action": "heartbeat_failed", "job_id": ref.id})  # fmt: skip
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+def validate_gated_task(task: Task) -> None:
+    """Refuse settings that would let a gated body run twice (DESIGN.md section 5)."""
+    if getattr(task, "_exactonce_validated", False):
+        return
+    if task.reject_on_worker_lost and not task.exactonce_rerun:
+        raise exceptions.ConfigurationError(
+            f"{task.name}: reject_on_worker_lost re-queues a message whose body may have run; "
+            "it is refused on an ExactOnceTask unless exactonce_rerun=True",
+            setting="reject_on_worker_lost",
+        )
+    task._exactonce_validated = True
+
+
+def _headers(request: Any) -> dict[str, Any]:
+    names = (
+        dispatch.HEADER_JOB_ID, dispatch.HEADER_ATTEMPT, dispatch.HEADER_IDEMPOTENCY_KEY,
+        dispatch.HEADER_KEY, dispatch.HEADER_FIRE_TIME, HEADER_GATE_RUNS,
+    )  # fmt: skip
+    if isinstance(request, Mapping):
+        nested = request.get("headers") or {}
+        top: Mapping[str, Any] = request
+    else:
+        nested = getattr(request, "headers", None) or {}
+        top = vars(request) if hasattr(request, "__dict__") else {}
+    found = {}
+    for name in names:
+        value = top.get(name)
+        if value is None and isinstance(nested, Mapping):
+            value = nested.get(name)
+        if value is not None:
+            found[name] = value
+    return found
+
+
+def _eta(options: Mapping[str, Any]) -> datetime | None:
+    eta = options.get("eta")
+    if isinstance(eta, str):
+        eta = datetime.fromisoformat(eta)
+    if isinstance(eta, datetime):
+        return eta if eta.tzinfo else eta.replace(tzinfo=timezone.utc)
+    countdown = options.get("countdown")
+    if countdown is not None:
+        return datetime.now(timezone.utc) + timedelta(seconds=float(countdown))
+    return None
+
+
+def _deadline(expires: Any, eta: datetime | None) -> datetime | None:
+    if expires is None:
+        return None
+    if isinstance(expires, datetime):
+        return expires if expires.tzinfo else expires.replace(tzinfo=timezone.utc)
+    return (eta or datetime.now(timezone.utc)) + timedelta(seconds=float(expires))
+
+
+def _on_revoked(
+    sender: Any = None, request: Any = None, terminated: bool = False, **_kw: Any
+) -> None:
+    """Revoke and ``expires`` end the job ``CANCELLED`` (no redispatch loop)."""
+    if not isinstance(sender, ExactOnceTask) or request is None:
+        return
+    runtime = runtime_for(sender.app)
+    headers = {**_headers(getattr(request, "request_dict", None) or {}), **_headers(request)}
+    ref = dispatch.ref_from_headers(headers, request.id)
+    try:
+        job = runtime.store.get(ref)
+        if job is None or job.terminal:
+            return
+        if job.state is State.RUNNING:
+            if not terminated:
+                return
+            guard: dict[str, Any] = {"run_id": job.run_id}
+        else:
+            guard = {"rev": job.rev}
+        runtime.store.transition(
+            ref,
+            Transition(State.CANCELLED, frozenset({job.state}), node=runtime.node,
+                       reason="revoked" if not _kw.get("expired") else "expired", **guard),
+        )  # fmt: skip
+    except exceptions.StoreError as exc:
+        logger.warning("could not record the revoke of %s: %s", ref, exc,
+                       extra={"action": "revoke_write_failed", "job_id": ref.id})  # fmt: skip
+
+
+signals.task_revoked.connect(_on_revoked, weak=False)

@@ -1,0 +1,233 @@
+"""The worker gate in a real (in-process) Celery worker on the in-memory broker.
+
+The store is an InMemoryStore installed as the app's runtime; messages are
+duplicated by publishing the same job twice, as a broker redelivery would.
+Real worker processes on Redis and RabbitMQ brokers are in tests/acceptance.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from celery import Celery
+from celery.contrib.testing.worker import start_worker
+
+from celery_exactonce import (
+    ConfigurationError,
+    ExactOnceTask,
+    JobConflict,
+    StoreUnavailable,
+    metrics,
+    runtime,
+)
+from celery_exactonce.dispatch import message_headers
+from celery_exactonce.jobs import JobRef
+from celery_exactonce.states import State
+from celery_exactonce.testing import InMemoryStore
+from tests.contract.helpers import poll
+
+LEDGER: list[tuple[str, str, int, Any]] = []
+LOCK = threading.Lock()
+
+
+class FlakyStore(InMemoryStore):
+    """An in-memory store whose transitions fail while ``down`` is set."""
+
+    down = False
+
+    def transition(self, ref, request):  # type: ignore[no-untyped-def]
+        if self.down:
+            raise StoreUnavailable("injected: store down")
+        return super().transition(ref, request)
+
+    def get(self, ref):  # type: ignore[no-untyped-def]
+        if self.down:
+            raise StoreUnavailable("injected: store down")
+        return super().get(ref)
+
+
+def record(task: Any, *args: Any) -> None:
+    with LOCK:
+        LEDGER.append((task.name, task.request.id, task.request.retries, args))
+
+
+def make_app() -> Celery:
+    app = Celery("gate-tests", broker="memory://", backend="cache+memory://", set_as_current=False)
+    app.conf.update(
+        exactonce_store_url="memory://",
+        exactonce_retry_delay_store=0.05,
+        task_acks_late=True,
+        worker_hijack_root_logger=False,
+        broker_transport_options={"polling_interval": 0.05},
+    )
+
+    @app.task(base=ExactOnceTask, shared=False, bind=True, name="t.add")
+    def add(self: Any, x: int, y: int) -> int:
+        record(self, x, y, self.request.idempotency_key)
+        return x + y
+
+    @app.task(base=ExactOnceTask, shared=False, bind=True, name="t.retry", max_retries=5)
+    def retrying(self: Any, fail_until: int) -> int:
+        record(self, fail_until)
+        if self.request.retries < fail_until:
+            raise self.retry(countdown=0.01, args=(fail_until,))
+        return self.request.retries
+
+    @app.task(
+        base=ExactOnceTask, shared=False, bind=True, name="t.auto",
+        autoretry_for=(RuntimeError,), max_retries=3, default_retry_delay=0.01,
+    )  # fmt: skip
+    def auto(self: Any) -> str:
+        record(self)
+        if self.request.retries < 2:
+            raise RuntimeError("flaky")
+        return "ok"
+
+    @app.task(base=ExactOnceTask, shared=False, bind=True, name="t.other")
+    def other(self: Any) -> None:
+        record(self)
+
+    return app
+
+
+@pytest.fixture(scope="module")
+def worker_app() -> Iterator[Celery]:
+    """One app and one in-process worker for the module (a worker takes seconds to stop)."""
+    app = make_app()
+    runtime.install(app, FlakyStore("gate"))
+    with start_worker(app, pool="solo", perform_ping_check=False, shutdown_timeout=10):
+        yield app
+    runtime.reset(app)
+
+
+@pytest.fixture
+def app(worker_app: Celery) -> Celery:
+    LEDGER.clear()
+    metrics.COUNTERS.reset()
+    return worker_app
+
+
+def runs(task_id: str) -> list[tuple[str, str, int, Any]]:
+    with LOCK:
+        return [row for row in LEDGER if row[1] == task_id]
+
+
+def store_of(app: Celery) -> FlakyStore:
+    store = runtime.runtime_for(app).store
+    assert isinstance(store, FlakyStore)
+    return store
+
+
+def job_state(app: Celery, task_id: str) -> State | None:
+    job = store_of(app).get(JobRef.task(task_id))
+    return job.state if job else None
+
+
+def republish(app: Celery, task_id: str) -> None:
+    """Send the job's message again, as a broker redelivery would."""
+    job = store_of(app).get(JobRef.task(task_id))
+    assert job is not None
+    app.send_task(job.task, args=job.args, kwargs=job.kwargs, task_id=task_id,
+                  headers=message_headers(job, "gate"), retries=job.attempt)  # fmt: skip
+
+
+def test_runs_once_and_records_success(app: Celery) -> None:
+    result = app.tasks["t.add"].delay(2, 3)
+    poll(lambda: job_state(app, result.id) is State.SUCCEEDED)
+    (row,) = runs(result.id)
+    assert row[3][:2] == (2, 3) and row[3][2].startswith("eo1_")  # idempotency key in the body
+
+
+def test_redelivery_is_suppressed(app: Celery) -> None:
+    result = app.tasks["t.add"].delay(1, 1)
+    poll(lambda: job_state(app, result.id) is State.SUCCEEDED)
+    republish(app, result.id)
+    republish(app, result.id)
+    poll(lambda: metrics.COUNTERS.get("suppressed_duplicate") == 2)
+    assert len(runs(result.id)) == 1
+
+
+def test_same_task_id_twice_is_one_job(app: Celery) -> None:
+    task = app.tasks["t.add"]
+    first = task.apply_async((4, 4), task_id="fixed-id")
+    second = task.apply_async((4, 4), task_id="fixed-id")
+    assert first.id == second.id == "fixed-id"
+    poll(lambda: job_state(app, "fixed-id") is State.SUCCEEDED)
+    with pytest.raises(JobConflict):
+        task.apply_async((5, 5), task_id="fixed-id")
+    poll(lambda: metrics.COUNTERS.get("dispatched") >= 1)
+    assert len(runs("fixed-id")) == 1
+
+
+def test_retry_is_one_run_per_attempt_even_with_stale_redelivery(app: Celery) -> None:
+    result = app.tasks["t.retry"].delay(2)
+    poll(lambda: job_state(app, result.id) is State.SUCCEEDED)
+    # The attempt-0 message delivered again after the retries: refused (stale attempt)
+    job = store_of(app).get(JobRef.task(result.id))
+    assert job is not None and job.attempt == 2
+    stale = message_headers(job, "gate") | {"exactonce_attempt": 0}
+    app.send_task("t.retry", args=(2,), task_id=result.id, headers=stale, retries=0)
+    poll(lambda: metrics.COUNTERS.get("suppressed_duplicate") >= 1)
+    assert [row[2] for row in runs(result.id)] == [0, 1, 2]
+
+
+def test_autoretry_is_one_run_per_attempt(app: Celery) -> None:
+    result = app.tasks["t.auto"].delay()
+    poll(lambda: job_state(app, result.id) is State.SUCCEEDED)
+    assert [row[2] for row in runs(result.id)] == [0, 1, 2]
+
+
+def test_store_down_at_the_gate_runs_nothing_until_it_returns(app: Celery) -> None:
+    task = app.tasks["t.add"]
+    task.exactonce_gate_timeout = 0.2
+    try:
+        store = store_of(app)
+        result = task.apply_async((7, 7))  # dispatched while the store is up
+        store.down = True
+        poll(lambda: metrics.COUNTERS.get("fail_closed", phase="gate_read") >= 1 or runs(result.id))
+        assert runs(result.id) == []
+        store.down = False
+        poll(lambda: job_state(app, result.id) is State.SUCCEEDED)
+        assert len(runs(result.id)) == 1
+    finally:
+        task.exactonce_gate_timeout = 30.0
+
+
+def test_foreign_message_is_adopted_once(app: Celery) -> None:
+    app.send_task("t.add", args=(9, 9), task_id="foreign-1")
+    app.send_task("t.add", args=(9, 9), task_id="foreign-1")
+    poll(lambda: job_state(app, "foreign-1") is State.SUCCEEDED)
+    poll(lambda: metrics.COUNTERS.get("suppressed_duplicate") >= 1)
+    assert len(runs("foreign-1")) == 1
+
+
+def test_message_with_our_headers_but_no_record_does_not_run(app: Celery) -> None:
+    headers = {"exactonce_job_id": "lost-1", "exactonce_attempt": 0, "idempotency_key": "x"}
+    app.send_task("t.add", args=(1, 2), task_id="lost-1", headers=headers)
+    poll(lambda: metrics.COUNTERS.get("record_lost") == 1)
+    assert runs("lost-1") == []
+
+
+def test_record_of_another_task_is_a_conflict(app: Celery) -> None:
+    result = app.tasks["t.other"].delay()
+    poll(lambda: job_state(app, result.id) is State.SUCCEEDED)
+    job = store_of(app).get(JobRef.task(result.id))
+    assert job is not None
+    app.send_task("t.add", args=(1, 1), task_id=result.id, headers=message_headers(job, "gate"))
+    poll(lambda: metrics.COUNTERS.get("gate_conflict") == 1)
+    assert [row[0] for row in runs(result.id)] == ["t.other"]
+
+
+def test_reject_on_worker_lost_is_refused_on_a_gated_task() -> None:
+    app = make_app()
+
+    @app.task(base=ExactOnceTask, shared=False, reject_on_worker_lost=True, name="t.bad")
+    def bad() -> None: ...
+
+    from celery_exactonce.task import validate_gated_task
+
+    with pytest.raises(ConfigurationError, match="reject_on_worker_lost"):
+        validate_gated_task(app.tasks["t.bad"])

@@ -1,0 +1,183 @@
+"""The dispatch path with an injected publisher: state before publish, and every failure."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import pytest
+
+from celery_exactonce import StoreUnavailable, metrics
+from celery_exactonce.dispatch import (
+    GATED_OPTION,
+    Dispatcher,
+    Outcome,
+    PublishFailed,
+    connection_refused,
+    message_headers,
+)
+from celery_exactonce.jobs import Job, JobRef, NewJob
+from celery_exactonce.states import State
+from celery_exactonce.testing import InMemoryStore
+
+
+class Broker:
+    """A fake publisher: records messages; raises the fault it is told to."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[Job, dict[str, Any]]] = []
+        self.fault: PublishFailed | None = None
+        self.land_before_fault = False
+
+    def __call__(self, job: Job, headers: Mapping[str, Any], extra: Mapping[str, Any]) -> None:
+        if self.fault is not None:
+            if self.land_before_fault:
+                self.sent.append((job, dict(headers)))
+            raise self.fault
+        self.sent.append((job, dict(headers)))
+
+
+class FailingStore(InMemoryStore):
+    """Fails the next transitions, before or after applying them."""
+
+    fail_next = 0
+    after_apply = False
+
+    def transition(self, ref, request):  # type: ignore[no-untyped-def]
+        if self.fail_next:
+            self.fail_next -= 1
+            if self.after_apply:
+                super().transition(ref, request)
+            raise StoreUnavailable("injected")
+        return super().transition(ref, request)
+
+
+@pytest.fixture(autouse=True)
+def _counters() -> None:
+    metrics.COUNTERS.reset()
+
+
+def scheduled(store: InMemoryStore, gated: bool = True, job_id: str = "j1") -> Job:
+    new = NewJob(JobRef.task(job_id), "tasks.t", State.SCHEDULED, node="n", args=[1],
+                 options={GATED_OPTION: gated, "queue": "q"})  # fmt: skip
+    result = store.create(new)
+    assert result.job is not None
+    return result.job
+
+
+def test_gated_dispatch_writes_dispatched_then_publishes_with_headers() -> None:
+    store, broker = InMemoryStore("ns"), Broker()
+    job = scheduled(store)
+    result = Dispatcher(store, broker, node="n").dispatch(job)
+    assert result.outcome is Outcome.PUBLISHED
+    ((sent, headers),) = broker.sent
+    assert sent.state is State.DISPATCHED and sent.rev != job.rev  # published what the CAS returned
+    assert headers["exactonce_job_id"] == "j1" and headers["exactonce_attempt"] == 0
+    assert headers["idempotency_key"].startswith("eo1_")
+    assert "exactonce_key" not in headers
+    assert store.get(job.ref).state is State.DISPATCHED  # type: ignore[union-attr]
+
+
+def test_plain_job_ends_published() -> None:
+    store, broker = InMemoryStore("ns"), Broker()
+    job = scheduled(store, gated=False)
+    assert Dispatcher(store, broker, node="n").dispatch(job).outcome is Outcome.PUBLISHED
+    assert store.get(job.ref).state is State.PUBLISHED  # type: ignore[union-attr]
+
+
+def test_second_dispatch_of_the_same_listing_loses() -> None:
+    store, broker = InMemoryStore("ns"), Broker()
+    job = scheduled(store)
+    dispatcher = Dispatcher(store, broker, node="n")
+    assert dispatcher.dispatch(job).outcome is Outcome.PUBLISHED
+    assert dispatcher.dispatch(job).outcome is Outcome.LOST
+    assert len(broker.sent) == 1
+
+
+def test_dispatched_write_fails_nothing_published() -> None:
+    store, broker = FailingStore("ns"), Broker()
+    job = scheduled(store)
+    store.fail_next = 1
+    result = Dispatcher(store, broker, node="n").dispatch(job)
+    assert result.outcome is Outcome.FAIL_CLOSED and broker.sent == []
+    assert metrics.COUNTERS.get("fail_closed", phase="dispatched_write") == 1
+    # the retry publishes once
+    assert Dispatcher(store, broker, node="n").dispatch(job).outcome is Outcome.PUBLISHED
+    assert len(broker.sent) == 1
+
+
+def test_dispatched_write_that_applied_is_read_back_and_published() -> None:
+    store, broker = FailingStore("ns"), Broker()
+    job = scheduled(store)
+    store.fail_next, store.after_apply = 1, True
+    result = Dispatcher(store, broker, node="n").dispatch(job)
+    assert result.outcome is Outcome.PUBLISHED and len(broker.sent) == 1
+
+
+def test_definite_failure_rolls_back() -> None:
+    store, broker = InMemoryStore("ns"), Broker()
+    job = scheduled(store)
+    broker.fault = PublishFailed("refused", definite=True)
+    result = Dispatcher(store, broker, node="n").dispatch(job)
+    assert result.outcome is Outcome.ROLLED_BACK
+    assert result.job is not None and result.job.state is State.SCHEDULED
+    assert metrics.COUNTERS.get("publish_rolled_back") == 1
+    broker.fault = None
+    assert Dispatcher(store, broker, node="n").dispatch(result.job).outcome is Outcome.PUBLISHED
+    assert len(broker.sent) == 1
+
+
+def test_failed_rollback_is_counted_and_leaves_dispatched() -> None:
+    store = FailingStore("ns")
+    job = scheduled(store)
+
+    class RefuseThenBreakStore(Broker):
+        def __call__(self, job: Job, headers: Mapping[str, Any], extra: Mapping[str, Any]) -> None:
+            store.fail_next = 5  # the rollback write and its read-backs... only transitions fail
+            raise PublishFailed("refused", definite=True)
+
+    result = Dispatcher(store, RefuseThenBreakStore(), node="n").dispatch(job)
+    assert result.outcome is Outcome.ROLLBACK_FAILED
+    assert metrics.COUNTERS.get("rollback_failed", phase="rollback_write") == 1
+    assert store.get(job.ref).state is State.DISPATCHED  # type: ignore[union-attr]
+
+
+def test_ambiguous_failure_keeps_dispatched() -> None:
+    store, broker = InMemoryStore("ns"), Broker()
+    job = scheduled(store)
+    broker.fault, broker.land_before_fault = PublishFailed("reset", definite=False), True
+    result = Dispatcher(store, broker, node="n").dispatch(job)
+    assert result.outcome is Outcome.AMBIGUOUS and len(broker.sent) == 1
+    assert store.get(job.ref).state is State.DISPATCHED  # type: ignore[union-attr]
+    assert metrics.COUNTERS.get("publish_ambiguous") == 1
+
+
+def test_unknown_gated_task_fails_without_publishing() -> None:
+    store, broker = InMemoryStore("ns"), Broker()
+    job = scheduled(store)
+    result = Dispatcher(store, broker, node="n", known_task=lambda _n: False).dispatch(job)
+    assert result.outcome is Outcome.FAILED and broker.sent == []
+    assert store.get(job.ref).state is State.FAILED  # type: ignore[union-attr]
+
+
+def test_occurrence_headers() -> None:
+    from datetime import datetime, timezone
+
+    store = InMemoryStore("ns")
+    fire = datetime(2026, 3, 29, 1, 0, tzinfo=timezone.utc)
+    new = NewJob(JobRef.occurrence("occ-1"), "t", State.SCHEDULED, node="n", entry="report",
+                 fire_time=fire)  # fmt: skip
+    job = store.create(new).job
+    assert job is not None
+    headers = message_headers(job, "ns")
+    assert headers["exactonce_key"] == "report"
+    assert headers["exactonce_fire_time"] == "2026-03-29T01:00:00.000000Z"
+
+
+def test_connection_refused_classification() -> None:
+    assert connection_refused(ConnectionRefusedError())
+    wrapped = RuntimeError("outer")
+    wrapped.__cause__ = ConnectionRefusedError()
+    assert connection_refused(wrapped)
+    assert not connection_refused(ConnectionResetError())
+    assert not connection_refused(TimeoutError())
