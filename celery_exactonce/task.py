@@ -150,7 +150,9 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
             deadline=_deadline(options.get("expires"), eta), reason="apply_async",
         )  # fmt: skip
         job = self._create(runtime, new)
-        if job.rev == new.rev and job.state is State.SCHEDULED:
+        if job.state is State.SCHEDULED:
+            # Ours, or a resubmission of a job whose first submit was ambiguous or
+            # whose publish was rolled back: the CAS on its rev lets one dispatch win.
             runtime.dispatcher.dispatch(job, reason="apply_async")
         return self.AsyncResult(task_id)
 

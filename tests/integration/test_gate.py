@@ -20,6 +20,7 @@ from celery_exactonce import (
     ExactOnceTask,
     JobConflict,
     StoreUnavailable,
+    SubmitAmbiguous,
     metrics,
     runtime,
 )
@@ -231,3 +232,61 @@ def test_reject_on_worker_lost_is_refused_on_a_gated_task() -> None:
 
     with pytest.raises(ConfigurationError, match="reject_on_worker_lost"):
         validate_gated_task(app.tasks["t.bad"])
+
+
+class AmbiguousCreateStore(FlakyStore):
+    """The next create applies, then its answer is lost; the read-back fails too."""
+
+    lose_next_create = False
+
+    def create(self, new, *, epoch=None):  # type: ignore[no-untyped-def]
+        result = super().create(new, epoch=epoch)
+        if self.lose_next_create:
+            self.lose_next_create = False
+            self.down = True  # the read-back fails as well
+            raise StoreUnavailable("injected: answer lost after commit")
+        return result
+
+
+def test_ambiguous_submit_raises_and_resubmitting_runs_once() -> None:
+    LEDGER.clear()
+    app = make_app()
+    store = AmbiguousCreateStore("ambiguous")
+    runtime.install(app, store)
+    try:
+        with start_worker(app, pool="solo", perform_ping_check=False, shutdown_timeout=10):
+            store.lose_next_create = True
+            with pytest.raises(SubmitAmbiguous) as info:
+                app.tasks["t.add"].apply_async((3, 4), task_id="amb-1")
+            assert info.value.task_id == "amb-1"
+            store.down = False
+            # the caller resubmits the same id: the existing job is returned, run once
+            app.tasks["t.add"].apply_async((3, 4), task_id="amb-1")
+            poll(lambda: (j := store.get(JobRef.task("amb-1"))) is not None and j.terminal)
+            job = store.get(JobRef.task("amb-1"))
+            assert job is not None and job.state is State.SUCCEEDED
+            assert len(runs("amb-1")) == 1
+    finally:
+        runtime.reset(app)
+
+
+def test_failed_rollback_reaches_sentry_when_the_app_initialised_it() -> None:
+    import sentry_sdk
+    from sentry_sdk.transport import Transport
+
+    events: list[Any] = []
+
+    class Capture(Transport):  # type: ignore[misc]
+        def capture_envelope(self, envelope: Any) -> None:
+            events.append(envelope)
+
+    # Not initialised: nothing is sent
+    assert not metrics.report_to_sentry("rollback_failed", "boom", {})
+    sentry_sdk.init(dsn="https://key@sentry.invalid/1", transport=Capture())
+    try:
+        metrics.event("rollback_failed", "boom", labels={"phase": "rollback_write"},
+                      sentry=True, job_id="j-1")  # fmt: skip
+        sentry_sdk.flush(timeout=5)
+    finally:
+        sentry_sdk.init(dsn=None)
+    assert len(events) == 1
