@@ -8,6 +8,7 @@ only where task code uses :func:`idempotency_key`.
 
 from __future__ import annotations
 
+from celery_exactonce import startup as _startup  # noqa: F401  (connects the start-up checks)
 from celery_exactonce.config import ExactOnceConfig
 from celery_exactonce.exceptions import (
     ConfigurationError,
