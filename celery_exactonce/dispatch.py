@@ -23,8 +23,10 @@ from __future__ import annotations
 import dataclasses
 import enum
 import errno
+import heapq
 import logging
 import socket
+import threading
 import time
 from collections.abc import Callable, Mapping
 from datetime import datetime
@@ -190,6 +192,84 @@ class CeleryPublisher:
             raise PublishFailed(str(exc), definite=connection_refused(exc)) from exc
 
 
+class Retrier:
+    """Retries, in a background thread, dispatches that failed closed or were rolled back.
+
+    Each job is retried with exponential back-off (``first_delay`` doubling up
+    to ``max_delay``) for at most ``give_up_after`` seconds; past that, or if
+    this process exits, the reconciler replays the ``SCHEDULED`` job. A retry
+    re-reads the record and dispatches it only while it is still
+    ``SCHEDULED``, so it never publishes a job someone else has moved on.
+    """
+
+    def __init__(
+        self, first_delay: float = 1.0, max_delay: float = 30.0, give_up_after: float = 300.0
+    ) -> None:
+        self.first_delay = first_delay
+        self.max_delay = max_delay
+        self.give_up_after = give_up_after
+        self._lock = threading.Condition()
+        self._queue: list[tuple[float, int, JobRef, float, float]] = []
+        self._seq = 0
+        self._thread: threading.Thread | None = None
+        self._dispatcher: Dispatcher | None = None
+
+    def bind(self, dispatcher: Dispatcher) -> None:
+        self._dispatcher = dispatcher
+
+    def schedule(
+        self, ref: JobRef, delay: float | None = None, *, started: float | None = None
+    ) -> None:
+        """Retry the dispatch of ``ref`` after ``delay`` seconds."""
+        now = time.monotonic()
+        delay = self.first_delay if delay is None else delay
+        with self._lock:
+            self._seq += 1
+            heapq.heappush(self._queue, (now + delay, self._seq, ref, delay, started or now))
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(
+                    target=self._run, name="exactonce-dispatch-retry", daemon=True
+                )
+                self._thread.start()
+            self._lock.notify()
+
+    def pending(self) -> int:
+        with self._lock:
+            return len(self._queue)
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                while not self._queue or self._queue[0][0] > time.monotonic():
+                    timeout = self._queue[0][0] - time.monotonic() if self._queue else 60.0
+                    if not self._lock.wait(timeout=max(timeout, 0.0)) and not self._queue:
+                        return  # idle for a minute: the thread ends, schedule() restarts it
+                _, _, ref, delay, started = heapq.heappop(self._queue)
+            self._retry(ref, delay, started)
+
+    def _retry(self, ref: JobRef, delay: float, started: float) -> None:
+        dispatcher = self._dispatcher
+        if dispatcher is None:
+            return
+        try:
+            job = dispatcher.store.get(ref)
+        except exceptions.StoreError:
+            job = None
+            outcome = Outcome.FAIL_CLOSED
+        else:
+            if job is None or job.state is not State.SCHEDULED:
+                return
+            outcome = dispatcher.dispatch(job, reason="dispatch retry", retry=False).outcome
+        if outcome in (Outcome.FAIL_CLOSED, Outcome.ROLLED_BACK):
+            if time.monotonic() - started + delay < self.give_up_after:
+                self.schedule(ref, min(delay * 2, self.max_delay), started=started)
+            else:
+                logger.warning(
+                    "gave up retrying the dispatch of %s; the reconciler replays it", ref,
+                    extra={"action": "dispatch_retry_gave_up", "job_id": ref.id},
+                )  # fmt: skip
+
+
 class Dispatcher:
     """Moves ``SCHEDULED`` jobs to the broker, at most once per dispatch decision."""
 
@@ -200,14 +280,29 @@ class Dispatcher:
         *,
         node: str,
         known_task: Callable[[str], bool] | None = None,
+        retrier: Retrier | None = None,
     ) -> None:
         self.store = store
         self.publisher = publisher
         self.node = node
         self.known_task = known_task or (lambda _name: True)
+        self.retrier = retrier
+        if retrier is not None:
+            retrier.bind(self)
 
-    def dispatch(self, job: Job, *, reason: str = "dispatch") -> DispatchResult:
-        """CAS ``job`` (as listed, ``SCHEDULED``) to ``DISPATCHED`` and publish it."""
+    def dispatch(self, job: Job, *, reason: str = "dispatch", retry: bool = True) -> DispatchResult:
+        """CAS ``job`` (as listed, ``SCHEDULED``) to ``DISPATCHED`` and publish it.
+
+        With ``retry`` (and a :class:`Retrier`), a dispatch that failed closed
+        or was rolled back is retried later in the background.
+        """
+        result = self._dispatch(job, reason)
+        retryable = result.outcome in (Outcome.FAIL_CLOSED, Outcome.ROLLED_BACK)
+        if retry and retryable and self.retrier is not None:
+            self.retrier.schedule(job.ref)
+        return result
+
+    def _dispatch(self, job: Job, reason: str) -> DispatchResult:
         if job.state is not State.SCHEDULED:
             return DispatchResult(Outcome.LOST, job)
         if job.options.get(GATED_OPTION) and not self.known_task(job.task):

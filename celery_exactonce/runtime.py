@@ -33,6 +33,9 @@ class Runtime:
             dispatch.CeleryPublisher(app),
             node=self.node,
             known_task=lambda name: name in app.tasks,
+            retrier=dispatch.Retrier(
+                first_delay=config.retry_delay_store, give_up_after=config.replay_age
+            ),
         )
 
     def close(self) -> None:

@@ -13,12 +13,14 @@ from celery_exactonce.dispatch import (
     Dispatcher,
     Outcome,
     PublishFailed,
+    Retrier,
     connection_refused,
     message_headers,
 )
 from celery_exactonce.jobs import Job, JobRef, NewJob
 from celery_exactonce.states import State
 from celery_exactonce.testing import InMemoryStore
+from tests.contract.helpers import poll
 
 
 class Broker:
@@ -181,3 +183,32 @@ def test_connection_refused_classification() -> None:
     assert connection_refused(wrapped)
     assert not connection_refused(ConnectionResetError())
     assert not connection_refused(TimeoutError())
+
+
+def test_rolled_back_dispatch_is_retried_in_the_background() -> None:
+    # Given a broker that refuses the first publish (nothing sent)
+    store, broker = InMemoryStore("ns"), Broker()
+    job = scheduled(store)
+    broker.fault = PublishFailed("refused", definite=True)
+    retrier = Retrier(first_delay=0.01, max_delay=0.05, give_up_after=10)
+    dispatcher = Dispatcher(store, broker, node="n", retrier=retrier)
+    # When it is dispatched, and the broker comes back
+    assert dispatcher.dispatch(job).outcome is Outcome.ROLLED_BACK
+    broker.fault = None
+    # Then the background retry publishes it exactly once
+    poll(lambda: store.get(job.ref).state is State.DISPATCHED)  # type: ignore[union-attr]
+    poll(lambda: retrier.pending() == 0)
+    assert len(broker.sent) == 1
+
+
+def test_background_retry_never_publishes_a_job_that_moved_on() -> None:
+    store, broker = FailingStore("ns"), Broker()
+    job = scheduled(store)
+    retrier = Retrier(first_delay=0.05, give_up_after=10)
+    dispatcher = Dispatcher(store, broker, node="n", retrier=retrier)
+    store.fail_next = 1
+    assert dispatcher.dispatch(job).outcome is Outcome.FAIL_CLOSED
+    # Meanwhile another node dispatches it
+    assert Dispatcher(store, broker, node="other").dispatch(job).outcome is Outcome.PUBLISHED
+    poll(lambda: retrier.pending() == 0)
+    assert len(broker.sent) == 1
