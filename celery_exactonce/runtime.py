@@ -22,12 +22,20 @@ from celery_exactonce.stores.base import StateStore
 class Runtime:
     """What one process needs to dispatch and gate the jobs of one app."""
 
-    def __init__(self, app: Any, config: ExactOnceConfig, store: StateStore | None = None) -> None:
+    def __init__(
+        self,
+        app: Any,
+        config: ExactOnceConfig,
+        store: StateStore | None = None,
+        *,
+        setup: bool = True,
+    ) -> None:
         self.app = app
         self.config = config
         self.pid = os.getpid()
         self.node = config.node_id or f"{socket.gethostname()}:{self.pid}"
-        self.store = store if store is not None else open_store(config)
+        self.owns_store = store is None
+        self.store = store if store is not None else open_store(config, setup=setup)
         self.dispatcher = dispatch.Dispatcher(
             self.store,
             dispatch.CeleryPublisher(app),
@@ -39,7 +47,9 @@ class Runtime:
         )
 
     def close(self) -> None:
-        self.store.close()
+        """Close the store if this runtime opened it (one handed in belongs to its caller)."""
+        if self.owns_store:
+            self.store.close()
 
 
 _lock = threading.Lock()
@@ -56,8 +66,12 @@ def config_for(app: Any) -> ExactOnceConfig:
         return config
 
 
-def runtime_for(app: Any) -> Runtime:
-    """The runtime of ``app`` in this process, built on first use (and again after a fork)."""
+def runtime_for(app: Any, *, setup: bool = True) -> Runtime:
+    """The runtime of ``app`` in this process, built on first use (and again after a fork).
+
+    ``setup=False`` builds it without any I/O (the worker gate: a store outage
+    must reach the gate's own error handling, not fail the task before it).
+    """
     with _lock:
         runtime = _runtimes.get(app)
         if runtime is not None and runtime.pid == os.getpid():
@@ -66,7 +80,7 @@ def runtime_for(app: Any) -> Runtime:
     with _lock:
         runtime = _runtimes.get(app)
         if runtime is None or runtime.pid != os.getpid():
-            runtime = _runtimes[app] = Runtime(app, config)
+            runtime = _runtimes[app] = Runtime(app, config, setup=setup)
         return runtime
 
 

@@ -231,7 +231,7 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
         if request.called_directly or request.is_eager:
             return self.run(*args, **kwargs)
         validate_gated_task(self)
-        runtime = runtime_for(self.app)
+        runtime = runtime_for(self.app, setup=False)
         headers = _headers(request)
         ref = dispatch.ref_from_headers(headers, request.id)
         attempt = int(headers.get(dispatch.HEADER_ATTEMPT, request.retries or 0))

@@ -146,12 +146,13 @@ def store_from_url(
     )
 
 
-def open_store(config: ExactOnceConfig) -> StateStore:
+def open_store(config: ExactOnceConfig, *, setup: bool = True) -> StateStore:
     """Build, set up and check the store of ``config``: what every node does at start-up.
 
     Runs :meth:`StateStore.setup` (schema and format version) and the
     backend's own start-up checks (Redis must run with
-    ``maxmemory-policy noeviction``).
+    ``maxmemory-policy noeviction``), unless ``setup`` is false: then nothing
+    touches the network (a worker's pool child, whose parent checked at start-up).
 
     Raises
     ------
@@ -170,6 +171,8 @@ def open_store(config: ExactOnceConfig) -> StateStore:
     elif base in _SQL_DRIVERS:
         options = {"table_prefix": config.table_prefix}
     store = store_from_url(url, namespace=config.namespace, retention=config.retention, **options)
+    if not setup:
+        return store  # no I/O: the caller's process (or its parent) already set it up
     try:
         store.setup()
         check = getattr(store, "check_config", None)

@@ -1,0 +1,1 @@
+"""Acceptance tests: real ``celery worker`` processes on real brokers and stores."""

@@ -1,0 +1,1 @@
+"""Celery apps the acceptance tests run in real worker processes."""

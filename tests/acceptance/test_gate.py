@@ -1,0 +1,239 @@
+"""The worker gate with real ``celery worker`` processes, per (broker, store) pair.
+
+Each test drives real workers on a Redis or RabbitMQ broker with the Redis or
+PostgreSQL store, and asserts on the ledger the task bodies write and on the
+store: a body runs once per attempt whatever the broker redelivers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import pytest
+
+from celery_exactonce import metrics, runtime
+from celery_exactonce.dispatch import CeleryPublisher, Dispatcher, PublishFailed, message_headers
+from celery_exactonce.exceptions import StoreUnavailable
+from celery_exactonce.jobs import Job, JobRef
+from celery_exactonce.states import State
+from tests.acceptance.harness import Deployment, Ledger, holds, poll
+from tests.acceptance.proxy import proxy_to
+
+pytestmark = pytest.mark.usefixtures("gate")
+
+SKIPPED = "duplicate delivery of"
+
+
+def job_of(deployment: Deployment, task_id: str) -> Job | None:
+    job: Job | None = deployment.store().get(JobRef.task(task_id))
+    return job
+
+
+def state_of(deployment: Deployment, task_id: str) -> State | None:
+    job = job_of(deployment, task_id)
+    return job.state if job else None
+
+
+def skipped(deployment: Deployment) -> int:
+    return sum(worker.log().count(SKIPPED) for worker in deployment.workers)
+
+
+def send_copy(deployment: Deployment, task_id: str, **header_overrides: Any) -> None:
+    """Publish another copy of the job's message, as a redelivery or a double publish would."""
+    job = job_of(deployment, task_id)
+    assert job is not None
+    headers = {**message_headers(job, deployment.namespace), **header_overrides}
+    deployment.app().send_task(
+        job.task, args=job.args, kwargs=job.kwargs, task_id=task_id, headers=headers,
+        retries=headers["exactonce_attempt"],
+    )  # fmt: skip
+
+
+@pytest.mark.acceptance_matrix(brokers=("redis",))
+def test_redelivery_while_running_and_after_runs_once(
+    deployment: Deployment, ledger: Ledger
+) -> None:
+    # Given acks_late and a visibility timeout shorter than the body
+    deployment.configure(acks_late=True, visibility_timeout=2)
+    deployment.start_worker(concurrency=2)
+    result = deployment.send("gated_slow", 5)
+    # When Redis redelivers the message while the body runs
+    poll(lambda: skipped(deployment) >= 1, timeout=30)
+    poll(lambda: state_of(deployment, result.id) is State.SUCCEEDED, timeout=30)
+    # and a copy arrives after it finished
+    send_copy(deployment, result.id)
+    poll(lambda: skipped(deployment) >= 2, timeout=30)
+    # Then the body ran once and every delivery was acked
+    assert ledger.count(task_id=result.id) == 1
+    poll(lambda: deployment.unacked() == 0, timeout=30)
+
+
+def test_two_workers_receiving_the_same_job_run_it_once(
+    deployment: Deployment, ledger: Ledger
+) -> None:
+    deployment.configure(acks_late=True)
+    deployment.start_worker(concurrency=2)
+    deployment.start_worker(concurrency=2)
+    result = deployment.send("gated_record", "x")
+    send_copy(deployment, result.id)  # the same message twice, consumed concurrently
+    poll(lambda: state_of(deployment, result.id) is State.SUCCEEDED, timeout=30)
+    poll(lambda: skipped(deployment) == 1, timeout=30)
+    holds(lambda: ledger.count(task_id=result.id) == 1, seconds=1.0)
+
+
+def test_worker_killed_mid_body_is_not_run_again(deployment: Deployment, ledger: Ledger) -> None:
+    # Given acks_late, a body that runs long, and a worker SIGKILLed in the middle of it
+    deployment.configure(acks_late=True, visibility_timeout=2)
+    first = deployment.start_worker(concurrency=1)
+    result = deployment.send("gated_slow", 60)
+    ledger.wait_count(1, task_id=result.id, timeout=30)
+    first.kill()
+    # When the message is redelivered to another worker
+    deployment.start_worker(concurrency=1)
+    poll(lambda: skipped(deployment) >= 1, timeout=60)
+    # Then the body does not run again; the job stays RUNNING for the reconciler
+    assert ledger.count(task_id=result.id) == 1
+    assert state_of(deployment, result.id) is State.RUNNING
+
+
+def test_same_task_id_twice_is_one_job_one_run(deployment: Deployment, ledger: Ledger) -> None:
+    deployment.start_worker(concurrency=2)
+    first = deployment.send("gated_record", "same", task_id="fixed-id")
+    second = deployment.send("gated_record", "same", task_id="fixed-id")
+    assert first.id == second.id == "fixed-id"
+    poll(lambda: state_of(deployment, "fixed-id") is State.SUCCEEDED, timeout=30)
+    holds(lambda: ledger.count(task_id="fixed-id") == 1, seconds=1.0)
+
+
+def test_retry_runs_once_per_attempt_with_a_stale_redelivery(
+    deployment: Deployment, ledger: Ledger
+) -> None:
+    deployment.configure(acks_late=True)
+    deployment.start_worker(concurrency=2)
+    result = deployment.send("gated_retry", 2, 2)
+    # During the first countdown, the attempt-0 message comes again
+    poll(lambda: (job := job_of(deployment, result.id)) is not None and job.attempt == 1)
+    send_copy(deployment, result.id, exactonce_attempt=0)
+    poll(lambda: state_of(deployment, result.id) is State.SUCCEEDED, timeout=60)
+    rows = ledger.rows(task_id=result.id)
+    assert [(row.attempt, row.kwargs["stage"]) for row in rows] == [(0, 0), (1, 1), (2, 2)]
+    assert skipped(deployment) >= 1
+    job = job_of(deployment, result.id)
+    assert job is not None and job.attempt == 2 and job.kwargs == {"stage": 2}
+
+
+def test_autoretry_runs_once_per_attempt(deployment: Deployment, ledger: Ledger) -> None:
+    deployment.start_worker(concurrency=2)
+    result = deployment.send("gated_autoretry")
+    poll(lambda: state_of(deployment, result.id) is State.SUCCEEDED, timeout=60)
+    assert ledger.executions() == {(result.id, 0): 1, (result.id, 1): 1, (result.id, 2): 1}
+
+
+# -- faults on the sending side -------------------------------------------------------------
+
+
+class FailFirstTransition:
+    """The store, with its first transition failing before it reaches the store."""
+
+    def __init__(self, store: Any) -> None:
+        self._store = store
+        self.failures = 1
+
+    def transition(self, ref: JobRef, request: Any) -> Any:
+        if self.failures:
+            self.failures -= 1
+            raise StoreUnavailable("injected: DISPATCHED write failed")
+        return self._store.transition(ref, request)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+
+def test_failed_dispatched_write_publishes_nothing_then_once(
+    deployment: Deployment, ledger: Ledger
+) -> None:
+    metrics.COUNTERS.reset()
+    app = deployment.app()
+    runtime.install(app, FailFirstTransition(deployment.store()))  # type: ignore[arg-type]
+    try:
+        result = deployment.send("gated_record", "w")
+        # Nothing was published: the job is SCHEDULED and counted as fail-closed
+        assert metrics.COUNTERS.get("fail_closed", phase="dispatched_write") == 1
+        deployment.start_worker(concurrency=1)
+        # the background retry publishes it once
+        poll(lambda: state_of(deployment, result.id) is State.SUCCEEDED, timeout=30)
+        holds(lambda: ledger.count(task_id=result.id) == 1, seconds=1.0)
+        job = job_of(deployment, result.id)
+        assert job is not None and job.dispatches == 1
+    finally:
+        runtime.reset(app)
+
+
+def test_broker_down_rolls_back_then_runs_once(deployment: Deployment, ledger: Ledger) -> None:
+    metrics.COUNTERS.reset()
+    deployment.start_worker(concurrency=1)
+    from tests.acceptance.apps.ledger_app import make_app
+
+    with proxy_to(deployment.broker_url) as proxy:
+        env = {**deployment.env, "EXACTONCE_ACC_BROKER_URL": proxy.url_for(deployment.broker_url)}
+        app = make_app(env, set_as_current=False)
+        runtime.install(app, deployment.store())
+        try:
+            proxy.down()
+            result = app.tasks["gated_record"].apply_async(("down",))
+            assert metrics.COUNTERS.get("publish_rolled_back") == 1
+            assert state_of(deployment, result.id) is State.SCHEDULED
+            holds(lambda: ledger.count(task_id=result.id) == 0, seconds=1.0)
+            proxy.up()
+            poll(lambda: state_of(deployment, result.id) is State.SUCCEEDED, timeout=60)
+            holds(lambda: ledger.count(task_id=result.id) == 1, seconds=1.0)
+        finally:
+            runtime.reset(app)
+            app.close()
+
+
+class LandThenFail:
+    """Publishes (twice: the message and a copy), then reports an error: ambiguous."""
+
+    def __init__(self, app: Any) -> None:
+        self.real = CeleryPublisher(app)
+
+    def __call__(self, job: Job, headers: Mapping[str, Any], extra: Mapping[str, Any]) -> None:
+        self.real(job, headers, extra)
+        self.real(job, headers, extra)
+        raise PublishFailed("injected: connection reset after the broker stored it", definite=False)
+
+
+def test_ambiguous_publish_runs_once(deployment: Deployment, ledger: Ledger) -> None:
+    metrics.COUNTERS.reset()
+    app = deployment.app()
+    rt = runtime.install(app, deployment.store())
+    rt.dispatcher = Dispatcher(rt.store, LandThenFail(app), node="test")
+    try:
+        deployment.start_worker(concurrency=2)
+        result = deployment.send("gated_record", "amb")
+        assert metrics.COUNTERS.get("publish_ambiguous") == 1
+        poll(lambda: state_of(deployment, result.id) is State.SUCCEEDED, timeout=30)
+        poll(lambda: skipped(deployment) == 1, timeout=30)
+        assert ledger.count(task_id=result.id) == 1
+    finally:
+        runtime.reset(app)
+
+
+def test_store_unreachable_at_the_gate_runs_once_when_it_returns(
+    deployment: Deployment, ledger: Ledger
+) -> None:
+    deployment.app()  # the sender reaches the store directly; the worker through the proxy
+    with proxy_to(deployment.store_url) as proxy:
+        deployment.extra_env["EXACTONCE_ACC_STORE_URL"] = proxy.url_for(deployment.store_url)
+        worker = deployment.start_worker(concurrency=1)
+        proxy.down()
+        result = deployment.send("gated_record", "gate")
+        # The worker has the message but cannot pass the gate: the body does not run
+        holds(lambda: ledger.count(task_id=result.id) == 0, seconds=3.0)
+        assert worker.alive()
+        assert state_of(deployment, result.id) is State.DISPATCHED
+        proxy.up()
+        poll(lambda: state_of(deployment, result.id) is State.SUCCEEDED, timeout=60)
+        holds(lambda: ledger.count(task_id=result.id) == 1, seconds=1.0)
