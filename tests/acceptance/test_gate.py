@@ -237,3 +237,38 @@ def test_store_unreachable_at_the_gate_runs_once_when_it_returns(
         proxy.up()
         poll(lambda: state_of(deployment, result.id) is State.SUCCEEDED, timeout=60)
         holds(lambda: ledger.count(task_id=result.id) == 1, seconds=1.0)
+
+
+def test_expired_message_ends_cancelled_and_is_not_run(
+    deployment: Deployment, ledger: Ledger
+) -> None:
+    # Given a job whose message expires before any worker takes it
+    result = deployment.send("gated_record", "late", expires=1)
+    poll(lambda: state_of(deployment, result.id) is State.DISPATCHED)
+    poll(lambda: (job := job_of(deployment, result.id)) is not None and job.deadline is not None)
+    job = job_of(deployment, result.id)
+    assert job is not None and job.deadline is not None
+    poll(lambda: deployment.store().now() > job.deadline, timeout=10)
+    # When a worker receives it
+    deployment.start_worker(concurrency=1)
+    # Then Celery drops it as expired, the job ends CANCELLED, and nothing runs
+    poll(lambda: state_of(deployment, result.id) is State.CANCELLED, timeout=30)
+    holds(lambda: ledger.count(task_id=result.id) == 0, seconds=1.0)
+
+
+@pytest.mark.acceptance_matrix(brokers=("redis", "amqp"), stores=("redis",))
+def test_prefork_many_jobs_each_delivered_twice_run_once_each(
+    deployment: Deployment, ledger: Ledger
+) -> None:
+    # Given 1,000 gated jobs, each published twice, and a prefork worker with 4 children
+    jobs = 1000
+    results = [deployment.send("gated_record", i) for i in range(jobs)]
+    for result in results:
+        send_copy(deployment, result.id)
+    deployment.start_worker(concurrency=4)
+    # When every copy has been consumed
+    poll(lambda: skipped(deployment) == jobs, timeout=150)
+    # Then each body ran exactly once
+    executions = ledger.executions(task="gated_record")
+    assert len(executions) == jobs
+    assert set(executions.values()) == {1}

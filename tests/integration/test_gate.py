@@ -8,6 +8,7 @@ Real worker processes on Redis and RabbitMQ brokers are in tests/acceptance.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -60,6 +61,7 @@ def make_app() -> Celery:
     app.conf.update(
         exactonce_store_url="memory://",
         exactonce_retry_delay_store=0.05,
+        exactonce_heartbeat_interval=0.05,
         task_acks_late=True,
         worker_hijack_root_logger=False,
         broker_transport_options={"polling_interval": 0.05},
@@ -86,6 +88,11 @@ def make_app() -> Celery:
         if self.request.retries < 2:
             raise RuntimeError("flaky")
         return "ok"
+
+    @app.task(base=ExactOnceTask, shared=False, bind=True, name="t.slow")
+    def slow(self: Any, seconds: float) -> None:
+        record(self, seconds)
+        time.sleep(seconds)  # the body's own work, during which heartbeats must flow
 
     @app.task(base=ExactOnceTask, shared=False, bind=True, name="t.other")
     def other(self: Any) -> None:
@@ -140,6 +147,16 @@ def test_runs_once_and_records_success(app: Celery) -> None:
     poll(lambda: job_state(app, result.id) is State.SUCCEEDED)
     (row,) = runs(result.id)
     assert row[3][:2] == (2, 3) and row[3][2].startswith("eo1_")  # idempotency key in the body
+
+
+def test_heartbeats_keep_a_long_body_fresh(app: Celery) -> None:
+    result = app.tasks["t.slow"].delay(0.5)
+    poll(lambda: job_state(app, result.id) is State.SUCCEEDED)
+    job = store_of(app).get(JobRef.task(result.id))
+    assert job is not None and job.heartbeat_at is not None
+    gate = next(h for h in job.history if h.dst is State.RUNNING)
+    # touched by heartbeats well after the gate, before the body ended
+    assert (job.heartbeat_at - gate.at).total_seconds() >= 0.2
 
 
 def test_redelivery_is_suppressed(app: Celery) -> None:
