@@ -400,6 +400,7 @@ class Dispatcher:
                 extra={"action": "rollback_superseded", "job_id": job.ref.id},
             )  # fmt: skip
             return result.job
+        metrics.COUNTERS.incr("fail_closed", {"phase": "publish"})
         metrics.event(
             "publish_rolled_back", f"publish of {job.ref} refused ({exc}); back to SCHEDULED",
             level=logging.WARNING, labels={"phase": "publish"}, job_id=job.ref.id, task=job.task,
@@ -407,6 +408,7 @@ class Dispatcher:
         return result.job
 
     def _rollback_failed(self, job: Job, exc: BaseException) -> None:
+        metrics.COUNTERS.incr("fail_closed", {"phase": "rollback_write"})
         metrics.event(
             "rollback_failed",
             f"publish of {job.ref} failed and the rollback write failed too: "

@@ -250,6 +250,18 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
         except Ignore:
             self._finish(runtime, ref, run_id, State.CANCELLED, "the body raised Ignore")
             raise
+        except Reject as exc:
+            self._finish(runtime, ref, run_id, State.FAILED, f"rejected: {exc.reason}")
+            if exc.requeue:
+                # A requeued message would only meet the gate again and be skipped:
+                # the body ran, so the job is FAILED and the message is dropped.
+                logger.error(
+                    "%s raised Reject(requeue=True), which a gated task cannot honour; "
+                    "the job is FAILED and the message dropped", self.name,
+                    extra={"action": "reject_requeue_refused", "job_id": ref.id},
+                )  # fmt: skip
+                raise Reject(exc.reason, requeue=False) from exc
+            raise
         except BaseException as exc:
             self._finish(runtime, ref, run_id, State.FAILED, f"{type(exc).__name__}: {exc}")
             raise

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
+from celery.exceptions import Reject
 
 from celery_exactonce import (
     ConfigurationError,
@@ -94,6 +95,11 @@ def make_app() -> Celery:
         record(self, seconds)
         time.sleep(seconds)  # the body's own work, during which heartbeats must flow
 
+    @app.task(base=ExactOnceTask, shared=False, bind=True, name="t.requeue")
+    def requeue(self: Any) -> None:
+        record(self)
+        raise Reject("try elsewhere", requeue=True)
+
     @app.task(base=ExactOnceTask, shared=False, bind=True, name="t.other")
     def other(self: Any) -> None:
         record(self)
@@ -157,6 +163,14 @@ def test_heartbeats_keep_a_long_body_fresh(app: Celery) -> None:
     gate = next(h for h in job.history if h.dst is State.RUNNING)
     # touched by heartbeats well after the gate, before the body ended
     assert (job.heartbeat_at - gate.at).total_seconds() >= 0.2
+
+
+def test_reject_with_requeue_fails_the_job_instead_of_looping(app: Celery) -> None:
+    result = app.tasks["t.requeue"].delay()
+    poll(lambda: job_state(app, result.id) is State.FAILED)
+    job = store_of(app).get(JobRef.task(result.id))
+    assert job is not None and job.reason.startswith("rejected")
+    assert len(runs(result.id)) == 1
 
 
 def test_redelivery_is_suppressed(app: Celery) -> None:

@@ -124,6 +124,7 @@ def test_definite_failure_rolls_back() -> None:
     assert result.outcome is Outcome.ROLLED_BACK
     assert result.job is not None and result.job.state is State.SCHEDULED
     assert metrics.COUNTERS.get("publish_rolled_back") == 1
+    assert metrics.COUNTERS.get("fail_closed", phase="publish") == 1
     broker.fault = None
     assert Dispatcher(store, broker, node="n").dispatch(result.job).outcome is Outcome.PUBLISHED
     assert len(broker.sent) == 1
