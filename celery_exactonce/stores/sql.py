@@ -301,9 +301,19 @@ class SqlStore:
         SchemaMismatch
             The database holds a newer schema version than this code writes.
         """
-        with self._guard("setup"):
-            self._check_usable()
-            sql_schema.create(self._engine, self._t, self._where)
+        # Set-up is idempotent, so a transient failure (SQLite's "database is
+        # locked" while another process switches the journal to WAL, a deadlock
+        # between concurrent CREATEs) is simply retried.
+        for attempt in range(_ATTEMPTS):
+            try:
+                with self._guard("setup"):
+                    self._check_usable()
+                    sql_schema.create(self._engine, self._t, self._where)
+                return
+            except exceptions.StoreUnavailable:
+                if attempt + 1 == _ATTEMPTS:
+                    raise
+                time.sleep(random.uniform(0, _BACKOFF * 2**attempt))  # noqa: S311 (not crypto)
 
     def ping(self) -> None:
         """Run ``SELECT 1``; raise ``StoreUnavailable`` when the database does not answer."""
