@@ -43,14 +43,8 @@ logger = logging.getLogger(__name__)
 #: runs the gate for this task.
 GATED_OPTION = "exactonce_gated"
 
-#: Options stored with a job that Celery's ``send_task`` accepts as publish options.
-PUBLISH_OPTIONS = frozenset(
-    {
-        "queue", "exchange", "routing_key", "priority", "countdown", "eta", "link", "link_error",
-        "time_limit", "soft_time_limit", "shadow", "expires", "serializer", "compression",
-        "ignore_result", "reply_to", "headers",
-    }
-)  # fmt: skip
+#: Stored job options that are ours and never go to ``send_task``.
+INTERNAL_OPTIONS = frozenset({GATED_OPTION})
 
 HEADER_JOB_ID = "exactonce_job_id"
 HEADER_ATTEMPT = "exactonce_attempt"
@@ -168,7 +162,7 @@ class CeleryPublisher:
     def __call__(self, job: Job, headers: Mapping[str, Any], extra: Mapping[str, Any]) -> None:
         from kombu.exceptions import EncodeError
 
-        options = {k: v for k, v in {**job.options, **extra}.items() if k in PUBLISH_OPTIONS}
+        options = {k: v for k, v in {**job.options, **extra}.items() if k not in INTERNAL_OPTIONS}
         if isinstance(options.get("eta"), str):
             options["eta"] = datetime.fromisoformat(options["eta"])
         options["headers"] = {**dict(options.get("headers") or {}), **headers}

@@ -46,10 +46,14 @@ logger = logging.getLogger(__name__)
 #: (or may have written) at the gate before a store error sent them back.
 HEADER_GATE_RUNS = "exactonce_gate_runs"
 
-#: Options of ``apply_async`` that are stored with the job and published with it.
-_STORED_OPTIONS = frozenset(
-    {"queue", "exchange", "routing_key", "priority", "time_limit", "soft_time_limit",
-     "shadow", "ignore_result", "headers"}
+#: Options of ``apply_async`` that belong to this call and are not stored:
+#: process-local objects, kombu's publish retry (always off for us), and the
+#: times that become the job's ``eta`` and ``deadline``. Everything else (queue,
+#: priority, headers, link, chain, chord, root and parent ids...) is stored as
+#: JSON with the job and published with every dispatch of it.
+_LOCAL_OPTIONS = frozenset(
+    {"producer", "connection", "router", "result_cls", "publisher", "add_to_parent", "retry",
+     "retry_policy", "countdown", "eta", "expires", "task_id", "retries"}
 )  # fmt: skip
 
 
@@ -134,7 +138,7 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
     ) -> Any:
         runtime = runtime_for(self.app)
         task_id = task_id or str(uuid.uuid4())
-        stored = {k: v for k, v in options.items() if k in _STORED_OPTIONS and v is not None}
+        stored = _storable_options(options)
         for name, value in (("link", link), ("link_error", link_error)):
             if value is not None:
                 stored[name] = [dict(s) for s in (value if isinstance(value, list) else [value])]
@@ -471,6 +475,17 @@ def _headers(request: Any) -> dict[str, Any]:
         if value is not None:
             found[name] = value
     return found
+
+
+def _storable_options(options: Mapping[str, Any]) -> dict[str, Any]:
+    """The options of an ``apply_async`` call to store with the job (JSON-able)."""
+    stored: dict[str, Any] = {}
+    for name, value in options.items():
+        if name in _LOCAL_OPTIONS or value is None:
+            continue
+        routed_by_name = name in ("queue", "exchange") and hasattr(value, "name")
+        stored[name] = value.name if routed_by_name else value  # a kombu Queue/Exchange
+    return stored
 
 
 def _eta(options: Mapping[str, Any]) -> datetime | None:

@@ -173,6 +173,20 @@ def test_reject_with_requeue_fails_the_job_instead_of_looping(app: Celery) -> No
     assert len(runs(result.id)) == 1
 
 
+def test_chain_of_gated_tasks_runs_each_step_once(app: Celery) -> None:
+    from celery import chain
+
+    # Given a chain add(1, 2) -> add(<3>, 10) whose first step is delivered twice
+    result = chain(app.tasks["t.add"].s(1, 2), app.tasks["t.add"].s(10)).apply_async()
+    poll(lambda: any(row[3][:2] == (3, 10) for row in LEDGER))
+    first = next(row for row in LEDGER if row[3][:2] == (1, 2))
+    republish(app, first[1])
+    poll(lambda: metrics.COUNTERS.get("suppressed_duplicate") >= 1)
+    # Then each step ran once: the duplicate fired no second callback
+    assert [row[3][:2] for row in LEDGER] == [(1, 2), (3, 10)]
+    assert result.id
+
+
 def test_redelivery_is_suppressed(app: Celery) -> None:
     result = app.tasks["t.add"].delay(1, 1)
     poll(lambda: job_state(app, result.id) is State.SUCCEEDED)
