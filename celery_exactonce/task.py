@@ -400,16 +400,26 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
             reason=reason[: jobs.MAX_REASON_LENGTH], run_id=run_id,
         )  # fmt: skip
         delay = runtime.config.retry_delay_store
+        error: BaseException | None = None
         for _ in range(3):
             try:
-                runtime.store.transition(ref, request)
-                return
+                result = runtime.store.transition(ref, request)
             except exceptions.StoreError as exc:
                 job = runtime.dispatcher.read_back(ref, request.new_rev)
                 if job is not None:
                     return
                 error = exc
                 time.sleep(delay)
+                continue
+            if not result.applied:
+                # The run no longer owns the job (the reconciler timed it out, a
+                # revoke cancelled it): the outcome is late and changes nothing.
+                current = result.job.state if result.job else "no record"
+                logger.warning(
+                    "late outcome %s of %s ignored: the job is %s", state, ref, current,
+                    extra={"action": "late_outcome", "job_id": ref.id, "state": str(state)},
+                )  # fmt: skip
+            return
         metrics.event(
             "completion_write_failed", f"could not record {state} for {ref}; "
             "the reconciler will settle it",
