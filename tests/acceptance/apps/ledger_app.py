@@ -86,6 +86,13 @@ def make_app(env: Mapping[str, str] = os.environ, *, set_as_current: bool = True
         exactonce_store_url=env.get("EXACTONCE_ACC_STORE_URL"),
         exactonce_namespace=env.get("EXACTONCE_ACC_NAMESPACE", "default"),
     )
+    if env.get("EXACTONCE_ACC_BEAT_EVERY"):
+        # One gated and one plain entry, every N seconds (for `celery beat -S exactonce`).
+        every = float(env["EXACTONCE_ACC_BEAT_EVERY"])
+        app.conf.beat_schedule = {
+            "gated-every": {"task": "gated_record", "schedule": every, "args": ("beat",)},
+            "plain-every": {"task": "plain_record", "schedule": every, "args": ("beat",)},
+        }
     if env.get("EXACTONCE_ACC_EXTRA_CONF"):
         app.conf.update(json.loads(env["EXACTONCE_ACC_EXTRA_CONF"]))
     # The gate logs suppressed duplicates at debug: let the worker log show them.

@@ -1,0 +1,137 @@
+"""ExactOnceScheduler on an InMemoryStore with a frozen clock: several nodes, one dispatch."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import pytest
+from celery import Celery
+from celery import schedules
+from celery.schedules import crontab
+
+from celery_exactonce import metrics, runtime
+from celery_exactonce.dispatch import Dispatcher
+from celery_exactonce.jobs import Job
+from celery_exactonce.scheduler import ExactOnceScheduler
+from celery_exactonce.testing import FrozenClock, InMemoryStore
+
+START = datetime(2026, 6, 1, 12, 0, 0, tzinfo=timezone.utc)
+
+
+class Broker:
+    def __init__(self) -> None:
+        self.sent: list[Job] = []
+
+    def __call__(self, job: Job, headers: Mapping[str, Any], extra: Mapping[str, Any]) -> None:
+        self.sent.append(job)
+
+
+class Cluster:
+    """N beat nodes (schedulers) of one app sharing one store, and a fake broker."""
+
+    def __init__(self, schedule: dict[str, Any], nodes: int = 3, **conf: Any) -> None:
+        self.clock = FrozenClock(START)
+        self.store = InMemoryStore("beat", retention=7 * 86_400, clock=self.clock)
+        self.broker = Broker()
+        self.app = Celery("beat-tests", set_as_current=False)
+        self.app.conf.update(
+            exactonce_store_url="memory://", beat_schedule=schedule, timezone="UTC", **conf
+        )
+        rt = runtime.install(self.app, self.store)
+        rt.dispatcher = Dispatcher(self.store, self.broker, node="beat")
+        self.nodes = [ExactOnceScheduler(self.app) for _ in range(nodes)]
+
+    def tick_all(self) -> None:
+        for node in self.nodes:
+            node.tick()
+
+    def run(self, seconds: int, step: float = 1.0) -> None:
+        for _ in range(int(seconds / step)):
+            self.clock.advance(step)
+            self.tick_all()
+
+    def fired(self, entry: str) -> list[datetime]:
+        return sorted(job.fire_time for job in self.broker.sent if job.entry == entry)  # type: ignore[misc]
+
+
+@pytest.fixture(autouse=True)
+def _counters() -> Iterator[None]:
+    metrics.COUNTERS.reset()
+    yield
+
+
+def every(seconds: float, task: str = "plain.t", **options: Any) -> dict[str, Any]:
+    return {"task": task, "schedule": timedelta(seconds=seconds), "options": options}
+
+
+def test_three_nodes_dispatch_each_slot_once() -> None:
+    cluster = Cluster({"tick": every(1)})
+    cluster.tick_all()
+    cluster.run(30)
+    fired = cluster.fired("tick")
+    assert len(fired) == len(set(fired)) >= 30
+    # consecutive seconds, none missing
+    assert all((b - a) == timedelta(seconds=1) for a, b in zip(fired, fired[1:], strict=False))
+
+
+def test_slots_are_anchored_not_relative_to_start() -> None:
+    cluster = Cluster({"five": every(5)}, nodes=1)
+    cluster.clock.advance(2.5)
+    cluster.run(20)
+    assert all(fire.second % 5 == 0 and fire.microsecond == 0 for fire in cluster.fired("five"))
+
+
+def test_crontab_fires_once_per_matching_minute() -> None:
+    cluster = Cluster({"cron": {"task": "plain.t", "schedule": crontab(minute="*/2")}})
+    cluster.run(10 * 60, step=10)
+    fired = cluster.fired("cron")
+    # the slot at start (12:00) is the latest due one on the first tick, then every 2 min
+    assert [f.minute for f in fired] == [0, 2, 4, 6, 8, 10]
+
+
+def test_catch_up_latest_after_downtime_counts_the_skipped() -> None:
+    cluster = Cluster({"tick": every(1)}, nodes=2, exactonce_window_lookback=60)
+    cluster.run(5)
+    before = len(cluster.fired("tick"))
+    cluster.clock.advance(2 * 3600)  # every node was down for 2 hours
+    cluster.tick_all()
+    assert len(cluster.fired("tick")) == before + 1  # only the latest slot
+    assert metrics.COUNTERS.get("slot_skipped", where="catchup") >= 59
+
+
+def test_catch_up_all_and_none_per_entry() -> None:
+    cluster = Cluster(
+        {
+            "all": every(1, exactonce={"catchup": "all"}),
+            "none": every(1, exactonce={"catchup": "none"}),
+        },
+        nodes=2, exactonce_window_lookback=30, exactonce_catchup_limit=10,
+    )  # fmt: skip
+    cluster.tick_all()
+    base_all, base_none = len(cluster.fired("all")), len(cluster.fired("none"))
+    cluster.clock.advance(20)
+    cluster.tick_all()
+    assert len(cluster.fired("all")) - base_all == 10  # bounded by catchup_limit
+    assert len(cluster.fired("none")) - base_none <= 2  # only the on-time slot(s)
+
+
+def test_store_loss_skips_unprovable_slots_and_never_duplicates() -> None:
+    cluster = Cluster({"tick": every(1)}, nodes=3)
+    cluster.run(5)
+    cluster.store.simulate_loss()  # Redis restarted without persistence
+    cluster.run(5)
+    fired = cluster.fired("tick")
+    assert len(fired) == len(set(fired))
+    assert metrics.COUNTERS.get("store_loss_detected") >= 1
+
+
+def test_unknown_schedule_type_is_refused_at_start_naming_the_entry() -> None:
+    from celery_exactonce import ConfigurationError
+
+    class Weird(schedules.BaseSchedule):  # type: ignore[misc]
+        """A schedule type celery-exactonce cannot derive slots from."""
+
+    with pytest.raises(ConfigurationError, match="weird"):
+        Cluster({"weird": {"task": "plain.t", "schedule": Weird()}}, nodes=1)
