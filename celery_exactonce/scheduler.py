@@ -27,15 +27,18 @@ the cost follows the due entries, not all of them):
 Per-entry overrides live under ``options["exactonce"]``:
 ``{"catchup": "all", "max_lateness": 600}``.
 
-Not yet (next steps of the scheduler issue): SIGTERM stop flag around a tick,
-batched claims, re-checking this node's own recent claims after a store loss,
-the delayed-job sweep and the reconciler thread.
+SIGTERM during a tick is held until the tick ends: its claims are dispatched,
+then beat exits. Not yet (next steps of the scheduler issue): batched claims,
+re-checking this node's own recent claims after a store loss, the delayed-job
+sweep and the reconciler thread.
 """
 
 from __future__ import annotations
 
 import heapq
 import logging
+import signal
+import threading
 from datetime import datetime, timedelta
 from typing import Any
 from zoneinfo import ZoneInfo
@@ -73,7 +76,10 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
         self._settled: dict[str, datetime] = {}
         self._due: list[tuple[datetime, str]] = []
         self._heap_ready = False
+        self._in_tick = False
+        self._stop_requested = False
         super().__init__(app, *args, **kwargs)
+        self._install_sigterm()
 
     # -- celery.beat.Scheduler interface ---------------------------------------------
 
@@ -94,7 +100,36 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
         )
 
     def tick(self, *_args: Any, **_kwargs: Any) -> float:
-        """One pass over the due entries; returns the seconds to sleep."""
+        """One pass over the due entries; returns the seconds to sleep.
+
+        A SIGTERM that arrives during the pass is held until the pass ends, so
+        every claim made in it is dispatched (never left half-done by an
+        exception raised mid-claim); then beat stops.
+        """
+        self._in_tick = True
+        try:
+            return self._tick()
+        finally:
+            self._in_tick = False
+            if self._stop_requested:
+                raise SystemExit(0)
+
+    def _install_sigterm(self) -> None:
+        """Replace Celery's SIGTERM handler, which raises SystemExit wherever beat is."""
+        if threading.current_thread() is not threading.main_thread():
+            return  # embedded (beat -B in a worker thread): the host owns the signals
+
+        def on_sigterm(_signum: int, _frame: Any) -> None:
+            if self._in_tick:
+                self._stop_requested = True  # finish the tick first
+                logger.info("SIGTERM: stopping after the tick in flight",
+                            extra={"action": "beat_stopping"})  # fmt: skip
+            else:
+                raise SystemExit(0)
+
+        signal.signal(signal.SIGTERM, on_sigterm)
+
+    def _tick(self) -> float:
         interval = float(self._config.tick_interval)
         store = self._runtime.store
         try:

@@ -57,9 +57,13 @@ class Cluster:
 
 
 @pytest.fixture(autouse=True)
-def _counters() -> Iterator[None]:
+def _counters_and_signals() -> Iterator[None]:
+    import signal
+
     metrics.COUNTERS.reset()
+    sigterm = signal.getsignal(signal.SIGTERM)  # schedulers install their own handler
     yield
+    signal.signal(signal.SIGTERM, sigterm)
 
 
 def every(seconds: float, task: str = "plain.t", **options: Any) -> dict[str, Any]:
@@ -135,3 +139,33 @@ def test_unknown_schedule_type_is_refused_at_start_naming_the_entry() -> None:
 
     with pytest.raises(ConfigurationError, match="weird"):
         Cluster({"weird": {"task": "plain.t", "schedule": Weird()}}, nodes=1)
+
+
+def test_sigterm_during_a_tick_is_held_until_the_tick_ends() -> None:
+    import signal
+
+    # Given a node whose publish receives SIGTERM in the middle of a tick
+    cluster = Cluster({"a": every(1), "b": every(1)}, nodes=1)
+    node = cluster.nodes[0]
+    handler = signal.getsignal(signal.SIGTERM)
+    assert callable(handler)
+    real_publish = cluster.broker.__call__
+    signalled: list[bool] = []
+
+    def publish_then_sigterm(
+        job: Job, headers: Mapping[str, Any], extra: Mapping[str, Any]
+    ) -> None:
+        real_publish(job, headers, extra)
+        if not signalled:
+            signalled.append(True)
+            handler(signal.SIGTERM, None)  # as the signal would, inside the tick
+
+    runtime.runtime_for(cluster.app).dispatcher.publisher = publish_then_sigterm
+    cluster.clock.advance(1)
+    # When the tick runs, Then it finishes (both entries dispatched) and only then exits
+    with pytest.raises(SystemExit):
+        node.tick()
+    assert {job.entry for job in cluster.broker.sent} == {"a", "b"}
+    # Outside a tick, SIGTERM exits at once
+    with pytest.raises(SystemExit):
+        handler(signal.SIGTERM, None)
