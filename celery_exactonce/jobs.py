@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import hashlib
 import json
 import uuid
 from collections.abc import Mapping, Sequence
@@ -473,11 +472,6 @@ def encode_payload(payload: Mapping[str, Any], *, context: str) -> str:
             f"{context}: payload is {len(text.encode())} bytes, over {MAX_PAYLOAD_BYTES}"
         )
     return text
-
-
-def payload_digest(payload: Mapping[str, Any]) -> str:
-    """A stable digest of a payload, to tell a resubmission from a different job."""
-    return hashlib.sha256(encode_payload(payload, context="payload").encode()).hexdigest()
 
 
 def job_to_json(job: Job) -> dict[str, Any]:

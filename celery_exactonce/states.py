@@ -77,8 +77,3 @@ ALLOWED: dict[State, frozenset[State]] = {
 #: Edges that start a new attempt: allowed only with ``next_attempt=True``,
 #: and ``next_attempt`` is allowed only on them.
 NEXT_ATTEMPT_EDGES = frozenset({(State.RUNNING, State.DISPATCHED), (State.RUNNING, State.PENDING)})
-
-
-def edge_allowed(src: State, dst: State) -> bool:
-    """Whether ``src → dst`` is in the transition table."""
-    return dst in ALLOWED[src]

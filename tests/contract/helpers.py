@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import TypeVar
 
 from celery_exactonce.jobs import JobRef, NewJob, Transition
@@ -73,7 +73,3 @@ def poll(check: Callable[[], T | None], timeout: float = 10.0, interval: float =
 def wait_store_past(store: StateStore, instant: datetime) -> None:
     """Poll until the store's clock is strictly past ``instant``."""
     poll(lambda: store.now() > instant)
-
-
-def past(store: StateStore, seconds: float) -> datetime:
-    return store.now() - timedelta(seconds=seconds)
