@@ -28,7 +28,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from typing import Any, Protocol
 
@@ -290,43 +290,94 @@ class Dispatcher:
         With ``retry`` (and a :class:`Retrier`), a dispatch that failed closed
         or was rolled back is retried later in the background.
         """
-        result = self._dispatch(job, reason)
-        retryable = result.outcome in (Outcome.FAIL_CLOSED, Outcome.ROLLED_BACK)
-        if retry and retryable and self.retrier is not None:
-            self.retrier.schedule(job.ref)
-        return result
+        return self.dispatch_many([job], reason=reason, retry=retry)[0]
 
-    def _dispatch(self, job: Job, reason: str) -> DispatchResult:
-        if job.state is not State.SCHEDULED:
-            return DispatchResult(Outcome.LOST, job)
-        if job.options.get(GATED_OPTION) and not self.known_task(job.task):
-            return self._fail(job, f"unknown task {job.task!r}")
-        request = Transition(
-            State.DISPATCHED, frozenset({State.SCHEDULED}), node=self.node, reason=reason,
-            rev=job.rev,
-        )  # fmt: skip
-        try:
-            result = self.store.transition(job.ref, request)
-        except exceptions.StoreError as exc:
-            dispatched = self.read_back(job.ref, request.new_rev)
-            if dispatched is None:
-                self._fail_closed("dispatched_write", job, exc)
-                return DispatchResult(Outcome.FAIL_CLOSED, job, exc)
-        else:
-            if not result.applied or result.job is None:
-                logger.debug(
-                    "job %s already taken (%s)", job.ref, result.status.value,
-                    extra={"action": "dispatch_lost", "job_id": job.ref.id},
+    def dispatch_many(
+        self, listed: Sequence[Job], *, reason: str = "dispatch", retry: bool = True
+    ) -> list[DispatchResult]:
+        """:meth:`dispatch` for each job, its store writes batched; results in order.
+
+        One batched ``DISPATCHED`` write for all of them, one publish each, and
+        one batched ``PUBLISHED`` write for the plain jobs among them: the
+        same steps and guarantees as :meth:`dispatch`, per job, in fewer round
+        trips.
+        """
+        results: list[DispatchResult | None] = [None] * len(listed)
+        writes: list[tuple[int, Job, Transition]] = []
+        for i, job in enumerate(listed):
+            if job.state is not State.SCHEDULED:
+                results[i] = DispatchResult(Outcome.LOST, job)
+            elif job.options.get(GATED_OPTION) and not self.known_task(job.task):
+                results[i] = self._fail(job, f"unknown task {job.task!r}")
+            else:
+                request = Transition(
+                    State.DISPATCHED, frozenset({State.SCHEDULED}), node=self.node,
+                    reason=reason, rev=job.rev,
                 )  # fmt: skip
-                return DispatchResult(Outcome.LOST, result.job)
-            dispatched = result.job
-        return self.publish(dispatched)
+                writes.append((i, job, request))
+        published: list[Job] = []
+        for i, written in self._write_dispatched(writes):
+            if isinstance(written, DispatchResult):
+                results[i] = written
+                continue
+            results[i] = sent = self._send(written, {})
+            if sent.outcome is Outcome.PUBLISHED and not written.options.get(GATED_OPTION):
+                published.append(written)
+        self._write_many(published, State.PUBLISHED, "publish returned")
+        done = [result for result in results if result is not None]
+        assert len(done) == len(listed)  # noqa: S101 (every job has exactly one result)
+        if retry and self.retrier is not None:
+            for job, result in zip(listed, done, strict=True):
+                if result.outcome in (Outcome.FAIL_CLOSED, Outcome.ROLLED_BACK):
+                    self.retrier.schedule(job.ref)
+        return done
+
+    def _write_dispatched(
+        self, writes: Sequence[tuple[int, Job, Transition]]
+    ) -> list[tuple[int, Job | DispatchResult]]:
+        """The batched ``DISPATCHED`` CAS: per write, the record to publish, or the outcome.
+
+        A write that errored and whose read-back does not show it applied
+        fails closed; a lost CAS is ``LOST``. Either way nothing is published.
+        """
+        if not writes:
+            return []
+        try:
+            replies = self.store.transition_many([(job.ref, req) for _, job, req in writes])
+        except exceptions.StoreError as exc:
+            settled: list[tuple[int, Job | DispatchResult]] = []
+            for i, job, request in writes:
+                dispatched = self.read_back(job.ref, request.new_rev)
+                if dispatched is None:
+                    self._fail_closed("dispatched_write", job, exc)
+                    settled.append((i, DispatchResult(Outcome.FAIL_CLOSED, job, exc)))
+                else:
+                    settled.append((i, dispatched))
+            return settled
+        out: list[tuple[int, Job | DispatchResult]] = []
+        for (i, job, _), reply in zip(writes, replies, strict=True):
+            if reply.applied and reply.job is not None:
+                out.append((i, reply.job))
+                continue
+            logger.debug(
+                "job %s already taken (%s)", job.ref, reply.status.value,
+                extra={"action": "dispatch_lost", "job_id": job.ref.id},
+            )  # fmt: skip
+            out.append((i, DispatchResult(Outcome.LOST, reply.job)))
+        return out
 
     def publish(self, job: Job, *, extra: Mapping[str, Any] | None = None) -> DispatchResult:
         """Publish ``job``, which this caller just wrote ``DISPATCHED`` (its ``rev`` is ours).
 
         ``extra`` holds publish options for this publish only (a retry's ``eta``).
         """
+        result = self._send(job, extra or {})
+        if result.outcome is Outcome.PUBLISHED and not job.options.get(GATED_OPTION):
+            self._write(job, State.PUBLISHED, "publish returned")
+        return result
+
+    def _send(self, job: Job, extra: Mapping[str, Any]) -> DispatchResult:
+        """Publish a job we hold ``DISPATCHED``; every outcome but the ``PUBLISHED`` write."""
         if job.deadline is not None and job.touched_at >= job.deadline:
             self._write(job, State.CANCELLED, "deadline passed before publish")
             metrics.event("dispatch_expired", f"job {job.ref} expired before publish",
@@ -334,7 +385,7 @@ class Dispatcher:
             return DispatchResult(Outcome.EXPIRED, job)
         headers = message_headers(job, self.store.namespace)
         try:
-            self.publisher(job, headers, extra or {})
+            self.publisher(job, headers, extra)
         except PublishFailed as exc:
             if exc.permanent:
                 return self._fail(self._rollback(job, exc) or job, f"cannot publish: {exc}")
@@ -348,8 +399,6 @@ class Dispatcher:
             if rolled is None:
                 return DispatchResult(Outcome.ROLLBACK_FAILED, job, exc)
             return DispatchResult(Outcome.ROLLED_BACK, rolled, exc)
-        if not job.options.get(GATED_OPTION):
-            self._write(job, State.PUBLISHED, "publish returned")
         metrics.event(
             "dispatched", f"job {job.ref} published (attempt {job.attempt})",
             level=logging.DEBUG, job_id=job.ref.id, task=job.task, attempt=job.attempt,
@@ -429,16 +478,27 @@ class Dispatcher:
 
     def _write(self, job: Job, state: State, reason: str) -> Job | None:
         """A best-effort CAS on our own rev; failures are logged (the reconciler settles)."""
-        request = Transition(
-            state, frozenset({job.state}), node=self.node,
-            reason=reason[: jobs.MAX_REASON_LENGTH], rev=job.rev,
-        )  # fmt: skip
+        return self._write_many([job], state, reason)[0]
+
+    def _write_many(self, listed: Sequence[Job], state: State, reason: str) -> list[Job | None]:
+        """:meth:`_write` for each job, batched: the new records (``None`` where not applied)."""
+        if not listed:
+            return []
+        requests = [
+            (job.ref, Transition(
+                state, frozenset({job.state}), node=self.node,
+                reason=reason[: jobs.MAX_REASON_LENGTH], rev=job.rev,
+            ))
+            for job in listed
+        ]  # fmt: skip
         try:
-            result = self.store.transition(job.ref, request)
+            replies = self.store.transition_many(requests)
         except exceptions.StoreError as exc:
-            logger.warning(
-                "could not write %s for %s: %s", state, job.ref, exc,
-                extra={"action": "state_write_failed", "job_id": job.ref.id, "state": str(state)},
-            )  # fmt: skip
-            return None
-        return result.job if result.applied else None
+            for job in listed:
+                logger.warning(
+                    "could not write %s for %s: %s", state, job.ref, exc,
+                    extra={"action": "state_write_failed", "job_id": job.ref.id,
+                           "state": str(state)},
+                )  # fmt: skip
+            return [None] * len(listed)
+        return [reply.job if reply.applied else None for reply in replies]

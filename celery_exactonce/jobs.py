@@ -53,6 +53,23 @@ def new_token() -> str:
     return uuid.uuid4().hex
 
 
+#: Separates an epoch's random part from its birth time (store clock, microseconds).
+EPOCH_SEPARATOR = "@"
+
+
+def epoch_born(epoch: str | None) -> datetime | None:
+    """When the store created ``epoch`` (its own clock), or ``None`` if the token has no time.
+
+    Stores write epochs as ``<token>@<microseconds>``. No slot whose fire time
+    is before a store's birth can have been claimed in that store's life;
+    slots before it may have been claimed in a life the store forgot.
+    """
+    if epoch is None or EPOCH_SEPARATOR not in epoch:
+        return None
+    born = epoch.rpartition(EPOCH_SEPARATOR)[2]
+    return from_micros(int(born)) if born.isdigit() else None
+
+
 class Space(str, enum.Enum):
     """The key space of a job id.
 

@@ -74,14 +74,15 @@ def event(
     labels: Mapping[str, str] | None = None,
     sentry: bool = False,
     exc_info: BaseException | None = None,
+    count: int = 1,
     **fields: Any,
 ) -> None:
-    """Count ``action``, log ``message`` with ``extra={"action": action, **fields}``.
+    """Count ``action`` (``count`` times), log ``message`` once with ``extra={"action": …}``.
 
     With ``sentry=True`` the event also goes to Sentry, tagged with the
     action, the labels and the job id, if the host app initialised Sentry.
     """
-    COUNTERS.incr(action, labels)
+    COUNTERS.incr(action, labels, count)
     extra = {"action": action, **dict(labels or {}), **fields}
     logger.log(level, message, extra=extra, exc_info=exc_info)
     if sentry:

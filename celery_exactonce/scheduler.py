@@ -20,21 +20,37 @@ the cost follows the due entries, not all of them):
 * a claim that fails on a store error is not settled: the next tick inside
   the window tries again (fail closed), and a slot that falls out of the
   window is counted as skipped;
-* a claim refused for an epoch mismatch means the store lost its data: the
-  slot is skipped and counted (it can no longer be proven unclaimed), and the
-  node adopts the store's new epoch.
+* the claims of a tick go to the store in batches (:meth:`StateStore.create_many`)
+  and the won ones are dispatched in batches (:meth:`Dispatcher.dispatch_many`).
+
+Store loss (a Redis restart without persistence, a failover to a lagging
+replica): a slot whose claim the store may have forgotten can no longer be
+proven unclaimed, so it is skipped and counted, never claimed again:
+
+* every claim carries the epoch this node holds; a mismatch means the store
+  lost its data, and the node adopts the store's new epoch;
+* epochs carry their birth time on the store clock. No slot at or before
+  ``birth + max_skew`` is ever claimed: a claim from before the loss had
+  ``store time >= fire_time``, so only those slots can have been claimed in the
+  life the store forgot. (A brand-new namespace therefore starts claiming
+  ``max_skew`` seconds after its first tick.)
+* each node re-reads a few of its own recent claims every tick; one that is
+  gone while it should still be kept shows a loss the epoch did not (a lagging
+  replica keeps an old epoch), and the node moves its floor to
+  ``store time + max_skew``.
 
 Per-entry overrides live under ``options["exactonce"]``:
 ``{"catchup": "all", "max_lateness": 600}``.
 
 SIGTERM during a tick is held until the tick ends: its claims are dispatched,
-then beat exits. Not yet (next steps of the scheduler issue): batched claims,
-re-checking this node's own recent claims after a store loss, the delayed-job
-sweep and the reconciler thread.
+then beat exits. Not yet: the delayed-job sweep and the reconciler thread
+(the delayed-jobs issue).
 """
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import heapq
 import logging
 import signal
@@ -59,6 +75,12 @@ logger = logging.getLogger(__name__)
 #: Entry option key holding per-entry overrides.
 ENTRY_OPTIONS = "exactonce"
 
+#: Claims per ``create_many`` round trip.
+CLAIM_BATCH = 500
+#: This node's recent claims kept for the store-loss re-check, and how many each tick re-reads.
+RECENT_CLAIMS = 1024
+RECHECK_PER_TICK = 8
+
 
 def occurrence_id(namespace: str, entry: str, fire_time: datetime) -> str:
     """The job id (Celery ``task_id``) of an occurrence: its idempotency key."""
@@ -74,6 +96,10 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
         self._tz = ZoneInfo(str(app.timezone))
         self._epoch: str | None = None
         self._settled: dict[str, datetime] = {}
+        self._floor: datetime | None = None  # no slot at or before it is ever claimed
+        self._recent: collections.deque[tuple[JobRef, datetime]] = collections.deque(
+            maxlen=RECENT_CLAIMS
+        )
         self._due: list[tuple[datetime, str]] = []
         self._heap_ready = False
         self._in_tick = False
@@ -135,7 +161,8 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
         try:
             now = store.now()
             if self._epoch is None:
-                self._epoch = store.epoch()
+                self._adopt_epoch(store.epoch())
+            self._recheck(now)
         except exceptions.StoreError as exc:
             metrics.event(
                 "fail_closed", f"beat cannot reach the store: nothing claimed ({exc})",
@@ -146,16 +173,22 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
             for name, entry in self.schedule.items():
                 self._push(name, entry, now)
             self._heap_ready = True
-        horizon = now
-        while self._due and self._due[0][0] <= horizon:
+        popped: list[tuple[str, Any]] = []
+        plans: list[_Plan] = []
+        while self._due and self._due[0][0] <= now:
             _, name = heapq.heappop(self._due)
             entry = self.schedule.get(name)
             if entry is None:
                 continue
-            self._tick_entry(name, entry, now)
+            popped.append((name, entry))
+            plan = self._plan(name, entry, now)
+            if plan is not None:
+                plans.append(plan)
+        self._claim_and_dispatch(plans)
+        for name, entry in popped:
             self._push(name, entry, now)
         if self._due:
-            return max(0.0, min(interval, (self._due[0][0] - horizon).total_seconds()))
+            return max(0.0, min(interval, (self._due[0][0] - now).total_seconds()))
         return interval
 
     def sync(self) -> None:
@@ -180,26 +213,40 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
         lateness = overrides.get("max_lateness", self._config.max_lateness)
         return catchup, None if lateness is None else float(lateness)
 
-    def _tick_entry(self, name: str, entry: Any, now: datetime) -> None:
+    def _plan(self, name: str, entry: Any, now: datetime) -> _Plan | None:
+        """The slots of ``entry`` due by ``now`` this node has not settled, and which to claim."""
         lookback = now - timedelta(seconds=self._config.window_lookback)
         start = max(self._settled.get(name, lookback), lookback)
         due = slots.slots_between(entry.schedule, start, now, tz=self._tz, entry=name)
         if not due:
-            return
+            return None
         if len(due) == slots.DEFAULT_LIMIT:  # truncated: the latest slot is further on
             latest = slots.latest_slot(entry.schedule, now, tz=self._tz, entry=name)
             if latest is not None and latest > due[-1]:
                 due.append(latest)
+        unprovable = [f for f in due if self._floor is not None and f <= self._floor]
+        if unprovable:
+            self._skipped(name, unprovable, "store_loss")
+            due = due[len(unprovable) :]
+        plan = _Plan(name, settle_to=unprovable[-1] if unprovable else due[-1])
+        if not due:
+            return plan
         claim, skipped = self._select(name, entry, due, now)
-        for fire in skipped:
-            metrics.event(
-                "slot_skipped", f"{name} at {fire.isoformat()} skipped (catch-up policy)",
-                labels={"where": "catchup"}, entry=name, fire_time=fire.isoformat(),
-            )  # fmt: skip
-        for fire in claim:
-            if not self._claim(name, entry, fire):
-                return  # fail closed: not settled, the next tick retries inside the window
-        self._settled[name] = due[-1]
+        if skipped:
+            self._skipped(name, skipped, "catchup")
+        plan.settle_to = due[-1]
+        plan.claims = [self._occurrence(name, entry, fire) for fire in claim]
+        return plan
+
+    def _skipped(self, name: str, fires: list[datetime], where: str) -> None:
+        why = "the catch-up policy" if where == "catchup" else "store loss: unprovable"
+        metrics.event(
+            "slot_skipped",
+            f"{name}: {len(fires)} slot(s) from {fires[0].isoformat()} to "
+            f"{fires[-1].isoformat()} skipped ({why})",
+            labels={"where": where}, count=len(fires), entry=name,
+            first=fires[0].isoformat(), last=fires[-1].isoformat(),
+        )  # fmt: skip
 
     def _select(
         self, name: str, entry: Any, due: list[datetime], now: datetime
@@ -219,54 +266,144 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
             return claim, too_late + [f for f in due if f < on_time]
         return due[-1:], too_late + due[:-1]
 
-    def _claim(self, name: str, entry: Any, fire: datetime) -> bool:
-        """Claim and dispatch one slot; ``False`` when the store failed (not settled)."""
-        runtime = self._runtime
+    def _occurrence(self, name: str, entry: Any, fire: datetime) -> NewJob:
         options = {
             k: v for k, v in (entry.options or {}).items() if k != ENTRY_OPTIONS and v is not None
         }
-        task = self.app.tasks.get(entry.task)
-        options[GATED_OPTION] = isinstance(task, ExactOnceTask)
-        new = NewJob(
-            JobRef.occurrence(occurrence_id(runtime.store.namespace, name, fire)),
-            entry.task, State.SCHEDULED, node=runtime.node, args=list(entry.args or ()),
+        options[GATED_OPTION] = isinstance(self.app.tasks.get(entry.task), ExactOnceTask)
+        return NewJob(
+            JobRef.occurrence(occurrence_id(self._runtime.store.namespace, name, fire)),
+            entry.task, State.SCHEDULED, node=self._runtime.node, args=list(entry.args or ()),
             kwargs=dict(entry.kwargs or {}), options=options, entry=name, fire_time=fire,
             reason="beat claim",
         )  # fmt: skip
-        try:
-            result = runtime.store.create(new, epoch=self._epoch)
-        except exceptions.StoreError as exc:
-            job = self._read_back_claim(new)
-            if job is None:
-                metrics.event(
-                    "fail_closed", f"claim of {name} at {fire.isoformat()} failed: not dispatched",
-                    level=logging.WARNING, labels={"phase": "claim_write"}, exc_info=exc,
-                    entry=name,
-                )  # fmt: skip
-                return False
-            result = jobs.CreateResult(CreateStatus.EXISTS, job)
-        if result.status is CreateStatus.EPOCH_MISMATCH:
-            metrics.event(
-                "store_loss_detected", f"the store lost its data (epoch changed); {name} at "
-                f"{fire.isoformat()} can no longer be proven unclaimed and is skipped",
-                level=logging.ERROR, labels={"where": "epoch"}, sentry=True, entry=name,
-            )  # fmt: skip
-            metrics.COUNTERS.incr("slot_skipped", {"where": "store_loss"})
-            self._epoch = result.epoch or runtime.store.epoch()
-            return True
-        job = result.job
-        if job is not None and job.rev == new.rev and job.state is State.SCHEDULED:
-            runtime.dispatcher.dispatch(job, reason="beat")
-            return True
-        logger.debug(
-            "%s at %s already claimed (%s)", name, fire.isoformat(), result.status.value,
-            extra={"action": "slot_already_claimed", "entry": name},
-        )  # fmt: skip
-        return True
 
-    def _read_back_claim(self, new: NewJob) -> jobs.Job | None:
+    def _claim_and_dispatch(self, plans: list[_Plan]) -> None:
+        """Claim the planned slots in batches, dispatch the won ones, settle what is decided.
+
+        An entry is settled (never planned again up to ``settle_to``) only when
+        every claim of it got an answer; one that failed on a store error is
+        retried by the next tick inside the window (fail closed).
+        """
+        claims = [(plan, new) for plan in plans for new in plan.claims]
+        for i in range(0, len(claims), CLAIM_BATCH):
+            won = self._claim_batch(claims[i : i + CLAIM_BATCH])
+            if won:
+                self._runtime.dispatcher.dispatch_many(won, reason="beat")
+        for plan in plans:
+            if not plan.failed:
+                self._settled[plan.name] = plan.settle_to
+
+    def _claim_batch(self, batch: list[tuple[_Plan, NewJob]]) -> list[jobs.Job]:
+        """Create-if-absent the batch; the jobs this node won (``SCHEDULED``, its rev)."""
+        provable = []
+        for plan, new in batch:  # a loss found earlier in this tick moved the floor
+            if (
+                self._floor is not None
+                and new.fire_time is not None
+                and new.fire_time <= self._floor
+            ):
+                self._skipped(plan.name, [new.fire_time], "store_loss")
+            else:
+                provable.append((plan, new))
+        if not provable:
+            return []
+        store = self._runtime.store
+        news = [new for _, new in provable]
+        results: list[jobs.CreateResult | None]
+        try:
+            results = list(store.create_many(news, epoch=self._epoch))
+        except exceptions.StoreError as exc:
+            results = [self._read_back_claim(new) for new in news]
+            if None in results:
+                metrics.event(
+                    "fail_closed", f"{results.count(None)} claim(s) failed on a store error: "
+                    "not dispatched, retried next tick", level=logging.WARNING,
+                    labels={"phase": "claim_write"}, exc_info=exc,
+                )  # fmt: skip
+        won: list[jobs.Job] = []
+        lost: list[tuple[_Plan, NewJob]] = []
+        for (plan, new), result in zip(provable, results, strict=True):
+            if result is None:
+                plan.failed = True
+            elif result.status is CreateStatus.EPOCH_MISMATCH:
+                lost.append((plan, new))
+            elif result.job is not None and result.job.rev == new.rev:
+                if result.job.state is State.SCHEDULED:
+                    won.append(result.job)
+                    self._recent.append((new.ref, _fire(new)))
+            else:
+                logger.debug(
+                    "%s at %s already claimed (%s)", plan.name, new.fire_time, result.status.value,
+                    extra={"action": "slot_already_claimed", "entry": plan.name},
+                )  # fmt: skip
+        if lost:
+            self._store_lost(lost)
+        return won
+
+    def _store_lost(self, lost: list[tuple[_Plan, NewJob]]) -> None:
+        """Claims refused for an epoch mismatch: skip them, count, and adopt the new epoch."""
+        metrics.event(
+            "store_loss_detected", f"the store lost its data (epoch changed): {len(lost)} "
+            "slot(s) can no longer be proven unclaimed and are skipped",
+            level=logging.ERROR, labels={"where": "epoch"}, sentry=True,
+        )  # fmt: skip
+        for plan, new in lost:
+            self._skipped(plan.name, [_fire(new)], "store_loss")
+        try:
+            self._adopt_epoch(self._runtime.store.epoch())
+        except exceptions.StoreError:
+            self._epoch = None  # the next tick reads it again; until then nothing is claimed
+
+    def _adopt_epoch(self, epoch: str) -> None:
+        """Hold ``epoch``; no slot at or before its birth plus ``max_skew`` is ever claimed."""
+        self._epoch = epoch
+        born = jobs.epoch_born(epoch)
+        if born is not None:
+            self._raise_floor(born + timedelta(seconds=self._config.max_skew))
+
+    def _raise_floor(self, floor: datetime) -> None:
+        if self._floor is None or floor > self._floor:
+            self._floor = floor
+
+    def _recheck(self, now: datetime) -> None:
+        """Re-read this node's newest claims; one that is gone shows a store loss."""
+        horizon = now - timedelta(seconds=self._config.window_lookback)
+        while self._recent and self._recent[0][1] < horizon:
+            self._recent.popleft()
+        sample = list(self._recent)[-RECHECK_PER_TICK:]
+        store = self._runtime.store
+        missing = [ref for ref, _ in sample if store.get(ref) is None]
+        if not missing:
+            return
+        self._recent.clear()
+        self._raise_floor(now + timedelta(seconds=self._config.max_skew))
+        metrics.event(
+            "store_loss_detected", f"{len(missing)} of this node's recent claims are gone from "
+            f"the store (e.g. {missing[0]}): slots up to {self._floor} "
+            "are skipped", level=logging.ERROR, labels={"where": "recheck"}, sentry=True,
+        )  # fmt: skip
+
+    def _read_back_claim(self, new: NewJob) -> jobs.CreateResult | None:
+        """After a claim write errored: ``EXISTS`` with the record if any, else ``None``."""
         try:
             job = self._runtime.store.get(new.ref)
         except exceptions.StoreError:
             return None
-        return job
+        return None if job is None else jobs.CreateResult(CreateStatus.EXISTS, job)
+
+
+def _fire(new: NewJob) -> datetime:
+    """An occurrence's fire time (every claim beat builds has one)."""
+    assert new.fire_time is not None  # noqa: S101
+    return new.fire_time
+
+
+@dataclasses.dataclass
+class _Plan:
+    """One entry's work in a tick: the occurrences to claim, and how far it settles."""
+
+    name: str
+    settle_to: datetime
+    claims: list[NewJob] = dataclasses.field(default_factory=list)
+    failed: bool = False

@@ -21,6 +21,7 @@ Conventions shared by every operation:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import datetime
 from typing import Protocol, runtime_checkable
 
@@ -87,6 +88,18 @@ class StateStore(Protocol):
         """
         ...
 
+    def create_many(
+        self, news: Sequence[NewJob], *, epoch: str | None = None
+    ) -> list[CreateResult]:
+        """:meth:`create` for each of ``news``, in order, in as few round trips as it can.
+
+        Each create is atomic on its own, with its own result; the batch is not
+        (another writer may interleave between two of them). An error raised
+        leaves every outcome of the batch unknown: settle each by reading back.
+        Beat claims a tick's due slots with it.
+        """
+        ...
+
     def get(self, ref: JobRef) -> Job | None:
         """The record, or ``None``."""
         ...
@@ -98,6 +111,16 @@ class StateStore(Protocol):
         (:func:`~celery_exactonce.jobs.check_transition`, with the lease checked
         in the same atomic step). Terminal records refuse every transition.
         Indexes (state, due, expiry) move with the record.
+        """
+        ...
+
+    def transition_many(
+        self, requests: Sequence[tuple[JobRef, Transition]]
+    ) -> list[TransitionResult]:
+        """:meth:`transition` for each ``(ref, request)``, in order, in as few round trips.
+
+        Each transition is atomic on its own; the batch is not. An error raised
+        leaves every outcome unknown: settle each by reading back its ``new_rev``.
         """
         ...
 

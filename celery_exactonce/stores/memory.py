@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from collections.abc import Sequence
 from datetime import datetime, timedelta
 
 from celery_exactonce import exceptions, jobs
@@ -74,10 +75,17 @@ class InMemoryStore:
     def setup(self) -> None:
         self._check_open()
 
-    def simulate_loss(self) -> None:
-        """Forget everything, epoch included, as a Redis restart without persistence would."""
+    def simulate_loss(self, *, keep_epoch: bool = False) -> None:
+        """Forget everything, as a Redis restart without persistence would.
+
+        With ``keep_epoch``, the epoch survives: a failover to a replica that
+        lags behind (it has the old epoch but not the latest records).
+        """
         with self._lock:
+            epoch = self._epoch
             self._reset()
+            if keep_epoch:
+                self._epoch = epoch
 
     # -- epoch and create ----------------------------------------------------------------
 
@@ -85,7 +93,8 @@ class InMemoryStore:
         with self._lock:
             self._check_open()
             if self._epoch is None:
-                self._epoch = jobs.new_token()
+                born = jobs.to_micros(self._clock.now())
+                self._epoch = f"{jobs.new_token()}{jobs.EPOCH_SEPARATOR}{born}"
             return self._epoch
 
     def create(self, new: NewJob, *, epoch: str | None = None) -> CreateResult:
@@ -104,6 +113,11 @@ class InMemoryStore:
             job = jobs.job_from_new(new, self.now())
             self._store(None, job)
             return CreateResult(CreateStatus.CREATED, job, epoch=self._epoch)
+
+    def create_many(
+        self, news: Sequence[NewJob], *, epoch: str | None = None
+    ) -> list[CreateResult]:
+        return [self.create(new, epoch=epoch) for new in news]
 
     def get(self, ref: JobRef) -> Job | None:
         with self._lock:
@@ -128,6 +142,11 @@ class InMemoryStore:
             updated = jobs.apply_transition(job, request, now)
             self._store(job, updated)
             return TransitionResult(TransitionStatus.APPLIED, updated)
+
+    def transition_many(
+        self, requests: Sequence[tuple[JobRef, Transition]]
+    ) -> list[TransitionResult]:
+        return [self.transition(ref, request) for ref, request in requests]
 
     def heartbeat(self, ref: JobRef, run_id: str) -> bool:
         with self._lock:

@@ -112,6 +112,17 @@ def _json(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"), allow_nan=False)
 
 
+def _create_result(reply: Sequence[Any]) -> CreateResult:
+    status = CreateStatus(_text(reply[0]))
+    current = None if reply[1] is None else _text(reply[1])
+    return CreateResult(status, _decode_job(reply[2]) if len(reply) > 2 else None, epoch=current)
+
+
+def _transition_result(reply: Sequence[Any]) -> TransitionResult:
+    status = TransitionStatus(_text(reply[0]))
+    return TransitionResult(status, _decode_job(reply[1]) if len(reply) > 1 else None)
+
+
 def _decode_job(flat: Sequence[Any]) -> Job:
     """A :class:`~celery_exactonce.jobs.Job` from a record's ``HGETALL`` reply."""
     data: dict[str, Any] = {_text(flat[i]): _text(flat[i + 1]) for i in range(0, len(flat) - 1, 2)}
@@ -282,6 +293,18 @@ class RedisStore:
             return _text(self._run("epoch", [self._key("epoch")], [jobs.new_token()]))
 
     def create(self, new: NewJob, *, epoch: str | None = None) -> CreateResult:
+        with self._wrap("create"):
+            return _create_result(self._run("create", *self._create_call(new, epoch)))
+
+    def create_many(
+        self, news: Sequence[NewJob], *, epoch: str | None = None
+    ) -> list[CreateResult]:
+        """One pipelined round trip: a ``create`` script call per job, each atomic."""
+        calls = [self._create_call(new, epoch) for new in news]
+        with self._wrap("create_many"):
+            return [_create_result(reply) for reply in self._run_many("create", calls)]
+
+    def _create_call(self, new: NewJob, epoch: str | None) -> tuple[list[str], list[Any]]:
         member = str(new.ref)
         fields: list[Any] = [
             "ref", member, "task", new.task, "state", new.state.value, "rev", new.rev,
@@ -303,12 +326,7 @@ class RedisStore:
             new.state.value, "" if run_at is None else run_at, new.node, new.reason, new.rev,
             *fields,
         ]  # fmt: skip
-        with self._wrap("create"):
-            reply = self._run("create", keys, args)
-        status = CreateStatus(_text(reply[0]))
-        current = None if reply[1] is None else _text(reply[1])
-        job = _decode_job(reply[2]) if len(reply) > 2 else None
-        return CreateResult(status, job, epoch=current)
+        return keys, args
 
     def get(self, ref: JobRef) -> Job | None:
         with self._wrap("get"):
@@ -323,6 +341,18 @@ class RedisStore:
     # -- transitions ---------------------------------------------------------------------
 
     def transition(self, ref: JobRef, request: Transition) -> TransitionResult:
+        with self._wrap("transition"):
+            return _transition_result(self._run("transition", *self._transition_call(ref, request)))
+
+    def transition_many(
+        self, requests: Sequence[tuple[JobRef, Transition]]
+    ) -> list[TransitionResult]:
+        """One pipelined round trip: a ``transition`` script call per job, each atomic."""
+        calls = [self._transition_call(ref, request) for ref, request in requests]
+        with self._wrap("transition_many"):
+            return [_transition_result(reply) for reply in self._run_many("transition", calls)]
+
+    def _transition_call(self, ref: JobRef, request: Transition) -> tuple[list[str], list[Any]]:
         lease = request.lease
         keys = [
             self._job_key(ref),
@@ -340,10 +370,7 @@ class RedisStore:
             _opt(None if request.kwargs is None else _json(request.kwargs)),
             self._retention_us,
         ]  # fmt: skip
-        with self._wrap("transition"):
-            reply = self._run("transition", keys, args)
-        status = TransitionStatus(_text(reply[0]))
-        return TransitionResult(status, _decode_job(reply[1]) if len(reply) > 1 else None)
+        return keys, args
 
     def heartbeat(self, ref: JobRef, run_id: str) -> bool:
         keys = [self._job_key(ref), self._state_key(State.RUNNING)]
@@ -417,6 +444,22 @@ class RedisStore:
 
     def _run(self, name: str, keys: list[str], args: list[Any]) -> Any:
         return self._scripts[name](keys=keys, args=args)
+
+    def _run_many(self, name: str, calls: Sequence[tuple[list[str], list[Any]]]) -> list[Any]:
+        """Run script ``name`` once per call in one pipelined round trip (not a transaction).
+
+        Any error fails the whole batch (its outcomes unknown): the first error
+        is raised once every reply is in.
+        """
+        if not calls:
+            self._check_open()
+            return []
+        script = self._scripts[name]
+        with self._client.pipeline(transaction=False) as pipe:
+            for keys, args in calls:
+                script(keys=keys, args=args, client=pipe)
+            replies: list[Any] = pipe.execute()
+        return replies
 
     def _maxmemory_policy(self) -> str | None:
         with self._wrap("check_config"):

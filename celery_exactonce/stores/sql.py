@@ -39,7 +39,7 @@ import random
 import re
 import time
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import datetime
 from typing import Any, TypeVar
 
@@ -120,6 +120,15 @@ _DIALECTS: dict[str, _Dialect] = {
     ),
 }
 _DUPLICATE_KEY = 1062  # MySQL: does not abort the transaction, only the statement
+
+
+def _lock_order(new: NewJob) -> tuple[str, str]:
+    """The order a batch of creates takes its locks in (sorted stably: by entry, then id).
+
+    An occurrence's watermark row serialises the creates of its entry, which
+    keep the batch's order among themselves; other jobs go by id.
+    """
+    return (new.entry or "", "" if new.entry else str(new.ref))
 
 
 class _Rerun(Exception):
@@ -344,7 +353,9 @@ class SqlStore:
         def op(conn: sa.Connection) -> str:
             stored = conn.execute(query).scalar_one_or_none()
             if stored is None:
-                values = {"namespace": self._namespace, "epoch": jobs.new_token()}
+                born = self._now(conn)
+                epoch = f"{jobs.new_token()}{jobs.EPOCH_SEPARATOR}{born}"
+                values = {"namespace": self._namespace, "epoch": epoch}
                 self._insert_absent(conn, meta, values)
                 stored = conn.execute(query).scalar_one()
             return str(stored)
@@ -352,53 +363,70 @@ class SqlStore:
         return self._run("epoch", op)
 
     def create(self, new: NewJob, *, epoch: str | None = None) -> CreateResult:
+        return self._run("create", lambda conn: self._create(conn, new, epoch))
+
+    def create_many(
+        self, news: Sequence[NewJob], *, epoch: str | None = None
+    ) -> list[CreateResult]:
+        """One transaction for the batch, watermarks locked in entry order (no deadlocks).
+
+        Creates of one entry keep their fire-time order, so the watermark
+        semantics are those of calling :meth:`create` in turn.
+        """
+        if not news:
+            self._check_usable()
+            return []
+        order = sorted(range(len(news)), key=lambda i: _lock_order(news[i]))
+
+        def op(conn: sa.Connection) -> list[CreateResult]:
+            results: dict[int, CreateResult] = {}
+            for i in order:
+                results[i] = self._create(conn, news[i], epoch)
+            return [results[i] for i in range(len(news))]
+
+        return self._run("create_many", op)
+
+    def _create(self, conn: sa.Connection, new: NewJob, epoch: str | None) -> CreateResult:
         meta, wm = self._t.meta, self._t.watermarks
         stored_epoch = (
             sa.select(meta.c.epoch).where(meta.c.namespace == self._namespace).scalar_subquery()
         )
 
-        def op(conn: sa.Connection) -> CreateResult:
-            now, stored = conn.execute(sa.select(self._now_col, stored_epoch)).one()
-            if epoch is not None and stored != epoch:
-                return CreateResult(CreateStatus.EPOCH_MISMATCH, epoch=stored)
-            mark: int | None = None
-            occurrence = new.entry is not None and new.fire_time is not None
-            if new.entry is not None and new.fire_time is not None:
-                # Lock the entry's watermark first: creates of one entry queue
-                # here, so the existence check below sees the winner's record.
-                where = (wm.c.namespace == self._namespace, wm.c.entry == new.entry)
+        now, stored = conn.execute(sa.select(self._now_col, stored_epoch)).one()
+        if epoch is not None and stored != epoch:
+            return CreateResult(CreateStatus.EPOCH_MISMATCH, epoch=stored)
+        mark: int | None = None
+        occurrence = new.entry is not None and new.fire_time is not None
+        if new.entry is not None and new.fire_time is not None:
+            # Lock the entry's watermark first: creates of one entry queue
+            # here, so the existence check below sees the winner's record.
+            where = (wm.c.namespace == self._namespace, wm.c.entry == new.entry)
+            row = self._locked(conn, wm, where)
+            if row is None:
+                values = {"namespace": self._namespace, "entry": new.entry, "fire_time": None}
+                self._insert_absent(conn, wm, values)
                 row = self._locked(conn, wm, where)
                 if row is None:
-                    values = {"namespace": self._namespace, "entry": new.entry, "fire_time": None}
-                    self._insert_absent(conn, wm, values)
-                    row = self._locked(conn, wm, where)
-                    if row is None:
-                        raise _Rerun
-                mark = row.fire_time
-            existing = self._select_job(conn, new.ref)
-            if existing is not None:
-                return CreateResult(CreateStatus.EXISTS, existing, epoch=stored)
-            if (
-                new.fire_time is not None
-                and mark is not None
-                and jobs.to_micros(new.fire_time) <= mark
-            ):
-                return CreateResult(CreateStatus.BELOW_WATERMARK, epoch=stored)
-            job = jobs.job_from_new(new, jobs.from_micros(now))
-            if not self._insert_absent(conn, self._t.jobs, self._values(job)):
-                existing = self._select_job(conn, new.ref)
-                if existing is None:
                     raise _Rerun
-                return CreateResult(CreateStatus.EXISTS, existing, epoch=stored)
-            if occurrence:
-                conn.execute(
-                    wm.update()
-                    .where(wm.c.namespace == self._namespace, wm.c.entry == new.entry)
-                    .values(fire_time=jobs.to_micros_opt(new.fire_time))
-                )
-            return CreateResult(CreateStatus.CREATED, job, epoch=stored)
-
-        return self._run("create", op)
+            mark = row.fire_time
+        existing = self._select_job(conn, new.ref)
+        if existing is not None:
+            return CreateResult(CreateStatus.EXISTS, existing, epoch=stored)
+        if new.fire_time is not None and mark is not None and jobs.to_micros(new.fire_time) <= mark:
+            return CreateResult(CreateStatus.BELOW_WATERMARK, epoch=stored)
+        job = jobs.job_from_new(new, jobs.from_micros(now))
+        if not self._insert_absent(conn, self._t.jobs, self._values(job)):
+            existing = self._select_job(conn, new.ref)
+            if existing is None:
+                raise _Rerun
+            return CreateResult(CreateStatus.EXISTS, existing, epoch=stored)
+        if occurrence:
+            conn.execute(
+                wm.update()
+                .where(wm.c.namespace == self._namespace, wm.c.entry == new.entry)
+                .values(fire_time=jobs.to_micros_opt(new.fire_time))
+            )
+        return CreateResult(CreateStatus.CREATED, job, epoch=stored)
 
     def get(self, ref: JobRef) -> Job | None:
         return self._run("get", lambda conn: self._select_job(conn, ref), write=False)
@@ -406,29 +434,48 @@ class SqlStore:
     # -- transitions -----------------------------------------------------------------
 
     def transition(self, ref: JobRef, request: Transition) -> TransitionResult:
-        def op(conn: sa.Connection) -> TransitionResult:
-            job = self._select_job(conn, ref, lock=True)
-            if job is None:
-                return TransitionResult(TransitionStatus.NOT_FOUND)
-            now = self._now(conn)  # after the row lock: no writer of this job can follow
-            lease = request.lease
-            if lease is not None and not self._holds(conn, lease.name, lease.token, now):
-                return TransitionResult(TransitionStatus.LEASE_LOST, job)
-            at = jobs.from_micros(now)
-            if not jobs.check_transition(job, request, at):
-                return TransitionResult(TransitionStatus.CONFLICT, job)
-            updated = jobs.apply_transition(job, request, at)
-            c = self._t.jobs.c
-            result = conn.execute(
-                self._t.jobs.update()
-                .where(self._pk(ref), c.rev == job.rev)
-                .values(self._values(updated, key=False))
-            )
-            if result.rowcount != 1:  # belt and braces: the row lock forbids this
-                raise _Rerun
-            return TransitionResult(TransitionStatus.APPLIED, updated)
+        return self._run("transition", lambda conn: self._transition(conn, ref, request))
 
-        return self._run("transition", op)
+    def transition_many(
+        self, requests: Sequence[tuple[JobRef, Transition]]
+    ) -> list[TransitionResult]:
+        """One transaction for the batch; rows locked in key order (no deadlock)."""
+        if not requests:
+            self._check_usable()
+            return []
+        order = sorted(range(len(requests)), key=lambda i: str(requests[i][0]))
+
+        def op(conn: sa.Connection) -> list[TransitionResult]:
+            results: dict[int, TransitionResult] = {}
+            for i in order:
+                results[i] = self._transition(conn, *requests[i])
+            return [results[i] for i in range(len(requests))]
+
+        return self._run("transition_many", op)
+
+    def _transition(
+        self, conn: sa.Connection, ref: JobRef, request: Transition
+    ) -> TransitionResult:
+        job = self._select_job(conn, ref, lock=True)
+        if job is None:
+            return TransitionResult(TransitionStatus.NOT_FOUND)
+        now = self._now(conn)  # after the row lock: no writer of this job can follow
+        lease = request.lease
+        if lease is not None and not self._holds(conn, lease.name, lease.token, now):
+            return TransitionResult(TransitionStatus.LEASE_LOST, job)
+        at = jobs.from_micros(now)
+        if not jobs.check_transition(job, request, at):
+            return TransitionResult(TransitionStatus.CONFLICT, job)
+        updated = jobs.apply_transition(job, request, at)
+        c = self._t.jobs.c
+        result = conn.execute(
+            self._t.jobs.update()
+            .where(self._pk(ref), c.rev == job.rev)
+            .values(self._values(updated, key=False))
+        )
+        if result.rowcount != 1:  # belt and braces: the row lock forbids this
+            raise _Rerun
+        return TransitionResult(TransitionStatus.APPLIED, updated)
 
     def heartbeat(self, ref: JobRef, run_id: str) -> bool:
         c = self._t.jobs.c

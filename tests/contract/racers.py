@@ -37,6 +37,27 @@ def claim_slots(store: StateStore, barrier: Any, entry: str, slots: list[datetim
     ]
 
 
+def claim_slot_batches(
+    store: StateStore, barrier: Any, entries: list[str], slots: list[datetime], seed: int
+) -> list[str]:
+    """Claim every (entry, slot) with ``create_many`` in batches, entries in a shuffled order.
+
+    Each entry's slots stay ascending (as beat claims them); the order of the
+    entries differs per racer, so batched lock orders would deadlock if the
+    store did not order them itself. Returns the occurrence ids this caller won.
+    """
+    order = list(entries)
+    random.Random(seed).shuffle(order)
+    news = [occurrence(entry, fire) for fire in slots for entry in order]
+    barrier.wait(timeout=120)
+    won: list[str] = []
+    for i in range(0, len(news), 50):
+        batch = news[i : i + 50]
+        results = store.create_many(batch)
+        won += [n.ref.id for n, r in zip(batch, results, strict=True) if r.created]
+    return won
+
+
 def claim_until_empty(store: StateStore, barrier: Any, batch: int, node: str) -> list[str]:
     """Claim due jobs in batches until two calls in a row find none; return the ids claimed."""
     barrier.wait(timeout=120)
@@ -53,6 +74,7 @@ RACERS: dict[str, Racer] = {
     "create": create_all,
     "slots": claim_slots,
     "claim": claim_until_empty,
+    "slot_batches": claim_slot_batches,
 }
 
 

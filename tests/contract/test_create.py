@@ -7,7 +7,7 @@ from datetime import timedelta
 import pytest
 
 from celery_exactonce import exceptions
-from celery_exactonce.jobs import CreateStatus, JobRef, NewJob, Space
+from celery_exactonce.jobs import CreateStatus, JobRef, NewJob, Space, epoch_born
 from celery_exactonce.states import State
 from celery_exactonce.stores.base import StateStore
 from tests.contract.backends import StoreFactory, lose_data
@@ -78,8 +78,12 @@ def test_delayed_and_adopted_jobs_keep_their_fields(store: StateStore) -> None:
 
 
 def test_epoch_is_stable_and_checked(store: StateStore) -> None:
+    before = store.now()
     epoch = store.epoch()
     assert store.epoch() == epoch
+    # It carries its birth time on the store clock (the store-loss floor of beat)
+    born = epoch_born(epoch)
+    assert born is not None and before <= born <= store.now()
     # A create that holds another epoch writes nothing
     wrong = store.create(task_job("e1"), epoch="not-the-epoch")
     assert wrong.status is CreateStatus.EPOCH_MISMATCH and wrong.epoch == epoch
@@ -146,3 +150,35 @@ def test_invalid_new_jobs_are_refused_before_any_write(store: StateStore) -> Non
     with pytest.raises(exceptions.InvalidPayload, match="cannot be created"):
         NewJob(JobRef.task("bad"), "t", State.DISPATCHED, node=NODE)
     assert store.get(JobRef.task("bad")) is None
+
+
+def test_create_many_is_create_in_turn(store: StateStore) -> None:
+    t0 = store.now().replace(microsecond=0)
+    t1, t2 = t0 + timedelta(seconds=1), t0 + timedelta(seconds=2)
+    existing = store.create(task_job("cm-existing")).job
+    assert existing is not None
+    # Given a batch mixing new occurrences, an existing job and a slot the batch itself passes
+    batch = [
+        occurrence("cm-b", t1), occurrence("cm-a", t1), occurrence("cm-a", t2),
+        task_job("cm-existing"), occurrence("cm-a", t0),
+    ]  # fmt: skip
+    results = store.create_many(batch)
+    # Then each result is what create would have said, in the batch's order
+    assert [r.status for r in results] == [
+        CreateStatus.CREATED, CreateStatus.CREATED, CreateStatus.CREATED,
+        CreateStatus.EXISTS, CreateStatus.BELOW_WATERMARK,
+    ]  # fmt: skip
+    assert results[3].job is not None and results[3].job.rev == existing.rev
+    assert store.watermark("cm-a") == t2 and store.watermark("cm-b") == t1
+    assert store.create_many([]) == []
+
+
+def test_create_many_with_a_stale_epoch_writes_nothing(store: StateStore) -> None:
+    epoch = store.epoch()
+    t0 = store.now().replace(microsecond=0)
+    batch = [occurrence("cm-e", t0), task_job("cm-e-task")]
+    results = store.create_many(batch, epoch="not-the-epoch")
+    assert {r.status for r in results} == {CreateStatus.EPOCH_MISMATCH}
+    assert all(r.epoch == epoch for r in results)
+    assert all(store.get(new.ref) is None for new in batch)
+    assert store.watermark("cm-e") is None

@@ -242,3 +242,26 @@ def test_lease_guards_reconciler_transitions(store: StateStore) -> None:
 def test_transition_to_running_requires_a_run_id() -> None:
     with pytest.raises(exceptions.InvalidPayload, match="new_run_id"):
         Transition(State.RUNNING, frozenset({State.DISPATCHED}), node=NODE, reason="x")
+
+
+def test_transition_many_is_transition_in_turn(store: StateStore) -> None:
+    a, b = store.create(task_job()).job, store.create(task_job()).job
+    assert a is not None and b is not None
+    missing = JobRef.task("tm-missing")
+    first = to(State.DISPATCHED, State.SCHEDULED, rev=a.rev)
+    results = store.transition_many([
+        (a.ref, first),
+        (b.ref, to(State.DISPATCHED, State.SCHEDULED, rev="not-the-rev")),
+        (missing, to(State.DISPATCHED, State.SCHEDULED)),
+        (a.ref, to(State.PUBLISHED, State.DISPATCHED, rev=first.new_rev)),
+    ])  # fmt: skip
+    assert [r.status for r in results] == [
+        TransitionStatus.APPLIED, TransitionStatus.CONFLICT, TransitionStatus.NOT_FOUND,
+        TransitionStatus.APPLIED,
+    ]  # fmt: skip
+    assert results[0].job is not None and results[0].job.state is State.DISPATCHED
+    after = store.get(a.ref)
+    assert after is not None and after.state is State.PUBLISHED
+    unchanged = store.get(b.ref)
+    assert unchanged is not None and unchanged.state is State.SCHEDULED
+    assert store.transition_many([]) == []

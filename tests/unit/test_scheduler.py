@@ -31,9 +31,15 @@ class Broker:
 class Cluster:
     """N beat nodes (schedulers) of one app sharing one store, and a fake broker."""
 
-    def __init__(self, schedule: dict[str, Any], nodes: int = 3, **conf: Any) -> None:
-        self.clock = FrozenClock(START)
+    def __init__(
+        self, schedule: dict[str, Any], nodes: int = 3, *, store_born: datetime | None = None,
+        **conf: Any,
+    ) -> None:  # fmt: skip
+        # The store was born a day before (unless told): its first slots are provable.
+        self.clock = FrozenClock(store_born or START - timedelta(days=1))
         self.store = InMemoryStore("beat", retention=7 * 86_400, clock=self.clock)
+        self.store.epoch()
+        self.clock.advance((START - self.clock.now()).total_seconds())
         self.broker = Broker()
         self.app = Celery("beat-tests", set_as_current=False)
         self.app.conf.update(
@@ -122,13 +128,58 @@ def test_catch_up_all_and_none_per_entry() -> None:
 
 
 def test_store_loss_skips_unprovable_slots_and_never_duplicates() -> None:
-    cluster = Cluster({"tick": every(1)}, nodes=3)
+    cluster = Cluster({"tick": every(1), "other": every(1)}, nodes=3)
     cluster.run(5)
     cluster.store.simulate_loss()  # Redis restarted without persistence
-    cluster.run(5)
+    lost_at = cluster.clock.now()
+    cluster.run(15)
     fired = cluster.fired("tick")
     assert len(fired) == len(set(fired))
-    assert metrics.COUNTERS.get("store_loss_detected") >= 1
+    assert metrics.COUNTERS.get("store_loss_detected", where="epoch") >= 1
+    # Nothing at or before the new epoch's birth + max_skew (5 s) was claimed after the loss
+    max_skew = timedelta(seconds=5)
+    after = [f for f in fired if f > lost_at]
+    assert after and min(after) > lost_at + max_skew
+    assert metrics.COUNTERS.get("slot_skipped", where="store_loss") >= 2 * 5
+
+
+def test_a_node_started_after_the_loss_never_reclaims_forgotten_slots() -> None:
+    # Given a cluster whose store lost its data, and a node that never saw the old epoch
+    cluster = Cluster({"tick": every(1, exactonce={"catchup": "all"})}, nodes=1)
+    cluster.run(10)
+    cluster.store.simulate_loss()
+    cluster.clock.advance(1)
+    newcomer = ExactOnceScheduler(cluster.app)
+    # When it ticks, with every slot of the last 5 minutes in its window
+    newcomer.tick()
+    cluster.run(10)
+    # Then no slot of the forgotten life was dispatched again
+    fired = cluster.fired("tick")
+    assert len(fired) == len(set(fired))
+
+
+def test_a_brand_new_store_starts_claiming_max_skew_after_its_birth() -> None:
+    cluster = Cluster({"tick": every(1)}, nodes=2, store_born=START)
+    cluster.tick_all()
+    cluster.run(10)
+    fired = cluster.fired("tick")
+    assert fired and min(fired) == START + timedelta(seconds=6)  # max_skew is 5 s
+    assert metrics.COUNTERS.get("slot_skipped", where="store_loss") >= 1
+
+
+def test_a_lost_recent_claim_shows_a_loss_the_epoch_did_not() -> None:
+    # Given a node whose recent claims vanish while the epoch survives (a lagging replica)
+    cluster = Cluster({"tick": every(1)}, nodes=1)
+    cluster.run(5)
+    cluster.store.simulate_loss(keep_epoch=True)
+    before = len(cluster.fired("tick"))
+    # When it ticks again
+    cluster.run(10)
+    # Then it saw the loss, skipped max_skew of slots, and dispatched nothing twice
+    assert metrics.COUNTERS.get("store_loss_detected", where="recheck") == 1
+    fired = cluster.fired("tick")
+    assert len(fired) == len(set(fired))
+    assert len(fired) - before <= 10 - 5
 
 
 def test_unknown_schedule_type_is_refused_at_start_naming_the_entry() -> None:

@@ -1,5 +1,7 @@
--- The store's epoch, created if absent.    KEYS: 1 epoch    ARGV: 1 fresh token
+-- The store's epoch, created if absent: the caller's fresh token, '@', and
+-- the birth time on the store clock.    KEYS: 1 epoch    ARGV: 1 fresh token
 local current = redis.call('GET', KEYS[1])
 if current then return current end
-redis.call('SET', KEYS[1], ARGV[1])
-return ARGV[1]
+local epoch = ARGV[1] .. '@' .. us(clock())
+redis.call('SET', KEYS[1], epoch)
+return epoch
