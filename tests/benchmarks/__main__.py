@@ -66,7 +66,32 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.benchmarks", description=__doc__)
     parser.add_argument("--ops", type=int, default=2000, help="operations per figure")
     parser.add_argument("--backends", default=",".join(BACKENDS))
+    parser.add_argument(
+        "--suite", choices=("stores", "beat", "all"), default="all", help="which figures"
+    )
+    parser.add_argument("--entries", type=int, default=10_000, help="beat entries (beat suite)")
     args = parser.parse_args(argv)
+    status = 0
+    if args.suite in ("stores", "all"):
+        status = stores(args)
+    if args.suite in ("beat", "all"):
+        status = beat_figures(args) or status
+    return status
+
+
+def beat_figures(args: argparse.Namespace) -> int:
+    if not services.answers("redis"):
+        print(f"beat: skipped, {services.REDIS_URL} does not answer")
+        return 1
+    from tests.benchmarks import beat
+
+    print("\nbeat on the Redis store and a Redis broker\n")
+    for name, value in beat.run(args.entries):
+        print(f"{name:<45}{value:>30}")
+    return 0
+
+
+def stores(args: argparse.Namespace) -> int:
     rows: list[tuple[str, dict[str, float]]] = []
     for backend in args.backends.split(","):
         if backend in services.SERVICE_URLS and not services.answers(backend):

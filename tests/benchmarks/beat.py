@@ -1,0 +1,156 @@
+"""Beat benchmarks: the cost of a tick, and dispatching a whole slot against plain Celery.
+
+Two figures, each measured in the same run as its baseline:
+
+* **tick cost, none due**: the median time of an idle tick with 1,000 and with
+  10,000 entries (every hour, the next slot far away). A tick costs O(due
+  entries), so the ratio should stay near 1.
+* **one slot, all due**: 10,000 entries share a slot; the time from the tick
+  that finds them due to every message being on the broker, against 10,000
+  plain ``apply_async`` calls on the same broker. Every message is counted on
+  the broker afterwards, so a benchmark that dispatched less fails loudly.
+
+Both run on the Redis store and a Redis broker (``tests/services.py``).
+"""
+
+from __future__ import annotations
+
+import signal
+import statistics
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any
+
+import redis
+from celery import Celery
+
+from celery_exactonce import runtime
+from celery_exactonce.jobs import epoch_born
+from celery_exactonce.scheduler import ExactOnceScheduler
+from celery_exactonce.states import State
+from celery_exactonce.stores.redis import RedisStore
+from tests import services
+
+#: Broker database of the benchmarks (store tests use 9, acceptance 10).
+BROKER_DB = 11
+#: Slot length of the "all due" entries: a slot boundary comes by within this many seconds.
+SLOT_SECONDS = 5
+
+
+def _broker_url() -> str:
+    return services.REDIS_URL.rsplit("/", 1)[0] + f"/{BROKER_DB}"
+
+
+@contextmanager
+def _app(entries: dict[str, Any], queue: str) -> Iterator[Celery]:
+    """An app with ``entries`` as its beat schedule, a fresh namespace, cleaned up after."""
+    app = Celery("bench", set_as_current=False)
+    app.conf.update(
+        broker_url=_broker_url(), task_default_queue=queue, task_ignore_result=True,
+        beat_schedule=entries, timezone="UTC", exactonce_store_url=services.REDIS_URL,
+        exactonce_namespace=f"bench-{uuid.uuid4().hex[:12]}", exactonce_max_skew=0,
+        exactonce_tick_interval=1,
+    )  # fmt: skip
+    sigterm = signal.getsignal(signal.SIGTERM)  # the scheduler installs its own
+    try:
+        yield app
+    finally:
+        signal.signal(signal.SIGTERM, sigterm)
+        store = runtime.runtime_for(app).store
+        if isinstance(store, RedisStore):
+            store.drop_namespace()
+        runtime.reset(app)
+        redis.Redis.from_url(_broker_url()).delete(queue)
+
+
+def _noop(i: int) -> None:
+    """The benchmark task (never run: only published)."""
+
+
+def _entries(count: int, every: timedelta) -> dict[str, Any]:
+    return {f"e{i:05}": {"task": "bench.t", "schedule": every, "args": [i]} for i in range(count)}
+
+
+def idle_tick_cost(entries: int, ticks: int = 500) -> float:
+    """Median seconds per tick with ``entries`` entries and none due.
+
+    The median, not the mean: a tick is one store round trip plus a few
+    microseconds of work, and the mean would mostly measure network jitter.
+    """
+    with _app(_entries(entries, timedelta(hours=1)), f"bench-idle-{uuid.uuid4().hex}") as app:
+        scheduler = ExactOnceScheduler(app)
+        store = runtime.runtime_for(app).store
+        now = store.now()
+        if (now.minute, now.second) >= (59, 30):  # a slot could fall due mid-measure
+            time.sleep(60 - now.second + 1)
+        scheduler.tick()  # builds the heap: O(entries), once per start
+        samples = []
+        for _ in range(ticks):
+            start = time.perf_counter()
+            scheduler.tick()
+            samples.append(time.perf_counter() - start)
+        return statistics.median(samples)
+
+
+def plain_publish(count: int) -> float:
+    """Seconds for ``count`` plain ``apply_async`` calls on the benchmark broker."""
+    queue = f"bench-plain-{uuid.uuid4().hex}"
+    with _app({}, queue) as app:
+        task = app.task(name="bench.t", shared=False)(_noop)
+        start = time.perf_counter()
+        for i in range(count):
+            task.apply_async((i,))
+        elapsed = time.perf_counter() - start
+        landed = redis.Redis.from_url(_broker_url()).llen(queue)
+        if landed != count:
+            raise AssertionError(f"plain: {landed} of {count} messages on the broker")
+        return elapsed
+
+
+def beat_slot(count: int) -> float:
+    """Seconds for one tick to claim and dispatch ``count`` entries due in the same slot."""
+    queue = f"bench-beat-{uuid.uuid4().hex}"
+    with _app(_entries(count, timedelta(seconds=SLOT_SECONDS)), queue) as app:
+        store = runtime.runtime_for(app).store
+        born = epoch_born(store.epoch())
+        assert born is not None
+        scheduler = ExactOnceScheduler(app)
+        # The next slot boundary after the store's birth: every entry falls due on it.
+        slot = born.replace(microsecond=0) + timedelta(
+            seconds=SLOT_SECONDS - born.second % SLOT_SECONDS
+        )
+        scheduler.tick()  # before the slot: builds the heap, claims nothing new
+        while store.now() < slot:
+            time.sleep(0.01)
+        start = time.perf_counter()
+        scheduler.tick()
+        elapsed = time.perf_counter() - start
+        landed = redis.Redis.from_url(_broker_url()).llen(queue)
+        published = store.list_stale(State.PUBLISHED, 0, count + 1)
+        if landed != count or len(published) != count:
+            raise AssertionError(
+                f"beat: {landed} messages on the broker, {len(published)} PUBLISHED, of {count}"
+            )
+        return elapsed
+
+
+def run(entries: int = 10_000) -> list[tuple[str, str]]:
+    """The beat figures as ``(name, value)`` rows."""
+    small, large = idle_tick_cost(entries // 10), idle_tick_cost(entries)
+    plain = plain_publish(entries)
+    beat = beat_slot(entries)
+    per_plain, per_beat = f"{entries / plain:,.0f} msg/s", f"{entries / beat:,.0f} msg/s"
+    return [
+        (f"idle tick, {entries // 10:,} entries", f"{small * 1e3:.3f} ms"),
+        (f"idle tick, {entries:,} entries", f"{large * 1e3:.3f} ms"),
+        ("idle tick ratio (10x the entries)", f"{large / small:.2f}x"),
+        (f"plain apply_async x {entries:,}", f"{plain:.2f} s ({per_plain})"),
+        (
+            f"beat, {entries:,} entries due in one slot",
+            f"{beat:.2f} s ({per_beat})",
+        ),
+        ("beat / plain", f"{beat / plain:.2f}x"),
+    ]
