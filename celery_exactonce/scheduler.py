@@ -97,6 +97,7 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
         self._epoch: str | None = None
         self._settled: dict[str, datetime] = {}
         self._floor: datetime | None = None  # no slot at or before it is ever claimed
+        self._skips: dict[str, list[tuple[str, datetime, datetime, int]]] = {}
         self._recent: collections.deque[tuple[JobRef, datetime]] = collections.deque(
             maxlen=RECENT_CLAIMS
         )
@@ -185,6 +186,7 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
             if plan is not None:
                 plans.append(plan)
         self._claim_and_dispatch(plans)
+        self._report_skips()
         for name, entry in popped:
             self._push(name, entry, now)
         if self._due:
@@ -239,14 +241,29 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
         return plan
 
     def _skipped(self, name: str, fires: list[datetime], where: str) -> None:
-        why = "the catch-up policy" if where == "catchup" else "store loss: unprovable"
-        metrics.event(
-            "slot_skipped",
-            f"{name}: {len(fires)} slot(s) from {fires[0].isoformat()} to "
-            f"{fires[-1].isoformat()} skipped ({why})",
-            labels={"where": where}, count=len(fires), entry=name,
-            first=fires[0].isoformat(), last=fires[-1].isoformat(),
+        """Note skipped slots: logged per entry at debug, reported once per tick."""
+        logger.debug(
+            "%s: %d slot(s) from %s to %s skipped (%s)", name, len(fires), fires[0].isoformat(),
+            fires[-1].isoformat(), where,
+            extra={"action": "slot_skipped_entry", "entry": name, "where": where},
         )  # fmt: skip
+        self._skips.setdefault(where, []).append((name, fires[0], fires[-1], len(fires)))
+
+    def _report_skips(self) -> None:
+        """One ``slot_skipped`` event per reason per tick, counting every skipped slot."""
+        for where, skips in self._skips.items():
+            total = sum(n for *_, n in skips)
+            name, first, last, _ = skips[0]
+            why = "the catch-up policy" if where == "catchup" else "store loss: unprovable"
+            more = f" and {len(skips) - 1} more entries" if len(skips) > 1 else ""
+            metrics.event(
+                "slot_skipped",
+                f"{total} slot(s) skipped ({why}): {name} from {first.isoformat()} to "
+                f"{last.isoformat()}{more}",
+                labels={"where": where}, count=total, entry=name, entries=len(skips),
+                first=first.isoformat(), last=last.isoformat(),
+            )  # fmt: skip
+        self._skips.clear()
 
     def _select(
         self, name: str, entry: Any, due: list[datetime], now: datetime
@@ -298,12 +315,8 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
         """Create-if-absent the batch; the jobs this node won (``SCHEDULED``, its rev)."""
         provable = []
         for plan, new in batch:  # a loss found earlier in this tick moved the floor
-            if (
-                self._floor is not None
-                and new.fire_time is not None
-                and new.fire_time <= self._floor
-            ):
-                self._skipped(plan.name, [new.fire_time], "store_loss")
+            if self._floor is not None and _fire(new) <= self._floor:
+                self._skipped(plan.name, [_fire(new)], "store_loss")
             else:
                 provable.append((plan, new))
         if not provable:
