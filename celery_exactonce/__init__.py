@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from celery_exactonce import startup as _startup  # noqa: F401  (connects the start-up checks)
 from celery_exactonce.config import ExactOnceConfig
+from celery_exactonce.control import cancel
 from celery_exactonce.exceptions import (
     ConfigurationError,
     ExactOnceError,
@@ -24,6 +25,7 @@ from celery_exactonce.exceptions import (
 )
 from celery_exactonce.jobs import Job, JobRef
 from celery_exactonce.keys import idempotency_key
+from celery_exactonce.scheduler import ExactOnceScheduler
 from celery_exactonce.states import State
 from celery_exactonce.stores import InMemoryStore, StateStore, open_store, store_from_url
 from celery_exactonce.task import ExactOnceTask
@@ -34,6 +36,7 @@ __all__ = [
     "ConfigurationError",
     "ExactOnceConfig",
     "ExactOnceError",
+    "ExactOnceScheduler",
     "ExactOnceTask",
     "InMemoryStore",
     "InvalidPayload",
@@ -49,6 +52,7 @@ __all__ = [
     "StoreUnavailable",
     "SubmitAmbiguous",
     "__version__",
+    "cancel",
     "idempotency_key",
     "open_store",
     "store_from_url",

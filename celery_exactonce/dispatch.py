@@ -29,7 +29,6 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from datetime import datetime
 from typing import Any, Protocol
 
 from celery_exactonce import exceptions, jobs, keys, metrics
@@ -163,8 +162,6 @@ class CeleryPublisher:
         from kombu.exceptions import EncodeError
 
         options = {k: v for k, v in {**job.options, **extra}.items() if k not in INTERNAL_OPTIONS}
-        if isinstance(options.get("eta"), str):
-            options["eta"] = datetime.fromisoformat(options["eta"])
         options["headers"] = {**dict(options.get("headers") or {}), **headers}
         if job.deadline is not None:
             options["expires"] = job.deadline

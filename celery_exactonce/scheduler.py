@@ -42,9 +42,12 @@ proven unclaimed, so it is skipped and counted, never claimed again:
 Per-entry overrides live under ``options["exactonce"]``:
 ``{"catchup": "all", "max_lateness": 600}``.
 
+After the slots, each tick sweeps the due delayed jobs (``ExactOnceTask``
+submissions and retries with an ``eta`` or ``countdown``): claimed in
+``run_at`` order and in bounded batches, then dispatched.
+
 SIGTERM during a tick is held until the tick ends: its claims are dispatched,
-then beat exits. Not yet: the delayed-job sweep and the reconciler thread
-(the delayed-jobs issue).
+then beat exits. Not yet: the reconciler (the delayed-jobs issue).
 """
 
 from __future__ import annotations
@@ -77,6 +80,9 @@ ENTRY_OPTIONS = "exactonce"
 
 #: Claims per ``create_many`` round trip.
 CLAIM_BATCH = 500
+#: Delayed jobs claimed per ``claim_due`` call, and at most this many calls per tick.
+SWEEP_BATCH = 500
+SWEEP_MAX_BATCHES = 20
 #: This node's recent claims kept for the store-loss re-check, and how many each tick re-reads.
 RECENT_CLAIMS = 1024
 RECHECK_PER_TICK = 8
@@ -98,6 +104,7 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
         self._settled: dict[str, datetime] = {}
         self._floor: datetime | None = None  # no slot at or before it is ever claimed
         self._skips: dict[str, list[tuple[str, datetime, datetime, int]]] = {}
+        self._policies: dict[str, EntryPolicy] = {}
         self._recent: collections.deque[tuple[JobRef, datetime]] = collections.deque(
             maxlen=RECENT_CLAIMS
         )
@@ -115,7 +122,7 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
         now = self._runtime.store.now()
         for name, entry in self.schedule.items():
             slots.validate_schedule(name, entry.schedule, self._tz, at=now)
-            self._policy(name, entry)
+            self._policies[name] = EntryPolicy.of(name, entry, self._config)
         self._due = []
         self._heap_ready = False
 
@@ -189,9 +196,38 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
         self._report_skips()
         for name, entry in popped:
             self._push(name, entry, now)
+        if self._sweep():
+            return 0.0  # more delayed jobs are due: tick again at once
         if self._due:
             return max(0.0, min(interval, (self._due[0][0] - now).total_seconds()))
         return interval
+
+    def _sweep(self) -> bool:
+        """Dispatch due delayed jobs, after the slots; whether more may be due.
+
+        Claims move them ``PENDING → SCHEDULED`` in ``run_at`` order, in
+        batches of :data:`SWEEP_BATCH` (each job is claimed by one node), and
+        each batch is dispatched before the next is claimed, so a SIGTERM
+        leaves no claimed job behind. A claim that errors after the store
+        applied it leaves its jobs ``SCHEDULED`` for the reconciler to replay.
+        """
+        runtime = self._runtime
+        for _ in range(SWEEP_MAX_BATCHES):
+            if self._stop_requested:
+                return False
+            try:
+                claimed = runtime.store.claim_due(SWEEP_BATCH, node=runtime.node, reason="sweep")
+            except exceptions.StoreError as exc:
+                metrics.event(
+                    "fail_closed", f"delayed-job sweep cannot claim: nothing dispatched ({exc})",
+                    level=logging.WARNING, labels={"phase": "sweep_claim"}, exc_info=exc,
+                )  # fmt: skip
+                return False
+            if claimed:
+                runtime.dispatcher.dispatch_many(claimed, reason="sweep")
+            if len(claimed) < SWEEP_BATCH:
+                return False
+        return True
 
     def sync(self) -> None:
         """Nothing to persist locally: the store holds every claim and watermark."""
@@ -204,16 +240,11 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
         if upcoming is not None:
             heapq.heappush(self._due, (upcoming, name))
 
-    def _policy(self, name: str, entry: Any) -> tuple[str, float | None]:
-        overrides = (entry.options or {}).get(ENTRY_OPTIONS) or {}
-        if not isinstance(overrides, dict):
-            raise exceptions.ConfigurationError(
-                f"beat entry {name!r}: options[{ENTRY_OPTIONS!r}] must be a dict",
-                setting="beat_schedule",
-            )
-        catchup = config_module.as_catchup(overrides.get("catchup", self._config.catchup))
-        lateness = overrides.get("max_lateness", self._config.max_lateness)
-        return catchup, None if lateness is None else float(lateness)
+    def _policy(self, name: str, entry: Any) -> EntryPolicy:
+        policy = self._policies.get(name)
+        if policy is None:
+            policy = self._policies[name] = EntryPolicy.of(name, entry, self._config)
+        return policy
 
     def _plan(self, name: str, entry: Any, now: datetime) -> _Plan | None:
         """The slots of ``entry`` due by ``now`` this node has not settled, and which to claim."""
@@ -268,7 +299,8 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
     def _select(
         self, name: str, entry: Any, due: list[datetime], now: datetime
     ) -> tuple[list[datetime], list[datetime]]:
-        catchup, max_lateness = self._policy(name, entry)
+        policy = self._policy(name, entry)
+        catchup, max_lateness = policy.catchup, policy.max_lateness
         # "none": only what fell due since the previous tick; nothing missed is caught up.
         on_time = now - timedelta(seconds=self._config.tick_interval)
         if max_lateness is not None:
@@ -288,10 +320,12 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
             k: v for k, v in (entry.options or {}).items() if k != ENTRY_OPTIONS and v is not None
         }
         options[GATED_OPTION] = isinstance(self.app.tasks.get(entry.task), ExactOnceTask)
+        deadline = self._policy(name, entry).deadline
         return NewJob(
             JobRef.occurrence(occurrence_id(self._runtime.store.namespace, name, fire)),
             entry.task, State.SCHEDULED, node=self._runtime.node, args=list(entry.args or ()),
             kwargs=dict(entry.kwargs or {}), options=options, entry=name, fire_time=fire,
+            deadline=None if deadline is None else fire + timedelta(seconds=deadline),
             reason="beat claim",
         )  # fmt: skip
 
@@ -404,6 +438,56 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
         except exceptions.StoreError:
             return None
         return None if job is None else jobs.CreateResult(CreateStatus.EXISTS, job)
+
+
+@dataclasses.dataclass(frozen=True)
+class EntryPolicy:
+    """An entry's settings: ``options["exactonce"]`` over the app's ``exactonce_*`` defaults.
+
+    ``catchup``       ``latest`` | ``all`` | ``none`` (default ``exactonce_catchup``)
+    ``max_lateness``  seconds after its fire time a slot is still claimed (default
+                      ``exactonce_max_lateness``; ``None``: no bound but the window)
+    ``deadline``      seconds after its fire time an occurrence may still be
+                      published; past it the message expires (``None``: no deadline)
+    """
+
+    catchup: config_module.Catchup
+    max_lateness: float | None
+    deadline: float | None
+
+    @classmethod
+    def of(cls, name: str, entry: Any, config: config_module.ExactOnceConfig) -> EntryPolicy:
+        """The entry's policy; a :class:`ConfigurationError` naming the entry if it is wrong."""
+        overrides = (entry.options or {}).get(ENTRY_OPTIONS) or {}
+        where = f"beat entry {name!r}: options[{ENTRY_OPTIONS!r}]"
+        if not isinstance(overrides, dict):
+            raise exceptions.ConfigurationError(f"{where} must be a dict", setting="beat_schedule")
+        unknown = sorted(set(overrides) - {"catchup", "max_lateness", "deadline"})
+        if unknown:
+            raise exceptions.ConfigurationError(
+                f"{where}: unknown key(s) {', '.join(map(repr, unknown))} "
+                "(known: catchup, max_lateness, deadline)",
+                setting="beat_schedule",
+            )
+        try:
+            catchup = config_module.as_catchup(overrides.get("catchup", config.catchup))
+        except exceptions.ConfigurationError as exc:
+            raise exceptions.ConfigurationError(f"{where}: {exc}", setting="beat_schedule") from exc
+        lateness = _seconds(
+            where, "max_lateness", overrides.get("max_lateness", config.max_lateness)
+        )
+        return cls(catchup, lateness, _seconds(where, "deadline", overrides.get("deadline")))
+
+
+def _seconds(where: str, key: str, value: object) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        raise exceptions.ConfigurationError(
+            f"{where}[{key!r}] must be a number of seconds >= 0, got {value!r}",
+            setting="beat_schedule",
+        )
+    return float(value)
 
 
 def _fire(new: NewJob) -> datetime:

@@ -18,6 +18,12 @@ section 4, "Worker gate"):
 * **After the body.** ``RUNNING → SUCCEEDED`` or ``FAILED`` on the ``run_id``.
   A Celery retry (``self.retry``, ``autoretry_for``) is the next attempt of the
   same job, written before the retry is published.
+* **Delayed jobs.** An ``eta`` or ``countdown`` in the future (on submit or on
+  a retry) is never handed to the broker as an ETA message, which a Redis or
+  SQS broker would deliver again after its visibility timeout: the job waits
+  ``PENDING`` in the store with its ``run_at``, and a beat node
+  (``ExactOnceScheduler``) dispatches it when it falls due. Delayed jobs need
+  at least one ``celery beat -S exactonce`` running.
 """
 
 from __future__ import annotations
@@ -145,13 +151,13 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
         if shadow is not None:
             stored["shadow"] = shadow
         eta = _eta(options)
-        if eta is not None:
-            stored["eta"] = eta.isoformat()
+        delayed = eta is not None and eta > datetime.now(timezone.utc)
         stored[dispatch.GATED_OPTION] = True
         new = NewJob(
-            JobRef.task(task_id), self.name, State.SCHEDULED, node=runtime.node,
-            args=list(args or ()), kwargs=dict(kwargs or {}), options=stored,
-            deadline=_deadline(options.get("expires"), eta), reason="apply_async",
+            JobRef.task(task_id), self.name, State.PENDING if delayed else State.SCHEDULED,
+            node=runtime.node, args=list(args or ()), kwargs=dict(kwargs or {}), options=stored,
+            run_at=eta if delayed else None, deadline=_deadline(options.get("expires"), eta),
+            reason="apply_async (delayed)" if delayed else "apply_async",
         )  # fmt: skip
         job = self._create(runtime, new)
         if job.state is State.SCHEDULED:
@@ -191,9 +197,12 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
     ) -> Any:
         """Celery's retry re-publishes the task: make it the next attempt of the job first."""
         runtime = runtime_for(self.app)
+        eta = _eta(options)
+        delayed = eta is not None and eta > datetime.now(timezone.utc)
         request = Transition(
-            State.DISPATCHED, frozenset({State.RUNNING}), node=runtime.node, reason="retry",
-            run_id=run.run_id, next_attempt=True,
+            State.PENDING if delayed else State.DISPATCHED, frozenset({State.RUNNING}),
+            node=runtime.node, reason="retry (delayed)" if delayed else "retry",
+            run_id=run.run_id, next_attempt=True, run_at=eta if delayed else None,
             args=list(args) if args is not None else None,
             kwargs=dict(kwargs) if kwargs is not None else None,
         )  # fmt: skip
@@ -215,11 +224,8 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
                 extra={"action": "retry_refused", "job_id": run.ref.id},
             )  # fmt: skip
             return self.AsyncResult(run.ref.id)
-        extra: dict[str, Any] = {}
-        eta = _eta(options)
-        if eta is not None:
-            extra["eta"] = eta.isoformat()
-        runtime.dispatcher.publish(job, extra=extra)
+        if job.state is State.DISPATCHED:  # a delayed retry waits PENDING for the sweep
+            runtime.dispatcher.publish(job)
         return self.AsyncResult(run.ref.id)
 
     def replace(self, sig: Any) -> Any:

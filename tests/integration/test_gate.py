@@ -7,6 +7,7 @@ Real worker processes on Redis and RabbitMQ brokers are in tests/acceptance.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Iterator
@@ -23,11 +24,13 @@ from celery_exactonce import (
     JobConflict,
     StoreUnavailable,
     SubmitAmbiguous,
+    cancel,
     metrics,
     runtime,
 )
 from celery_exactonce.dispatch import message_headers
 from celery_exactonce.jobs import JobRef
+from celery_exactonce.scheduler import ExactOnceScheduler
 from celery_exactonce.states import State
 from celery_exactonce.testing import InMemoryStore
 from tests.contract.helpers import poll
@@ -37,9 +40,22 @@ LOCK = threading.Lock()
 
 
 class FlakyStore(InMemoryStore):
-    """An in-memory store whose transitions fail while ``down`` is set."""
+    """An in-memory store whose transitions fail while ``down`` is set.
+
+    With ``lose_next_create``, the next create applies, then its answer is
+    lost and the store goes ``down`` (so the read-back fails as well).
+    """
 
     down = False
+    lose_next_create = False
+
+    def create(self, new, *, epoch=None):  # type: ignore[no-untyped-def]
+        result = super().create(new, epoch=epoch)
+        if self.lose_next_create:
+            self.lose_next_create = False
+            self.down = True
+            raise StoreUnavailable("injected: answer lost after commit")
+        return result
 
     def transition(self, ref, request):  # type: ignore[no-untyped-def]
         if self.down:
@@ -63,6 +79,8 @@ def make_app() -> Celery:
         exactonce_store_url="memory://",
         exactonce_retry_delay_store=0.05,
         exactonce_heartbeat_interval=0.05,
+        exactonce_tick_interval=0.05,
+        beat_schedule={},
         task_acks_late=True,
         worker_hijack_root_logger=False,
         broker_transport_options={"polling_interval": 0.05},
@@ -107,12 +125,43 @@ def make_app() -> Celery:
     return app
 
 
+@contextlib.contextmanager
+def beat_thread(app: Celery) -> Iterator[None]:
+    """A beat node (no entries) in a thread: it sweeps the due delayed jobs."""
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            scheduler = ExactOnceScheduler(app)  # off the main thread: no signal handler
+            while not stop.is_set():
+                stop.wait(min(scheduler.tick(), 0.05))
+        except BaseException as exc:  # reported by the fixture
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, name="beat", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(timeout=10)
+    assert not errors, errors
+
+
 @pytest.fixture(scope="module")
 def worker_app() -> Iterator[Celery]:
-    """One app and one in-process worker for the module (a worker takes seconds to stop)."""
+    """One app, one in-process worker and one beat thread for the module.
+
+    One worker only: stopping an in-process worker sets Celery's process-wide
+    stop flag, which would stop any other in-process worker too.
+    """
     app = make_app()
     runtime.install(app, FlakyStore("gate"))
-    with start_worker(app, pool="solo", perform_ping_check=False, shutdown_timeout=10):
+    with (
+        start_worker(app, pool="solo", perform_ping_check=False, shutdown_timeout=10),
+        beat_thread(app),
+    ):
         yield app
     runtime.reset(app)
 
@@ -121,6 +170,7 @@ def worker_app() -> Iterator[Celery]:
 def app(worker_app: Celery) -> Celery:
     LEDGER.clear()
     metrics.COUNTERS.reset()
+    store_of(worker_app).down = False
     return worker_app
 
 
@@ -279,59 +329,44 @@ def test_reject_on_worker_lost_is_refused_on_a_gated_task() -> None:
         validate_gated_task(app.tasks["t.bad"])
 
 
-class AmbiguousCreateStore(FlakyStore):
-    """The next create applies, then its answer is lost; the read-back fails too."""
-
-    lose_next_create = False
-
-    def create(self, new, *, epoch=None):  # type: ignore[no-untyped-def]
-        result = super().create(new, epoch=epoch)
-        if self.lose_next_create:
-            self.lose_next_create = False
-            self.down = True  # the read-back fails as well
-            raise StoreUnavailable("injected: answer lost after commit")
-        return result
-
-
-def test_ambiguous_submit_raises_and_resubmitting_runs_once() -> None:
-    LEDGER.clear()
-    app = make_app()
-    store = AmbiguousCreateStore("ambiguous")
-    runtime.install(app, store)
-    try:
-        with start_worker(app, pool="solo", perform_ping_check=False, shutdown_timeout=10):
-            store.lose_next_create = True
-            with pytest.raises(SubmitAmbiguous) as info:
-                app.tasks["t.add"].apply_async((3, 4), task_id="amb-1")
-            assert info.value.task_id == "amb-1"
-            store.down = False
-            # the caller resubmits the same id: the existing job is returned, run once
-            app.tasks["t.add"].apply_async((3, 4), task_id="amb-1")
-            poll(lambda: (j := store.get(JobRef.task("amb-1"))) is not None and j.terminal)
-            job = store.get(JobRef.task("amb-1"))
-            assert job is not None and job.state is State.SUCCEEDED
-            assert len(runs("amb-1")) == 1
-    finally:
-        runtime.reset(app)
+def test_ambiguous_submit_raises_and_resubmitting_runs_once(app: Celery) -> None:
+    store = store_of(app)
+    store.lose_next_create = True
+    with pytest.raises(SubmitAmbiguous) as info:
+        app.tasks["t.add"].apply_async((3, 4), task_id="amb-1")
+    assert info.value.task_id == "amb-1"
+    store.down = False
+    # the caller resubmits the same id: the existing job is returned, run once
+    app.tasks["t.add"].apply_async((3, 4), task_id="amb-1")
+    poll(lambda: (j := store.get(JobRef.task("amb-1"))) is not None and j.terminal)
+    job = store.get(JobRef.task("amb-1"))
+    assert job is not None and job.state is State.SUCCEEDED
+    assert len(runs("amb-1")) == 1
 
 
-def test_failed_rollback_reaches_sentry_when_the_app_initialised_it() -> None:
-    import sentry_sdk
-    from sentry_sdk.transport import Transport
+def test_countdown_waits_pending_in_the_store_then_runs_once(app: Celery) -> None:
+    # Given a gated task submitted with a countdown
+    result = app.tasks["t.add"].apply_async((3, 4), countdown=0.5)
+    # Then it waits PENDING in the store (no ETA message on the broker)
+    job = store_of(app).get(JobRef.task(result.id))
+    assert job is not None and job.state is State.PENDING and job.run_at is not None
+    assert runs(result.id) == []
+    # and the beat sweep dispatches it once it is due: it runs once
+    poll(lambda: job_state(app, result.id) is State.SUCCEEDED)
+    assert len(runs(result.id)) == 1
+    # A resubmission of the fired task_id is not run again
+    app.tasks["t.add"].apply_async((3, 4), task_id=result.id, countdown=0.1)
+    assert job_state(app, result.id) is State.SUCCEEDED
 
-    events: list[Any] = []
 
-    class Capture(Transport):  # type: ignore[misc]
-        def capture_envelope(self, envelope: Any) -> None:
-            events.append(envelope)
-
-    # Not initialised: nothing is sent
-    assert not metrics.report_to_sentry("rollback_failed", "boom", {})
-    sentry_sdk.init(dsn="https://key@sentry.invalid/1", transport=Capture())
-    try:
-        metrics.event("rollback_failed", "boom", labels={"phase": "rollback_write"},
-                      sentry=True, job_id="j-1")  # fmt: skip
-        sentry_sdk.flush(timeout=5)
-    finally:
-        sentry_sdk.init(dsn=None)
-    assert len(events) == 1
+def test_cancel_before_run_at_never_runs(app: Celery) -> None:
+    result = app.tasks["t.add"].apply_async((1, 1), countdown=1.0)
+    assert cancel(result.id, app=app) is True
+    assert job_state(app, result.id) is State.CANCELLED
+    assert cancel(result.id, app=app) is False  # already cancelled: nothing to do
+    # A job submitted after it runs to completion: the sweep saw the cancelled one and skipped it
+    later = app.tasks["t.add"].apply_async((2, 2), countdown=1.2)
+    poll(lambda: job_state(app, later.id) is State.SUCCEEDED)
+    assert runs(result.id) == []
+    assert cancel(later.id, app=app) is False  # dispatched and done: not cancellable
+    assert cancel("never-submitted", app=app) is False

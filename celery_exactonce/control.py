@@ -1,0 +1,45 @@
+"""Acting on jobs from application code: :func:`cancel`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery_exactonce import exceptions
+from celery_exactonce.jobs import JobRef, Transition
+from celery_exactonce.runtime import runtime_for
+from celery_exactonce.states import State
+
+#: The states a job can be cancelled from: not dispatched yet.
+CANCELLABLE = frozenset({State.PENDING, State.SCHEDULED})
+
+
+def cancel(task_id: str, app: Any = None) -> bool:
+    """Cancel the job ``task_id`` if it has not been dispatched yet; return whether it did.
+
+    A delayed job waiting ``PENDING`` (or a job ``SCHEDULED`` and not yet
+    published) ends ``CANCELLED`` and never runs. A job already dispatched,
+    running or finished is left as it is (``False``); revoke a dispatched one
+    with Celery's ``revoke``, which the gate records as ``CANCELLED``.
+
+    Raises
+    ------
+    StoreError
+        The store could not be reached, or the write's outcome is unknown and
+        could not be read back. Calling again is safe.
+    """
+    if app is None:
+        from celery import current_app
+
+        app = current_app
+    runtime = runtime_for(app)
+    ref = JobRef.task(task_id)
+    request = Transition(
+        State.CANCELLED, CANCELLABLE, node=runtime.node, reason="cancelled by cancel()"
+    )
+    try:
+        result = runtime.store.transition(ref, request)
+    except exceptions.StoreError:
+        if runtime.dispatcher.read_back(ref, request.new_rev) is not None:
+            return True
+        raise
+    return result.applied
