@@ -4,76 +4,23 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator, Mapping
-from datetime import datetime, timedelta, timezone
+from datetime import timedelta
 from typing import Any
 
 import pytest
-from celery import Celery, schedules
+from celery import schedules
 from celery.schedules import crontab
 
 from celery_exactonce import metrics, runtime
-from celery_exactonce.dispatch import Dispatcher
 from celery_exactonce.jobs import Job
 from celery_exactonce.scheduler import ExactOnceScheduler
-from celery_exactonce.testing import FrozenClock, InMemoryStore
-
-START = datetime(2026, 6, 1, 12, 0, 0, tzinfo=timezone.utc)
-
-
-class Broker:
-    def __init__(self) -> None:
-        self.sent: list[Job] = []
-
-    def __call__(self, job: Job, headers: Mapping[str, Any], extra: Mapping[str, Any]) -> None:
-        self.sent.append(job)
-
-
-class Cluster:
-    """N beat nodes (schedulers) of one app sharing one store, and a fake broker."""
-
-    def __init__(
-        self, schedule: dict[str, Any], nodes: int = 3, *, store_born: datetime | None = None,
-        **conf: Any,
-    ) -> None:  # fmt: skip
-        # The store was born a day before (unless told): its first slots are provable.
-        self.clock = FrozenClock(store_born or START - timedelta(days=1))
-        self.store = InMemoryStore("beat", retention=7 * 86_400, clock=self.clock)
-        self.store.epoch()
-        self.clock.advance((START - self.clock.now()).total_seconds())
-        self.broker = Broker()
-        self.app = Celery("beat-tests", set_as_current=False)
-        self.app.conf.update(
-            exactonce_store_url="memory://", beat_schedule=schedule, timezone="UTC", **conf
-        )
-        rt = runtime.install(self.app, self.store)
-        rt.dispatcher = Dispatcher(self.store, self.broker, node="beat")
-        self.nodes = [ExactOnceScheduler(self.app) for _ in range(nodes)]
-
-    def tick_all(self) -> None:
-        for node in self.nodes:
-            node.tick()
-
-    def run(self, seconds: int, step: float = 1.0) -> None:
-        for _ in range(int(seconds / step)):
-            self.clock.advance(step)
-            self.tick_all()
-
-    def fired(self, entry: str) -> list[datetime]:
-        return sorted(job.fire_time for job in self.broker.sent if job.entry == entry)  # type: ignore[misc]
+from tests.unit.beat_cluster import START, Cluster, every, isolated
 
 
 @pytest.fixture(autouse=True)
 def _counters_and_signals() -> Iterator[None]:
-    import signal
-
-    metrics.COUNTERS.reset()
-    sigterm = signal.getsignal(signal.SIGTERM)  # schedulers install their own handler
-    yield
-    signal.signal(signal.SIGTERM, sigterm)
-
-
-def every(seconds: float, task: str = "plain.t", **options: Any) -> dict[str, Any]:
-    return {"task": task, "schedule": timedelta(seconds=seconds), "options": options}
+    with isolated():
+        yield
 
 
 def test_three_nodes_dispatch_each_slot_once() -> None:
