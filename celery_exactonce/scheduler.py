@@ -14,12 +14,16 @@ the cost follows the due entries, not all of them):
   due. Due-ness is judged on the store's clock, never this node's, so a node
   never claims a slot before ``store time >= fire_time`` (DESIGN allows up to
   ``max_skew`` early; judging on store time needs no such allowance);
+* a node that has not settled an entry lately (it started, or fell behind)
+  starts from the entry's store watermark: what is at or below it was decided
+  by whoever claimed it, and is neither planned nor counted again;
 * after downtime, the entry's catch-up policy picks which missed slots to
-  claim (``latest`` by default, ``all`` up to ``catchup_limit``, ``none``);
-  ``max_lateness`` skips slots that are too late; every skipped slot is counted;
+  claim (``latest`` by default, the newest ``catchup_limit`` with ``all``,
+  ``none``); ``max_lateness`` skips slots that are too late; every skipped
+  slot is counted (``where=catchup``). Slots that left the window unclaimed
+  while this node held the entry are counted too (``where=window``);
 * a claim that fails on a store error is not settled: the next tick inside
-  the window tries again (fail closed), and a slot that falls out of the
-  window is counted as skipped;
+  the window tries again (fail closed);
 * the claims of a tick go to the store in batches (:meth:`StateStore.create_many`)
   and the won ones are dispatched in batches (:meth:`Dispatcher.dispatch_many`).
 
@@ -39,8 +43,10 @@ proven unclaimed, so it is skipped and counted, never claimed again:
   replica keeps an old epoch), and the node moves its floor to
   ``store time + max_skew``.
 
-Per-entry overrides live under ``options["exactonce"]``:
-``{"catchup": "all", "max_lateness": 600}``.
+Per-entry overrides live under ``options["exactonce"]`` (:class:`EntryPolicy`):
+``{"catchup": "all", "max_lateness": 600, "deadline": 300}``. Entries added at
+run time through Celery's ``Scheduler.add`` or ``update_from_dict`` join the
+heap on the next tick.
 
 After the slots, each tick sweeps the due delayed jobs (``ExactOnceTask``
 submissions and retries with an ``eta`` or ``countdown``): claimed in
@@ -58,7 +64,7 @@ import heapq
 import logging
 import signal
 import threading
-from datetime import datetime, timedelta
+from datetime import datetime, timedelta, timezone
 from typing import Any
 from zoneinfo import ZoneInfo
 
@@ -126,6 +132,26 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
         self._due = []
         self._heap_ready = False
 
+    def add(self, **kwargs: Any) -> Any:
+        """Celery's ``Scheduler.add``: the new entry joins the due heap."""
+        entry = super().add(**kwargs)
+        self._changed([entry.name])
+        return entry
+
+    def update_from_dict(self, dict_: dict[str, Any]) -> None:
+        """Celery's ``Scheduler.update_from_dict``: changed entries join the due heap."""
+        super().update_from_dict(dict_)
+        self._changed(list(dict_))
+
+    def _changed(self, names: list[str]) -> None:
+        """Entries added or replaced at run time: validate them, rebuild the heap next tick."""
+        now = datetime.now(timezone.utc)
+        for name in names:
+            entry = self.schedule[name]
+            slots.validate_schedule(name, entry.schedule, self._tz, at=now)
+            self._policies[name] = EntryPolicy.of(name, entry, self._config)
+        self._heap_ready = False
+
     @property
     def info(self) -> str:
         return (
@@ -178,20 +204,27 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
             )  # fmt: skip
             return interval
         if not self._heap_ready:
+            self._due = []
             for name, entry in self.schedule.items():
                 self._push(name, entry, now)
             self._heap_ready = True
         popped: list[tuple[str, Any]] = []
-        plans: list[_Plan] = []
         while self._due and self._due[0][0] <= now:
             _, name = heapq.heappop(self._due)
             entry = self.schedule.get(name)
-            if entry is None:
-                continue
-            popped.append((name, entry))
-            plan = self._plan(name, entry, now)
-            if plan is not None:
-                plans.append(plan)
+            if entry is not None:
+                popped.append((name, entry))
+        try:
+            self._load_watermarks([name for name, _ in popped], now)
+        except exceptions.StoreError as exc:
+            for name, entry in popped:
+                self._push(name, entry, now)
+            metrics.event(
+                "fail_closed", f"beat cannot read the watermarks: nothing claimed ({exc})",
+                level=logging.WARNING, labels={"phase": "tick_read"}, exc_info=exc,
+            )  # fmt: skip
+            return interval
+        plans = [p for name, entry in popped if (p := self._plan(name, entry, now)) is not None]
         self._claim_and_dispatch(plans)
         self._report_skips()
         for name, entry in popped:
@@ -246,10 +279,35 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
             policy = self._policies[name] = EntryPolicy.of(name, entry, self._config)
         return policy
 
+    def _load_watermarks(self, names: list[str], now: datetime) -> None:
+        """Start entries this node has not settled lately from their store watermark.
+
+        Slots at or below an entry's watermark are decided (claimed, or skipped
+        by whoever claimed a newer one), so a restarted node, or one that fell
+        behind, neither re-plans nor counts them.
+        """
+        behind = now - timedelta(seconds=2 * self._config.tick_interval)
+        stale = [n for n in names if (s := self._settled.get(n)) is None or s < behind]
+        if not stale:
+            return
+        for name, mark in self._runtime.store.watermarks(stale).items():
+            if mark > self._settled.get(name, mark - timedelta(seconds=1)):
+                self._settled[name] = mark
+
     def _plan(self, name: str, entry: Any, now: datetime) -> _Plan | None:
-        """The slots of ``entry`` due by ``now`` this node has not settled, and which to claim."""
+        """The slots of ``entry`` due by ``now`` this node has not settled, and which to claim.
+
+        Slots that left the window unclaimed since this node settled the
+        entry are counted (``where=window``) and settled.
+        """
         lookback = now - timedelta(seconds=self._config.window_lookback)
-        start = max(self._settled.get(name, lookback), lookback)
+        settled = self._settled.get(name)
+        if settled is not None and settled < lookback:
+            fallen = slots.slots_between(entry.schedule, settled, lookback, tz=self._tz, entry=name)
+            if fallen:  # a lower bound when there were more than slots.DEFAULT_LIMIT
+                self._skipped(name, fallen, "window")
+            self._settled[name] = settled = lookback
+        start = lookback if settled is None else settled
         due = slots.slots_between(entry.schedule, start, now, tz=self._tz, entry=name)
         if not due:
             return None
@@ -257,18 +315,16 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
             latest = slots.latest_slot(entry.schedule, now, tz=self._tz, entry=name)
             if latest is not None and latest > due[-1]:
                 due.append(latest)
+        plan = _Plan(name, start=start, due=due)
         unprovable = [f for f in due if self._floor is not None and f <= self._floor]
         if unprovable:
             self._skipped(name, unprovable, "store_loss")
-            due = due[len(unprovable) :]
-        plan = _Plan(name, settle_to=unprovable[-1] if unprovable else due[-1])
-        if not due:
-            return plan
-        claim, skipped = self._select(name, entry, due, now)
-        if skipped:
-            self._skipped(name, skipped, "catchup")
-        plan.settle_to = due[-1]
-        plan.claims = [self._occurrence(name, entry, fire) for fire in claim]
+        provable = due[len(unprovable) :]
+        if provable:
+            claim, skipped = self._select(name, entry, provable, now)
+            if skipped:
+                self._skipped(name, skipped, "catchup")
+            plan.claims = [self._occurrence(name, entry, fire) for fire in claim]
         return plan
 
     def _skipped(self, name: str, fires: list[datetime], where: str) -> None:
@@ -308,8 +364,9 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
             due = [f for f in due if f not in too_late]
         else:
             too_late = []
-        if catchup == "all":
-            return due[: self._config.catchup_limit], too_late + due[self._config.catchup_limit :]
+        if catchup == "all":  # the newest ones, as "latest" is the newest one
+            keep = len(due) - self._config.catchup_limit
+            return due[max(0, keep) :], too_late + due[: max(0, keep)]
         if catchup == "none":
             claim = [f for f in due if f >= on_time]
             return claim, too_late + [f for f in due if f < on_time]
@@ -332,9 +389,8 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
     def _claim_and_dispatch(self, plans: list[_Plan]) -> None:
         """Claim the planned slots in batches, dispatch the won ones, settle what is decided.
 
-        An entry is settled (never planned again up to ``settle_to``) only when
-        every claim of it got an answer; one that failed on a store error is
-        retried by the next tick inside the window (fail closed).
+        A claim that failed on a store error is planned again by the next tick
+        inside the window (fail closed); see :class:`_Plan`.
         """
         claims = [(plan, new) for plan in plans for new in plan.claims]
         for i in range(0, len(claims), CLAIM_BATCH):
@@ -342,8 +398,7 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
             if won:
                 self._runtime.dispatcher.dispatch_many(won, reason="beat")
         for plan in plans:
-            if not plan.failed:
-                self._settled[plan.name] = plan.settle_to
+            self._settled[plan.name] = plan.settle_to()
 
     def _claim_batch(self, batch: list[tuple[_Plan, NewJob]]) -> list[jobs.Job]:
         """Create-if-absent the batch; the jobs this node won (``SCHEDULED``, its rev)."""
@@ -372,7 +427,7 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
         lost: list[tuple[_Plan, NewJob]] = []
         for (plan, new), result in zip(provable, results, strict=True):
             if result is None:
-                plan.failed = True
+                plan.failed.append(_fire(new))
             elif result.status is CreateStatus.EPOCH_MISMATCH:
                 lost.append((plan, new))
             elif result.job is not None and result.job.rev == new.rev:
@@ -498,9 +553,22 @@ def _fire(new: NewJob) -> datetime:
 
 @dataclasses.dataclass
 class _Plan:
-    """One entry's work in a tick: the occurrences to claim, and how far it settles."""
+    """One entry's work in a tick: its due slots, those to claim, and how far it settles.
+
+    Every due slot is decided (claimed, found claimed, or skipped and counted)
+    except those whose claim failed on a store error: the entry settles up to
+    the last slot before the first failure, so the next tick tries that one
+    again (fail closed) and nothing decided is counted twice.
+    """
 
     name: str
-    settle_to: datetime
+    start: datetime
+    due: list[datetime]
     claims: list[NewJob] = dataclasses.field(default_factory=list)
-    failed: bool = False
+    failed: list[datetime] = dataclasses.field(default_factory=list)
+
+    def settle_to(self) -> datetime:
+        if not self.failed:
+            return self.due[-1]
+        first = min(self.failed)
+        return max([self.start, *(f for f in self.due if f < first)])

@@ -135,6 +135,10 @@ class StateStore(Protocol):
         """The highest ``fire_time`` claimed for ``entry``, or ``None``."""
         ...
 
+    def watermarks(self, entries: Sequence[str]) -> dict[str, datetime]:
+        """The watermarks of ``entries`` that have one, in one round trip (a few for SQL)."""
+        ...
+
     def list_stale(self, state: State, older_than: float, limit: int) -> list[Job]:
         """Jobs in ``state`` last touched at least ``older_than`` seconds ago (store time).
 

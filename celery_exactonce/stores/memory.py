@@ -159,9 +159,12 @@ class InMemoryStore:
             return True
 
     def watermark(self, entry: str) -> datetime | None:
+        return self.watermarks([entry]).get(entry)
+
+    def watermarks(self, entries: Sequence[str]) -> dict[str, datetime]:
         with self._lock:
             self._check_open()
-            return self._watermarks.get(entry)
+            return {e: self._watermarks[e] for e in entries if e in self._watermarks}
 
     # -- queries and sweeps --------------------------------------------------------------
 

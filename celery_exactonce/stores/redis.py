@@ -334,9 +334,19 @@ class RedisStore:
         return _decode_job([item for pair in record.items() for item in pair]) if record else None
 
     def watermark(self, entry: str) -> datetime | None:
-        with self._wrap("watermark"):
-            mark = self._client.hget(self._key("wm"), entry)
-        return None if mark is None else jobs.from_micros(int(_text(mark)))
+        return self.watermarks([entry]).get(entry)
+
+    def watermarks(self, entries: Sequence[str]) -> dict[str, datetime]:
+        if not entries:
+            self._check_open()
+            return {}
+        with self._wrap("watermarks"):
+            marks = self._client.hmget(self._key("wm"), list(entries))
+        return {
+            entry: jobs.from_micros(int(_text(mark)))
+            for entry, mark in zip(entries, marks, strict=True)
+            if mark is not None
+        }
 
     # -- transitions ---------------------------------------------------------------------
 

@@ -122,6 +122,10 @@ _DIALECTS: dict[str, _Dialect] = {
 _DUPLICATE_KEY = 1062  # MySQL: does not abort the transaction, only the statement
 
 
+#: Identifiers per ``IN (...)`` list: below every dialect's bound-parameter limit.
+_IN_CHUNK = 500
+
+
 def _lock_order(new: NewJob) -> tuple[str, str]:
     """The order a batch of creates takes its locks in (sorted stably: by entry, then id).
 
@@ -492,17 +496,29 @@ class SqlStore:
         return self._run("heartbeat", op)
 
     def watermark(self, entry: str) -> datetime | None:
-        wm = self._t.watermarks
-        query = sa.select(wm.c.fire_time).where(
-            wm.c.namespace == self._namespace, wm.c.entry == entry
-        )
-        return self._run(
-            "watermark",
-            lambda conn: jobs.from_micros_opt(conn.execute(query).scalar_one_or_none()),
-            write=False,
-        )
+        return self.watermarks([entry]).get(entry)
 
-    # -- queries and sweeps ------------------------------------------------------------
+    def watermarks(self, entries: Sequence[str]) -> dict[str, datetime]:
+        if not entries:
+            self._check_usable()
+            return {}
+        wm = self._t.watermarks
+        wanted = list(dict.fromkeys(entries))
+
+        def op(conn: sa.Connection) -> dict[str, datetime]:
+            found: dict[str, datetime] = {}
+            for i in range(0, len(wanted), _IN_CHUNK):
+                query = sa.select(wm.c.entry, wm.c.fire_time).where(
+                    wm.c.namespace == self._namespace,
+                    wm.c.entry.in_(wanted[i : i + _IN_CHUNK]),
+                    wm.c.fire_time.is_not(None),
+                )
+                found.update(
+                    (row.entry, jobs.from_micros(row.fire_time)) for row in conn.execute(query)
+                )
+            return found
+
+        return self._run("watermarks", op, write=False)
 
     def list_stale(self, state: State, older_than: float, limit: int) -> list[Job]:
         state = State(state)

@@ -173,6 +173,15 @@ def test_create_many_is_create_in_turn(store: StateStore) -> None:
     assert store.create_many([]) == []
 
 
+def test_watermarks_reads_many_entries_at_once(store: StateStore) -> None:
+    t0 = store.now().replace(microsecond=0)
+    assert store.create(occurrence("wms-a", t0)).created
+    assert store.create(occurrence("wms-b", t0 + timedelta(seconds=1))).created
+    marks = store.watermarks(["wms-a", "wms-b", "wms-none", "wms-a"])
+    assert marks == {"wms-a": t0, "wms-b": t0 + timedelta(seconds=1)}
+    assert store.watermarks([]) == {}
+
+
 def test_create_many_with_a_stale_epoch_writes_nothing(store: StateStore) -> None:
     epoch = store.epoch()
     t0 = store.now().replace(microsecond=0)
