@@ -186,17 +186,7 @@ class ExactOnceConfig:
             A setting is missing, of the wrong type or inconsistent; the message
             names it as the app spells it (``exactonce_retention``).
         """
-        conf = app.conf
-        namespace = (getattr(app, "namespace", None) or "").lower()
-        strip = f"{namespace}_" if namespace else ""
-        settings: dict[str, Any] = {}
-        for key in list(conf.keys()):
-            lowered = str(key).lower()
-            if strip and lowered.startswith(strip + PREFIX):
-                lowered = lowered[len(strip) :]
-            if lowered.startswith(PREFIX):
-                settings[lowered] = conf.get(key)
-        return cls.from_mapping(settings)
+        return cls.from_mapping(settings_of(app))
 
     def redacted(self) -> dict[str, Any]:
         """The settings as a dict for logs and ``exactonce check``: no secret in clear."""
@@ -205,6 +195,21 @@ class ExactOnceConfig:
         if self.signing_key is not None:
             data["signing_key"] = "***"
         return data
+
+
+def settings_of(app: Any) -> dict[str, Any]:
+    """The ``exactonce_*`` settings of ``app``, keys lower-case (Django's ``CELERY_`` stripped)."""
+    conf = app.conf
+    namespace = (getattr(app, "namespace", None) or "").lower()
+    strip = f"{namespace}_" if namespace else ""
+    settings: dict[str, Any] = {}
+    for key in list(conf.keys()):
+        lowered = str(key).lower()
+        if strip and lowered.startswith(strip + PREFIX):
+            lowered = lowered[len(strip) :]
+        if lowered.startswith(PREFIX):
+            settings[lowered] = conf.get(key)
+    return settings
 
 
 def _error(name: str, problem: str) -> exceptions.ConfigurationError:

@@ -71,9 +71,10 @@ from zoneinfo import ZoneInfo
 from celery import beat
 
 from celery_exactonce import config as config_module
-from celery_exactonce import exceptions, jobs, keys, metrics, slots
+from celery_exactonce import exceptions, jobs, keys, metrics, reconciler, slots
 from celery_exactonce.dispatch import GATED_OPTION
 from celery_exactonce.jobs import CreateStatus, JobRef, NewJob
+from celery_exactonce.reconciler import RECONCILE_TASK, BeatRunner
 from celery_exactonce.runtime import Runtime, runtime_for
 from celery_exactonce.states import State
 from celery_exactonce.stores import redact_url
@@ -102,6 +103,10 @@ def occurrence_id(namespace: str, entry: str, fire_time: datetime) -> str:
 class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is untyped
     """A ``celery.beat.Scheduler`` that dispatches each occurrence once across all nodes."""
 
+    #: Run reconcile passes (``exactonce_reconcile_on = "beat"``) in a thread of
+    #: their own; ``False`` runs them inside the tick (deterministic tests).
+    reconcile_in_thread = True
+
     def __init__(self, app: Any, *args: Any, **kwargs: Any) -> None:
         self._runtime: Runtime = runtime_for(app)
         self._config = self._runtime.config
@@ -111,6 +116,11 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
         self._floor: datetime | None = None  # no slot at or before it is ever claimed
         self._skips: dict[str, list[tuple[str, datetime, datetime, int]]] = {}
         self._policies: dict[str, EntryPolicy] = {}
+        self._reconcile_runner = (
+            BeatRunner(self._runtime, threaded=self.reconcile_in_thread)
+            if self._config.reconcile_on == "beat"
+            else None
+        )
         self._recent: collections.deque[tuple[JobRef, datetime]] = collections.deque(
             maxlen=RECENT_CLAIMS
         )
@@ -124,13 +134,24 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
     # -- celery.beat.Scheduler interface ---------------------------------------------
 
     def setup_schedule(self) -> None:
-        self.merge_inplace(self.app.conf.beat_schedule)
+        reconciler.register_task(self.app)
+        self.merge_inplace({**self.app.conf.beat_schedule, **self._internal_entries()})
         now = self._runtime.store.now()
         for name, entry in self.schedule.items():
             slots.validate_schedule(name, entry.schedule, self._tz, at=now)
             self._policies[name] = EntryPolicy.of(name, entry, self._config)
         self._due = []
         self._heap_ready = False
+
+    def _internal_entries(self) -> dict[str, Any]:
+        """The reconciler's entry: one pass per ``reconcile_interval`` across all nodes."""
+        return {
+            RECONCILE_TASK: {
+                "task": RECONCILE_TASK,
+                "schedule": timedelta(seconds=self._config.reconcile_interval),
+                "options": {ENTRY_OPTIONS: {"catchup": "latest"}},
+            }
+        }
 
     def add(self, **kwargs: Any) -> Any:
         """Celery's ``Scheduler.add``: the new entry joins the due heap."""
@@ -328,7 +349,13 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
         return plan
 
     def _skipped(self, name: str, fires: list[datetime], where: str) -> None:
-        """Note skipped slots: logged per entry at debug, reported once per tick."""
+        """Note skipped slots: logged per entry at debug, reported once per tick.
+
+        The reconciler's own entry is not counted: a pass that is not needed
+        again after downtime is no lost work.
+        """
+        if name == RECONCILE_TASK:
+            return
         logger.debug(
             "%s: %d slot(s) from %s to %s skipped (%s)", name, len(fires), fires[0].isoformat(),
             fires[-1].isoformat(), where,
@@ -395,6 +422,10 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
         claims = [(plan, new) for plan in plans for new in plan.claims]
         for i in range(0, len(claims), CLAIM_BATCH):
             won = self._claim_batch(claims[i : i + CLAIM_BATCH])
+            if self._reconcile_runner is not None:
+                for job in [job for job in won if job.entry == RECONCILE_TASK]:
+                    won.remove(job)
+                    self._reconcile_runner.start(job)
             if won:
                 self._runtime.dispatcher.dispatch_many(won, reason="beat")
         for plan in plans:

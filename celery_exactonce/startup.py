@@ -11,7 +11,7 @@ from typing import Any
 
 from celery import signals
 
-from celery_exactonce import exceptions, runtime
+from celery_exactonce import config, exceptions, reconciler, runtime
 from celery_exactonce.task import ExactOnceTask, validate_gated_task
 
 #: Broker schemes that speak AMQP, where publisher confirms must be on.
@@ -38,7 +38,13 @@ def gated_tasks(app: Any) -> list[ExactOnceTask]:
 
 
 def check_worker(app: Any) -> None:
-    """Everything a worker that runs gated tasks must have right before it consumes."""
+    """Everything a worker that runs gated tasks must have right before it consumes.
+
+    A worker of an app that sets ``exactonce_store_url`` also gets the
+    reconciler's task (``exactonce_reconcile_on = "worker"`` sends it there).
+    """
+    if config.settings_of(app).get("exactonce_store_url"):
+        reconciler.register_task(app)
     tasks = gated_tasks(app)
     if not tasks:
         return

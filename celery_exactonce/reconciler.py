@@ -1,0 +1,489 @@
+"""The reconciler: settles jobs a crash or a lost message left between states.
+
+DESIGN.md section 4, "Reconciler". One pass, under a token-checked lease
+(``exactonce_lease_ttl``, renewed between batches, released at the end), looks
+at the stale jobs of each live state, oldest first, and acts on each with a
+compare-and-swap on the ``rev`` it listed, so a job that moved meanwhile (a
+worker picked it up) is left alone:
+
+* ``SCHEDULED`` older than ``replay_age``: replayed through the dispatch path
+  (safe even if an earlier publish landed: the gate admits one delivery).
+  After :data:`MAX_REPLAYS` dispatches it is ``FAILED``; past its deadline,
+  ``CANCELLED``.
+* ``DISPATCHED``: a plain job (no gate) ends ``TIMEOUT`` (``unconfirmed``) after
+  ``dispatch_timeout``, never republished. A gated job ends ``TIMEOUT`` after
+  ``dispatch_deadline``; a task that opts in (``exactonce_redispatch = True``,
+  asserting every consumer of its queue runs the gate) is redispatched with
+  exponential backoff from ``dispatch_timeout``, at most
+  :data:`REDISPATCH_BUDGET` per pass and :data:`MAX_REDISPATCHES` per job.
+* ``RUNNING`` with no heartbeat for ``running_timeout``: ``TIMEOUT``; a task
+  that opts in (``exactonce_rerun = True``: at-least-once) runs again as its
+  next attempt.
+* terminal jobs past the retention: purged.
+
+Ages are measured on the store's clock (``list_stale`` and the ``stale_for``
+guard of each write), so a reconciler whose clock is wrong times out nothing
+early. For a grace period after it met a store error (``running_timeout``), a
+reconciler times nothing out: heartbeats could not be written either.
+
+Every bound (batches, budget, tries per job) keeps a pass finite whatever the
+store does; a job whose action failed waits (exponential backoff) before this
+reconciler tries it again, so a few failing jobs cannot starve the rest.
+
+Per task, as attributes: ``exactonce_dispatch_timeout``,
+``exactonce_dispatch_deadline``, ``exactonce_running_timeout``,
+``exactonce_redispatch``, ``exactonce_rerun``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from celery_exactonce import exceptions, jobs, metrics
+from celery_exactonce.dispatch import GATED_OPTION, Outcome
+from celery_exactonce.jobs import Job, JobRef, Lease, Transition
+from celery_exactonce.runtime import Runtime, runtime_for
+from celery_exactonce.states import State
+from celery_exactonce.task import ExactOnceTask
+
+logger = logging.getLogger(__name__)
+
+#: The lease every reconciler of a namespace takes for a pass.
+LEASE_NAME = "reconcile"
+#: The Celery task (and beat entry) that runs a pass.
+RECONCILE_TASK = "celery_exactonce.reconcile"
+#: Stale jobs listed per state and pass; and the batch between lease renewals.
+LIST_LIMIT = 1000
+BATCH = 100
+#: Dispatches after which a ``SCHEDULED`` job that never ran is ``FAILED``.
+MAX_REPLAYS = 5
+#: Redispatches of one opted-in ``DISPATCHED`` job, and of all jobs in one pass.
+MAX_REDISPATCHES = 10
+REDISPATCH_BUDGET = 100
+#: Purged terminal records per pass.
+PURGE_LIMIT = 1000
+#: How long (seconds) a job whose action failed waits before this reconciler retries it.
+RETRY_BACKOFF = 5.0
+RETRY_BACKOFF_MAX = 300.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Timeouts:
+    """The reconciler's limits for one task: the settings, overridden by task attributes."""
+
+    dispatch_timeout: float
+    dispatch_deadline: float
+    running_timeout: float
+    redispatch: bool
+    rerun: bool
+
+    @classmethod
+    def of(cls, runtime: Runtime, task: Any) -> Timeouts:
+        config = runtime.config
+
+        def pick(name: str, default: float) -> float:
+            value = getattr(task, f"exactonce_{name}", None)
+            return float(default if value is None else value)
+
+        return cls(
+            dispatch_timeout=pick("dispatch_timeout", config.dispatch_timeout),
+            dispatch_deadline=pick("dispatch_deadline", config.dispatch_deadline),
+            running_timeout=pick("running_timeout", config.running_timeout),
+            redispatch=bool(getattr(task, "exactonce_redispatch", False)),
+            rerun=bool(getattr(task, "exactonce_rerun", False)),
+        )
+
+
+@dataclasses.dataclass
+class PassReport:
+    """What one pass did. ``ran`` is ``False`` when another node held the lease."""
+
+    ran: bool = False
+    stale: dict[str, int] = dataclasses.field(default_factory=dict)
+    replayed: int = 0
+    redispatched: int = 0
+    rerun: int = 0
+    timed_out: int = 0
+    failed: int = 0
+    cancelled: int = 0
+    expired: int = 0
+    errors: int = 0
+    skipped: int = 0
+    lease_lost: bool = False
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+class _LeaseLost(Exception):
+    """The pass lost its lease: stop at once, another reconciler owns the work now."""
+
+
+class Reconciler:
+    """Runs reconcile passes for one app's namespace (see the module docs)."""
+
+    def __init__(
+        self,
+        runtime: Runtime,
+        *,
+        tasks: Mapping[str, Any] | None = None,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """``tasks``: where per-task limits are read (default: the runtime's app's registry)."""
+        self.runtime = runtime
+        self._tasks = tasks if tasks is not None else getattr(runtime.app, "tasks", {})
+        self._monotonic = monotonic
+        self._grace_until = 0.0
+        self._retry_at: dict[JobRef, tuple[float, int]] = {}
+
+    # -- one pass ----------------------------------------------------------------------
+
+    def run_pass(self) -> PassReport:
+        """One bounded pass; returns what it did. Never raises for a store error."""
+        report = PassReport()
+        store, config = self.runtime.store, self.runtime.config
+        lease = Lease(LEASE_NAME, jobs.new_token())
+        try:
+            if not store.acquire_lease(lease.name, lease.token, config.lease_ttl):
+                return report
+        except exceptions.StoreError as exc:
+            self._store_error(report, exc, "lease")
+            return report
+        report.ran = True
+        try:
+            self._pass(report, lease)
+        except _LeaseLost:
+            report.lease_lost = True
+            metrics.event("reconcile_lease_lost", "the reconciler lost its lease mid-pass: stopped",
+                          level=logging.WARNING)  # fmt: skip
+        finally:
+            try:
+                store.release_lease(lease.name, lease.token)
+            except exceptions.StoreError as exc:
+                self._store_error(report, exc, "lease")
+        self._report(report)
+        return report
+
+    def _pass(self, report: PassReport, lease: Lease) -> None:
+        config = self.runtime.config
+        timeouts_ok = self._monotonic() >= self._grace_until
+        dispatch_age, running_age = self._ages()
+        self._each(report, lease, State.SCHEDULED, config.replay_age, self._scheduled)
+        self._each(report, lease, State.DISPATCHED, dispatch_age, self._dispatched, timeouts_ok)
+        if timeouts_ok:
+            self._each(report, lease, State.RUNNING, running_age, self._running)
+        try:
+            report.expired = self.runtime.store.purge_expired(PURGE_LIMIT)
+        except exceptions.StoreError as exc:
+            self._store_error(report, exc, "purge")
+
+    def _each(
+        self,
+        report: PassReport,
+        lease: Lease,
+        state: State,
+        older_than: float,
+        act: Callable[..., None],
+        *extra: Any,
+    ) -> None:
+        store = self.runtime.store
+        try:
+            stale = store.list_stale(state, older_than, LIST_LIMIT)
+        except exceptions.StoreError as exc:
+            self._store_error(report, exc, f"list {state}")
+            return
+        report.stale[state.value] = len(stale)
+        now = self._monotonic()
+        for i, job in enumerate(stale):
+            if i and i % BATCH == 0:
+                self._renew(lease)
+            retry = self._retry_at.get(job.ref)
+            if retry is not None and retry[0] > now:
+                report.skipped += 1
+                continue
+            try:
+                act(report, lease, job, *extra)
+            except exceptions.StoreError as exc:
+                self._store_error(report, exc, f"act on {job.ref}")
+                self._back_off(job.ref)
+            else:
+                self._retry_at.pop(job.ref, None)
+
+    # -- per state -----------------------------------------------------------------------
+
+    def _scheduled(self, report: PassReport, lease: Lease, job: Job) -> None:
+        """Replay a ``SCHEDULED`` job that nobody dispatched (crash between claim and publish)."""
+        store = self.runtime.store
+        if job.deadline is not None and store.now() >= job.deadline:
+            if self._settle(lease, job, State.CANCELLED, "deadline passed before replay"):
+                report.cancelled += 1
+            return
+        if job.dispatches >= MAX_REPLAYS:
+            reason = f"replayed {job.dispatches} times without running"
+            if self._settle(lease, job, State.FAILED, reason):
+                report.failed += 1
+                metrics.event("replay_gave_up", f"job {job.ref}: {reason}: FAILED",
+                              level=logging.ERROR, sentry=True, job_id=job.ref.id,
+                              task=job.task)  # fmt: skip
+            return
+        result = self.runtime.dispatcher.dispatch(job, reason="reconciler replay", retry=False)
+        if result.outcome is Outcome.FAIL_CLOSED:
+            raise exceptions.StoreUnavailable(f"replay of {job.ref} failed closed")
+        if result.outcome is not Outcome.LOST:
+            report.replayed += 1
+            metrics.event("replayed", f"job {job.ref} replayed ({result.outcome.value})",
+                          job_id=job.ref.id, task=job.task)  # fmt: skip
+
+    def _dispatched(self, report: PassReport, lease: Lease, job: Job, timeouts_ok: bool) -> None:
+        limits = self._timeouts(job)
+        age = self._age(job)
+        if not job.options.get(GATED_OPTION):
+            if timeouts_ok and age >= limits.dispatch_timeout:
+                self._time_out(report, lease, job, "unconfirmed", limits.dispatch_timeout)
+            return
+        if timeouts_ok and age >= limits.dispatch_deadline:
+            reason = f"not run within dispatch_deadline ({limits.dispatch_deadline:g} s)"
+            self._time_out(report, lease, job, reason, limits.dispatch_deadline)
+            return
+        if not limits.redispatch or report.redispatched >= REDISPATCH_BUDGET:
+            return
+        redispatches = job.dispatches - 1
+        backoff = limits.dispatch_timeout * 2 ** min(redispatches, 16)
+        if redispatches >= MAX_REDISPATCHES or age < backoff:
+            return
+        request = Transition(
+            State.DISPATCHED, frozenset({State.DISPATCHED}), node=self.runtime.node,
+            reason=f"redispatch {redispatches + 1}", rev=job.rev, lease=lease, stale_for=backoff,
+        )  # fmt: skip
+        if self._publish_after(report, job, request):
+            report.redispatched += 1
+
+    def _running(self, report: PassReport, lease: Lease, job: Job) -> None:
+        limits = self._timeouts(job)
+        if self._age(job) < limits.running_timeout:
+            return
+        if limits.rerun and job.options.get(GATED_OPTION):
+            request = Transition(
+                State.DISPATCHED, frozenset({State.RUNNING}), node=self.runtime.node,
+                reason="rerun: no heartbeat", rev=job.rev, lease=lease,
+                stale_for=limits.running_timeout, next_attempt=True,
+            )  # fmt: skip
+            if self._publish_after(report, job, request):
+                report.rerun += 1
+            return
+        reason = f"no heartbeat for {limits.running_timeout:g} s"
+        self._time_out(report, lease, job, reason, limits.running_timeout)
+
+    # -- writes ------------------------------------------------------------------------
+
+    def _publish_after(self, report: PassReport, job: Job, request: Transition) -> bool:
+        """CAS ``request`` (to ``DISPATCHED``), then publish what it returned."""
+        result = self._write(job.ref, request)
+        if result is None:
+            return False
+        self.runtime.dispatcher.publish(result)
+        return True
+
+    def _time_out(
+        self, report: PassReport, lease: Lease, job: Job, reason: str, stale_for: float
+    ) -> None:
+        request = Transition(
+            State.TIMEOUT, frozenset({job.state}), node=self.runtime.node, reason=reason,
+            rev=job.rev, lease=lease, stale_for=stale_for,
+        )  # fmt: skip
+        if self._write(job.ref, request) is not None:
+            report.timed_out += 1
+            metrics.event(
+                "timed_out", f"job {job.ref} ({job.task}) {job.state} → TIMEOUT: {reason}",
+                level=logging.WARNING, labels={"state": job.state.value}, sentry=True,
+                job_id=job.ref.id, task=job.task,
+            )  # fmt: skip
+
+    def _settle(self, lease: Lease, job: Job, state: State, reason: str) -> bool:
+        request = Transition(
+            state, frozenset({job.state}), node=self.runtime.node, reason=reason,
+            rev=job.rev, lease=lease,
+        )  # fmt: skip
+        return self._write(job.ref, request) is not None
+
+    def _write(self, ref: JobRef, request: Transition) -> Job | None:
+        """The CAS; the new record if it applied. A lost lease stops the pass."""
+        try:
+            result = self.runtime.store.transition(ref, request)
+        except exceptions.StoreError:
+            job = self.runtime.dispatcher.read_back(ref, request.new_rev)
+            if job is None:
+                raise
+            return job
+        if result.status is jobs.TransitionStatus.LEASE_LOST:
+            raise _LeaseLost
+        return result.job if result.applied else None
+
+    # -- helpers -----------------------------------------------------------------------
+
+    def _ages(self) -> tuple[float, float]:
+        """The youngest ``DISPATCHED`` and ``RUNNING`` ages any task's limits act on."""
+        config = self.runtime.config
+        dispatch, running = (
+            min(config.dispatch_timeout, config.dispatch_deadline),
+            config.running_timeout,
+        )
+        for task in list(self._tasks.values()):
+            for name in ("dispatch_timeout", "dispatch_deadline"):
+                value = getattr(task, f"exactonce_{name}", None)
+                if value is not None:
+                    dispatch = min(dispatch, float(value))
+            value = getattr(task, "exactonce_running_timeout", None)
+            if value is not None:
+                running = min(running, float(value))
+        return dispatch, running
+
+    def _timeouts(self, job: Job) -> Timeouts:
+        return Timeouts.of(self.runtime, self._tasks.get(job.task))
+
+    def _age(self, job: Job) -> float:
+        return (self.runtime.store.now() - job.touched_at).total_seconds()
+
+    def _renew(self, lease: Lease) -> None:
+        try:
+            held = self.runtime.store.renew_lease(
+                lease.name, lease.token, self.runtime.config.lease_ttl
+            )
+        except exceptions.StoreError:
+            return  # the next write's lease guard decides
+        if not held:
+            raise _LeaseLost
+
+    def _back_off(self, ref: JobRef) -> None:
+        _, tries = self._retry_at.get(ref, (0.0, 0))
+        delay = min(RETRY_BACKOFF * 2**tries, RETRY_BACKOFF_MAX)
+        self._retry_at[ref] = (self._monotonic() + delay, tries + 1)
+        if len(self._retry_at) > 10 * LIST_LIMIT:  # bounded memory: forget the oldest
+            for stale in list(self._retry_at)[:LIST_LIMIT]:
+                del self._retry_at[stale]
+
+    def _store_error(self, report: PassReport, exc: BaseException, where: str) -> None:
+        report.errors += 1
+        self._grace_until = self._monotonic() + self.runtime.config.running_timeout
+        logger.warning(
+            "reconciler: store error (%s): %s", where, exc,
+            extra={"action": "reconcile_store_error", "where": where},
+        )  # fmt: skip
+
+    def _report(self, report: PassReport) -> None:
+        for state, count in report.stale.items():
+            if count:
+                metrics.COUNTERS.incr("stale_jobs", {"state": state}, count)
+        figures = {k: v for k, v in report.as_dict().items() if v}
+        logger.info(
+            "reconcile pass: %s", figures, extra={"action": "reconcile_pass", "figures": figures}
+        )
+
+
+_reconcilers: weakref.WeakKeyDictionary[Runtime, Reconciler] = weakref.WeakKeyDictionary()
+_reconcilers_lock = threading.Lock()
+
+
+def reconciler_for(runtime: Runtime) -> Reconciler:
+    """The runtime's reconciler (one per process and app: it remembers back-offs and grace)."""
+    with _reconcilers_lock:
+        reconciler = _reconcilers.get(runtime)
+        if reconciler is None:
+            reconciler = _reconcilers[runtime] = Reconciler(runtime)
+        return reconciler
+
+
+def _reconcile(task: Any) -> dict[str, Any]:
+    """One reconcile pass in a worker (``exactonce_reconcile_on = "worker"``)."""
+    return reconciler_for(runtime_for(task.app)).run_pass().as_dict()
+
+
+def register_task(app: Any) -> Any:
+    """Register ``celery_exactonce.reconcile`` on ``app`` (idempotent); return the task.
+
+    Registered only on apps that use celery-exactonce (by beat, and by a
+    worker whose app sets ``exactonce_store_url``), never as a shared task: an
+    app that merely imports the package gets no gated task.
+    """
+    task = app.tasks.get(RECONCILE_TASK)
+    if task is None:
+        task = app.task(
+            name=RECONCILE_TASK, base=ExactOnceTask, bind=True, ignore_result=True, shared=False
+        )(_reconcile)
+    return task
+
+
+class BeatRunner:
+    """Runs the reconcile occurrences a beat node won in that node's own thread.
+
+    ``exactonce_reconcile_on = "beat"`` (the default): a busy worker queue
+    cannot delay a pass. The occurrence job goes ``SCHEDULED → RUNNING`` (a
+    CAS on the rev the claim returned), the pass runs, and the job ends
+    ``SUCCEEDED``. While a pass is still running the next occurrence is
+    ``CANCELLED`` (one pass at a time per node; the lease makes it one across
+    nodes).
+    """
+
+    def __init__(self, runtime: Runtime, *, threaded: bool = True) -> None:
+        self.runtime = runtime
+        self.threaded = threaded
+        self._thread: threading.Thread | None = None
+
+    def start(self, job: Job) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            self._end(job, State.CANCELLED, "the previous pass is still running", expect=job.state)
+            return
+        if not self.threaded:
+            self._run(job)
+            return
+        self._thread = threading.Thread(
+            target=self._run, args=(job,), name="exactonce-reconcile", daemon=True
+        )
+        self._thread.start()
+
+    def join(self, timeout: float | None = None) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _run(self, job: Job) -> None:
+        run_id = jobs.new_token()
+        request = Transition(
+            State.RUNNING, frozenset({State.SCHEDULED}), node=self.runtime.node,
+            reason="reconcile pass", rev=job.rev, attempt=job.attempt, new_run_id=run_id,
+        )  # fmt: skip
+        try:
+            result = self.runtime.store.transition(job.ref, request)
+        except exceptions.StoreError as exc:
+            logger.warning("reconcile occurrence %s not started: %s", job.ref, exc,
+                           extra={"action": "reconcile_store_error", "where": "start"})  # fmt: skip
+            return  # left SCHEDULED: a later pass replays or fails it visibly
+        if not result.applied or result.job is None:
+            return
+        try:
+            reconciler_for(self.runtime).run_pass()
+        except Exception as exc:  # a bug, not a store error: record it, keep beat alive
+            logger.exception("reconcile pass failed", extra={"action": "reconcile_failed"})
+            self._end(result.job, State.FAILED, f"{type(exc).__name__}: {exc}", run_id=run_id)
+            return
+        self._end(result.job, State.SUCCEEDED, "pass done", run_id=run_id)
+
+    def _end(
+        self, job: Job, state: State, reason: str, *, run_id: str | None = None,
+        expect: State | None = None,
+    ) -> None:  # fmt: skip
+        request = Transition(
+            state, frozenset({expect or job.state}), node=self.runtime.node,
+            reason=reason[: jobs.MAX_REASON_LENGTH], rev=None if run_id else job.rev,
+            run_id=run_id,
+        )  # fmt: skip
+        try:
+            self.runtime.store.transition(job.ref, request)
+        except exceptions.StoreError as exc:
+            logger.warning("reconcile occurrence %s: could not record %s: %s", job.ref, state,
+                           exc, extra={"action": "state_write_failed"})  # fmt: skip
