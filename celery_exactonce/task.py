@@ -43,7 +43,7 @@ from celery.exceptions import Ignore, Reject, Retry
 
 from celery_exactonce import dispatch, exceptions, jobs, metrics
 from celery_exactonce.jobs import CreateStatus, Job, JobRef, NewJob, Transition
-from celery_exactonce.runtime import Runtime, runtime_for
+from celery_exactonce.runtime import Runtime, config_for, runtime_for
 from celery_exactonce.states import State
 
 logger = logging.getLogger(__name__)
@@ -459,8 +459,17 @@ class _Heartbeat:
         self._thread.join(timeout=5)
 
 
+#: Settings a gated task may override as ``exactonce_<name>`` attributes (the reconciler's).
+TASK_TIMEOUTS = ("dispatch_timeout", "dispatch_deadline", "running_timeout")
+
+
 def validate_gated_task(task: Task) -> None:
-    """Refuse settings that would let a gated body run twice (DESIGN.md section 5)."""
+    """Refuse settings that would let a gated body run twice (DESIGN.md section 5).
+
+    Per-task timeouts must pass the same consistency checks as the settings
+    (``dispatch_timeout > replay_age``, ``dispatch_deadline >= dispatch_timeout``,
+    ``running_timeout >= 3 x heartbeat_interval + max_skew``).
+    """
     if getattr(task, "_exactonce_validated", False):
         return
     if task.reject_on_worker_lost and not task.exactonce_rerun:
@@ -469,6 +478,18 @@ def validate_gated_task(task: Task) -> None:
             "it is refused on an ExactOnceTask unless exactonce_rerun=True",
             setting="reject_on_worker_lost",
         )
+    overrides = {
+        name: getattr(task, f"exactonce_{name}")
+        for name in TASK_TIMEOUTS
+        if getattr(task, f"exactonce_{name}", None) is not None
+    }
+    if overrides:
+        try:
+            dataclasses.replace(config_for(task.app), **overrides)
+        except (exceptions.ConfigurationError, TypeError) as exc:
+            raise exceptions.ConfigurationError(
+                f"{task.name}: task attribute {exc}", setting=getattr(exc, "setting", None)
+            ) from exc
     task._exactonce_validated = True
 
 

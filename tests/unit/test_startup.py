@@ -47,3 +47,21 @@ def test_worker_check_validates_every_gated_task() -> None:
 def test_worker_without_gated_tasks_needs_no_store_setting() -> None:
     app = Celery("plain", set_as_current=False)
     check_worker(app)  # no exactonce_store_url, no gated task: nothing to check
+
+
+def test_per_task_timeouts_are_checked_like_the_settings() -> None:
+    app = make_app(broker_url="memory://", exactonce_replay_age=60)
+
+    @app.task(base=ExactOnceTask, shared=False, name="s.slow", exactonce_running_timeout=7200)
+    def slow() -> None: ...
+
+    @app.task(base=ExactOnceTask, shared=False, name="s.hasty", exactonce_dispatch_timeout=30)
+    def hasty() -> None: ...
+
+    # dispatch_timeout must stay above replay_age: the error names the task and the setting
+    with pytest.raises(ConfigurationError, match=r"s\.hasty.*dispatch_timeout") as info:
+        check_worker(app)
+    assert info.value.setting == "exactonce_dispatch_timeout"
+    app.tasks["s.hasty"].exactonce_dispatch_timeout = 120
+    check_worker(app)  # a longer running_timeout is fine
+    runtime.reset(app)
