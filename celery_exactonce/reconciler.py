@@ -43,6 +43,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Mapping
+from datetime import datetime
 from typing import Any
 
 from celery_exactonce import exceptions, jobs, metrics
@@ -195,6 +196,7 @@ class Reconciler:
         store = self.runtime.store
         try:
             stale = store.list_stale(state, older_than, LIST_LIMIT)
+            store_now = store.now()  # ages below err young: nothing is acted on early
         except exceptions.StoreError as exc:
             self._store_error(report, exc, f"list {state}")
             return
@@ -208,7 +210,7 @@ class Reconciler:
                 report.skipped += 1
                 continue
             try:
-                act(report, lease, job, *extra)
+                act(report, lease, job, store_now, *extra)
             except exceptions.StoreError as exc:
                 self._store_error(report, exc, f"act on {job.ref}")
                 self._back_off(job.ref)
@@ -217,10 +219,9 @@ class Reconciler:
 
     # -- per state -----------------------------------------------------------------------
 
-    def _scheduled(self, report: PassReport, lease: Lease, job: Job) -> None:
+    def _scheduled(self, report: PassReport, lease: Lease, job: Job, now: datetime) -> None:
         """Replay a ``SCHEDULED`` job that nobody dispatched (crash between claim and publish)."""
-        store = self.runtime.store
-        if job.deadline is not None and store.now() >= job.deadline:
+        if job.deadline is not None and now >= job.deadline:
             if self._settle(lease, job, State.CANCELLED, "deadline passed before replay"):
                 report.cancelled += 1
             return
@@ -240,9 +241,11 @@ class Reconciler:
             metrics.event("replayed", f"job {job.ref} replayed ({result.outcome.value})",
                           job_id=job.ref.id, task=job.task)  # fmt: skip
 
-    def _dispatched(self, report: PassReport, lease: Lease, job: Job, timeouts_ok: bool) -> None:
+    def _dispatched(
+        self, report: PassReport, lease: Lease, job: Job, now: datetime, timeouts_ok: bool
+    ) -> None:
         limits = self._timeouts(job)
-        age = self._age(job)
+        age = (now - job.touched_at).total_seconds()
         if not job.options.get(GATED_OPTION):
             if timeouts_ok and age >= limits.dispatch_timeout:
                 self._time_out(report, lease, job, "unconfirmed", limits.dispatch_timeout)
@@ -264,9 +267,9 @@ class Reconciler:
         if self._publish_after(report, job, request):
             report.redispatched += 1
 
-    def _running(self, report: PassReport, lease: Lease, job: Job) -> None:
+    def _running(self, report: PassReport, lease: Lease, job: Job, now: datetime) -> None:
         limits = self._timeouts(job)
-        if self._age(job) < limits.running_timeout:
+        if (now - job.touched_at).total_seconds() < limits.running_timeout:
             return
         if limits.rerun and job.options.get(GATED_OPTION):
             request = Transition(
@@ -346,9 +349,6 @@ class Reconciler:
 
     def _timeouts(self, job: Job) -> Timeouts:
         return Timeouts.of(self.runtime, self._tasks.get(job.task))
-
-    def _age(self, job: Job) -> float:
-        return (self.runtime.store.now() - job.touched_at).total_seconds()
 
     def _renew(self, lease: Lease) -> None:
         try:

@@ -67,16 +67,35 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ops", type=int, default=2000, help="operations per figure")
     parser.add_argument("--backends", default=",".join(BACKENDS))
     parser.add_argument(
-        "--suite", choices=("stores", "beat", "all"), default="all", help="which figures"
+        "--suite", choices=("stores", "beat", "delayed", "all"), default="all", help="which figures"
     )
     parser.add_argument("--entries", type=int, default=10_000, help="beat entries (beat suite)")
+    parser.add_argument("--delayed", type=int, default=100_000, help="due delayed jobs to sweep")
+    parser.add_argument(
+        "--reconcile-jobs", default="10000,1000000", help="small,large job counts of a pass"
+    )
     args = parser.parse_args(argv)
     status = 0
     if args.suite in ("stores", "all"):
         status = stores(args)
     if args.suite in ("beat", "all"):
         status = beat_figures(args) or status
+    if args.suite in ("delayed", "all"):
+        status = delayed_figures(args) or status
     return status
+
+
+def delayed_figures(args: argparse.Namespace) -> int:
+    if not services.answers("redis"):
+        print(f"delayed: skipped, {services.REDIS_URL} does not answer")
+        return 1
+    from tests.benchmarks import delayed
+
+    small, large = (int(n) for n in args.reconcile_jobs.split(","))
+    print("\ndelayed jobs and the reconciler on the Redis store and a Redis broker\n")
+    for name, value in delayed.run(args.delayed, small, large):
+        print(f"{name:<45}{value:>30}")
+    return 0
 
 
 def beat_figures(args: argparse.Namespace) -> int:
