@@ -8,7 +8,7 @@ worker picked it up) is left alone:
 
 * ``SCHEDULED`` older than ``replay_age``: replayed through the dispatch path
   (safe even if an earlier publish landed: the gate admits one delivery).
-  After :data:`MAX_REPLAYS` dispatches it is ``FAILED``; past its deadline,
+  After :data:`MAX_REPLAYS` replays it is ``FAILED``; past its deadline,
   ``CANCELLED``.
 * ``DISPATCHED``: a plain job (no gate) ends ``TIMEOUT`` (``unconfirmed``) after
   ``dispatch_timeout``, never republished. A gated job ends ``TIMEOUT`` after
@@ -64,6 +64,9 @@ LIST_LIMIT = 1000
 BATCH = 100
 #: Dispatches after which a ``SCHEDULED`` job that never ran is ``FAILED``.
 MAX_REPLAYS = 5
+#: History reasons of the reconciler's replays and redispatches: what the caps count.
+REPLAY_REASON = "reconciler replay"
+REDISPATCH_REASON = "reconciler redispatch"
 #: Redispatches of one opted-in ``DISPATCHED`` job, and of all jobs in one pass.
 MAX_REDISPATCHES = 10
 REDISPATCH_BUDGET = 100
@@ -120,6 +123,15 @@ class PassReport:
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def _count(job: Job, reason: str) -> int:
+    """How many of the job's (capped) history entries the reconciler wrote with ``reason``.
+
+    Replays and redispatches each add entries far below the history cap
+    before their own cap is reached, so the count is exact where it matters.
+    """
+    return sum(1 for entry in job.history if entry.reason.startswith(reason))
 
 
 class _LeaseLost(Exception):
@@ -225,15 +237,16 @@ class Reconciler:
             if self._settle(lease, job, State.CANCELLED, "deadline passed before replay"):
                 report.cancelled += 1
             return
-        if job.dispatches >= MAX_REPLAYS:
-            reason = f"replayed {job.dispatches} times without running"
+        replays = _count(job, REPLAY_REASON)
+        if replays >= MAX_REPLAYS:
+            reason = f"replayed {replays} times without running"
             if self._settle(lease, job, State.FAILED, reason):
                 report.failed += 1
                 metrics.event("replay_gave_up", f"job {job.ref}: {reason}: FAILED",
                               level=logging.ERROR, sentry=True, job_id=job.ref.id,
                               task=job.task)  # fmt: skip
             return
-        result = self.runtime.dispatcher.dispatch(job, reason="reconciler replay", retry=False)
+        result = self.runtime.dispatcher.dispatch(job, reason=REPLAY_REASON, retry=False)
         if result.outcome is Outcome.FAIL_CLOSED:
             raise exceptions.StoreUnavailable(f"replay of {job.ref} failed closed")
         if result.outcome is not Outcome.LOST:
@@ -256,13 +269,14 @@ class Reconciler:
             return
         if not limits.redispatch or report.redispatched >= REDISPATCH_BUDGET:
             return
-        redispatches = job.dispatches - 1
+        redispatches = _count(job, REDISPATCH_REASON)
         backoff = limits.dispatch_timeout * 2 ** min(redispatches, 16)
         if redispatches >= MAX_REDISPATCHES or age < backoff:
             return
         request = Transition(
             State.DISPATCHED, frozenset({State.DISPATCHED}), node=self.runtime.node,
-            reason=f"redispatch {redispatches + 1}", rev=job.rev, lease=lease, stale_for=backoff,
+            reason=f"{REDISPATCH_REASON} {redispatches + 1}", rev=job.rev, lease=lease,
+            stale_for=backoff,
         )  # fmt: skip
         if self._publish_after(report, job, request):
             report.redispatched += 1
