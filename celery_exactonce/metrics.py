@@ -84,6 +84,8 @@ def event(
     """
     COUNTERS.incr(action, labels, count)
     extra = {"action": action, **dict(labels or {}), **fields}
+    if count != 1:
+        extra["count"] = count
     logger.log(level, message, extra=extra, exc_info=exc_info)
     if sentry:
         report_to_sentry(action, message, {**dict(labels or {}), **fields}, exc_info)

@@ -67,6 +67,9 @@ MAX_REPLAYS = 5
 #: History reasons of the reconciler's replays and redispatches: what the caps count.
 REPLAY_REASON = "reconciler replay"
 REDISPATCH_REASON = "reconciler redispatch"
+RERUN_REASON = "reconciler rerun"
+#: Re-runs of one opted-in job whose worker vanished; then it times out.
+MAX_RERUNS = 3
 #: Redispatches of one opted-in ``DISPATCHED`` job, and of all jobs in one pass.
 MAX_REDISPATCHES = 10
 REDISPATCH_BUDGET = 100
@@ -206,6 +209,7 @@ class Reconciler:
         *extra: Any,
     ) -> None:
         store = self.runtime.store
+        self._renew(lease)
         try:
             stale = store.list_stale(state, older_than, LIST_LIMIT)
             store_now = store.now()  # ages below err young: nothing is acted on early
@@ -224,7 +228,8 @@ class Reconciler:
             try:
                 act(report, lease, job, store_now, *extra)
             except exceptions.StoreError as exc:
-                self._store_error(report, exc, f"act on {job.ref}")
+                # One job's failure is no outage: it backs off, the grace stays as it is.
+                self._store_error(report, exc, f"act on {job.ref}", outage=False)
                 self._back_off(job.ref)
             else:
                 self._retry_at.pop(job.ref, None)
@@ -246,13 +251,21 @@ class Reconciler:
                               level=logging.ERROR, sentry=True, job_id=job.ref.id,
                               task=job.task)  # fmt: skip
             return
-        result = self.runtime.dispatcher.dispatch(job, reason=REPLAY_REASON, retry=False)
+        result = self.runtime.dispatcher.dispatch(
+            job, reason=REPLAY_REASON, retry=False, lease=lease
+        )
+        if isinstance(result.error, exceptions.LeaseLost):
+            raise _LeaseLost
         if result.outcome is Outcome.FAIL_CLOSED:
             raise exceptions.StoreUnavailable(f"replay of {job.ref} failed closed")
-        if result.outcome is not Outcome.LOST:
+        if result.outcome in (Outcome.PUBLISHED, Outcome.AMBIGUOUS):
             report.replayed += 1
             metrics.event("replayed", f"job {job.ref} replayed ({result.outcome.value})",
                           job_id=job.ref.id, task=job.task)  # fmt: skip
+        elif result.outcome is Outcome.FAILED:
+            report.failed += 1
+        elif result.outcome is Outcome.EXPIRED:
+            report.cancelled += 1
 
     def _dispatched(
         self, report: PassReport, lease: Lease, job: Job, now: datetime, timeouts_ok: bool
@@ -285,10 +298,11 @@ class Reconciler:
         limits = self._timeouts(job)
         if (now - job.touched_at).total_seconds() < limits.running_timeout:
             return
-        if limits.rerun and job.options.get(GATED_OPTION):
+        reruns = _count(job, RERUN_REASON)
+        if limits.rerun and job.options.get(GATED_OPTION) and reruns < MAX_RERUNS:
             request = Transition(
                 State.DISPATCHED, frozenset({State.RUNNING}), node=self.runtime.node,
-                reason="rerun: no heartbeat", rev=job.rev, lease=lease,
+                reason=f"{RERUN_REASON} {reruns + 1}: no heartbeat", rev=job.rev, lease=lease,
                 stale_for=limits.running_timeout, next_attempt=True,
             )  # fmt: skip
             if self._publish_after(report, job, request):
@@ -382,12 +396,16 @@ class Reconciler:
             for stale in list(self._retry_at)[:LIST_LIMIT]:
                 del self._retry_at[stale]
 
-    def _store_error(self, report: PassReport, exc: BaseException, where: str) -> None:
+    def _store_error(
+        self, report: PassReport, exc: BaseException, where: str, *, outage: bool = True
+    ) -> None:
+        """Count a store error; an ``outage`` (not one job's write) starts the grace period."""
         report.errors += 1
-        self._grace_until = self._monotonic() + self.runtime.config.running_timeout
-        logger.warning(
-            "reconciler: store error (%s): %s", where, exc,
-            extra={"action": "reconcile_store_error", "where": where},
+        if outage:
+            self._grace_until = self._monotonic() + self.runtime.config.running_timeout
+        metrics.event(
+            "reconcile_store_error", f"reconciler: store error ({where}): {exc}",
+            level=logging.WARNING, detail=where,
         )  # fmt: skip
 
     def _report(self, report: PassReport) -> None:

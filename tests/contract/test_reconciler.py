@@ -1,0 +1,575 @@
+"""The reconciler on every backend, in real (store) time, with timeouts of a fraction of a second.
+
+The exact thresholds are pinned on a frozen clock in ``tests/unit/test_reconciler.py``;
+here every rule is shown on each real store, with ages checked on the store's own
+timestamps (a job's history) rather than on this process's clock.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import pytest
+
+from celery_exactonce import exceptions, reconciler
+from celery_exactonce.dispatch import PublishFailed
+from celery_exactonce.jobs import Job, JobRef, NewJob
+from celery_exactonce.reconciler import LEASE_NAME, PassReport, Reconciler
+from celery_exactonce.states import State
+from celery_exactonce.stores.base import StateStore
+from tests.contract.backends import StoreFactory
+from tests.contract.helpers import poll, wait_store_past
+from tests.contract.reconciling import (
+    GATED,
+    NODE,
+    PLAIN,
+    REDISPATCH,
+    RERUN,
+    Broker,
+    HookedStore,
+    current,
+    gate,
+    make_app,
+    move,
+    put,
+    reconciler_on,
+)
+
+REPLAY_AGE = 0.08
+DISPATCH_TIMEOUT = 0.3
+DISPATCH_DEADLINE = 0.6
+RUNNING_TIMEOUT = 0.3
+
+#: Small timeouts that still pass the start-up checks of DESIGN section 5
+#: (replay_age >= 2 x (tick_interval + publish_timeout + store_timeout) = 0.05 s).
+SETTINGS: dict[str, Any] = {
+    "exactonce_tick_interval": 0.005,
+    "exactonce_publish_timeout": 0.01,
+    "exactonce_store_timeout": 0.01,
+    "exactonce_replay_age": REPLAY_AGE,
+    "exactonce_dispatch_timeout": DISPATCH_TIMEOUT,
+    "exactonce_dispatch_deadline": DISPATCH_DEADLINE,
+    "exactonce_running_timeout": RUNNING_TIMEOUT,
+    "exactonce_heartbeat_interval": 0.05,
+    "exactonce_max_skew": 0.0,
+    "exactonce_window_lookback": 1.0,
+    "exactonce_lease_ttl": 5.0,
+}
+
+#: The default timeouts (a minute and more), heartbeats often enough that a running
+#: timeout under a second is consistent.
+LONG_SETTINGS: dict[str, Any] = {
+    "exactonce_heartbeat_interval": 0.05,
+    "exactonce_max_skew": 0.0,
+}
+
+FAST_REDISPATCH = "rec.fast_redispatch"
+PATIENT = "rec.patient"
+PATIENT_PLAIN = "rec.patient_plain"
+QUICK = "rec.quick"
+PLAIN_REDISPATCH = "rec.plain_redispatch"
+TASKS: dict[str, dict[str, Any]] = {
+    FAST_REDISPATCH: {"exactonce_redispatch": True, "exactonce_dispatch_timeout": 0.1,
+                      "exactonce_dispatch_deadline": 0.45},
+    PATIENT: {"exactonce_running_timeout": 60, "exactonce_dispatch_deadline": 60},
+    PATIENT_PLAIN: {"gated": False, "exactonce_dispatch_timeout": 60},
+    PLAIN_REDISPATCH: {"gated": False, "exactonce_redispatch": True},
+}  # fmt: skip
+#: In the app with LONG_SETTINGS (a gated dispatch_deadline cannot go below replay_age
+#: there: dispatch timeouts are shortened in the unit tests).
+LONG_TASKS: dict[str, dict[str, Any]] = {QUICK: {"exactonce_running_timeout": 0.3}}
+
+#: How long any polled condition may take.
+PATIENCE = 15.0
+
+
+class Scene:
+    """An app, a store client (hooked), a fake broker and a reconciler; jobs put in it."""
+
+    def __init__(
+        self,
+        factory: StoreFactory,
+        settings: dict[str, Any] = SETTINGS,
+        *,
+        tasks: dict[str, dict[str, Any]] = TASKS,
+        store: StateStore | None = None,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.factory = factory
+        self.store = store or factory()
+        self.hooked = HookedStore(self.store)
+        self.broker = Broker()
+        self.app = make_app(settings, tasks)
+        self.reconciler = self.new_reconciler(monotonic=monotonic)
+
+    def new_reconciler(
+        self,
+        store: StateStore | HookedStore | None = None,
+        *,
+        node: str = "reconciler",
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> Reconciler:
+        store = store or self.hooked
+        return reconciler_on(self.app, store, self.broker, node=node, monotonic=monotonic)  # type: ignore[arg-type]
+
+    def put(self, state: State, task: str = GATED, **kwargs: Any) -> Job:
+        return put(self.store, self.app, state, task, **kwargs)
+
+    def get(self, job: Job) -> Job:
+        return current(self.store, job)
+
+    def state(self, job: Job) -> State:
+        return self.get(job).state
+
+    def run(self) -> PassReport:
+        report = self.reconciler.run_pass()
+        assert report.ran
+        return report
+
+    def until(
+        self, check: Callable[[], bool], timeout: float = PATIENCE, *, lease_free: bool = True
+    ) -> list[PassReport]:
+        """Run passes until ``check()`` holds; the reports of those passes.
+
+        With ``lease_free`` (no other reconciler, no lost lease write), each pass must run.
+        """
+        reports: list[PassReport] = []
+
+        def step() -> bool:
+            reports.append(self.run() if lease_free else self.reconciler.run_pass())
+            return check()
+
+        poll(step, timeout=timeout)
+        return reports
+
+    def wait_stale(self, job: Job, seconds: float) -> None:
+        """Wait until, by the store's clock, ``job`` was last touched ``seconds`` ago."""
+        wait_store_past(self.store, job.touched_at + timedelta(seconds=seconds))
+
+
+def age_when(job: Job, dst: State, *, nth: int = 0) -> float:
+    """Seconds (store time) the job had been in its previous state when it went to ``dst``."""
+    history = list(job.history)
+    hits = [i for i, h in enumerate(history) if h.dst is dst and i > 0]
+    i = hits[nth]
+    return (history[i].at - history[i - 1].at).total_seconds()
+
+
+@pytest.fixture
+def scene(store_factory: StoreFactory) -> Scene:
+    return Scene(store_factory)
+
+
+# -- SCHEDULED ----------------------------------------------------------------------------
+
+
+def test_stale_scheduled_jobs_are_replayed_once_never_past_their_deadline(scene: Scene) -> None:
+    # Given a gated and a plain job left SCHEDULED, and one whose deadline comes first
+    gated, plain = scene.put(State.SCHEDULED), scene.put(State.SCHEDULED, PLAIN)
+    late = scene.put(State.SCHEDULED, deadline=scene.store.now() + timedelta(seconds=0.05))
+    # When passes run until they are settled, and then for another replay age
+    jobs = (gated, plain, late)
+    reports = scene.until(lambda: all(scene.state(job) is not State.SCHEDULED for job in jobs))
+    again = scene.store.now() + timedelta(seconds=REPLAY_AGE + 0.05)
+    reports += scene.until(lambda: scene.store.now() > again)
+    # Then each was published once, after the replay age; the late one never
+    assert sorted(scene.broker.sent) == sorted([(gated.ref.id, 0), (plain.ref.id, 0)])
+    assert sum(r.replayed for r in reports) == 2 and sum(r.cancelled for r in reports) == 1
+    assert scene.state(plain) is State.PUBLISHED
+    for job in (gated, plain):
+        assert age_when(scene.get(job), State.DISPATCHED) >= REPLAY_AGE
+    cancelled = scene.get(late)
+    assert cancelled.state is State.CANCELLED and "deadline" in cancelled.reason
+
+
+def test_replays_are_bounded_then_the_job_fails(
+    scene: Scene, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(reconciler, "MAX_REPLAYS", 2)
+    job = scene.put(State.SCHEDULED)
+    scene.broker.fault = PublishFailed("connection refused", definite=True)
+    reports = scene.until(lambda: scene.state(job) is State.FAILED)
+    failed = scene.get(job)
+    assert "replayed 2 times" in failed.reason
+    assert scene.broker.tries == 2 and scene.broker.sent == []
+    assert sum(r.failed for r in reports) == 1
+
+
+# -- DISPATCHED ---------------------------------------------------------------------------
+
+
+def test_dispatched_plain_times_out_unconfirmed_gated_at_the_deadline(scene: Scene) -> None:
+    # Given DISPATCHED jobs whose fate is unknown: plain ones (one opting in to
+    # redispatch, which a plain job cannot have) and a gated one not opted in
+    plain, plain_opted = scene.put(State.DISPATCHED, PLAIN), scene.put(
+        State.DISPATCHED, PLAIN_REDISPATCH)  # fmt: skip
+    gated = scene.put(State.DISPATCHED)
+    jobs = (plain, plain_opted, gated)
+    # When passes run until all are settled
+    scene.until(lambda: all(scene.state(job) is State.TIMEOUT for job in jobs))
+    # Then the plain ones timed out 'unconfirmed' after dispatch_timeout, the gated one
+    # only after dispatch_deadline, and none was ever republished
+    for job in (plain, plain_opted):
+        after = scene.get(job)
+        assert after.reason == "unconfirmed"
+        assert age_when(after, State.TIMEOUT) >= DISPATCH_TIMEOUT
+    after = scene.get(gated)
+    assert "dispatch_deadline" in after.reason
+    assert age_when(after, State.TIMEOUT) >= DISPATCH_DEADLINE
+    assert scene.broker.tries == 0
+
+
+def test_opted_in_redispatch_backs_off_and_is_capped(
+    scene: Scene, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given an opted-in gated job whose message was lost (its task: dispatch_timeout
+    # 0.1 s, dispatch_deadline 0.45 s), at most two redispatches per job
+    monkeypatch.setattr(reconciler, "MAX_REDISPATCHES", 2)
+    job = scene.put(State.DISPATCHED, FAST_REDISPATCH)
+    # When passes run until it is settled
+    scene.until(lambda: scene.state(job) is State.TIMEOUT)
+    # Then it was redispatched after 0.1 s, then after 0.2 s, then no more (the next
+    # would be due 0.4 s later, before the deadline); it timed out at the deadline
+    after = scene.get(job)
+    assert scene.broker.sent == [(job.ref.id, 0)] * 2
+    first, second = (age_when(after, State.DISPATCHED, nth=n) for n in (1, 2))
+    assert first >= 0.1 and second >= 0.2
+    assert age_when(after, State.TIMEOUT) >= 0.45
+
+
+def test_redispatch_budget_per_pass(scene: Scene, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(reconciler, "REDISPATCH_BUDGET", 2)
+    jobs = [scene.put(State.DISPATCHED, FAST_REDISPATCH) for _ in range(3)]
+    scene.wait_stale(jobs[-1], 0.1)
+    counts = [scene.run().redispatched, scene.run().redispatched]
+    assert counts == [2, 1]
+    assert sorted(scene.broker.ids()) == sorted(job.ref.id for job in jobs)
+
+
+# -- RUNNING ------------------------------------------------------------------------------
+
+
+class Heartbeats:
+    """A worker's heartbeat thread (its own store client), every 50 ms until stopped."""
+
+    def __init__(self, store: StateStore, job: Job) -> None:
+        self._stop = threading.Event()
+        self.store, self.job = store, job
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.05):
+            self.store.heartbeat(self.job.ref, self.job.run_id or "")
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.thread.join(timeout=5)
+
+
+def test_running_jobs_without_heartbeat_time_out_or_rerun(scene: Scene) -> None:
+    # Given a live job (its worker heartbeats), a dead one, and a dead one opted in to re-run
+    live, dead, rerun = (scene.put(State.RUNNING), scene.put(State.RUNNING),
+                         scene.put(State.RUNNING, RERUN))  # fmt: skip
+    beats = Heartbeats(scene.factory(), live)
+    try:
+        # When passes run until the dead ones are settled, and then for a running_timeout more
+        scene.until(lambda: scene.state(dead) is State.TIMEOUT
+                    and scene.state(rerun) is State.DISPATCHED)  # fmt: skip
+        wait_until = scene.store.now() + timedelta(seconds=RUNNING_TIMEOUT + 0.05)
+        scene.until(lambda: scene.store.now() > wait_until)
+        # Then the live job runs on
+        assert scene.state(live) is State.RUNNING
+    finally:
+        beats.stop()
+    after = scene.get(dead)
+    assert after.reason.startswith("no heartbeat") and age_when(after, State.TIMEOUT) >= 0.3
+    # and the opted-in one is its next attempt, published once
+    again = scene.get(rerun)
+    assert (again.attempt, again.run_id) == (1, None)
+    assert age_when(again, State.DISPATCHED, nth=1) >= RUNNING_TIMEOUT
+    assert scene.broker.sent == [(rerun.ref.id, 1)]
+
+
+def test_task_attributes_lengthen_the_settings(scene: Scene) -> None:
+    patient = [scene.put(State.RUNNING, PATIENT), scene.put(State.DISPATCHED, PATIENT),
+               scene.put(State.DISPATCHED, PATIENT_PLAIN)]  # fmt: skip
+    default = [scene.put(State.RUNNING), scene.put(State.DISPATCHED),
+               scene.put(State.DISPATCHED, PLAIN)]  # fmt: skip
+    scene.until(lambda: all(scene.state(job) is State.TIMEOUT for job in default))
+    assert [scene.get(job) for job in patient] == patient
+
+
+def test_fresh_jobs_are_left_alone_a_task_attribute_shortens_the_setting(
+    store_factory: StoreFactory,
+) -> None:
+    # An app with the default timeouts (a minute and more), and a task whose running_timeout
+    # is under a second: jobs of every other kind stay fresh throughout
+    scene = Scene(store_factory, LONG_SETTINGS, tasks=LONG_TASKS)
+    quick = scene.put(State.RUNNING, QUICK)
+    fresh = [scene.put(state, task)
+             for state in (State.SCHEDULED, State.DISPATCHED, State.RUNNING)
+             for task in (GATED, PLAIN, REDISPATCH, RERUN, QUICK)
+             if not (state is State.RUNNING and task in (PLAIN, QUICK))]  # fmt: skip
+    reports = scene.until(lambda: scene.state(quick) is State.TIMEOUT)
+    assert age_when(scene.get(quick), State.TIMEOUT) >= 0.3
+    assert [scene.get(job) for job in fresh] == fresh
+    assert scene.broker.tries == 0 and not any(r.errors for r in reports)
+
+
+# -- terminal: purge ------------------------------------------------------------------------
+
+
+def test_terminal_records_past_retention_are_purged(store_factory: StoreFactory) -> None:
+    scene = Scene(store_factory, store=store_factory(retention=0.2))
+    done = [scene.put(State.SUCCEEDED), scene.put(State.TIMEOUT),
+            scene.put(State.PUBLISHED, PLAIN)]  # fmt: skip
+    later = scene.store.create(
+        NewJob(JobRef.task("next-year"), GATED, State.PENDING, node=NODE,
+               run_at=scene.store.now() + timedelta(days=365))
+    ).job  # fmt: skip
+    reports = scene.until(lambda: all(scene.store.get(job.ref) is None for job in done))
+    assert sum(r.expired for r in reports) == len(done)
+    assert later is not None and scene.get(later) == later
+
+
+# -- the lease ----------------------------------------------------------------------------
+
+
+def test_the_lease_another_token_holds_it_then_each_pass_releases_it(scene: Scene) -> None:
+    # Given a stale job, and the lease held by another reconciler
+    job = scene.put(State.SCHEDULED)
+    assert scene.store.acquire_lease(LEASE_NAME, "someone-else", 60)
+    scene.wait_stale(job, REPLAY_AGE)
+    # When a pass runs, it does nothing, and leaves the other's lease alone
+    report = scene.reconciler.run_pass()
+    assert report.ran is False and scene.get(job) == job and scene.broker.tries == 0
+    assert scene.store.renew_lease(LEASE_NAME, "someone-else", 60)
+    assert scene.store.release_lease(LEASE_NAME, "someone-else")
+    # Then, the lease free, a pass runs; right after it another reconciler's pass runs,
+    # and after that anyone can take the lease at once
+    assert scene.run().replayed == 1
+    assert scene.new_reconciler(scene.factory(), node="other").run_pass().ran
+    assert scene.store.acquire_lease(LEASE_NAME, "next", 60)
+
+
+# -- racing -------------------------------------------------------------------------------
+
+
+def test_concurrent_reconcilers_act_once_on_each_job(store_factory: StoreFactory) -> None:
+    # Given stale jobs of every kind, and a lease shorter than a pass on most stores, so
+    # that passes overlap (a reconciler loses its lease mid-pass, another takes it)
+    scene = Scene(store_factory, {**SETTINGS, "exactonce_lease_ttl": 0.1})
+    kinds = [(State.SCHEDULED, GATED), (State.SCHEDULED, PLAIN), (State.DISPATCHED, PLAIN),
+             (State.RUNNING, GATED), (State.RUNNING, RERUN)]  # fmt: skip
+    jobs = {(state, task): [scene.put(state, task) for _ in range(6)] for state, task in kinds}
+    everything = [job for group in jobs.values() for job in group]
+    scene.wait_stale(everything[-1], RUNNING_TIMEOUT)
+    # When three reconcilers, each with its own store client, run passes at once
+    reconcilers = [scene.new_reconciler(store_factory(), node=f"reconciler-{i}")
+                   for i in range(3)]  # fmt: skip
+    done = threading.Event()
+    barrier = threading.Barrier(len(reconcilers))
+    reports: list[PassReport] = []
+    failures: list[BaseException] = []
+
+    def run(rec: Reconciler) -> None:
+        try:
+            barrier.wait(timeout=30)
+            while not done.is_set():
+                reports.append(rec.run_pass())
+        except BaseException as exc:
+            failures.append(exc)
+            raise
+
+    threads = [threading.Thread(target=run, args=(rec,)) for rec in reconcilers]
+    for thread in threads:
+        thread.start()
+    try:
+        poll(lambda: all(scene.state(job) is not job.state for job in everything),
+             timeout=PATIENCE)  # fmt: skip
+    finally:
+        done.set()
+        for thread in threads:
+            thread.join(timeout=30)
+    # Then each job was acted on once: one publish per replay or re-run, none twice
+    assert not failures
+    assert all(n == 1 for n in scene.broker.count().values())
+    assert len(scene.broker.sent) == 3 * 6
+    assert sum(r.replayed for r in reports) == 12 and sum(r.rerun for r in reports) == 6
+    for job in jobs[State.RUNNING, RERUN]:
+        assert scene.get(job).attempt == 1
+
+
+def test_a_worker_acting_right_after_the_listing_wins(scene: Scene) -> None:
+    # Given stale jobs, and a worker (its own client) that acts on each right after the
+    # reconciler listed it: the gate takes the gated ones, the publish of the plain one
+    # returns, a heartbeat lands on the running one
+    worker = scene.factory()
+    jobs = [scene.put(State.SCHEDULED), scene.put(State.DISPATCHED),
+            scene.put(State.DISPATCHED, PLAIN), scene.put(State.RUNNING)]  # fmt: skip
+    scene.wait_stale(jobs[-1], DISPATCH_DEADLINE)
+
+    def act(result: list[Job], state: State, *args: Any, **kwargs: Any) -> list[Job]:
+        for job in result:
+            if job.ref not in {j.ref for j in jobs}:
+                continue
+            if job.state is State.RUNNING:
+                assert worker.heartbeat(job.ref, job.run_id or "")
+            elif job.task == PLAIN:
+                move(worker, job, State.PUBLISHED, reason="publish returned")
+            else:
+                gate(worker, job)
+        return result
+
+    scene.hooked.after["list_stale"] = act
+    # When a pass acts on what it listed
+    report = scene.run()
+    # Then the worker's moves stand: no TIMEOUT, no replay
+    assert [scene.state(job) for job in jobs] == [
+        State.RUNNING, State.RUNNING, State.PUBLISHED, State.RUNNING]  # fmt: skip
+    assert report.timed_out == report.replayed == 0 and scene.broker.tries == 0
+
+
+# -- faults -------------------------------------------------------------------------------
+
+
+class Skewed:
+    """The reconciler's own clock: this process's, moved on by ``offset``."""
+
+    def __init__(self) -> None:
+        self.offset = 0.0
+
+    def __call__(self) -> float:
+        return time.monotonic() + self.offset
+
+
+class Monotonic:
+    """The reconciler's own clock, moved by hand."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_with_a_tenth_of_writes_failing_a_pass_is_bounded_and_nothing_runs_twice(
+    store_factory: StoreFactory,
+) -> None:
+    # Given stale jobs of every kind, and a store client where 10% of writes fail
+    # (half before applying, half after: the answer is lost); a lease whose release
+    # failed is held until its short TTL
+    clock = Skewed()
+    scene = Scene(store_factory, {**SETTINGS, "exactonce_lease_ttl": 0.2}, monotonic=clock)
+    kinds = [(State.SCHEDULED, GATED), (State.SCHEDULED, PLAIN), (State.DISPATCHED, PLAIN),
+             (State.RUNNING, GATED), (State.RUNNING, RERUN)]  # fmt: skip
+    jobs = [scene.put(state, task) for state, task in kinds for _ in range(6)]
+    scene.wait_stale(jobs[-1], RUNNING_TIMEOUT)
+    rng, lock = random.Random(7), threading.Lock()
+    writes = ("transition", "transition_many", "acquire_lease", "renew_lease",
+              "release_lease", "purge_expired")  # fmt: skip
+
+    def roll() -> float:
+        with lock:
+            return rng.random()
+
+    def before(*args: Any, **kwargs: Any) -> None:
+        if roll() < 0.05:
+            raise exceptions.StoreUnavailable("injected: write refused")
+
+    def after(result: Any, *args: Any, **kwargs: Any) -> Any:
+        if roll() < 0.05:
+            raise exceptions.StoreUnavailable("injected: write applied, answer lost")
+        return result
+
+    for name in writes:
+        scene.hooked.before[name], scene.hooked.after[name] = before, after
+    # When passes run
+    errors = 0
+    for _ in range(15):
+        calls = sum(scene.hooked.calls.values())
+        report = scene.reconciler.run_pass()
+        # Then each returns, having made a bounded number of store calls
+        assert sum(scene.hooked.calls.values()) - calls <= 4 * len(jobs) + 10
+        errors += report.errors
+    assert errors > 0
+    # and once the faults stop (and the failed jobs' back-off is over), every job is
+    # acted on, none published twice
+    scene.hooked.before.clear()
+    scene.hooked.after.clear()
+    clock.offset += reconciler.RETRY_BACKOFF_MAX
+    scene.until(lambda: all(scene.get(job).rev != job.rev for job in jobs), lease_free=False)
+    assert all(n == 1 for n in scene.broker.count().values())
+    assert len(scene.broker.sent) == 3 * 6  # the replays and the re-runs
+
+
+def test_a_store_outage_longer_than_running_timeout_times_out_no_live_job(
+    store_factory: StoreFactory,
+) -> None:
+    mono = Monotonic()
+    scene = Scene(store_factory, monotonic=mono)
+    live, dead = scene.put(State.RUNNING), scene.put(State.RUNNING)
+    plain = scene.put(State.DISPATCHED, PLAIN)
+    # Given an outage longer than running_timeout (no heartbeat could be written)
+    scene.hooked.down = True
+    outage_end = scene.store.now() + timedelta(seconds=RUNNING_TIMEOUT + 0.1)
+
+    def failed_pass() -> bool:
+        report = scene.reconciler.run_pass()
+        assert not report.ran and report.errors == 1
+        mono.now += 0.02  # the reconciler's clock runs with the store's
+        return scene.store.now() > outage_end
+
+    poll(failed_pass, timeout=PATIENCE)
+    scene.hooked.down = False
+    # When the store is back, the live worker heartbeats again and passes run
+    # within the grace period (running_timeout on the reconciler's clock)
+    assert scene.store.heartbeat(live.ref, live.run_id or "")
+    reports = [scene.run() for _ in range(3)]
+    # Then nothing timed out, though the dead jobs are long stale
+    assert not any(r.timed_out for r in reports)
+    assert [scene.state(job) for job in (live, dead, plain)] == [
+        State.RUNNING, State.RUNNING, State.DISPATCHED]  # fmt: skip
+    # and past the grace, the dead ones time out, the live one (heartbeating) does not
+    mono.now += RUNNING_TIMEOUT
+    assert scene.store.heartbeat(live.ref, live.run_id or "")
+    assert scene.run().timed_out == 2
+    assert [scene.state(job) for job in (live, dead, plain)] == [
+        State.RUNNING, State.TIMEOUT, State.TIMEOUT]  # fmt: skip
+
+
+def test_a_hundred_failing_jobs_at_the_head_do_not_starve_the_rest(scene: Scene) -> None:
+    # Given 100 stale SCHEDULED jobs whose writes always fail, the oldest of all
+    news = [NewJob(JobRef.task(f"poison-{i}"), GATED, State.SCHEDULED, node=NODE)
+            for i in range(100)]  # fmt: skip
+    poison = [result.job for result in scene.store.create_many(news) if result.job]
+    refs = {job.ref for job in poison}
+    others = [scene.put(state, task) for state, task in [
+        (State.SCHEDULED, GATED), (State.SCHEDULED, PLAIN), (State.DISPATCHED, PLAIN),
+        (State.RUNNING, GATED), (State.RUNNING, RERUN)]]  # fmt: skip
+
+    def one(ref: JobRef, *args: Any, **kwargs: Any) -> None:
+        if ref in refs:
+            raise exceptions.StoreError("injected: cannot be written")
+
+    def many(requests: list[tuple[JobRef, Any]], *args: Any, **kwargs: Any) -> None:
+        if any(ref in refs for ref, _ in requests):
+            raise exceptions.StoreError("injected: a poison job in the batch")
+
+    scene.hooked.before["transition"], scene.hooked.before["transition_many"] = one, many
+    scene.wait_stale(others[-1], RUNNING_TIMEOUT)
+    # When a pass runs
+    first = scene.run()
+    # Then every other job was handled in it, the failures counted
+    assert all(scene.get(job) != job for job in others)
+    assert (first.replayed, first.timed_out, first.rerun, first.errors) == (2, 2, 1, 100)
+    # and the next pass skips the failing jobs while they back off
+    second = scene.run()
+    assert second.skipped == 100 and second.errors == 0
+    assert all(scene.get(job) == job for job in poison)
