@@ -32,7 +32,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from celery_exactonce import exceptions, jobs, keys, metrics
-from celery_exactonce.jobs import Job, JobRef, Space, Transition
+from celery_exactonce.jobs import Job, JobRef, Lease, Space, Transition, TransitionStatus
 from celery_exactonce.states import State
 from celery_exactonce.stores.base import StateStore
 
@@ -50,6 +50,10 @@ HEADER_ATTEMPT = "exactonce_attempt"
 HEADER_IDEMPOTENCY_KEY = "idempotency_key"
 HEADER_KEY = "exactonce_key"
 HEADER_FIRE_TIME = "exactonce_fire_time"
+
+#: Jobs per ``DISPATCHED`` write in :meth:`Dispatcher.dispatch_many`: at most this
+#: many are left ``DISPATCHED`` without a message if the process dies mid-chunk.
+DISPATCH_CHUNK = 32
 
 #: How long a writer keeps trying to read back a write whose answer was lost.
 READ_BACK_TRIES = 3
@@ -281,24 +285,51 @@ class Dispatcher:
         if retrier is not None:
             retrier.bind(self)
 
-    def dispatch(self, job: Job, *, reason: str = "dispatch", retry: bool = True) -> DispatchResult:
+    def dispatch(
+        self, job: Job, *, reason: str = "dispatch", retry: bool = True, lease: Lease | None = None
+    ) -> DispatchResult:
         """CAS ``job`` (as listed, ``SCHEDULED``) to ``DISPATCHED`` and publish it.
 
         With ``retry`` (and a :class:`Retrier`), a dispatch that failed closed
-        or was rolled back is retried later in the background.
+        or was rolled back is retried later in the background. With ``lease``
+        (the reconciler), the CAS also requires that lease: a lost lease is
+        ``LOST`` with a :class:`~celery_exactonce.exceptions.LeaseLost` error.
         """
-        return self.dispatch_many([job], reason=reason, retry=retry)[0]
+        return self.dispatch_many([job], reason=reason, retry=retry, lease=lease)[0]
 
     def dispatch_many(
-        self, listed: Sequence[Job], *, reason: str = "dispatch", retry: bool = True
+        self,
+        listed: Sequence[Job],
+        *,
+        reason: str = "dispatch",
+        retry: bool = True,
+        lease: Lease | None = None,
     ) -> list[DispatchResult]:
         """:meth:`dispatch` for each job, its store writes batched; results in order.
 
-        One batched ``DISPATCHED`` write for all of them, one publish each, and
-        one batched ``PUBLISHED`` write for the plain jobs among them: the
-        same steps and guarantees as :meth:`dispatch`, per job, in fewer round
-        trips.
+        In chunks of :data:`DISPATCH_CHUNK`: one batched ``DISPATCHED`` write,
+        one publish each, one batched ``PUBLISHED`` write for the plain jobs:
+        the same steps and guarantees as :meth:`dispatch`,
+        per job, in fewer round trips. The chunk bounds what a SIGKILL between
+        the write and the publishes can leave ``DISPATCHED`` with no message.
         """
+        results: list[DispatchResult] = []
+        for start in range(0, len(listed), DISPATCH_CHUNK):
+            done, published = self._dispatch_chunk(
+                listed[start : start + DISPATCH_CHUNK], reason, lease
+            )
+            results += done
+            self._write_many(published, State.PUBLISHED, "publish returned")
+        if retry and self.retrier is not None:
+            for job, result in zip(listed, results, strict=True):
+                if result.outcome in (Outcome.FAIL_CLOSED, Outcome.ROLLED_BACK):
+                    self.retrier.schedule(job.ref)
+        return results
+
+    def _dispatch_chunk(
+        self, listed: Sequence[Job], reason: str, lease: Lease | None
+    ) -> tuple[list[DispatchResult], list[Job]]:
+        """Write ``DISPATCHED`` and publish one chunk; the results, and the plain jobs sent."""
         results: list[DispatchResult | None] = [None] * len(listed)
         writes: list[tuple[int, Job, Transition]] = []
         for i, job in enumerate(listed):
@@ -309,7 +340,7 @@ class Dispatcher:
             else:
                 request = Transition(
                     State.DISPATCHED, frozenset({State.SCHEDULED}), node=self.node,
-                    reason=reason, rev=job.rev,
+                    reason=reason, rev=job.rev, lease=lease,
                 )  # fmt: skip
                 writes.append((i, job, request))
         published: list[Job] = []
@@ -320,14 +351,9 @@ class Dispatcher:
             results[i] = sent = self._send(written, {})
             if sent.outcome is Outcome.PUBLISHED and not written.options.get(GATED_OPTION):
                 published.append(written)
-        self._write_many(published, State.PUBLISHED, "publish returned")
         done = [result for result in results if result is not None]
         assert len(done) == len(listed)  # noqa: S101 (every job has exactly one result)
-        if retry and self.retrier is not None:
-            for job, result in zip(listed, done, strict=True):
-                if result.outcome in (Outcome.FAIL_CLOSED, Outcome.ROLLED_BACK):
-                    self.retrier.schedule(job.ref)
-        return done
+        return done, published
 
     def _write_dispatched(
         self, writes: Sequence[tuple[int, Job, Transition]]
@@ -336,11 +362,19 @@ class Dispatcher:
 
         A write that errored and whose read-back does not show it applied
         fails closed; a lost CAS is ``LOST``. Either way nothing is published.
+
+        The CAS is brief: the store does not send the record back. A CAS on the
+        listed ``rev`` that applied turned exactly that record into
+        :func:`~celery_exactonce.jobs.apply_transition` of it (the store runs
+        the same function), so the record to publish is computed here; only
+        its times are this process's estimate (the listed ``touched_at``).
         """
         if not writes:
             return []
         try:
-            replies = self.store.transition_many([(job.ref, req) for _, job, req in writes])
+            replies = self.store.transition_many(
+                [(job.ref, req) for _, job, req in writes], brief=True
+            )
         except exceptions.StoreError as exc:
             settled: list[tuple[int, Job | DispatchResult]] = []
             for i, job, request in writes:
@@ -352,15 +386,19 @@ class Dispatcher:
                     settled.append((i, dispatched))
             return settled
         out: list[tuple[int, Job | DispatchResult]] = []
-        for (i, job, _), reply in zip(writes, replies, strict=True):
-            if reply.applied and reply.job is not None:
-                out.append((i, reply.job))
+        for (i, job, request), reply in zip(writes, replies, strict=True):
+            if reply.applied:
+                out.append((i, reply.job or jobs.apply_transition(job, request, job.touched_at)))
                 continue
             logger.debug(
                 "job %s already taken (%s)", job.ref, reply.status.value,
                 extra={"action": "dispatch_lost", "job_id": job.ref.id},
             )  # fmt: skip
-            out.append((i, DispatchResult(Outcome.LOST, reply.job)))
+            lost = reply.status is TransitionStatus.LEASE_LOST
+            error = (
+                exceptions.LeaseLost(f"lease lost before dispatching {job.ref}") if lost else None
+            )
+            out.append((i, DispatchResult(Outcome.LOST, reply.job, error)))
         return out
 
     def publish(self, job: Job, *, extra: Mapping[str, Any] | None = None) -> DispatchResult:
@@ -473,12 +511,12 @@ class Dispatcher:
         )  # fmt: skip
         return DispatchResult(Outcome.FAILED, job)
 
-    def _write(self, job: Job, state: State, reason: str) -> Job | None:
+    def _write(self, job: Job, state: State, reason: str) -> bool:
         """A best-effort CAS on our own rev; failures are logged (the reconciler settles)."""
         return self._write_many([job], state, reason)[0]
 
-    def _write_many(self, listed: Sequence[Job], state: State, reason: str) -> list[Job | None]:
-        """:meth:`_write` for each job, batched: the new records (``None`` where not applied)."""
+    def _write_many(self, listed: Sequence[Job], state: State, reason: str) -> list[bool]:
+        """:meth:`_write` for each job, batched (brief: no record read back); which applied."""
         if not listed:
             return []
         requests = [
@@ -489,7 +527,7 @@ class Dispatcher:
             for job in listed
         ]  # fmt: skip
         try:
-            replies = self.store.transition_many(requests)
+            replies = self.store.transition_many(requests, brief=True)
         except exceptions.StoreError as exc:
             for job in listed:
                 logger.warning(
@@ -497,5 +535,5 @@ class Dispatcher:
                     extra={"action": "state_write_failed", "job_id": job.ref.id,
                            "state": str(state)},
                 )  # fmt: skip
-            return [None] * len(listed)
-        return [reply.job if reply.applied else None for reply in replies]
+            return [False] * len(listed)
+        return [reply.applied for reply in replies]

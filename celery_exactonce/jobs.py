@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import re
 import uuid
 from collections.abc import Mapping, Sequence
 from datetime import datetime, timezone
@@ -580,6 +581,9 @@ def require_aware(value: datetime, name: str) -> datetime:
     return value.astimezone(timezone.utc)
 
 
+_CONTROL = re.compile("[\x00-\x1f\x7f]")
+
+
 def validate_identifier(value: object, what: str, max_length: int) -> None:
     """Refuse empty, over-long or control-character identifiers, naming ``what``."""
     if not isinstance(value, str):
@@ -588,7 +592,7 @@ def validate_identifier(value: object, what: str, max_length: int) -> None:
         raise exceptions.InvalidPayload(f"{what} must not be empty")
     if len(value) > max_length:
         raise exceptions.InvalidPayload(f"{what} {value[:40]!r}… is over {max_length} characters")
-    if any(ord(c) < 32 or ord(c) == 127 for c in value):
+    if _CONTROL.search(value):
         raise exceptions.InvalidPayload(f"{what} {value!r} contains control characters")
 
 

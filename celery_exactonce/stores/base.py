@@ -89,13 +89,15 @@ class StateStore(Protocol):
         ...
 
     def create_many(
-        self, news: Sequence[NewJob], *, epoch: str | None = None
+        self, news: Sequence[NewJob], *, epoch: str | None = None, brief: bool = False
     ) -> list[CreateResult]:
         """:meth:`create` for each of ``news``, in order, in as few round trips as it can.
 
         Each create is atomic on its own, with its own result; the batch is not
         (another writer may interleave between two of them). An error raised
         leaves every outcome of the batch unknown: settle each by reading back.
+        With ``brief`` the store may leave ``job`` unset in the results (the
+        status is enough for the caller, and reading records back costs).
         Beat claims a tick's due slots with it.
         """
         ...
@@ -115,12 +117,13 @@ class StateStore(Protocol):
         ...
 
     def transition_many(
-        self, requests: Sequence[tuple[JobRef, Transition]]
+        self, requests: Sequence[tuple[JobRef, Transition]], *, brief: bool = False
     ) -> list[TransitionResult]:
         """:meth:`transition` for each ``(ref, request)``, in order, in as few round trips.
 
         Each transition is atomic on its own; the batch is not. An error raised
         leaves every outcome unknown: settle each by reading back its ``new_rev``.
+        With ``brief`` the store may leave ``job`` unset in an applied result.
         """
         ...
 

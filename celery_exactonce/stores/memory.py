@@ -115,7 +115,7 @@ class InMemoryStore:
             return CreateResult(CreateStatus.CREATED, job, epoch=self._epoch)
 
     def create_many(
-        self, news: Sequence[NewJob], *, epoch: str | None = None
+        self, news: Sequence[NewJob], *, epoch: str | None = None, brief: bool = False
     ) -> list[CreateResult]:
         return [self.create(new, epoch=epoch) for new in news]
 
@@ -144,7 +144,7 @@ class InMemoryStore:
             return TransitionResult(TransitionStatus.APPLIED, updated)
 
     def transition_many(
-        self, requests: Sequence[tuple[JobRef, Transition]]
+        self, requests: Sequence[tuple[JobRef, Transition]], *, brief: bool = False
     ) -> list[TransitionResult]:
         return [self.transition(ref, request) for ref, request in requests]
 

@@ -297,14 +297,16 @@ class RedisStore:
             return _create_result(self._run("create", *self._create_call(new, epoch)))
 
     def create_many(
-        self, news: Sequence[NewJob], *, epoch: str | None = None
+        self, news: Sequence[NewJob], *, epoch: str | None = None, brief: bool = False
     ) -> list[CreateResult]:
         """One pipelined round trip: a ``create`` script call per job, each atomic."""
-        calls = [self._create_call(new, epoch) for new in news]
+        calls = [self._create_call(new, epoch, brief) for new in news]
         with self._wrap("create_many"):
             return [_create_result(reply) for reply in self._run_many("create", calls)]
 
-    def _create_call(self, new: NewJob, epoch: str | None) -> tuple[list[str], list[Any]]:
+    def _create_call(
+        self, new: NewJob, epoch: str | None, brief: bool = False
+    ) -> tuple[list[str], list[Any]]:
         member = str(new.ref)
         fields: list[Any] = [
             "ref", member, "task", new.task, "state", new.state.value, "rev", new.rev,
@@ -324,7 +326,7 @@ class RedisStore:
         args = [
             _opt(epoch), new.entry or "", "" if fire_time is None else fire_time, member,
             new.state.value, "" if run_at is None else run_at, new.node, new.reason, new.rev,
-            *fields,
+            "1" if brief else "0", *fields,
         ]  # fmt: skip
         return keys, args
 
@@ -355,14 +357,16 @@ class RedisStore:
             return _transition_result(self._run("transition", *self._transition_call(ref, request)))
 
     def transition_many(
-        self, requests: Sequence[tuple[JobRef, Transition]]
+        self, requests: Sequence[tuple[JobRef, Transition]], *, brief: bool = False
     ) -> list[TransitionResult]:
         """One pipelined round trip: a ``transition`` script call per job, each atomic."""
-        calls = [self._transition_call(ref, request) for ref, request in requests]
+        calls = [self._transition_call(ref, request, brief) for ref, request in requests]
         with self._wrap("transition_many"):
             return [_transition_result(reply) for reply in self._run_many("transition", calls)]
 
-    def _transition_call(self, ref: JobRef, request: Transition) -> tuple[list[str], list[Any]]:
+    def _transition_call(
+        self, ref: JobRef, request: Transition, brief: bool = False
+    ) -> tuple[list[str], list[Any]]:
         lease = request.lease
         keys = [
             self._job_key(ref),
@@ -378,7 +382,7 @@ class RedisStore:
             _opt(jobs.to_micros_opt(request.run_at)),
             _opt(None if request.args is None else _json(request.args)),
             _opt(None if request.kwargs is None else _json(request.kwargs)),
-            self._retention_us,
+            self._retention_us, "1" if brief else "0",
         ]  # fmt: skip
         return keys, args
 

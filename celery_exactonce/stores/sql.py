@@ -370,7 +370,7 @@ class SqlStore:
         return self._run("create", lambda conn: self._create(conn, new, epoch))
 
     def create_many(
-        self, news: Sequence[NewJob], *, epoch: str | None = None
+        self, news: Sequence[NewJob], *, epoch: str | None = None, brief: bool = False
     ) -> list[CreateResult]:
         """One transaction for the batch, watermarks locked in entry order (no deadlocks).
 
@@ -441,7 +441,7 @@ class SqlStore:
         return self._run("transition", lambda conn: self._transition(conn, ref, request))
 
     def transition_many(
-        self, requests: Sequence[tuple[JobRef, Transition]]
+        self, requests: Sequence[tuple[JobRef, Transition]], *, brief: bool = False
     ) -> list[TransitionResult]:
         """One transaction for the batch; rows locked in key order (no deadlock)."""
         if not requests:

@@ -5,7 +5,8 @@
 --       6 rev (opt), 7 attempt (opt), 8 run_id (opt), 9 lease token (opt),
 --       10 stale_for seconds (opt), 11 new rev, 12 new run_id (opt),
 --       13 next_attempt ('1' or '0'), 14 run_at (opt), 15 args JSON (opt),
---       16 kwargs JSON (opt), 17 retention in microseconds
+--       16 kwargs JSON (opt), 17 retention in microseconds,
+--       18 brief ('1': answer 'applied' without the record)
 local key = KEYS[1]
 if redis.call('EXISTS', key) == 0 then
   return {'not_found'}
@@ -67,4 +68,5 @@ if TERMINAL[to] then
   if cur[6] and tonumber(cur[6]) > start then start = tonumber(cur[6]) end
   redis.call('ZADD', KEYS[13], us(start + tonumber(ARGV[17])), member)
 end
+if ARGV[18] == '1' then return {'applied'} end
 return {'applied', redis.call('HGETALL', key)}
