@@ -114,6 +114,9 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
         self._epoch: str | None = None
         self._settled: dict[str, datetime] = {}
         self._floor: datetime | None = None  # no slot at or before it is ever claimed
+        # Why slots at or below the floor are skipped: "unprovable" (the store's first
+        # moments as this node met it: new, or wiped before), "store_loss" once detected.
+        self._floor_reason = "unprovable"
         self._skips: dict[str, list[tuple[str, datetime, datetime, int]]] = {}
         self._policies: dict[str, EntryPolicy] = {}
         self._reconcile_runner = (
@@ -246,7 +249,7 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
             )  # fmt: skip
             return interval
         plans = [p for name, entry in popped if (p := self._plan(name, entry, now)) is not None]
-        self._claim_and_dispatch(plans)
+        self._claim_and_dispatch(plans, now)
         self._report_skips()
         for name, entry in popped:
             self._push(name, entry, now)
@@ -339,7 +342,7 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
         plan = _Plan(name, start=start, due=due)
         unprovable = [f for f in due if self._floor is not None and f <= self._floor]
         if unprovable:
-            self._skipped(name, unprovable, "store_loss")
+            self._skipped(name, unprovable, self._floor_reason)
         provable = due[len(unprovable) :]
         if provable:
             claim, skipped = self._select(name, entry, provable, now)
@@ -359,7 +362,9 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
         logger.debug(
             "%s: %d slot(s) from %s to %s skipped (%s)", name, len(fires), fires[0].isoformat(),
             fires[-1].isoformat(), where,
-            extra={"action": "slot_skipped_entry", "entry": name, "where": where},
+            extra={"action": "slot_skipped_entry", "entry": name, "where": where,
+                   "count": len(fires), "first": fires[0].isoformat(),
+                   "last": fires[-1].isoformat()},
         )  # fmt: skip
         self._skips.setdefault(where, []).append((name, fires[0], fires[-1], len(fires)))
 
@@ -368,7 +373,7 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
         for where, skips in self._skips.items():
             total = sum(n for *_, n in skips)
             name, first, last, _ = skips[0]
-            why = "the catch-up policy" if where == "catchup" else "store loss: unprovable"
+            why = _WHY[where]
             more = f" and {len(skips) - 1} more entries" if len(skips) > 1 else ""
             metrics.event(
                 "slot_skipped",
@@ -413,7 +418,7 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
             reason="beat claim",
         )  # fmt: skip
 
-    def _claim_and_dispatch(self, plans: list[_Plan]) -> None:
+    def _claim_and_dispatch(self, plans: list[_Plan], now: datetime) -> None:
         """Claim the planned slots in batches, dispatch the won ones, settle what is decided.
 
         A claim that failed on a store error is planned again by the next tick
@@ -421,7 +426,7 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
         """
         claims = [(plan, new) for plan in plans for new in plan.claims]
         for i in range(0, len(claims), CLAIM_BATCH):
-            won = self._claim_batch(claims[i : i + CLAIM_BATCH])
+            won = self._claim_batch(claims[i : i + CLAIM_BATCH], now)
             if self._reconcile_runner is not None:
                 for job in [job for job in won if job.entry == RECONCILE_TASK]:
                     won.remove(job)
@@ -431,12 +436,17 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
         for plan in plans:
             self._settled[plan.name] = plan.settle_to()
 
-    def _claim_batch(self, batch: list[tuple[_Plan, NewJob]]) -> list[jobs.Job]:
-        """Create-if-absent the batch; the jobs this node won (``SCHEDULED``, its rev)."""
+    def _claim_batch(self, batch: list[tuple[_Plan, NewJob]], now: datetime) -> list[jobs.Job]:
+        """Create-if-absent the batch; the jobs this node won (``SCHEDULED``, its rev).
+
+        Brief: the store answers with statuses only, and a won job is built
+        here from the request (its ``rev`` is ours); the ``DISPATCHED`` CAS
+        returns the stored record, and that is what is published.
+        """
         provable = []
         for plan, new in batch:  # a loss found earlier in this tick moved the floor
             if self._floor is not None and _fire(new) <= self._floor:
-                self._skipped(plan.name, [_fire(new)], "store_loss")
+                self._skipped(plan.name, [_fire(new)], self._floor_reason)
             else:
                 provable.append((plan, new))
         if not provable:
@@ -445,7 +455,7 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
         news = [new for _, new in provable]
         results: list[jobs.CreateResult | None]
         try:
-            results = list(store.create_many(news, epoch=self._epoch))
+            results = list(store.create_many(news, epoch=self._epoch, brief=True))
         except exceptions.StoreError as exc:
             results = [self._read_back_claim(new) for new in news]
             if None in results:
@@ -461,7 +471,10 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
                 plan.failed.append(_fire(new))
             elif result.status is CreateStatus.EPOCH_MISMATCH:
                 lost.append((plan, new))
-            elif result.job is not None and result.job.rev == new.rev:
+            elif result.status is CreateStatus.CREATED:
+                won.append(result.job or jobs.job_from_new(new, now))
+                self._recent.append((new.ref, _fire(new)))
+            elif result.job is not None and result.job.rev == new.rev:  # read back: ours
                 if result.job.state is State.SCHEDULED:
                     won.append(result.job)
                     self._recent.append((new.ref, _fire(new)))
@@ -483,6 +496,7 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
         )  # fmt: skip
         for plan, new in lost:
             self._skipped(plan.name, [_fire(new)], "store_loss")
+        self._floor_reason = "store_loss"
         try:
             self._adopt_epoch(self._runtime.store.epoch())
         except exceptions.StoreError:
@@ -510,7 +524,11 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
         if not missing:
             return
         self._recent.clear()
+        self._floor_reason = "store_loss"
         self._raise_floor(now + timedelta(seconds=self._config.max_skew))
+        # After a restart without persistence the epoch is gone too: taking the new one
+        # now (its birth is now) spares the next claim an epoch mismatch and a later floor.
+        self._adopt_epoch(store.epoch())
         metrics.event(
             "store_loss_detected", f"{len(missing)} of this node's recent claims are gone from "
             f"the store (e.g. {missing[0]}): slots up to {self._floor} "
@@ -574,6 +592,15 @@ def _seconds(where: str, key: str, value: object) -> float | None:
             setting="beat_schedule",
         )
     return float(value)
+
+
+#: Why slots were skipped, by the ``where`` label of ``slot_skipped``.
+_WHY = {
+    "catchup": "the catch-up policy",
+    "window": "they left window_lookback unclaimed",
+    "unprovable": "at or before the store epoch's birth + max_skew: a new (or wiped) store",
+    "store_loss": "store loss: unprovable",
+}
 
 
 def _fire(new: NewJob) -> datetime:

@@ -364,10 +364,10 @@ def test_each_slot_lost_to_a_store_outage_is_counted_once(catchup: str) -> None:
     real_create_many = cluster.store.create_many
     outage = [True]
 
-    def create_many(news: list[NewJob], *, epoch: str | None = None) -> list[CreateResult]:
+    def create_many(news: list[NewJob], **kwargs: Any) -> list[CreateResult]:
         if outage[0]:
             raise exceptions.StoreUnavailable("store down")
-        return real_create_many(news, epoch=epoch)
+        return real_create_many(news, **kwargs)
 
     cluster.store.create_many = create_many  # type: ignore[method-assign]
     # When every claim fails for 20 minutes, then the store recovers
