@@ -1,19 +1,30 @@
 """Fixtures of the acceptance tests: a ``deployment`` per (broker, store) pair.
 
 ``deployment`` is parametrised over :data:`harness.MATRIX`; a test narrows it with
-``@pytest.mark.acceptance_matrix(brokers=("redis",), stores=("redis",))``.
+``@pytest.mark.acceptance_matrix(brokers=("redis",), stores=("redis",))``. A test
+that names its stores gets every named store (any of :data:`harness.STORES`,
+``mysql`` and ``sqlite`` included) with every broker it allows.
 Every test here is marked ``acceptance`` and gets a 180 s timeout.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests import services
-from tests.acceptance.harness import MATRIX, SERVICE_OF, Deployment, Ledger, gate_available
+from tests.acceptance.harness import (
+    BROKERS,
+    MATRIX,
+    SERVICE_OF,
+    STORES,
+    Deployment,
+    Ledger,
+    gate_available,
+)
 
 TEST_TIMEOUT = 180
 
@@ -34,9 +45,15 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     marker = metafunc.definition.get_closest_marker("acceptance_matrix")
     brokers = marker.kwargs.get("brokers") if marker else None
     stores = marker.kwargs.get("stores") if marker else None
+    for kind, names, known in (("broker", brokers, BROKERS), ("store", stores, STORES)):
+        unknown = sorted(set(names or ()) - set(known))
+        if unknown:
+            raise pytest.UsageError(f"{metafunc.definition.nodeid}: unknown {kind}(s) {unknown}")
+    # Named stores may be any of STORES; otherwise the default MATRIX.
+    candidates = MATRIX if stores is None else tuple(itertools.product(BROKERS, stores))
     pairs = [
         (broker, store)
-        for broker, store in MATRIX
+        for broker, store in candidates
         if (brokers is None or broker in brokers) and (stores is None or store in stores)
     ]
     if not pairs:
@@ -66,14 +83,15 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 def deployment(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Deployment]:
     """A fresh queue, store namespace and ledger on one (broker, store) pair; see harness."""
     broker, store = request.param
-    services.need(SERVICE_OF[broker])
-    services.need(SERVICE_OF[store])
+    for service in (SERVICE_OF[broker], SERVICE_OF[store]):
+        if service is not None:  # SQLite needs none
+            services.need(service)
     deployment = Deployment(broker, store, tmp_path)
     try:
         yield deployment
         report = getattr(request.node, "acceptance_call_report", None)
-        if report is not None and report.failed and deployment.workers:
-            print(f"worker logs of {deployment!r}:\n{deployment.logs()}")
+        if report is not None and report.failed and (deployment.workers or deployment.beats):
+            print(f"worker and beat logs of {deployment!r}:\n{deployment.logs()}")
     finally:
         deployment.close()
 

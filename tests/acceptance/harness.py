@@ -5,8 +5,12 @@
 * :class:`WorkerProcess` is one ``celery worker`` (prefork) in its own process
   group, its output in a log file; it can be stopped, SIGKILLed whole, or have
   the pool child that runs a given body SIGKILLed.
+* :class:`BeatProcess` is one ``celery beat -S exactonce`` in its own process
+  group, its output in a log file and its ``celery_exactonce`` events in a
+  JSON-lines file.
 * :class:`Deployment` is one test's broker queue, store namespace and ledger,
-  with the in-process app that sends the tasks and the workers it started.
+  with the in-process app that sends the tasks and the workers and beats it
+  started.
 
 Every wait is a poll with a deadline (:func:`poll`, :func:`holds`); nothing
 here sleeps to let something happen.
@@ -19,14 +23,16 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import sqlite3
 import subprocess
 import sys
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
@@ -43,6 +49,7 @@ __all__ = [
     "BROKERS",
     "MATRIX",
     "STORES",
+    "BeatProcess",
     "Deployment",
     "Ledger",
     "Row",
@@ -58,12 +65,20 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 APP_MODULE = "tests.acceptance.apps.ledger_app"
 
 BROKERS = ("redis", "amqp")
-STORES = ("redis", "postgres")
+STORES = ("redis", "postgres", "mysql", "sqlite")
 #: Every (broker, store) pair the acceptance tests run on unless a test narrows it.
+#: A test that names its stores (``acceptance_matrix(stores=...)``) may pick any of
+#: :data:`STORES`, MySQL (MariaDB) and SQLite included.
 MATRIX = (("redis", "redis"), ("amqp", "redis"), ("redis", "postgres"), ("amqp", "postgres"))
 
-#: The service (``tests.services``) each broker and store needs.
-SERVICE_OF = {"redis": "redis", "amqp": "rabbitmq", "postgres": "postgres"}
+#: The service (``tests.services``) each broker and store needs (SQLite: none, a file).
+SERVICE_OF: dict[str, str | None] = {
+    "redis": "redis",
+    "amqp": "rabbitmq",
+    "postgres": "postgres",
+    "mysql": "mysql",
+    "sqlite": None,
+}
 
 #: Redis databases for brokers (db 9 is the store tests'); never flushed, keys are prefixed.
 REDIS_BROKER_DB = int(os.environ.get("EXACTONCE_ACC_REDIS_DB", "10"))
@@ -104,6 +119,15 @@ class Row:
     kwargs: dict[str, Any]
     pid: int
     at: float
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def occurrence(self) -> tuple[str, datetime] | None:
+        """``(entry, fire_time)`` of a beat occurrence's run (``plain_beat``/``gated_beat``)."""
+        entry, fire = self.meta.get("entry"), self.meta.get("fire_time")
+        if not entry or not fire:
+            return None
+        return entry, datetime.fromisoformat(fire.replace("Z", "+00:00"))
 
 
 class Ledger:
@@ -131,7 +155,7 @@ class Ledger:
             phases = [phase] if isinstance(phase, str) else list(phase)
             where.append(f"phase IN ({', '.join('?' * len(phases))})")
             params.extend(phases)
-        sql = "SELECT id, task, task_id, attempt, phase, args, kwargs, pid, at FROM ledger"
+        sql = "SELECT id, task, task_id, attempt, phase, args, kwargs, pid, at, meta FROM ledger"
         if where:
             sql += " WHERE " + " AND ".join(where)
         conn = ledger_db.connect(self.path)
@@ -142,9 +166,12 @@ class Ledger:
         finally:
             conn.close()
         return [
-            Row(r[0], r[1], r[2], r[3], r[4], json.loads(r[5]), json.loads(r[6]), r[7], r[8])
+            Row(
+                r[0], r[1], r[2], r[3], r[4], json.loads(r[5]), json.loads(r[6]), r[7], r[8],
+                json.loads(r[9]),
+            )
             for r in found
-        ]
+        ]  # fmt: skip
 
     def count(
         self,
@@ -159,6 +186,14 @@ class Ledger:
         """Body executions per ``(task_id, attempt)``."""
         rows = self.rows(task=task, phase=ledger_db.EXECUTION_PHASES)
         return dict(Counter((row.task_id, row.attempt) for row in rows))
+
+    def occurrences(self) -> Counter[tuple[str, datetime]]:
+        """Body executions per beat occurrence ``(entry, fire_time)``, from the run rows' meta."""
+        runs = Counter[tuple[str, datetime]]()
+        for row in self.rows(phase=ledger_db.EXECUTION_PHASES):
+            if (occurrence := row.occurrence) is not None:
+                runs[occurrence] += 1
+        return runs
 
     def running(self, task_id: str | None = None) -> list[Row]:
         """``start`` rows with no ``end`` row of the same pid, task id and attempt after them."""
@@ -191,12 +226,14 @@ class Ledger:
 # --- worker processes ---------------------------------------------------------------------
 
 _live_workers: set[WorkerProcess] = set()
+_live_beats: set[BeatProcess] = set()
 
 
 @atexit.register
 def _kill_leftover_workers() -> None:
-    for worker in list(_live_workers):
-        worker.kill()
+    processes: list[WorkerProcess | BeatProcess] = [*_live_workers, *_live_beats]
+    for process in processes:
+        process.kill()
 
 
 class WorkerProcess:
@@ -397,6 +434,130 @@ def _pid_alive(pid: int) -> bool:
         return False
 
 
+# --- beat processes -------------------------------------------------------------------------
+
+#: What ``celery beat`` logs once its scheduler is built (the store is reached by then:
+#: ``ExactOnceScheduler`` opens it in its constructor, before the banner).
+BEAT_STARTED = "beat: Starting..."
+
+
+class BeatProcess:
+    """``celery -A tests.acceptance.apps.ledger_app beat -S exactonce`` in its own session.
+
+    Its output goes to ``<name>.log``, and every ``celery_exactonce`` log record
+    (with its ``action`` and fields, ``ledger_app.EventFile``) to
+    ``<name>.events.jsonl``, both in ``directory``.
+    """
+
+    def __init__(self, env: Mapping[str, str], directory: Path, name: str) -> None:
+        self.name = name
+        self.log_path = Path(directory) / f"{name}.log"
+        self.events_path = Path(directory) / f"{name}.events.jsonl"
+        self.env = {**env, "EXACTONCE_ACC_EVENTS": str(self.events_path)}
+        self.schedule_path = Path(directory) / f"{name}.celerybeat-schedule"  # unused by us
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def __repr__(self) -> str:
+        pid = self.proc.pid if self.proc else None
+        return f"<BeatProcess {self.name} pid={pid}>"
+
+    @property
+    def argv(self) -> list[str]:
+        return [
+            sys.executable, "-m", "celery", "-A", APP_MODULE, "beat", "-S", "exactonce",
+            "-s", str(self.schedule_path), "--loglevel", "INFO",
+        ]  # fmt: skip
+
+    @property
+    def pid(self) -> int:
+        if self.proc is None:
+            raise RuntimeError(f"{self!r} was not started")
+        return self.proc.pid
+
+    @property
+    def node(self) -> str:
+        """The node name its claims carry (``exactonce_node_id`` unset: ``host:pid``)."""
+        return f"{socket.gethostname()}:{self.pid}"
+
+    def start(self) -> BeatProcess:
+        if self.proc is not None:
+            raise RuntimeError(f"{self!r} was already started")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                self.argv,
+                env=self.env,
+                cwd=REPO_ROOT,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        _live_beats.add(self)
+        return self
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log().splitlines()[-lines:])
+
+    def events(self, action: str | None = None) -> list[dict[str, Any]]:
+        """The ``celery_exactonce`` records it logged so far, optionally of one ``action``."""
+        try:
+            text = self.events_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return []
+        found = []
+        for line in text.splitlines():
+            try:
+                event = json.loads(line)
+            except json.JSONDecodeError:  # a line being written as we read
+                continue
+            if action is None or event.get("action") == action:
+                found.append(event)
+        return found
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT) -> BeatProcess:
+        """Poll the log for :data:`BEAT_STARTED`; fail if beat exits first."""
+
+        def ready() -> bool:
+            if not self.alive():
+                raise AssertionError(
+                    f"{self!r} exited ({self.proc and self.proc.returncode}) before it "
+                    f"started; log:\n{self.log_tail()}"
+                )
+            return BEAT_STARTED in self.log()
+
+        try:
+            poll(ready, timeout=timeout, interval=0.1)
+        except AssertionError as exc:
+            if "exited" in str(exc):
+                raise
+            raise AssertionError(
+                f"{self!r} not started within {timeout} s; log:\n{self.log_tail()}"
+            ) from None
+        return self
+
+    def kill(self, timeout: float = STOP_TIMEOUT) -> None:
+        """SIGKILL its process group and reap it (nothing it held is released)."""
+        if self.proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL cannot be ignored
+            raise AssertionError(f"{self!r} survived SIGKILL for {timeout} s") from None
+        _live_beats.discard(self)
+
+
 # --- one test's deployment ----------------------------------------------------------------
 
 
@@ -417,6 +578,7 @@ class Deployment:
     def __init__(self, broker: str, store: str, tmp_path: Path) -> None:
         if broker not in BROKERS or store not in STORES:
             raise ValueError(f"unknown deployment {broker}/{store}")
+        tmp_path = Path(tmp_path)
         self.broker = broker
         self.store_kind = store
         self.tmp_path = Path(tmp_path)
@@ -427,12 +589,20 @@ class Deployment:
         self.broker_url = (
             _redis_broker_url(REDIS_BROKER_DB) if broker == "redis" else services.AMQP_URL
         )
-        self.store_url = services.SERVICE_URLS[store]
+        #: Every process of the deployment uses this store; a test may point it elsewhere
+        #: (a private server) before it starts any.
+        self.store_url = (
+            f"sqlite:///{tmp_path / 'store.sqlite3'}"  # a file every process shares
+            if store == "sqlite"
+            else services.SERVICE_URLS[store]
+        )
         self.ledger_path = self.tmp_path / "ledger.sqlite3"
         self.ledger = Ledger(self.ledger_path)
         self.acks_late = False
         self.visibility_timeout: float | None = None
         self.workers: list[WorkerProcess] = []
+        self.beats: list[BeatProcess] = []
+        self._closed = False
         #: Extra environment of the workers started from now on (e.g. a store URL
         #: through a fault-injecting proxy, EXACTONCE_ACC_EXTRA_CONF).
         self.extra_env: dict[str, str] = {}
@@ -532,6 +702,38 @@ class Deployment:
             worker.wait_ready(timeout)
         return worker
 
+    def start_beat(
+        self,
+        *,
+        every: float = 1.0,
+        entries: int = 0,
+        extra_env: Mapping[str, str] | None = None,
+        wait: bool = True,
+        timeout: float = READY_TIMEOUT,
+    ) -> BeatProcess:
+        """Start ``celery beat -S exactonce`` with the ledger app's beat schedule.
+
+        ``every`` and ``entries`` are ``EXACTONCE_ACC_BEAT_EVERY`` and
+        ``EXACTONCE_ACC_BEAT_ENTRIES`` (see ``apps/ledger_app.py``); ``extra_env``
+        is added to this beat's environment only (a skewed clock, say). By
+        default waits until beat has started.
+        """
+        if gate_available():
+            self.store()  # schema and namespace exist before any beat claims
+        self.app()  # the queue exists before anything is published to it
+        env = {
+            **self.env,
+            "EXACTONCE_ACC_BEAT_EVERY": str(every),
+            "EXACTONCE_ACC_BEAT_ENTRIES": str(entries),
+            **(extra_env or {}),
+        }
+        beat = BeatProcess(env, self.tmp_path, f"beat-{len(self.beats) + 1}")
+        self.beats.append(beat)
+        beat.start()
+        if wait:
+            beat.wait_ready(timeout)
+        return beat
+
     def _declare_queue(self) -> None:
         assert self._app is not None
         with self._app.connection_for_write() as conn:
@@ -575,14 +777,23 @@ class Deployment:
                 channel.exchange_delete(self.queue)
 
     def logs(self) -> str:
-        return "\n".join(f"--- {w.name}\n{w.log_tail(80)}" for w in self.workers)
+        processes: list[WorkerProcess | BeatProcess] = [*self.workers, *self.beats]
+        return "\n".join(f"--- {p.name}\n{p.log_tail(80)}" for p in processes)
 
     def close(self) -> None:
-        """Kill the workers, empty and remove the queue, drop the store namespace."""
+        """Kill the beats and workers, empty and remove the queue, drop the store namespace.
+
+        Only the first call does anything: a test may close early (while a
+        private store server it started is still up), the fixture closes again.
+        """
+        if self._closed:
+            return
+        self._closed = True
         errors: list[BaseException] = []
-        for worker in self.workers:
+        processes: list[BeatProcess | WorkerProcess] = [*self.beats, *self.workers]
+        for process in processes:
             try:
-                worker.kill()
+                process.kill()
             except Exception as exc:  # pragma: no cover - reported below
                 errors.append(exc)
         steps: list[Callable[[], object]] = []

@@ -111,6 +111,7 @@ def test_retry_runs_once_per_attempt_with_a_stale_redelivery(
 ) -> None:
     deployment.configure(acks_late=True)
     deployment.start_worker(concurrency=2)
+    deployment.start_beat(every=0)  # a retry's countdown waits PENDING for beat's sweep
     result = deployment.send("gated_retry", 2, 2)
     # During the first countdown, the attempt-0 message comes again
     poll(lambda: (job := job_of(deployment, result.id)) is not None and job.attempt == 1)
@@ -125,6 +126,7 @@ def test_retry_runs_once_per_attempt_with_a_stale_redelivery(
 
 def test_autoretry_runs_once_per_attempt(deployment: Deployment, ledger: Ledger) -> None:
     deployment.start_worker(concurrency=2)
+    deployment.start_beat(every=0)
     result = deployment.send("gated_autoretry")
     poll(lambda: state_of(deployment, result.id) is State.SUCCEEDED, timeout=60)
     assert ledger.executions() == {(result.id, 0): 1, (result.id, 1): 1, (result.id, 2): 1}

@@ -8,7 +8,8 @@ database runs in WAL mode so readers never block writers.
 Rows: ``task`` (registered name), ``task_id``, ``attempt``
 (``self.request.retries``), ``phase`` (``run`` for a one-shot body, ``start`` /
 ``end`` around a slow body), ``args`` and ``kwargs`` (JSON), ``pid`` (the pool
-child), ``at`` (``time.time()``).
+child), ``at`` (``time.time()``), ``meta`` (JSON: what the request carried
+besides its arguments, e.g. a beat occurrence's entry and fire time).
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ CREATE TABLE IF NOT EXISTS ledger (
     args TEXT NOT NULL,
     kwargs TEXT NOT NULL,
     pid INTEGER NOT NULL,
-    at REAL NOT NULL
+    at REAL NOT NULL,
+    meta TEXT NOT NULL DEFAULT '{}'
 )
 """
 
@@ -64,6 +66,7 @@ def append(
     phase: str,
     args: Any = (),
     kwargs: Any = None,
+    meta: Any = None,
 ) -> None:
     """Append one row, durably, before returning."""
     conn = connect(path)
@@ -71,8 +74,8 @@ def append(
         conn.execute("BEGIN IMMEDIATE")
         conn.execute(SCHEMA)
         conn.execute(
-            "INSERT INTO ledger (task, task_id, attempt, phase, args, kwargs, pid, at)"
-            " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            "INSERT INTO ledger (task, task_id, attempt, phase, args, kwargs, pid, at, meta)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (
                 task,
                 task_id,
@@ -82,6 +85,7 @@ def append(
                 json.dumps(kwargs or {}, default=repr, sort_keys=True),
                 os.getpid(),
                 time.time(),
+                json.dumps(meta or {}, default=repr, sort_keys=True),
             ),
         )
         conn.execute("COMMIT")

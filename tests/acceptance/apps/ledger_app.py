@@ -12,6 +12,29 @@ from these variables (the harness sets them, see ``harness.Deployment.env``):
 ``EXACTONCE_ACC_LEDGER``               path of the SQLite ledger (``ledger.py``)
 ``EXACTONCE_ACC_ACKS_LATE``            ``1`` for ``task_acks_late``
 ``EXACTONCE_ACC_VISIBILITY_TIMEOUT``   seconds; Redis ``visibility_timeout``
+``EXACTONCE_ACC_EXTRA_CONF``           JSON object of further settings (``exactonce_*``...)
+
+For ``celery beat -S exactonce`` (``harness.BeatProcess`` sets these):
+
+``EXACTONCE_ACC_BEAT_EVERY``           seconds between the slots of every beat entry (``0``:
+                                       none; the beat only sweeps delayed jobs)
+``EXACTONCE_ACC_BEAT_ENTRIES``         ``N``: entries ``beat-00`` … ``beat-<N-1>``, every
+                                       fourth (``beat-03``, ``beat-07``…) of the plain task
+                                       ``plain_beat``, the others of the gated
+                                       ``gated_beat``; both record the occurrence's entry
+                                       and fire time. Unset: the two entries
+                                       ``gated-every`` and ``plain-every``.
+``EXACTONCE_ACC_EVENTS``               file to append every ``celery_exactonce`` log record
+                                       to, as a JSON line with its ``action`` and fields
+``EXACTONCE_ACC_CLOCK_OFFSET``         seconds added to this process's wall clock
+``EXACTONCE_ACC_CLOCK_JUMP``           seconds the wall clock jumps by …
+``EXACTONCE_ACC_CLOCK_JUMP_AFTER``     … this many seconds (monotonic) after import
+
+The clock variables give a process a skewed node clock (there is no
+libfaketime here): ``time.time`` and ``time.time_ns`` (so log timestamps show
+it) and ``Celery.now`` are replaced at import; the monotonic clock is not
+touched, as a real clock step would not touch it. Set them on beat processes
+only.
 
 On Redis the unacked-message sweep runs every second
 (``unacked_restore_interval=1``, ``unacked_restore_throttle=1``): kombu 5.7's
@@ -26,8 +49,11 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
+import threading
 import time
 from collections.abc import Mapping
+from datetime import datetime, timezone
 from typing import Any
 
 from celery import Celery, Task
@@ -39,8 +65,18 @@ try:
 except ImportError:  # the gate is not written yet: only the plain tasks exist
     ExactOnceTask = None
 
-PLAIN_TASKS = ("plain_record", "slow_record")
-GATED_TASKS = ("gated_record", "gated_slow", "gated_retry", "gated_autoretry")
+PLAIN_TASKS = ("plain_record", "slow_record", "plain_beat")
+GATED_TASKS = ("gated_record", "gated_slow", "gated_retry", "gated_autoretry", "gated_beat")
+
+#: With ``EXACTONCE_ACC_BEAT_ENTRIES``, every entry whose index is 3 modulo this runs the
+#: plain task: beat's claim alone (no gate behind it) keeps those to one run per slot.
+BEAT_PLAIN_EVERY = 4
+
+#: The line a skewed process writes to stderr at import, and once its clock has jumped.
+CLOCK_MARK = "exactonce-acc clock:"
+
+#: The true wall clock, whatever :func:`install_node_clock` does to ``time.time``.
+real_time = time.time
 
 #: Redis sweep for expired unacked messages, in seconds (see the module docstring).
 REDIS_RESTORE_INTERVAL = 1
@@ -86,13 +122,10 @@ def make_app(env: Mapping[str, str] = os.environ, *, set_as_current: bool = True
         exactonce_store_url=env.get("EXACTONCE_ACC_STORE_URL"),
         exactonce_namespace=env.get("EXACTONCE_ACC_NAMESPACE", "default"),
     )
-    if env.get("EXACTONCE_ACC_BEAT_EVERY"):
-        # One gated and one plain entry, every N seconds (for `celery beat -S exactonce`).
-        every = float(env["EXACTONCE_ACC_BEAT_EVERY"])
-        app.conf.beat_schedule = {
-            "gated-every": {"task": "gated_record", "schedule": every, "args": ("beat",)},
-            "plain-every": {"task": "plain_record", "schedule": every, "args": ("beat",)},
-        }
+    if float(env.get("EXACTONCE_ACC_BEAT_EVERY") or 0) > 0:  # 0: a beat with no entries
+        app.conf.beat_schedule = beat_schedule(
+            float(env["EXACTONCE_ACC_BEAT_EVERY"]), int(env.get("EXACTONCE_ACC_BEAT_ENTRIES") or 0)
+        )
     if env.get("EXACTONCE_ACC_EXTRA_CONF"):
         app.conf.update(json.loads(env["EXACTONCE_ACC_EXTRA_CONF"]))
     # The gate logs suppressed duplicates at debug: let the worker log show them.
@@ -102,7 +135,33 @@ def make_app(env: Mapping[str, str] = os.environ, *, set_as_current: bool = True
     return app
 
 
-def _record(task: Task, ledger_path: str, phase: str, args: Any, kwargs: Any = None) -> None:
+def beat_schedule(every: float, entries: int = 0) -> dict[str, dict[str, Any]]:
+    """``entries`` entries every ``every`` seconds (module docstring); 0: the two old ones."""
+    if not entries:
+        return {
+            "gated-every": {"task": "gated_record", "schedule": every, "args": ("beat",)},
+            "plain-every": {"task": "plain_record", "schedule": every, "args": ("beat",)},
+        }
+    schedule = {}
+    for index in range(entries):
+        name = f"beat-{index:02d}"
+        plain = index % BEAT_PLAIN_EVERY == BEAT_PLAIN_EVERY - 1
+        task = "plain_beat" if plain else "gated_beat"
+        schedule[name] = {"task": task, "schedule": every, "args": (name,)}
+    return schedule
+
+
+def _header(task: Task, name: str) -> Any:
+    """A message header: Celery puts custom headers on the request, or under ``headers``."""
+    value = getattr(task.request, name, None)
+    if value is None:
+        value = (getattr(task.request, "headers", None) or {}).get(name)
+    return value
+
+
+def _record(
+    task: Task, ledger_path: str, phase: str, args: Any, kwargs: Any = None, meta: Any = None
+) -> None:
     if not ledger_path:
         raise RuntimeError("EXACTONCE_ACC_LEDGER is not set: nowhere to record the run")
     ledger.append(
@@ -113,13 +172,30 @@ def _record(task: Task, ledger_path: str, phase: str, args: Any, kwargs: Any = N
         phase=phase,
         args=args,
         kwargs=kwargs,
+        meta=meta,
     )
+
+
+def _record_occurrence(task: Task, ledger_path: str, args: Any) -> None:
+    """One ``run`` row whose meta names the occurrence: the headers beat's dispatch set."""
+    meta = {
+        "entry": _header(task, "exactonce_key"),
+        "fire_time": _header(task, "exactonce_fire_time"),
+        # The gate sets request.idempotency_key; a plain task only has the header.
+        "idempotency_key": getattr(task.request, "idempotency_key", None)
+        or _header(task, "idempotency_key"),
+    }
+    _record(task, ledger_path, "run", args, meta=meta)
 
 
 def _register_tasks(app: Celery, ledger_path: str) -> None:
     @app.task(bind=True, shared=False, name="plain_record")
     def plain_record(self: Task, *args: Any, **kwargs: Any) -> None:
         _record(self, ledger_path, "run", args, kwargs)
+
+    @app.task(bind=True, shared=False, name="plain_beat")
+    def plain_beat(self: Task, *args: Any) -> None:
+        _record_occurrence(self, ledger_path, args)
 
     @app.task(bind=True, shared=False, name="slow_record")
     def slow_record(self: Task, seconds: float) -> None:
@@ -133,6 +209,10 @@ def _register_tasks(app: Celery, ledger_path: str) -> None:
     @app.task(bind=True, shared=False, base=ExactOnceTask, name="gated_record")
     def gated_record(self: Task, *args: Any, **kwargs: Any) -> None:
         _record(self, ledger_path, "run", args, kwargs)
+
+    @app.task(bind=True, shared=False, base=ExactOnceTask, name="gated_beat")
+    def gated_beat(self: Task, *args: Any) -> None:
+        _record_occurrence(self, ledger_path, args)
 
     @app.task(bind=True, shared=False, base=ExactOnceTask, name="gated_slow")
     def gated_slow(self: Task, seconds: float) -> None:
@@ -169,6 +249,84 @@ def _register_tasks(app: Celery, ledger_path: str) -> None:
         if (self.request.retries or 0) < n_fail:
             raise RuntimeError(f"attempt {self.request.retries} fails on purpose")
 
+
+# --- what a beat process needs: a node clock of its own, its events in a file ------------
+
+
+def install_node_clock(env: Mapping[str, str]) -> None:
+    """Skew this process's wall clock as ``EXACTONCE_ACC_CLOCK_*`` say (nothing if unset).
+
+    Writes a :data:`CLOCK_MARK` line to stderr at once, and another from the first
+    reading of the clock after the jump, so a test can check the skew was real.
+    """
+    offset = float(env.get("EXACTONCE_ACC_CLOCK_OFFSET") or 0)
+    jump = float(env.get("EXACTONCE_ACC_CLOCK_JUMP") or 0)
+    jump_after = float(env.get("EXACTONCE_ACC_CLOCK_JUMP_AFTER") or 0)
+    if not offset and not jump:
+        return
+    started = time.monotonic()
+    jumped = threading.Event()
+
+    def node_time() -> float:
+        shift = offset
+        if jump and time.monotonic() - started >= jump_after:
+            shift += jump
+            if not jumped.is_set():
+                jumped.set()
+                _clock_mark(f"jumped by {jump:+g} s", real_time(), real_time() + shift)
+        return real_time() + shift
+
+    def node_now(self: Celery) -> datetime:
+        return datetime.fromtimestamp(node_time(), timezone.utc).astimezone(self.timezone)
+
+    time.time = node_time
+    time.time_ns = lambda: int(node_time() * 1e9)
+    Celery.now = node_now
+    _clock_mark(f"offset {offset:+g} s", real_time(), time.time())
+
+
+def _clock_mark(what: str, real: float, node: float) -> None:
+    sys.stderr.write(f"{CLOCK_MARK} {what}: real={real:.6f} node={node:.6f}\n")
+    sys.stderr.flush()
+
+
+class EventFile(logging.Handler):
+    """Appends each record as a JSON line: its ``action``, message and ``extra`` fields.
+
+    ``created`` is the record's time as logging took it (this process's
+    ``time.time()``, skewed or not), ``real`` the true wall clock.
+    """
+
+    _STANDARD = frozenset(vars(logging.makeLogRecord({}))) | {"message", "asctime"}
+
+    def __init__(self, path: str) -> None:
+        super().__init__(logging.DEBUG)
+        self.path = path
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            fields = {k: v for k, v in vars(record).items() if k not in self._STANDARD}
+            line = {
+                "pid": os.getpid(),
+                "level": record.levelname,
+                "message": record.getMessage(),
+                "created": record.created,
+                "real": real_time(),
+                **fields,
+            }
+            with open(self.path, "a", encoding="utf-8") as out:
+                out.write(json.dumps(line, default=str) + "\n")
+        except Exception:  # pragma: no cover - logging must not raise
+            self.handleError(record)
+
+
+def install_event_file(env: Mapping[str, str]) -> None:
+    if env.get("EXACTONCE_ACC_EVENTS"):
+        logging.getLogger("celery_exactonce").addHandler(EventFile(env["EXACTONCE_ACC_EVENTS"]))
+
+
+install_node_clock(os.environ)
+install_event_file(os.environ)
 
 #: The app ``celery -A tests.acceptance.apps.ledger_app worker`` runs.
 app = make_app(os.environ)
