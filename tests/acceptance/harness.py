@@ -225,18 +225,81 @@ class Ledger:
 
 # --- worker processes ---------------------------------------------------------------------
 
-_live_workers: set[WorkerProcess] = set()
-_live_beats: set[BeatProcess] = set()
+_live: set[CeleryProcess] = set()
 
 
 @atexit.register
-def _kill_leftover_workers() -> None:
-    processes: list[WorkerProcess | BeatProcess] = [*_live_workers, *_live_beats]
-    for process in processes:
+def _kill_leftovers() -> None:
+    for process in list(_live):
         process.kill()
 
 
-class WorkerProcess:
+_P = TypeVar("_P", bound="CeleryProcess")
+
+
+class CeleryProcess:
+    """A ``celery`` command in its own session (process group), its output in ``log_path``.
+
+    Subclasses give ``argv``; the base starts, watches and reads it.
+    """
+
+    env: Mapping[str, str]
+    log_path: Path
+    proc: subprocess.Popen[bytes] | None
+
+    @property
+    def argv(self) -> list[str]:
+        raise NotImplementedError
+
+    @property
+    def pid(self) -> int:
+        if self.proc is None:
+            raise RuntimeError(f"{self!r} was not started")
+        return self.proc.pid
+
+    def start(self: _P) -> _P:
+        if self.proc is not None:
+            raise RuntimeError(f"{self!r} was already started")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                self.argv,
+                env=dict(self.env),
+                cwd=REPO_ROOT,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # its own process group: kill() reaches its children
+            )
+        _live.add(self)
+        return self
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log().splitlines()[-lines:])
+
+    def kill(self, timeout: float = STOP_TIMEOUT) -> None:
+        """SIGKILL its process group and reap it (nothing it held is released)."""
+        if self.proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL cannot be ignored
+            raise AssertionError(f"{self!r} survived SIGKILL for {timeout} s") from None
+        _live.discard(self)
+
+
+class WorkerProcess(CeleryProcess):
     """``celery -A tests.acceptance.apps.ledger_app worker -P prefork`` in its own session."""
 
     def __init__(
@@ -285,41 +348,6 @@ class WorkerProcess:
             "INFO",
             *self.extra_args,
         ]
-
-    @property
-    def pid(self) -> int:
-        if self.proc is None:
-            raise RuntimeError(f"{self!r} was not started")
-        return self.proc.pid
-
-    def start(self) -> WorkerProcess:
-        if self.proc is not None:
-            raise RuntimeError(f"{self!r} was already started")
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                self.argv,
-                env=self.env,
-                cwd=REPO_ROOT,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,  # its own process group: kill() reaches the pool
-            )
-        _live_workers.add(self)
-        return self
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def log(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except FileNotFoundError:
-            return ""
-
-    def log_tail(self, lines: int = 40) -> str:
-        return "\n".join(self.log().splitlines()[-lines:])
 
     def wait_ready(self, timeout: float = READY_TIMEOUT) -> WorkerProcess:
         """Poll the log for Celery's ``<name>@<host> ready.`` line; fail if the worker exits."""
@@ -370,7 +398,7 @@ class WorkerProcess:
             if not self._wait_exit(timeout):
                 self.kill()
         self._signal_group(signal.SIGKILL)  # pool children that outlived the main process
-        _live_workers.discard(self)
+        _live.discard(self)
         return self.proc.returncode
 
     def kill(self, timeout: float = STOP_TIMEOUT) -> None:
@@ -380,7 +408,7 @@ class WorkerProcess:
         self._signal_group(signal.SIGKILL)
         if not self._wait_exit(timeout):  # pragma: no cover - SIGKILL cannot be ignored
             raise AssertionError(f"{self!r} survived SIGKILL for {timeout} s")
-        _live_workers.discard(self)
+        _live.discard(self)
 
     def saw_worker_lost(self) -> bool:
         """Whether the main process has logged a ``WorkerLostError`` (a pool child died)."""
@@ -441,7 +469,7 @@ def _pid_alive(pid: int) -> bool:
 BEAT_STARTED = "beat: Starting..."
 
 
-class BeatProcess:
+class BeatProcess(CeleryProcess):
     """``celery -A tests.acceptance.apps.ledger_app beat -S exactonce`` in its own session.
 
     Its output goes to ``<name>.log``, and every ``celery_exactonce`` log record
@@ -469,44 +497,9 @@ class BeatProcess:
         ]  # fmt: skip
 
     @property
-    def pid(self) -> int:
-        if self.proc is None:
-            raise RuntimeError(f"{self!r} was not started")
-        return self.proc.pid
-
-    @property
     def node(self) -> str:
         """The node name its claims carry (``exactonce_node_id`` unset: ``host:pid``)."""
         return f"{socket.gethostname()}:{self.pid}"
-
-    def start(self) -> BeatProcess:
-        if self.proc is not None:
-            raise RuntimeError(f"{self!r} was already started")
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                self.argv,
-                env=self.env,
-                cwd=REPO_ROOT,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        _live_beats.add(self)
-        return self
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def log(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except FileNotFoundError:
-            return ""
-
-    def log_tail(self, lines: int = 40) -> str:
-        return "\n".join(self.log().splitlines()[-lines:])
 
     def events(self, action: str | None = None) -> list[dict[str, Any]]:
         """The ``celery_exactonce`` records it logged so far, optionally of one ``action``."""
@@ -544,18 +537,6 @@ class BeatProcess:
                 f"{self!r} not started within {timeout} s; log:\n{self.log_tail()}"
             ) from None
         return self
-
-    def kill(self, timeout: float = STOP_TIMEOUT) -> None:
-        """SIGKILL its process group and reap it (nothing it held is released)."""
-        if self.proc is None:
-            return
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        try:
-            self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL cannot be ignored
-            raise AssertionError(f"{self!r} survived SIGKILL for {timeout} s") from None
-        _live_beats.discard(self)
 
 
 # --- one test's deployment ----------------------------------------------------------------

@@ -30,7 +30,7 @@ from tests import services
 from tests.acceptance import beats as b
 from tests.acceptance.apps.ledger_app import CLOCK_MARK
 from tests.acceptance.harness import BeatProcess, Deployment, Ledger, poll
-from tests.integration.redis_server import RedisServer
+from tests.integration.redis_server import RedisServer, redis_server
 
 ENTRIES = 10
 #: See test_beat.py: the window starts this long after every beat started and
@@ -129,13 +129,8 @@ def _private_redis() -> Iterator[RedisServer]:
     """A private redis-server (no persistence) on a free port: started, and killed at the end."""
     if shutil.which("redis-server") is None and services.required():
         pytest.fail("redis-server is not installed and EXACTONCE_REQUIRE_SERVICES is set")
-    server = RedisServer()  # skips when redis-server is missing
-    server.start()
-    try:
+    with redis_server() as server:  # skips when redis-server is missing
         yield server
-    finally:
-        server.kill()
-        shutil.rmtree(server.dir, ignore_errors=True)
 
 
 def _events_after(beats: list[BeatProcess], action: str, real: float) -> list[dict[str, Any]]:

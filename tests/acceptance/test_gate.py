@@ -136,17 +136,25 @@ def test_autoretry_runs_once_per_attempt(deployment: Deployment, ledger: Ledger)
 
 
 class FailFirstTransition:
-    """The store, with its first transition failing before it reaches the store."""
+    """The store, with its first transition write (single or batched) failing before it
+    reaches the store."""
 
     def __init__(self, store: Any) -> None:
         self._store = store
         self.failures = 1
 
-    def transition(self, ref: JobRef, request: Any) -> Any:
+    def _fail_once(self) -> None:
         if self.failures:
             self.failures -= 1
             raise StoreUnavailable("injected: DISPATCHED write failed")
+
+    def transition(self, ref: JobRef, request: Any) -> Any:
+        self._fail_once()
         return self._store.transition(ref, request)
+
+    def transition_many(self, requests: Any, **kwargs: Any) -> Any:
+        self._fail_once()
+        return self._store.transition_many(requests, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._store, name)
