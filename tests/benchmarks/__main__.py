@@ -70,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         "--suite", choices=("stores", "beat", "delayed", "all"), default="all", help="which figures"
     )
     parser.add_argument("--entries", type=int, default=10_000, help="beat entries (beat suite)")
+    parser.add_argument("--rounds", type=int, default=3, help="plain/beat pairs (beat suite)")
     parser.add_argument("--delayed", type=int, default=100_000, help="due delayed jobs to sweep")
     parser.add_argument(
         "--reconcile-jobs", default="10000,1000000", help="small,large job counts of a pass"
@@ -105,7 +106,7 @@ def beat_figures(args: argparse.Namespace) -> int:
     from tests.benchmarks import beat
 
     print("\nbeat on the Redis store and a Redis broker\n")
-    for name, value in beat.run(args.entries):
+    for name, value in beat.run(args.entries, args.rounds):
         print(f"{name:<45}{value:>30}")
     return 0
 
