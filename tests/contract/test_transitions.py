@@ -9,7 +9,15 @@ from datetime import timedelta
 import pytest
 
 from celery_exactonce import exceptions
-from celery_exactonce.jobs import HISTORY_LIMIT, JobRef, Lease, Transition, TransitionStatus
+from celery_exactonce.jobs import (
+    HISTORY_LIMIT,
+    CreateStatus,
+    JobRef,
+    Lease,
+    Transition,
+    TransitionStatus,
+    apply_transition,
+)
 from celery_exactonce.states import TERMINAL, State
 from celery_exactonce.stores.base import StateStore
 from tests.contract.backends import StoreFactory
@@ -265,3 +273,28 @@ def test_transition_many_is_transition_in_turn(store: StateStore) -> None:
     unchanged = store.get(b.ref)
     assert unchanged is not None and unchanged.state is State.SCHEDULED
     assert store.transition_many([]) == []
+
+
+def test_brief_batches_answer_statuses_and_write_the_same(store: StateStore) -> None:
+    # Given a brief batched create: the statuses, and the records as a full create writes them
+    news = [task_job(), task_job()]
+    created = store.create_many(news, brief=True)
+    assert [r.status for r in created] == [CreateStatus.CREATED] * 2
+    assert store.create_many(news[:1], brief=True)[0].status is CreateStatus.EXISTS
+    first = store.get(news[0].ref)
+    assert first is not None and first.rev == news[0].rev and first.state is State.SCHEDULED
+    # When a brief batched CAS applies one write and loses another
+    win = to(State.DISPATCHED, State.SCHEDULED, rev=news[0].rev)
+    lose = to(State.DISPATCHED, State.SCHEDULED, rev="not-the-rev")
+    results = store.transition_many([(news[0].ref, win), (news[1].ref, lose)], brief=True)
+    # Then the statuses say so, and the applied record is what apply_transition computes
+    assert [r.status for r in results] == [TransitionStatus.APPLIED, TransitionStatus.CONFLICT]
+    after = store.get(news[0].ref)
+    assert after is not None
+    local = apply_transition(first, win, after.touched_at)
+    assert (after.state, after.rev, after.dispatches, after.payload) == (
+        local.state,
+        local.rev,
+        local.dispatches,
+        local.payload,
+    )
