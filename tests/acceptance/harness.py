@@ -251,6 +251,11 @@ class CeleryProcess:
     def argv(self) -> list[str]:
         raise NotImplementedError
 
+    @staticmethod
+    def celery(*args: str) -> list[str]:
+        """``python -m celery -A <the ledger app> <args>``."""
+        return [sys.executable, "-m", "celery", "-A", APP_MODULE, *args]
+
     @property
     def pid(self) -> int:
         if self.proc is None:
@@ -326,12 +331,7 @@ class WorkerProcess(CeleryProcess):
 
     @property
     def argv(self) -> list[str]:
-        return [
-            sys.executable,
-            "-m",
-            "celery",
-            "-A",
-            APP_MODULE,
+        return self.celery(
             "worker",
             "-P",
             "prefork",
@@ -347,7 +347,7 @@ class WorkerProcess(CeleryProcess):
             "--loglevel",
             "INFO",
             *self.extra_args,
-        ]
+        )
 
     def wait_ready(self, timeout: float = READY_TIMEOUT) -> WorkerProcess:
         """Poll the log for Celery's ``<name>@<host> ready.`` line; fail if the worker exits."""
@@ -491,10 +491,9 @@ class BeatProcess(CeleryProcess):
 
     @property
     def argv(self) -> list[str]:
-        return [
-            sys.executable, "-m", "celery", "-A", APP_MODULE, "beat", "-S", "exactonce",
-            "-s", str(self.schedule_path), "--loglevel", "INFO",
-        ]  # fmt: skip
+        return self.celery(
+            "beat", "-S", "exactonce", "-s", str(self.schedule_path), "--loglevel", "INFO"
+        )
 
     @property
     def node(self) -> str:
