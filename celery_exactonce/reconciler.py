@@ -26,9 +26,17 @@ guard of each write), so a reconciler whose clock is wrong times out nothing
 early. For a grace period after it met a store error (``running_timeout``), a
 reconciler times nothing out: heartbeats could not be written either.
 
-Every bound (batches, budget, tries per job) keeps a pass finite whatever the
-store does; a job whose action failed waits (exponential backoff) before this
-reconciler tries it again, so a few failing jobs cannot starve the rest.
+Every bound (pages, batches, budget, tries per job) keeps a pass finite
+whatever the store does. A pass reads at most :data:`LIST_PAGES` pages of
+:data:`LIST_LIMIT` stale jobs per state, going on from where this
+reconciler's previous pass stopped (a keyset cursor on ``(touched_at, ref)``)
+and back to the oldest once a page comes back short. So each stale job is
+looked at once per sweep of its state, a sweep takes
+``stale // (LIST_PAGES * LIST_LIMIT) + 1`` passes whatever sits at the head,
+and neither a backlog that stays stale without being acted on (gated jobs waiting
+in a busy queue for their ``dispatch_deadline``) nor failing jobs can starve
+the jobs behind them. A job whose action failed also waits (exponential
+backoff) before this reconciler tries it again.
 
 Per task, as attributes: ``exactonce_dispatch_timeout``,
 ``exactonce_dispatch_deadline``, ``exactonce_running_timeout``,
@@ -59,8 +67,9 @@ logger = logging.getLogger(__name__)
 LEASE_NAME = "reconcile"
 #: The Celery task (and beat entry) that runs a pass.
 RECONCILE_TASK = "celery_exactonce.reconcile"
-#: Stale jobs listed per state and pass; and the batch between lease renewals.
+#: Stale jobs listed per page, pages per state and pass; and the batch between lease renewals.
 LIST_LIMIT = 1000
+LIST_PAGES = 3
 BATCH = 100
 #: Dispatches after which a ``SCHEDULED`` job that never ran is ``FAILED``.
 MAX_REPLAYS = 5
@@ -157,6 +166,8 @@ class Reconciler:
         self._monotonic = monotonic
         self._grace_until = 0.0
         self._retry_at: dict[JobRef, tuple[float, int]] = {}
+        # Per state, the (touched_at, ref) the previous pass stopped after; absent: the oldest.
+        self._cursors: dict[State, tuple[datetime, JobRef]] = {}
 
     # -- one pass ----------------------------------------------------------------------
 
@@ -208,15 +219,41 @@ class Reconciler:
         act: Callable[..., None],
         *extra: Any,
     ) -> None:
+        """Act on up to :data:`LIST_PAGES` pages of stale ``state`` jobs, from its cursor.
+
+        The listing is in ``(touched_at, ref)`` order, not by what is due: jobs
+        listed but not acted on stay at the head. Paging on from the cursor
+        across passes (back to the oldest after a short page) reaches the jobs
+        behind them anyway. The cursor moves only past a page acted on to its
+        end, so a pass cut short (a lost lease, a bug) skips nothing.
+        """
         store = self.runtime.store
-        self._renew(lease)
-        try:
-            stale = store.list_stale(state, older_than, LIST_LIMIT)
-            store_now = store.now()  # ages below err young: nothing is acted on early
-        except exceptions.StoreError as exc:
-            self._store_error(report, exc, f"list {state}")
-            return
-        report.stale[state.value] = len(stale)
+        for _ in range(LIST_PAGES):
+            self._renew(lease)
+            try:
+                stale = store.list_stale(
+                    state, older_than, LIST_LIMIT, after=self._cursors.get(state)
+                )
+                store_now = store.now()  # ages below err young: nothing is acted on early
+            except exceptions.StoreError as exc:
+                self._store_error(report, exc, f"list {state}")
+                return
+            report.stale[state.value] = report.stale.get(state.value, 0) + len(stale)
+            self._act_on(report, lease, stale, act, store_now, *extra)
+            if len(stale) < LIST_LIMIT:
+                self._cursors.pop(state, None)  # the end: the next pass starts from the oldest
+                return
+            self._cursors[state] = (stale[-1].touched_at, stale[-1].ref)
+
+    def _act_on(
+        self,
+        report: PassReport,
+        lease: Lease,
+        stale: list[Job],
+        act: Callable[..., None],
+        *args: Any,
+    ) -> None:
+        """``act(report, lease, job, *args)`` on each listed job not backing off."""
         now = self._monotonic()
         for i, job in enumerate(stale):
             if i and i % BATCH == 0:
@@ -226,7 +263,7 @@ class Reconciler:
                 report.skipped += 1
                 continue
             try:
-                act(report, lease, job, store_now, *extra)
+                act(report, lease, job, *args)
             except exceptions.StoreError as exc:
                 # One job's failure is no outage: it backs off, the grace stays as it is.
                 self._store_error(report, exc, f"act on {job.ref}", outage=False)

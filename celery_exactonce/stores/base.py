@@ -142,11 +142,26 @@ class StateStore(Protocol):
         """The watermarks of ``entries`` that have one, in one round trip (a few for SQL)."""
         ...
 
-    def list_stale(self, state: State, older_than: float, limit: int) -> list[Job]:
+    def list_stale(
+        self,
+        state: State,
+        older_than: float,
+        limit: int,
+        *,
+        after: tuple[datetime, JobRef] | None = None,
+    ) -> list[Job]:
         """Jobs in ``state`` last touched at least ``older_than`` seconds ago (store time).
 
-        Oldest first, at most ``limit``, served by an index on
+        In ``(touched_at, str(ref))`` order (oldest first; ties by the ref's
+        code points), at most ``limit``, served by an index on
         ``(state, touched_at)``: the cost follows the stale jobs, not all jobs.
+
+        ``after`` is a keyset cursor, the ``(touched_at, ref)`` of the last job
+        of the previous page: only jobs strictly after it in that order are
+        returned (the job need not exist any more). Paging so walks past a
+        head of jobs a caller cannot act on yet (the reconciler's waiting
+        backlog) instead of listing the same ones forever; a page shorter than
+        ``limit`` means the end was reached.
         """
         ...
 

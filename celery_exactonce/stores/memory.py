@@ -168,16 +168,25 @@ class InMemoryStore:
 
     # -- queries and sweeps --------------------------------------------------------------
 
-    def list_stale(self, state: State, older_than: float, limit: int) -> list[Job]:
+    def list_stale(
+        self,
+        state: State,
+        older_than: float,
+        limit: int,
+        *,
+        after: tuple[datetime, JobRef] | None = None,
+    ) -> list[Job]:
         with self._lock:
             self._check_open()
             cutoff = self.now() - timedelta(seconds=older_than)
+            start = None if after is None else (after[0], str(after[1]))
             stale = [
                 job
                 for job in (self._jobs[ref] for ref in self._by_state[State(state)])
                 if job.touched_at <= cutoff
+                and (start is None or (job.touched_at, str(job.ref)) > start)
             ]
-            stale.sort(key=lambda job: (job.touched_at, job.ref))
+            stale.sort(key=lambda job: (job.touched_at, str(job.ref)))
             return stale[: max(limit, 0)]
 
     def claim_due(self, limit: int, *, node: str, reason: str = "claimed") -> list[Job]:

@@ -393,15 +393,25 @@ class RedisStore:
 
     # -- queries and sweeps --------------------------------------------------------------
 
-    def list_stale(self, state: State, older_than: float, limit: int) -> list[Job]:
+    def list_stale(
+        self,
+        state: State,
+        older_than: float,
+        limit: int,
+        *,
+        after: tuple[datetime, JobRef] | None = None,
+    ) -> list[Job]:
         if limit <= 0:
             self._check_open()
             return []
         # As the in-memory store: the age rounded to microseconds by timedelta.
         age = timedelta(seconds=older_than) // timedelta(microseconds=1)
         keys = [self._state_key(State(state)), self._key("job", "")]
+        # The cursor is the index's own (score, member) of the previous page's last job.
+        at, member = (None, None) if after is None else (jobs.to_micros(after[0]), after[1])
+        args = [age, limit, _opt(at), _opt(member)]
         with self._wrap("list_stale"):
-            records = self._run("list_stale", keys, [age, limit])
+            records = self._run("list_stale", keys, args)
         return [_decode_job(flat) for flat in records]
 
     def claim_due(self, limit: int, *, node: str, reason: str = "claimed") -> list[Job]:

@@ -520,20 +520,42 @@ class SqlStore:
 
         return self._run("watermarks", op, write=False)
 
-    def list_stale(self, state: State, older_than: float, limit: int) -> list[Job]:
+    def list_stale(
+        self,
+        state: State,
+        older_than: float,
+        limit: int,
+        *,
+        after: tuple[datetime, JobRef] | None = None,
+    ) -> list[Job]:
         state = State(state)
         c = self._t.jobs.c
+        # (space, id) orders as str(ref) does: the space is one character, then ':'.
+        past: list[sa.ColumnElement[bool]] = []
+        if after is not None:
+            # (touched_at, space, id) > the cursor, spelt so that the index on
+            # (namespace, state, touched_at) bounds the scan: touched_at >= t.
+            t, ref = jobs.to_micros(after[0]), after[1]
+            past = [
+                c.touched_at >= t,
+                sa.or_(
+                    c.touched_at > t,
+                    c.space > ref.space.value,
+                    sa.and_(c.space == ref.space.value, c.id > ref.id),
+                ),
+            ]
 
         def op(conn: sa.Connection) -> list[Job]:
             cutoff = self._now(conn) - round(older_than * 1_000_000)
             rows = conn.execute(
                 sa.select(self._t.jobs)
                 .where(
-                    c.namespace == self._namespace, c.state == state.value, c.touched_at <= cutoff
+                    c.namespace == self._namespace, c.state == state.value, c.touched_at <= cutoff,
+                    *past,
                 )
                 .order_by(c.touched_at, c.space, c.id)
                 .limit(limit)
-            )
+            )  # fmt: skip
             return [self._job(row) for row in rows]
 
         return self._run("list_stale", op, write=False) if limit > 0 else self._empty([])

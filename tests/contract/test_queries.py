@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from celery_exactonce.jobs import JobRef
+from celery_exactonce.jobs import Job, JobRef
 from celery_exactonce.states import State
 from celery_exactonce.stores.base import StateStore
 from tests.contract.backends import StoreFactory
@@ -46,6 +46,82 @@ def test_list_stale_follows_transitions_and_heartbeats(store: StateStore) -> Non
     store.transition(a.ref, to(State.SUCCEEDED, State.RUNNING, run_id="r"))
     assert [j.ref for j in store.list_stale(State.RUNNING, 0, 10)] == [b.ref]
     assert [j.ref for j in store.list_stale(State.SUCCEEDED, 0, 10)] == [a.ref]
+
+
+def tied(store: StateStore, ids: list[str]) -> list[Job]:
+    """SCHEDULED jobs of ``ids`` that share one ``touched_at`` (claimed in one ``claim_due``)."""
+    due = store.now() - timedelta(hours=1)
+    for job_id in ids:
+        store.create(task_job(job_id, state=State.PENDING, run_at=due))
+    claimed = store.claim_due(len(ids), node=NODE)
+    assert len(claimed) == len(ids) and len({job.touched_at for job in claimed}) == 1
+    wait_store_past(store, claimed[0].touched_at)
+    return claimed
+
+
+def in_listing_order(jobs: list[Job]) -> list[JobRef]:
+    return [job.ref for job in sorted(jobs, key=lambda job: (job.touched_at, str(job.ref)))]
+
+
+#: Ids whose code-point order is neither their creation order nor a locale's order.
+TIED_IDS = ["b", "B", "a", "ä", "a-1", "a1", "Z", "€", "\U0001d11e", "a 1", "aa"]
+
+
+def test_list_stale_pages_through_ties_on_touched_at_once_each_in_order(
+    store: StateStore,
+) -> None:
+    # Given two groups of jobs, each sharing a touched_at, and a lone job between them
+    first = tied(store, TIED_IDS)
+    lone = store.create(task_job("m")).job
+    assert lone is not None
+    wait_store_past(store, lone.touched_at)
+    second = tied(store, [f"{job_id}2" for job_id in TIED_IDS])
+    expected = in_listing_order([*first, lone, *second])
+    # When they are listed 4 at a time, each page after the last job of the one before
+    pages, after = [], None
+    while True:
+        page = store.list_stale(State.SCHEDULED, 0, 4, after=after)
+        pages.append([job.ref for job in page])
+        if len(page) < 4:
+            break
+        after = (page[-1].touched_at, page[-1].ref)
+    # Then every job came exactly once, in (touched_at, ref) order, in full pages but the last
+    assert [ref for page in pages for ref in page] == expected
+    assert [len(page) for page in pages] == [4] * (len(expected) // 4) + [len(expected) % 4]
+    # and one listing of them all agrees
+    assert [job.ref for job in store.list_stale(State.SCHEDULED, 0, 100)] == expected
+
+
+def test_list_stale_after_a_cursor_that_is_no_job(store: StateStore) -> None:
+    # Given jobs sharing a touched_at
+    group = tied(store, TIED_IDS)
+    at, expected = group[0].touched_at, in_listing_order(group)
+    # When listed after cursors at that time with refs no job has
+    # Then the jobs strictly after the cursor's ref come, in order
+    after_a = store.list_stale(State.SCHEDULED, 0, 100, after=(at, JobRef.task("a0")))
+    assert [job.ref for job in after_a] == [r for r in expected if str(r) > "t:a0"]
+    # an occurrence ref sorts before every task ref of the same time
+    early = store.list_stale(State.SCHEDULED, 0, 100, after=(at, JobRef.occurrence("zzz")))
+    assert [job.ref for job in early] == expected
+    # and the limit holds after a cursor too
+    page = store.list_stale(State.SCHEDULED, 0, 2, after=(at, JobRef.occurrence("zzz")))
+    assert [job.ref for job in page] == expected[:2]
+
+
+def test_list_stale_after_the_end_is_empty(store: StateStore) -> None:
+    # Given stale jobs
+    group = tied(store, ["x", "y"])
+    last = group[-1] if str(group[-1].ref) > str(group[0].ref) else group[0]
+    # When listed after the last one, or after a time past them all
+    # Then nothing comes
+    assert store.list_stale(State.SCHEDULED, 0, 10, after=(last.touched_at, last.ref)) == []
+    later = (store.now() + timedelta(hours=1), JobRef.task("a"))
+    assert store.list_stale(State.SCHEDULED, 0, 10, after=later) == []
+    # and a cursor before them all still keeps the age bound and the limit
+    before = (last.touched_at - timedelta(hours=1), JobRef.task("z"))
+    assert store.list_stale(State.SCHEDULED, 3600, 10, after=before) == []
+    assert len(store.list_stale(State.SCHEDULED, 0, 1, after=before)) == 1
+    assert store.list_stale(State.SCHEDULED, 0, 0, after=before) == []
 
 
 def test_claim_due_in_run_at_order(store: StateStore) -> None:

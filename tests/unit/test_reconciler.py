@@ -853,13 +853,6 @@ def test_failing_jobs_do_not_hold_off_the_timeouts_of_others(world: World) -> No
     assert world.state(dead) is State.TIMEOUT
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: list_stale returns the LIST_LIMIT oldest jobs of a state, and gated "
-    "DISPATCHED jobs are listed from dispatch_timeout on but acted on only at "
-    "dispatch_deadline; 1000 of them waiting (a queue backlog) fill every listing, so a "
-    "plain job behind them is never timed out (not 'ordered by next check time')",
-)
 def test_a_backlog_of_waiting_gated_jobs_does_not_starve_plain_timeouts(world: World) -> None:
     # Given 1000 gated jobs waiting in a busy queue for over dispatch_timeout
     for _ in range(reconciler.LIST_LIMIT):
@@ -874,6 +867,52 @@ def test_a_backlog_of_waiting_gated_jobs_does_not_starve_plain_timeouts(world: W
         world.advance(10)
     # Then the plain job was timed out
     assert world.state(plain) is State.TIMEOUT
+
+
+def test_a_backlog_longer_than_a_pass_reads_delays_a_plain_timeout_by_one_pass(
+    world: World,
+) -> None:
+    # Given more gated jobs waiting in a busy queue than one pass lists (LIST_PAGES pages)
+    backlog = reconciler.LIST_PAGES * reconciler.LIST_LIMIT + reconciler.LIST_LIMIT // 2
+    for _ in range(backlog):
+        world.put(State.DISPATCHED)
+    world.advance(100)
+    # and a plain job whose publish answer was lost, behind them all
+    plain = world.put(State.DISPATCHED, PLAIN)
+    world.advance(DISPATCH_TIMEOUT)
+    # When a pass runs
+    first = world.run()
+    # Then it listed its LIST_PAGES pages of the backlog, no more, and the plain job waits
+    assert first.stale["DISPATCHED"] == reconciler.LIST_PAGES * reconciler.LIST_LIMIT
+    assert world.state(plain) is State.DISPATCHED
+    # When the next pass runs
+    world.advance(10)
+    second = world.run()
+    # Then it went on from where the first stopped and timed the plain job out
+    assert second.stale["DISPATCHED"] == backlog + 1 - first.stale["DISPATCHED"]
+    assert world.state(plain) is State.TIMEOUT
+    # and the pass after that starts over from the oldest job
+    world.advance(10)
+    assert world.run().stale["DISPATCHED"] == reconciler.LIST_PAGES * reconciler.LIST_LIMIT
+
+
+def test_a_job_at_the_head_is_looked_at_again_once_the_listing_starts_over(
+    world: World,
+) -> None:
+    # Given a plain job with a long dispatch_timeout, the oldest of all
+    slow = world.put(State.DISPATCHED, SLOW_PLAIN)
+    world.advance(1)
+    # and behind it more gated jobs waiting in a busy queue than one pass lists
+    for _ in range(reconciler.LIST_PAGES * reconciler.LIST_LIMIT):
+        world.put(State.DISPATCHED)
+    world.advance(DISPATCH_TIMEOUT)
+    # When passes run, the slow job's timeout passing meanwhile
+    world.run()
+    world.advance(900 - DISPATCH_TIMEOUT)
+    reports = [world.run() for _ in range(2)]
+    # Then the listing came back to the head within those passes and timed it out
+    assert world.state(slow) is State.TIMEOUT
+    assert sum(report.timed_out for report in reports) == 1
 
 
 def retried(world: World, task: str, retries: int) -> Job:
