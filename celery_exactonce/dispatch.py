@@ -20,6 +20,7 @@ nothing else (DESIGN.md section 4, "Dispatch"):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import errno
@@ -28,7 +29,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 from celery_exactonce import exceptions, jobs, keys, metrics
@@ -157,34 +158,75 @@ def connection_refused(exc: BaseException) -> bool:
 
 
 class CeleryPublisher:
-    """Publishes through the Celery app's producer pool, kombu's retry off."""
+    """Publishes through the Celery app's producer pool, kombu's retry off.
+
+    Inside :meth:`batch`, every publish of this thread goes through one
+    producer, acquired and connection-checked once for the whole batch.
+    """
 
     def __init__(self, app: Any) -> None:
         self.app = app
+        self._local = threading.local()
+
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        """Publish the calls made inside on one producer from the pool."""
+        local = self._local
+        if getattr(local, "producer", None) is not None:
+            yield  # nested: the outer batch's producer serves
+            return
+        with self.app.producer_or_acquire(None) as producer:
+            local.producer, local.checked, local.connect_error = producer, False, None
+            try:
+                yield
+            finally:
+                local.producer = local.connect_error = None
 
     def __call__(self, job: Job, headers: Mapping[str, Any], extra: Mapping[str, Any]) -> None:
-        from kombu.exceptions import EncodeError
-
         options = {k: v for k, v in {**job.options, **extra}.items() if k not in INTERNAL_OPTIONS}
         options["headers"] = {**dict(options.get("headers") or {}), **headers}
         if job.deadline is not None:
             options["expires"] = job.deadline
+        if getattr(self._local, "producer", None) is None:
+            with self.batch():
+                self._publish(job, options)
+        else:
+            self._publish(job, options)
+
+    def _publish(self, job: Job, options: dict[str, Any]) -> None:
+        """Send on the batch's producer; connect first if nothing was sent on it yet.
+
+        The connect is checked (kombu's retries off) before the first publish
+        and again after any failed one, so a refused connection is told apart
+        from a publish that may have landed.
+        """
+        from kombu.exceptions import EncodeError
+
+        local = self._local
+        if not local.checked:
+            local.connect_error, local.checked = self._connect(local.producer), True
+        if local.connect_error is not None:
+            error = local.connect_error
+            raise PublishFailed(f"connect failed: {error}", definite=True) from error
         try:
-            with self.app.producer_or_acquire(None) as producer:
-                try:
-                    producer.connection.ensure_connection(max_retries=0)
-                except Exception as exc:
-                    raise PublishFailed(f"connect failed: {exc}", definite=True) from exc
-                self.app.send_task(
-                    job.task, args=job.args, kwargs=job.kwargs, task_id=job.ref.id,
-                    producer=producer, retries=job.attempt, retry=False, **options,
-                )  # fmt: skip
-        except PublishFailed:
-            raise
+            self.app.send_task(
+                job.task, args=job.args, kwargs=job.kwargs, task_id=job.ref.id,
+                producer=local.producer, retries=job.attempt, retry=False, **options,
+            )  # fmt: skip
         except EncodeError as exc:
             raise PublishFailed(f"cannot encode: {exc}", definite=True, permanent=True) from exc
         except Exception as exc:
+            local.checked = False
             raise PublishFailed(str(exc), definite=connection_refused(exc)) from exc
+
+    @staticmethod
+    def _connect(producer: Any) -> Exception | None:
+        """Connect ``producer`` without kombu's retries; the error if that failed."""
+        try:
+            producer.connection.ensure_connection(max_retries=0)
+        except Exception as exc:
+            return exc
+        return None
 
 
 class Retrier:
@@ -314,12 +356,14 @@ class Dispatcher:
         the write and the publishes can leave ``DISPATCHED`` with no message.
         """
         results: list[DispatchResult] = []
-        for start in range(0, len(listed), DISPATCH_CHUNK):
-            done, published = self._dispatch_chunk(
-                listed[start : start + DISPATCH_CHUNK], reason, lease
-            )
-            results += done
-            self._write_many(published, State.PUBLISHED, "publish returned")
+        batch = getattr(self.publisher, "batch", None)  # CeleryPublisher: one producer
+        with batch() if batch is not None else contextlib.nullcontext():
+            for start in range(0, len(listed), DISPATCH_CHUNK):
+                done, published = self._dispatch_chunk(
+                    listed[start : start + DISPATCH_CHUNK], reason, lease
+                )
+                results += done
+                self._write_many(published, State.PUBLISHED, "publish returned")
         if retry and self.retrier is not None:
             for job, result in zip(listed, results, strict=True):
                 if result.outcome in (Outcome.FAIL_CLOSED, Outcome.ROLLED_BACK):
@@ -353,6 +397,9 @@ class Dispatcher:
                 published.append(written)
         done = [result for result in results if result is not None]
         assert len(done) == len(listed)  # noqa: S101 (every job has exactly one result)
+        count = sum(1 for result in done if result.outcome is Outcome.PUBLISHED)
+        if count:
+            metrics.COUNTERS.incr("dispatched", amount=count)
         return done, published
 
     def _write_dispatched(
@@ -407,8 +454,10 @@ class Dispatcher:
         ``extra`` holds publish options for this publish only (a retry's ``eta``).
         """
         result = self._send(job, extra or {})
-        if result.outcome is Outcome.PUBLISHED and not job.options.get(GATED_OPTION):
-            self._write(job, State.PUBLISHED, "publish returned")
+        if result.outcome is Outcome.PUBLISHED:
+            metrics.COUNTERS.incr("dispatched")
+            if not job.options.get(GATED_OPTION):
+                self._write(job, State.PUBLISHED, "publish returned")
         return result
 
     def _send(self, job: Job, extra: Mapping[str, Any]) -> DispatchResult:
@@ -434,10 +483,14 @@ class Dispatcher:
             if rolled is None:
                 return DispatchResult(Outcome.ROLLBACK_FAILED, job, exc)
             return DispatchResult(Outcome.ROLLED_BACK, rolled, exc)
-        metrics.event(
-            "dispatched", f"job {job.ref} published (attempt {job.attempt})",
-            level=logging.DEBUG, job_id=job.ref.id, task=job.task, attempt=job.attempt,
-        )  # fmt: skip
+        # Counted by the callers, once per batch: a counter update per message would
+        # cost a good share of a publish (the Prometheus counter takes a lock too).
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug(
+                "job %s published (attempt %s)", job.ref, job.attempt,
+                extra={"action": "dispatched", "job_id": job.ref.id, "task": job.task,
+                       "attempt": job.attempt},
+            )  # fmt: skip
         return DispatchResult(Outcome.PUBLISHED, job)
 
     def read_back(self, ref: JobRef, op_id: str) -> Job | None:

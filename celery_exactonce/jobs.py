@@ -477,14 +477,17 @@ def job_from_new(new: NewJob, now: datetime) -> Job:
 
 def encode_payload(payload: Mapping[str, Any], *, context: str) -> str:
     """Canonical JSON for a payload; raises :class:`InvalidPayload` naming the culprit."""
-    for field, value in payload.items():
-        try:
-            json.dumps(value, allow_nan=False)
-        except (TypeError, ValueError) as exc:
-            raise exceptions.InvalidPayload(
-                f"{context}: {field} cannot be stored as JSON: {exc}"
-            ) from exc
-    text = json.dumps(payload, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    try:
+        text = json.dumps(payload, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    except (TypeError, ValueError) as error:
+        for field, value in payload.items():  # which field: the error names no culprit
+            try:
+                json.dumps(value, sort_keys=True, allow_nan=False)
+            except (TypeError, ValueError) as exc:
+                raise exceptions.InvalidPayload(
+                    f"{context}: {field} cannot be stored as JSON: {exc}"
+                ) from exc
+        raise exceptions.InvalidPayload(f"{context}: cannot be stored as JSON: {error}") from error
     if len(text.encode()) > MAX_PAYLOAD_BYTES:
         raise exceptions.InvalidPayload(
             f"{context}: payload is {len(text.encode())} bytes, over {MAX_PAYLOAD_BYTES}"

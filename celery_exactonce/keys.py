@@ -53,7 +53,10 @@ def canonical_instant(fire_time: datetime) -> str:
         raise exceptions.InvalidPayload(
             f"fire_time must be timezone-aware, got naive {fire_time.isoformat()}"
         )
-    return fire_time.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    utc = fire_time.astimezone(timezone.utc)
+    if utc.year < 1000:  # strftime's %Y does not pad such a year everywhere; keep its form
+        return utc.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    return utc.replace(tzinfo=None).isoformat(timespec="microseconds") + "Z"  # the same, faster
 
 
 def idempotency_key(key: str, fire_time: datetime, namespace: str = "default") -> str:

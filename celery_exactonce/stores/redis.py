@@ -76,6 +76,9 @@ _TRANSIENT: tuple[type[Exception], ...] = (
 #: Server replies that mean the same though redis-py has no class for them.
 _TRANSIENT_REPLIES = ("BUSY", "MASTERDOWN", "NOREPLICAS", "LOADING", "TRYAGAIN")
 
+#: A state's position in :class:`State` order (the order of the state index keys).
+_STATE_POS = {state: i for i, state in enumerate(State)}
+
 _SCRIPTS = (
     "create", "transition", "heartbeat", "list_stale", "claim_due", "purge_expired",
     "epoch", "lease_acquire", "lease_renew", "lease_release", "setup",
@@ -170,6 +173,9 @@ class RedisStore:
         self._retention = float(retention)
         self._retention_us = int(retention * 1_000_000)
         self._base = f"{prefix}:{{{namespace}}}"
+        # The namespace's fixed keys, built once: every script call passes several.
+        self._index_keys = [self._state_key(state) for state in State]
+        self._due_key, self._expire_key = self._key("due"), self._key("expire")
         self._owns_client = False
         self._closed = False
         kwargs = client.connection_pool.connection_kwargs
@@ -321,7 +327,7 @@ class RedisStore:
         run_at = jobs.to_micros_opt(new.run_at)
         keys = [
             self._job_key(new.ref), self._key("epoch"), self._key("wm"),
-            self._state_key(new.state), self._key("due"),
+            self._index_keys[_STATE_POS[new.state]], self._due_key,
         ]  # fmt: skip
         args = [
             _opt(epoch), new.entry or "", "" if fire_time is None else fire_time, member,
@@ -371,7 +377,7 @@ class RedisStore:
         keys = [
             self._job_key(ref),
             self._key("lease", lease.name) if lease else self._key("nolease"),
-            *self._state_keys(), self._key("due"), self._key("expire"),
+            *self._index_keys, self._due_key, self._expire_key,
         ]  # fmt: skip
         args = [
             str(ref), request.to.value, ",".join(s.value for s in request.expect),
@@ -464,7 +470,7 @@ class RedisStore:
 
     def _state_keys(self) -> list[str]:
         """Every state index, in :class:`State` order (the scripts' ``STATES``)."""
-        return [self._state_key(state) for state in State]
+        return list(self._index_keys)
 
     def _run(self, name: str, keys: list[str], args: list[Any]) -> Any:
         return self._scripts[name](keys=keys, args=args)
@@ -479,11 +485,29 @@ class RedisStore:
             self._check_open()
             return []
         script = self._scripts[name]
+        replies = self._evalsha_many(script.sha, calls)
+        missing = [i for i, reply in enumerate(replies) if isinstance(reply, rexc.NoScriptError)]
+        if missing:  # a restarted or flushed server: those calls did not run; load, run them
+            script.sha = self._client.script_load(script.script)
+            retried = self._evalsha_many(script.sha, [calls[i] for i in missing])
+            for i, reply in zip(missing, retried, strict=True):
+                replies[i] = reply
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
+        return replies
+
+    def _evalsha_many(self, sha: str, calls: Sequence[tuple[list[str], list[Any]]]) -> list[Any]:
+        """EVALSHA per call in one pipeline; errors come back as values.
+
+        Not ``Script.__call__`` on the pipeline: that costs a ``SCRIPT EXISTS``
+        round trip per batch, where a missing script is rare and shows as
+        ``NoScriptError`` replies (the call did not run) that :meth:`_run_many` handles.
+        """
         with self._client.pipeline(transaction=False) as pipe:
             for keys, args in calls:
-                script(keys=keys, args=args, client=pipe)
-            replies: list[Any] = pipe.execute()
-        return replies
+                pipe.evalsha(sha, len(keys), *keys, *args)
+            return list(pipe.execute(raise_on_error=False))
 
     def _maxmemory_policy(self) -> str | None:
         with self._wrap("check_config"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from datetime import timedelta
 
 import pytest
+import redis
 from celery import Celery
 
 from celery_exactonce import ConfigurationError, ExactOnceConfig, StoreUnavailable, open_store
@@ -61,5 +62,23 @@ def test_noeviction_server_is_accepted() -> None:
         store = open_store(_config(server.url))
         try:
             assert store.now() is not None
+        finally:
+            store.close()
+
+
+def test_batched_writes_load_their_script_again_after_a_script_flush() -> None:
+    with redis_server() as server:
+        store = open_store(_config(server.url))
+        try:
+            # Given a store whose batches ran once (their scripts are cached by sha)
+            fire = store.now().replace(microsecond=0)
+            assert [r.created for r in store.create_many([occurrence("a", fire)])] == [True]
+            # When the server forgets every script (a restart keeps data, not scripts)
+            redis.Redis.from_url(server.url).script_flush()
+            # Then the next batch loads the script and runs each call exactly once
+            later = [occurrence(name, fire) for name in ("b", "c")]
+            assert [r.status for r in store.create_many(later)] == [CreateStatus.CREATED] * 2
+            again = store.create_many(later)
+            assert [r.status for r in again] == [CreateStatus.EXISTS] * 2
         finally:
             store.close()

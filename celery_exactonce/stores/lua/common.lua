@@ -34,11 +34,20 @@ end
 
 -- The history JSON array with one entry appended, capped to HISTORY_LIMIT.
 -- `at` is stored as a decimal string: cjson would round a 16-digit number.
+-- Below the cap the entry is appended to the text as it is (no decode): every
+-- entry has exactly one "rev" key, and a quote inside a string is escaped, so
+-- counting '"rev":' counts the entries.
 local function history_append(raw, src, dst, at, node, reason, rev)
-  local h = {}
-  if raw then h = cjson.decode(raw) end
-  h[#h + 1] = {['from'] = src or cjson.null, to = dst, at = us(at),
-               node = node, reason = reason, rev = rev}
+  local entry = cjson.encode({['from'] = src or cjson.null, to = dst, at = us(at),
+                              node = node, reason = reason, rev = rev})
+  if not raw then return '[' .. entry .. ']' end
+  local _, count = string.gsub(raw, '"rev":', '')
+  if count == 0 then return '[' .. entry .. ']' end
+  if count < HISTORY_LIMIT then
+    return string.sub(raw, 1, -2) .. ',' .. entry .. ']'
+  end
+  local h = cjson.decode(raw)
+  h[#h + 1] = cjson.decode(entry)
   while #h > HISTORY_LIMIT do table.remove(h, 1) end
   return cjson.encode(h)
 end

@@ -21,15 +21,14 @@ if ARGV[2] ~= '' then
 end
 local at = clock()
 local now = us(at)
-local fields = {}
+local fields = {'attempt', '0', 'dispatches', '0', 'created_at', now, 'touched_at', now,
+                'history', history_append(nil, nil, ARGV[5], at, ARGV[7], ARGV[8], ARGV[9])}
 for i = 11, #ARGV do fields[#fields + 1] = ARGV[i] end
-redis.call('HSET', KEYS[1], unpack(fields))
-redis.call('HSET', KEYS[1], 'attempt', '0', 'dispatches', '0',
-           'created_at', now, 'touched_at', now,
-           'history', history_append(nil, nil, ARGV[5], at, ARGV[7], ARGV[8], ARGV[9]))
 if ARGV[5] == 'RUNNING' then
-  redis.call('HSET', KEYS[1], 'heartbeat_at', now)
+  fields[#fields + 1] = 'heartbeat_at'
+  fields[#fields + 1] = now
 end
+redis.call('HSET', KEYS[1], unpack(fields))
 redis.call('ZADD', KEYS[4], now, ARGV[4])
 if ARGV[6] ~= '' then
   redis.call('ZADD', KEYS[5], ARGV[6], ARGV[4])
