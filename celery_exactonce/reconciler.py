@@ -23,8 +23,9 @@ worker picked it up) is left alone:
 
 Ages are measured on the store's clock (``list_stale`` and the ``stale_for``
 guard of each write), so a reconciler whose clock is wrong times out nothing
-early. For a grace period after it met a store error (``running_timeout``), a
-reconciler times nothing out: heartbeats could not be written either.
+early. For a grace period (``running_timeout``) after this process met a
+store-wide error, in a pass, a beat tick or a heartbeat, a reconciler times
+nothing out: heartbeats could not be written either.
 
 Every bound (pages, batches, budget, tries per job) keeps a pass finite
 whatever the store does. A pass reads at most :data:`LIST_PAGES` pages of
@@ -47,6 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import threading
 import time
 import weakref
@@ -164,7 +166,6 @@ class Reconciler:
         self.runtime = runtime
         self._tasks = tasks if tasks is not None else getattr(runtime.app, "tasks", {})
         self._monotonic = monotonic
-        self._grace_until = 0.0
         self._retry_at: dict[JobRef, tuple[float, int]] = {}
         # Per state, the (touched_at, ref) the previous pass stopped after; absent: the oldest.
         self._cursors: dict[State, tuple[datetime, JobRef]] = {}
@@ -199,7 +200,7 @@ class Reconciler:
 
     def _pass(self, report: PassReport, lease: Lease) -> None:
         config = self.runtime.config
-        timeouts_ok = self._monotonic() >= self._grace_until
+        timeouts_ok = self._monotonic() >= self._grace_end()
         dispatch_age, running_age = self._ages()
         self._each(report, lease, State.SCHEDULED, config.replay_age, self._scheduled)
         self._each(report, lease, State.DISPATCHED, dispatch_age, self._dispatched, timeouts_ok)
@@ -433,13 +434,24 @@ class Reconciler:
             for stale in list(self._retry_at)[:LIST_LIMIT]:
                 del self._retry_at[stale]
 
+    def _grace_end(self) -> float:
+        """When the grace period ends: ``running_timeout`` after the last store error.
+
+        Any store-wide error this process met counts (the runtime's note), not
+        only the reconciler's own: during an outage beat cannot even claim the
+        pass, so the first pass after it would otherwise time out jobs whose
+        heartbeats failed all along.
+        """
+        seen = self.runtime.store_error_at
+        return -math.inf if seen is None else seen + self.runtime.config.running_timeout
+
     def _store_error(
         self, report: PassReport, exc: BaseException, where: str, *, outage: bool = True
     ) -> None:
         """Count a store error; an ``outage`` (not one job's write) starts the grace period."""
         report.errors += 1
         if outage:
-            self._grace_until = self._monotonic() + self.runtime.config.running_timeout
+            self.runtime.note_store_error(self._monotonic())
         metrics.event(
             "reconcile_store_error", f"reconciler: store error ({where}): {exc}",
             level=logging.WARNING, detail=where,

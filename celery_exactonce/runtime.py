@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
+import time
 import weakref
 from typing import Any
 
@@ -45,6 +46,17 @@ class Runtime:
                 first_delay=config.retry_delay_store, give_up_after=config.replay_age
             ),
         )
+
+        #: ``time.monotonic()`` of the last store-wide error any part of this process
+        #: met (a beat tick, a heartbeat, a reconcile pass): the reconciler's grace
+        #: period runs from it, as heartbeats may have failed all along.
+        self.store_error_at: float | None = None
+
+    def note_store_error(self, at: float | None = None) -> None:
+        """Record that the store could not be reached just now (``at``: a monotonic time)."""
+        at = time.monotonic() if at is None else at
+        if self.store_error_at is None or at > self.store_error_at:
+            self.store_error_at = at
 
     def close(self) -> None:
         """Close the store if this runtime opened it (one handed in belongs to its caller)."""

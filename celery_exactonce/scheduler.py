@@ -222,6 +222,7 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
                 self._adopt_epoch(store.epoch())
             self._recheck(now)
         except exceptions.StoreError as exc:
+            self._runtime.note_store_error()  # the reconciler's grace
             metrics.event(
                 "fail_closed", f"beat cannot reach the store: nothing claimed ({exc})",
                 level=logging.WARNING, labels={"phase": "tick_read"}, exc_info=exc,
@@ -241,6 +242,7 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
         try:
             self._load_watermarks([name for name, _ in popped], now)
         except exceptions.StoreError as exc:
+            self._runtime.note_store_error()  # the reconciler's grace
             for name, entry in popped:
                 self._push(name, entry, now)
             metrics.event(
@@ -275,6 +277,7 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
             try:
                 claimed = runtime.store.claim_due(SWEEP_BATCH, node=runtime.node, reason="sweep")
             except exceptions.StoreError as exc:
+                self._runtime.note_store_error()  # the reconciler's grace
                 metrics.event(
                     "fail_closed", f"delayed-job sweep cannot claim: nothing dispatched ({exc})",
                     level=logging.WARNING, labels={"phase": "sweep_claim"}, exc_info=exc,
@@ -457,6 +460,7 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
         try:
             results = list(store.create_many(news, epoch=self._epoch, brief=True))
         except exceptions.StoreError as exc:
+            self._runtime.note_store_error()  # the reconciler's grace
             results = [self._read_back_claim(new) for new in news]
             if None in results:
                 metrics.event(

@@ -451,6 +451,7 @@ class _Heartbeat:
                 if not runtime.store.heartbeat(ref, run_id):
                     return  # no longer ours (timed out, cancelled)
             except exceptions.StoreError as exc:
+                runtime.note_store_error()
                 logger.warning("heartbeat of %s failed: %s", ref, exc,
                                extra={"action": "heartbeat_failed", "job_id": ref.id})  # fmt: skip
 

@@ -774,6 +774,28 @@ def test_a_store_outage_longer_than_running_timeout_times_out_no_live_job(world:
     assert max(timed_out_at.values()) < last_error + RUNNING_TIMEOUT + 30
 
 
+def test_an_outage_only_beat_and_the_heartbeats_saw_starts_the_grace_too(world: World) -> None:
+    # Given a live running job and one whose worker died
+    live, dead = world.put(State.RUNNING), world.put(State.RUNNING)
+    # When the store is down for 900 s (> running_timeout): no pass runs at all (beat
+    # cannot claim one), but beat's ticks and the heartbeats fail in this process
+    for _ in range(30):
+        world.advance(30)
+        world.reconciler.runtime.note_store_error(world.mono())
+    last_error = world.mono()
+    # and then passes run every 30 s while the live worker heartbeats again
+    timed_out_at = None
+    for _ in range(40):
+        world.run()
+        if timed_out_at is None and world.state(dead) is State.TIMEOUT:
+            timed_out_at = world.mono()
+        assert world.store.heartbeat(live.ref, live.run_id or "")
+        world.advance(30)
+    # Then the live job never timed out; the dead one only once the grace was over
+    assert world.state(live) is State.RUNNING
+    assert timed_out_at is not None and timed_out_at >= last_error + RUNNING_TIMEOUT
+
+
 def test_store_errors_of_a_pass_are_counted(world: World) -> None:
     world.hooked.down = True
     assert world.reconciler.run_pass().errors == 1

@@ -167,3 +167,29 @@ def test_sigterm_during_a_tick_is_held_until_the_tick_ends() -> None:
     # Outside a tick, SIGTERM exits at once
     with pytest.raises(SystemExit):
         handler(signal.SIGTERM, None)
+
+
+def test_a_tick_that_cannot_reach_the_store_claims_nothing_and_notes_the_outage() -> None:
+    from celery_exactonce import StoreUnavailable
+
+    # Given a node whose store does not answer
+    cluster = Cluster({"a": every(1)}, nodes=1)
+    rt = runtime.runtime_for(cluster.app)
+    real_now = cluster.store.now
+
+    def down() -> Any:
+        raise StoreUnavailable("store down")
+
+    cluster.store.now = down  # type: ignore[method-assign]
+    # When it ticks
+    cluster.clock.advance(1)
+    cluster.nodes[0].tick()
+    # Then nothing was claimed or published, the failure is counted, and the runtime
+    # noted the outage (the reconciler's grace period runs from it)
+    assert cluster.broker.sent == [] and rt.store_error_at is not None
+    assert metrics.COUNTERS.get("fail_closed", phase="tick_read") == 1
+    # And once the store answers, the next tick dispatches the slot inside the window
+    cluster.store.now = real_now  # type: ignore[method-assign]
+    cluster.clock.advance(1)
+    cluster.nodes[0].tick()
+    assert cluster.fired("a")
