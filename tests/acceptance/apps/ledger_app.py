@@ -29,6 +29,23 @@ For ``celery beat -S exactonce`` (``harness.BeatProcess`` sets these):
 ``EXACTONCE_ACC_CLOCK_OFFSET``         seconds added to this process's wall clock
 ``EXACTONCE_ACC_CLOCK_JUMP``           seconds the wall clock jumps by …
 ``EXACTONCE_ACC_CLOCK_JUMP_AFTER``     … this many seconds (monotonic) after import
+``EXACTONCE_ACC_STORE_WRITE_FAILURES`` fraction of this process's store writes that raise
+                                       ``StoreUnavailable``, half before the write, half
+                                       after it applied (``store_faults.py``)
+``EXACTONCE_ACC_STORE_FAULT_SEED``     seed of which writes fail (default ``0``)
+``EXACTONCE_ACC_STORE_FAULT_METHODS``  comma-separated store methods that may fail
+                                       (default: ``store_faults.WRITE_METHODS``)
+``EXACTONCE_ACC_STORE_OUTAGE_FILE``    while this file exists, every store operation of the
+                                       process raises ``StoreUnavailable`` (an outage)
+``EXACTONCE_ACC_KILL_AT``              ``after_claim``: SIGKILL this process right after the
+                                       delayed-job sweep claimed a batch (before its
+                                       ``DISPATCHED`` write); ``after_dispatched_write``:
+                                       right after a dispatch chunk's ``DISPATCHED`` write,
+                                       before its publishes (``kill_points.py``)
+``EXACTONCE_ACC_KILL_REASON``          the dispatch reason whose ``DISPATCHED`` write kills
+                                       (default ``sweep``; ``beat``: slot claims)
+``EXACTONCE_ACC_SWEEP``                ``off``: this beat's delayed-job sweep claims nothing
+                                       (it runs its slots and the reconciler only)
 
 The clock variables give a process a skewed node clock (there is no
 libfaketime here): ``time.time`` and ``time.time_ns`` (so log timestamps show
@@ -59,6 +76,8 @@ from typing import Any
 from celery import Celery, Task
 
 from tests.acceptance.apps import ledger
+from tests.acceptance.apps.kill_points import install_kill_points
+from tests.acceptance.apps.store_faults import install_store_faults
 
 try:
     from celery_exactonce import ExactOnceTask  # type: ignore[attr-defined]
@@ -66,7 +85,14 @@ except ImportError:  # the gate is not written yet: only the plain tasks exist
     ExactOnceTask = None
 
 PLAIN_TASKS = ("plain_record", "slow_record", "plain_beat")
-GATED_TASKS = ("gated_record", "gated_slow", "gated_retry", "gated_autoretry", "gated_beat")
+GATED_TASKS = (
+    "gated_record",
+    "gated_slow",
+    "gated_retry",
+    "gated_autoretry",
+    "gated_beat",
+    "gated_redispatch",
+)
 
 #: With ``EXACTONCE_ACC_BEAT_ENTRIES``, every entry whose index is 3 modulo this runs the
 #: plain task: beat's claim alone (no gate behind it) keeps those to one run per slot.
@@ -220,6 +246,14 @@ def _register_tasks(app: Celery, ledger_path: str) -> None:
         time.sleep(seconds)
         _record(self, ledger_path, "end", [seconds])
 
+    @app.task(
+        bind=True, shared=False, base=ExactOnceTask, name="gated_redispatch",
+        exactonce_redispatch=True,
+    )  # fmt: skip
+    def gated_redispatch(self: Task, *args: Any) -> None:
+        """``gated_record`` opted in to the reconciler's redispatch of a stale message."""
+        _record(self, ledger_path, "run", args)
+
     @app.task(bind=True, shared=False, base=ExactOnceTask, name="gated_retry")
     def gated_retry(self: Task, n_fail: int, countdown: float, stage: int = 0) -> None:
         """Retries ``n_fail`` times; each retry carries ``stage`` = the next attempt."""
@@ -327,6 +361,8 @@ def install_event_file(env: Mapping[str, str]) -> None:
 
 install_node_clock(os.environ)
 install_event_file(os.environ)
+install_kill_points(os.environ)
+install_store_faults(os.environ)
 
 #: The app ``celery -A tests.acceptance.apps.ledger_app worker`` runs.
 app = make_app(os.environ)
