@@ -230,6 +230,7 @@ class SqlStore:
         self._retention = float(retention)
         self._t = sql_schema.build(table_prefix)
         self._now_col = sa.literal_column(dialect.now, sa.BigInteger)
+        self._inserts: dict[str, Any] = {}  # per table, see _insert_absent
         self._where = (
             f"{engine.dialect.name} store {engine.url.render_as_string(hide_password=True)}"
         )
@@ -383,20 +384,32 @@ class SqlStore:
         order = sorted(range(len(news)), key=lambda i: _lock_order(news[i]))
 
         def op(conn: sa.Connection) -> list[CreateResult]:
+            clock = self._clock_and_epoch(conn)  # once: the batch is one transaction
             results: dict[int, CreateResult] = {}
             for i in order:
-                results[i] = self._create(conn, news[i], epoch)
+                results[i] = self._create(conn, news[i], epoch, clock)
             return [results[i] for i in range(len(news))]
 
         return self._run("create_many", op)
 
-    def _create(self, conn: sa.Connection, new: NewJob, epoch: str | None) -> CreateResult:
-        meta, wm = self._t.meta, self._t.watermarks
+    def _clock_and_epoch(self, conn: sa.Connection) -> tuple[int, str | None]:
+        """The store's time (microseconds) and the namespace's epoch, in one statement."""
+        meta = self._t.meta
         stored_epoch = (
             sa.select(meta.c.epoch).where(meta.c.namespace == self._namespace).scalar_subquery()
         )
-
         now, stored = conn.execute(sa.select(self._now_col, stored_epoch)).one()
+        return now, stored
+
+    def _create(
+        self,
+        conn: sa.Connection,
+        new: NewJob,
+        epoch: str | None,
+        clock: tuple[int, str | None] | None = None,
+    ) -> CreateResult:
+        wm = self._t.watermarks
+        now, stored = clock if clock is not None else self._clock_and_epoch(conn)
         if epoch is not None and stored != epoch:
             return CreateResult(CreateStatus.EPOCH_MISMATCH, epoch=stored)
         mark: int | None = None
@@ -413,7 +426,9 @@ class SqlStore:
                 if row is None:
                     raise _Rerun
             mark = row.fire_time
-        existing = self._select_job(conn, new.ref)
+        # An occurrence checks for its record before its watermark (an existing record
+        # answers EXISTS even below the mark); any other job just tries the insert.
+        existing = self._select_job(conn, new.ref) if occurrence else None
         if existing is not None:
             return CreateResult(CreateStatus.EXISTS, existing, epoch=stored)
         if new.fire_time is not None and mark is not None and jobs.to_micros(new.fire_time) <= mark:
@@ -693,13 +708,23 @@ class SqlStore:
         return conn.execute(query).first()
 
     def _insert_absent(self, conn: sa.Connection, table: sa.Table, values: dict[str, Any]) -> bool:
-        """Insert ``values`` unless the primary key exists; whether this call inserted."""
+        """Insert ``values`` unless the primary key exists; whether this call inserted.
+
+        The statement is built once per table and the values bound at execute
+        time: building ``insert().values(...)`` per row cost more than the row.
+        """
+        stmt = self._inserts.get(table.name)
+        if stmt is None:
+            if self._d.insert is not None:
+                # RETURNING, not rowcount: drivers need not count INSERTs.
+                stmt = self._d.insert(table).on_conflict_do_nothing().returning(table.c.namespace)
+            else:
+                stmt = table.insert()
+            self._inserts[table.name] = stmt
         if self._d.insert is not None:
-            # RETURNING, not rowcount: drivers need not count INSERTs.
-            stmt = self._d.insert(table).values(values).on_conflict_do_nothing()
-            return conn.execute(stmt.returning(table.c.namespace)).first() is not None
+            return conn.execute(stmt, values).first() is not None
         try:
-            conn.execute(table.insert().values(values))
+            conn.execute(stmt, values)
         except sa_exc.IntegrityError as exc:
             if _code(exc.orig) == _DUPLICATE_KEY:
                 return False

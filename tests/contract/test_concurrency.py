@@ -98,16 +98,20 @@ def test_eight_batching_beat_nodes_one_claim_per_slot(store_factory: StoreFactor
 
 
 def _create_due(store_factory: StoreFactory, count: int) -> set[str]:
+    """``count`` due delayed jobs, created in batches of 500 from 8 clients (set-up only)."""
     stores = [store_factory() for _ in range(8)]
     run_at = stores[0].now() - timedelta(minutes=1)
 
-    def create(i: int) -> str:
-        new = task_job(f"due-{i}", state=State.PENDING, run_at=run_at + timedelta(microseconds=i))
-        assert stores[i % 8].create(new).created
-        return new.ref.id
+    def create(first: int) -> list[str]:
+        news = [
+            task_job(f"due-{i}", state=State.PENDING, run_at=run_at + timedelta(microseconds=i))
+            for i in range(first, min(first + 500, count))
+        ]
+        assert all(result.created for result in stores[first // 500 % 8].create_many(news))
+        return [new.ref.id for new in news]
 
     with ThreadPoolExecutor(8) as pool:
-        return set(pool.map(create, range(count)))
+        return {ref for batch in pool.map(create, range(0, count, 500)) for ref in batch}
 
 
 def test_three_processes_claim_every_due_job_once(store_factory: StoreFactory) -> None:
