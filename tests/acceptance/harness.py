@@ -48,6 +48,7 @@ __all__ = [
     "APP_MODULE",
     "BROKERS",
     "MATRIX",
+    "SKIPPED_MARK",
     "STORES",
     "BeatProcess",
     "Deployment",
@@ -546,6 +547,10 @@ def _redis_broker_url(db: int) -> str:
     return urlunsplit((parts.scheme, parts.netloc, f"/{db}", "", ""))
 
 
+#: What the gate logs (at debug) for each delivery it skips as a duplicate.
+SKIPPED_MARK = "duplicate delivery of"
+
+
 class Deployment:
     """One test's broker queue, store namespace and ledger, and the workers it started.
 
@@ -654,6 +659,27 @@ class Deployment:
             store.setup()
             self._store = store
         return self._store
+
+    def job(self, task_id: str) -> Any:
+        """The store's record of the (non-occurrence) job ``task_id``, or ``None``."""
+        from celery_exactonce.jobs import JobRef
+
+        return self.store().get(JobRef.task(task_id))
+
+    def record(self, task_id: str) -> Any:
+        """:meth:`job`, which must exist."""
+        job = self.job(task_id)
+        assert job is not None, f"no record for {task_id}"
+        return job
+
+    def job_state(self, task_id: str) -> Any:
+        """The state of :meth:`job`, or ``None`` when there is no record."""
+        job = self.job(task_id)
+        return None if job is None else job.state
+
+    def skipped_deliveries(self) -> int:
+        """Deliveries the gate skipped as duplicates, counted in every worker's log."""
+        return sum(worker.log().count(SKIPPED_MARK) for worker in self.workers)
 
     def start_worker(
         self,

@@ -35,25 +35,9 @@ pytestmark = [
 ]
 
 #: What the gate logs when it skips a delivery (``ExactOnceTask._refuse``).
-SKIPPED = "duplicate delivery of"
 
 #: Beat sweeps every ``exactonce_tick_interval`` (1 s by default): "a few ticks".
 TICKS = 2.5
-
-
-def job_of(deployment: Deployment, task_id: str) -> Job | None:
-    job: Job | None = deployment.store().get(JobRef.task(task_id))
-    return job
-
-
-def state_of(deployment: Deployment, task_id: str) -> State | None:
-    job = job_of(deployment, task_id)
-    return job.state if job else None
-
-
-def skipped(deployment: Deployment) -> int:
-    """Deliveries the gate skipped as duplicates, in every worker's log."""
-    return sum(worker.log().count(SKIPPED) for worker in deployment.workers)
 
 
 def path_of(job: Job) -> list[State]:
@@ -93,7 +77,7 @@ def test_a_countdown_past_the_visibility_timeout_runs_gated_once_and_plain_twice
     # When a plain task and a gated task are sent with the same countdown
     plain = deployment.send("plain_record", "plain", countdown=COUNTDOWN)
     gated = deployment.send("gated_record", "gated", countdown=COUNTDOWN)
-    pending = job_of(deployment, gated.id)
+    pending = deployment.job(gated.id)
     assert pending is not None and pending.state is State.PENDING and pending.run_at is not None
 
     # Then the plain task's ETA message, held unacked by the worker past the visibility
@@ -104,12 +88,12 @@ def test_a_countdown_past_the_visibility_timeout_runs_gated_once_and_plain_twice
     assert len(runs) == 1, runs
     assert runs[0].at >= pending.run_at.timestamp(), (runs[0].at, pending.run_at)
     holds(lambda: ledger.count(task_id=gated.id) == 1, seconds=1.0)
-    poll(lambda: state_of(deployment, gated.id) is State.SUCCEEDED, timeout=10)
+    poll(lambda: deployment.job_state(gated.id) is State.SUCCEEDED, timeout=10)
     print(f"plain body runs: {ledger.count(task_id=plain.id)}; gated: 1")
     # ... because no second copy of it ever existed (the gate had nothing to skip): it
     # waited in the store and was published once, when due
-    assert skipped(deployment) == 0
-    job = job_of(deployment, gated.id)
+    assert deployment.skipped_deliveries() == 0
+    job = deployment.job(gated.id)
     assert job is not None and job.dispatches == 1
     assert path_of(job) == [
         State.PENDING, State.SCHEDULED, State.DISPATCHED, State.RUNNING, State.SUCCEEDED,
@@ -131,7 +115,7 @@ def submitted_template(deployment: Deployment) -> Job:
     once (an hour before its ``run_at``) and takes no part in the sweep.
     """
     result = deployment.send("gated_record", "template", countdown=3600)
-    template = job_of(deployment, result.id)
+    template = deployment.job(result.id)
     assert template is not None and template.state is State.PENDING, template
     assert celery_exactonce.cancel(result.id, app=deployment.app())
     return template
@@ -269,25 +253,25 @@ def test_a_delayed_job_cancelled_before_its_run_at_never_runs(
     victim = deployment.send("gated_record", "cancelled", countdown=2)
     # ... and, due just after it, another one nobody cancels
     control = deployment.send("gated_record", "control", countdown=2)
-    assert state_of(deployment, victim.id) is State.PENDING
+    assert deployment.job_state(victim.id) is State.PENDING
 
     # When the first is cancelled before its run_at
     assert celery_exactonce.cancel(victim.id, app=deployment.app()) is True
 
     # Then the store shows it CANCELLED at once
-    assert state_of(deployment, victim.id) is State.CANCELLED
+    assert deployment.job_state(victim.id) is State.CANCELLED
     # ... the sweep passes its run_at (the later job runs) and a few ticks more
     ledger.wait_count(1, task_id=control.id, timeout=30)
     holds(lambda: ledger.count(task_id=victim.id) == 0, seconds=TICKS)
     # ... and it never ran, was never dispatched, and stays CANCELLED
-    job = job_of(deployment, victim.id)
+    job = deployment.job(victim.id)
     assert job is not None and job.dispatches == 0
     assert path_of(job) == [State.PENDING, State.CANCELLED]
     assert job.reason == "cancelled by cancel()"
     # And cancelling a job that has already been dispatched changes nothing
-    poll(lambda: state_of(deployment, control.id) is State.SUCCEEDED, timeout=10)
+    poll(lambda: deployment.job_state(control.id) is State.SUCCEEDED, timeout=10)
     assert celery_exactonce.cancel(control.id, app=deployment.app()) is False
-    assert state_of(deployment, control.id) is State.SUCCEEDED
+    assert deployment.job_state(control.id) is State.SUCCEEDED
     assert ledger.count(task_id=control.id) == 1
 
 
@@ -304,8 +288,8 @@ def test_resubmitting_a_fired_delayed_task_id_does_not_run_it_again(
     first = deployment.send("gated_record", "report", 42, task_id=task_id, countdown=1)
     assert first.id == task_id
     ledger.wait_count(1, task_id=task_id, timeout=30)
-    poll(lambda: state_of(deployment, task_id) is State.SUCCEEDED, timeout=10)
-    fired = job_of(deployment, task_id)
+    poll(lambda: deployment.job_state(task_id) is State.SUCCEEDED, timeout=10)
+    fired = deployment.job(task_id)
     assert fired is not None
 
     # When the same task_id is sent again with the same payload, delayed and at once
@@ -316,7 +300,7 @@ def test_resubmitting_a_fired_delayed_task_id_does_not_run_it_again(
     # run_at and a few ticks of the sweep)
     assert again.id == now.id == task_id
     holds(lambda: ledger.count(task_id=task_id) == 1, seconds=1 + TICKS)
-    assert job_of(deployment, task_id) == fired  # not a write since it ran
+    assert deployment.job(task_id) == fired  # not a write since it ran
 
     # When it is sent again with another payload
     # Then that is refused with JobConflict naming the task_id, and nothing changes
@@ -325,6 +309,6 @@ def test_resubmitting_a_fired_delayed_task_id_does_not_run_it_again(
         deployment.send("gated_record", "report", 43, task_id=task_id, countdown=1)
     with pytest.raises(JobConflict, match=conflict):
         deployment.send("gated_record", "report", 42, task_id=task_id, kwargs={"extra": True})
-    assert job_of(deployment, task_id) == fired
+    assert deployment.job(task_id) == fired
     holds(lambda: ledger.count(task_id=task_id) == 1, seconds=0.5)
-    assert skipped(deployment) == 0  # nothing was even published again
+    assert deployment.skipped_deliveries() == 0  # nothing was even published again

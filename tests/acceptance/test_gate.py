@@ -22,26 +22,10 @@ from tests.acceptance.proxy import proxy_to
 
 pytestmark = pytest.mark.usefixtures("gate")
 
-SKIPPED = "duplicate delivery of"
-
-
-def job_of(deployment: Deployment, task_id: str) -> Job | None:
-    job: Job | None = deployment.store().get(JobRef.task(task_id))
-    return job
-
-
-def state_of(deployment: Deployment, task_id: str) -> State | None:
-    job = job_of(deployment, task_id)
-    return job.state if job else None
-
-
-def skipped(deployment: Deployment) -> int:
-    return sum(worker.log().count(SKIPPED) for worker in deployment.workers)
-
 
 def send_copy(deployment: Deployment, task_id: str, **header_overrides: Any) -> None:
     """Publish another copy of the job's message, as a redelivery or a double publish would."""
-    job = job_of(deployment, task_id)
+    job = deployment.job(task_id)
     assert job is not None
     headers = {**message_headers(job, deployment.namespace), **header_overrides}
     deployment.app().send_task(
@@ -59,11 +43,11 @@ def test_redelivery_while_running_and_after_runs_once(
     deployment.start_worker(concurrency=2)
     result = deployment.send("gated_slow", 5)
     # When Redis redelivers the message while the body runs
-    poll(lambda: skipped(deployment) >= 1, timeout=30)
-    poll(lambda: state_of(deployment, result.id) is State.SUCCEEDED, timeout=30)
+    poll(lambda: deployment.skipped_deliveries() >= 1, timeout=30)
+    poll(lambda: deployment.job_state(result.id) is State.SUCCEEDED, timeout=30)
     # and a copy arrives after it finished
     send_copy(deployment, result.id)
-    poll(lambda: skipped(deployment) >= 2, timeout=30)
+    poll(lambda: deployment.skipped_deliveries() >= 2, timeout=30)
     # Then the body ran once and every delivery was acked
     assert ledger.count(task_id=result.id) == 1
     poll(lambda: deployment.unacked() == 0, timeout=30)
@@ -77,8 +61,8 @@ def test_two_workers_receiving_the_same_job_run_it_once(
     deployment.start_worker(concurrency=2)
     result = deployment.send("gated_record", "x")
     send_copy(deployment, result.id)  # the same message twice, consumed concurrently
-    poll(lambda: state_of(deployment, result.id) is State.SUCCEEDED, timeout=30)
-    poll(lambda: skipped(deployment) == 1, timeout=30)
+    poll(lambda: deployment.job_state(result.id) is State.SUCCEEDED, timeout=30)
+    poll(lambda: deployment.skipped_deliveries() == 1, timeout=30)
     holds(lambda: ledger.count(task_id=result.id) == 1, seconds=1.0)
 
 
@@ -91,10 +75,10 @@ def test_worker_killed_mid_body_is_not_run_again(deployment: Deployment, ledger:
     first.kill()
     # When the message is redelivered to another worker
     deployment.start_worker(concurrency=1)
-    poll(lambda: skipped(deployment) >= 1, timeout=60)
+    poll(lambda: deployment.skipped_deliveries() >= 1, timeout=60)
     # Then the body does not run again; the job stays RUNNING for the reconciler
     assert ledger.count(task_id=result.id) == 1
-    assert state_of(deployment, result.id) is State.RUNNING
+    assert deployment.job_state(result.id) is State.RUNNING
 
 
 def test_same_task_id_twice_is_one_job_one_run(deployment: Deployment, ledger: Ledger) -> None:
@@ -102,7 +86,7 @@ def test_same_task_id_twice_is_one_job_one_run(deployment: Deployment, ledger: L
     first = deployment.send("gated_record", "same", task_id="fixed-id")
     second = deployment.send("gated_record", "same", task_id="fixed-id")
     assert first.id == second.id == "fixed-id"
-    poll(lambda: state_of(deployment, "fixed-id") is State.SUCCEEDED, timeout=30)
+    poll(lambda: deployment.job_state("fixed-id") is State.SUCCEEDED, timeout=30)
     holds(lambda: ledger.count(task_id="fixed-id") == 1, seconds=1.0)
 
 
@@ -114,13 +98,13 @@ def test_retry_runs_once_per_attempt_with_a_stale_redelivery(
     deployment.start_beat(every=0)  # a retry's countdown waits PENDING for beat's sweep
     result = deployment.send("gated_retry", 2, 2)
     # During the first countdown, the attempt-0 message comes again
-    poll(lambda: (job := job_of(deployment, result.id)) is not None and job.attempt == 1)
+    poll(lambda: (job := deployment.job(result.id)) is not None and job.attempt == 1)
     send_copy(deployment, result.id, exactonce_attempt=0)
-    poll(lambda: state_of(deployment, result.id) is State.SUCCEEDED, timeout=60)
+    poll(lambda: deployment.job_state(result.id) is State.SUCCEEDED, timeout=60)
     rows = ledger.rows(task_id=result.id)
     assert [(row.attempt, row.kwargs["stage"]) for row in rows] == [(0, 0), (1, 1), (2, 2)]
-    assert skipped(deployment) >= 1
-    job = job_of(deployment, result.id)
+    assert deployment.skipped_deliveries() >= 1
+    job = deployment.job(result.id)
     assert job is not None and job.attempt == 2 and job.kwargs == {"stage": 2}
 
 
@@ -128,7 +112,7 @@ def test_autoretry_runs_once_per_attempt(deployment: Deployment, ledger: Ledger)
     deployment.start_worker(concurrency=2)
     deployment.start_beat(every=0)
     result = deployment.send("gated_autoretry")
-    poll(lambda: state_of(deployment, result.id) is State.SUCCEEDED, timeout=60)
+    poll(lambda: deployment.job_state(result.id) is State.SUCCEEDED, timeout=60)
     assert ledger.executions() == {(result.id, 0): 1, (result.id, 1): 1, (result.id, 2): 1}
 
 
@@ -172,9 +156,9 @@ def test_failed_dispatched_write_publishes_nothing_then_once(
         assert metrics.COUNTERS.get("fail_closed", phase="dispatched_write") == 1
         deployment.start_worker(concurrency=1)
         # the background retry publishes it once
-        poll(lambda: state_of(deployment, result.id) is State.SUCCEEDED, timeout=30)
+        poll(lambda: deployment.job_state(result.id) is State.SUCCEEDED, timeout=30)
         holds(lambda: ledger.count(task_id=result.id) == 1, seconds=1.0)
-        job = job_of(deployment, result.id)
+        job = deployment.job(result.id)
         assert job is not None and job.dispatches == 1
     finally:
         runtime.reset(app)
@@ -193,10 +177,10 @@ def test_broker_down_rolls_back_then_runs_once(deployment: Deployment, ledger: L
             proxy.down()
             result = app.tasks["gated_record"].apply_async(("down",))
             assert metrics.COUNTERS.get("publish_rolled_back") == 1
-            assert state_of(deployment, result.id) is State.SCHEDULED
+            assert deployment.job_state(result.id) is State.SCHEDULED
             holds(lambda: ledger.count(task_id=result.id) == 0, seconds=1.0)
             proxy.up()
-            poll(lambda: state_of(deployment, result.id) is State.SUCCEEDED, timeout=60)
+            poll(lambda: deployment.job_state(result.id) is State.SUCCEEDED, timeout=60)
             holds(lambda: ledger.count(task_id=result.id) == 1, seconds=1.0)
         finally:
             runtime.reset(app)
@@ -224,8 +208,8 @@ def test_ambiguous_publish_runs_once(deployment: Deployment, ledger: Ledger) -> 
         deployment.start_worker(concurrency=2)
         result = deployment.send("gated_record", "amb")
         assert metrics.COUNTERS.get("publish_ambiguous") == 1
-        poll(lambda: state_of(deployment, result.id) is State.SUCCEEDED, timeout=30)
-        poll(lambda: skipped(deployment) == 1, timeout=30)
+        poll(lambda: deployment.job_state(result.id) is State.SUCCEEDED, timeout=30)
+        poll(lambda: deployment.skipped_deliveries() == 1, timeout=30)
         assert ledger.count(task_id=result.id) == 1
     finally:
         runtime.reset(app)
@@ -243,9 +227,9 @@ def test_store_unreachable_at_the_gate_runs_once_when_it_returns(
         # The worker has the message but cannot pass the gate: the body does not run
         holds(lambda: ledger.count(task_id=result.id) == 0, seconds=3.0)
         assert worker.alive()
-        assert state_of(deployment, result.id) is State.DISPATCHED
+        assert deployment.job_state(result.id) is State.DISPATCHED
         proxy.up()
-        poll(lambda: state_of(deployment, result.id) is State.SUCCEEDED, timeout=60)
+        poll(lambda: deployment.job_state(result.id) is State.SUCCEEDED, timeout=60)
         holds(lambda: ledger.count(task_id=result.id) == 1, seconds=1.0)
 
 
@@ -261,15 +245,15 @@ def test_expired_message_ends_cancelled_and_is_not_run(
     """
     # Given a job whose message expires before any worker takes it
     result = deployment.send("gated_record", "late", expires=1)
-    poll(lambda: state_of(deployment, result.id) is State.DISPATCHED)
-    poll(lambda: (job := job_of(deployment, result.id)) is not None and job.deadline is not None)
-    job = job_of(deployment, result.id)
+    poll(lambda: deployment.job_state(result.id) is State.DISPATCHED)
+    poll(lambda: (job := deployment.job(result.id)) is not None and job.deadline is not None)
+    job = deployment.job(result.id)
     assert job is not None and job.deadline is not None
     poll(lambda: deployment.store().now() > job.deadline, timeout=10)
     # When a worker receives it
     deployment.start_worker(concurrency=1)
     # Then Celery drops it as expired, the job ends CANCELLED, and nothing runs
-    poll(lambda: state_of(deployment, result.id) is State.CANCELLED, timeout=30)
+    poll(lambda: deployment.job_state(result.id) is State.CANCELLED, timeout=30)
     holds(lambda: ledger.count(task_id=result.id) == 0, seconds=1.0)
 
 
@@ -284,7 +268,7 @@ def test_prefork_many_jobs_each_delivered_twice_run_once_each(
         send_copy(deployment, result.id)
     deployment.start_worker(concurrency=4)
     # When every copy has been consumed
-    poll(lambda: skipped(deployment) == jobs, timeout=150)
+    poll(lambda: deployment.skipped_deliveries() == jobs, timeout=150)
     # Then each body ran exactly once
     executions = ledger.executions(task="gated_record")
     assert len(executions) == jobs

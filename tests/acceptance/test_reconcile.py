@@ -100,14 +100,8 @@ def dying(point: str) -> dict[str, str]:
     return {KILL_AT: point, "EXACTONCE_ACC_EXTRA_CONF": json.dumps(conf)}
 
 
-def job_of(deployment: Deployment, task_id: str) -> Job:
-    job: Job | None = deployment.store().get(JobRef.task(task_id))
-    assert job is not None, f"no record for {task_id}"
-    return job
-
-
 def jobs_of(deployment: Deployment, ids: Iterable[str]) -> list[Job]:
-    return [job_of(deployment, task_id) for task_id in ids]
+    return [deployment.record(task_id) for task_id in ids]
 
 
 def submit_delayed(

@@ -84,7 +84,6 @@ CONF: dict[str, Any] = {
 }
 
 #: What the gate logs (at debug) for each delivery it acks unrun.
-SKIPPED = "duplicate delivery of"
 
 
 def scale_down(deployment: Deployment) -> None:
@@ -95,14 +94,8 @@ def scale_down(deployment: Deployment) -> None:
 # --- reading the store and the beat's event log ---------------------------------------------
 
 
-def job_of(deployment: Deployment, task_id: str) -> Job:
-    job: Job | None = deployment.store().get(JobRef.task(task_id))
-    assert job is not None, f"no record for {task_id}"
-    return job
-
-
 def states(deployment: Deployment, ids: Iterable[str]) -> dict[str, State]:
-    return {task_id: job_of(deployment, task_id).state for task_id in ids}
+    return {task_id: deployment.record(task_id).state for task_id in ids}
 
 
 def all_in(deployment: Deployment, ids: Iterable[str], state: State) -> bool:
@@ -113,7 +106,7 @@ def describe(deployment: Deployment, ids: Iterable[str], unless: State | None = 
     """The state, reason and history of each of ``ids`` (not in ``unless``), for failures."""
     lines = []
     for task_id in ids:
-        job = job_of(deployment, task_id)
+        job = deployment.record(task_id)
         if job.state is unless:
             continue
         steps = ", ".join(
@@ -128,9 +121,7 @@ def never_timed_out(deployment: Deployment, ids: Iterable[str]) -> Callable[[], 
 
     def check() -> bool:
         found = states(deployment, ids)
-        timed_out = {
-            i: job_of(deployment, i).reason for i, s in found.items() if s is State.TIMEOUT
-        }
+        timed_out = {i: deployment.record(i).reason for i, s in found.items() if s is State.TIMEOUT}
         assert not timed_out, f"live job(s) timed out: {timed_out}"
         return True
 
@@ -155,10 +146,6 @@ def wait_passes(beat: BeatProcess, count: int, after: float, timeout: float = 15
             f"{beat!r} completed {len(passes(beat, after))} of {count} reconcile pass(es) "
             f"within {timeout} s; log:\n{beat.log_tail()}"
         ) from None
-
-
-def skipped(deployment: Deployment) -> int:
-    return sum(worker.log().count(SKIPPED) for worker in deployment.workers)
 
 
 def start_worker_and_beat(
@@ -230,7 +217,7 @@ def test_queue_backlog_with_redispatch_opted_in_stays_within_the_cap_and_runs_ea
     beat = deployment.start_beat(every=0, wait=False)
     ids = [deployment.send("gated_redispatch", i).id for i in range(5)]
     assert all_in(deployment, ids, State.DISPATCHED)
-    first = min(job_of(deployment, i).touched_at for i in ids)
+    first = min(deployment.record(i).touched_at for i in ids)
     beat.wait_ready()  # the backlog has begun meanwhile
     worker.wait_ready()
 
@@ -240,7 +227,7 @@ def test_queue_backlog_with_redispatch_opted_in_stays_within_the_cap_and_runs_ea
         return (deployment.store().now() - first).total_seconds() >= BACKLOG
 
     poll(backlog_over, timeout=BACKLOG + 10, interval=0.1)
-    jobs = {i: job_of(deployment, i) for i in ids}
+    jobs = {i: deployment.record(i) for i in ids}
     elapsed = (deployment.store().now() - first).total_seconds()
 
     # Then each job is still DISPATCHED, redispatched once: not more often than the doubling
@@ -254,12 +241,12 @@ def test_queue_backlog_with_redispatch_opted_in_stays_within_the_cap_and_runs_ea
     consume(deployment, worker)
     poll(lambda: all_in(deployment, ids, State.SUCCEEDED), timeout=30, interval=0.1)
     elapsed = (deployment.store().now() - first).total_seconds()
-    copies = sum(check_backoff(job_of(deployment, i), elapsed) for i in ids)
-    poll(lambda: skipped(deployment) >= copies, timeout=30, interval=0.1)
+    copies = sum(check_backoff(deployment.record(i), elapsed) for i in ids)
+    poll(lambda: deployment.skipped_deliveries() >= copies, timeout=30, interval=0.1)
 
     # Then each body ran exactly once; every redispatched copy was acked unrun
     assert ledger.executions(task="gated_redispatch") == {(i, 0): 1 for i in ids}
-    assert skipped(deployment) == copies
+    assert deployment.skipped_deliveries() == copies
 
 
 # --- 2. a store outage longer than running_timeout (scenario 49c) -----------------------------
@@ -320,7 +307,7 @@ def test_store_outage_longer_than_running_timeout_times_out_no_live_job(
 
         def heartbeats_stale() -> bool:
             now = deployment.store().now()
-            ages = [(now - job_of(deployment, i).touched_at).total_seconds() for i in ids]
+            ages = [(now - deployment.record(i).touched_at).total_seconds() for i in ids]
             return min(ages) > RUNNING_TIMEOUT + 0.5
 
         poll(heartbeats_stale, timeout=15, interval=0.1)
@@ -343,7 +330,9 @@ def test_store_outage_longer_than_running_timeout_times_out_no_live_job(
             interval=0.1,
         )
         assert ledger.executions(task="gated_slow") == {(i, 0): 1 for i in ids}
-        assert events_after(beat, "timed_out") == []
+        # (A reconcile occurrence whose pass the outage cut short is left RUNNING with
+        # nobody behind it: that one times out once the grace is over, rightly.)
+        assert [e for e in events_after(beat, "timed_out") if e.get("job_id") in ids] == []
         # ... and the outage was real for the reconciler's process
         assert events_after(beat, "fail_closed", cut) or events_after(
             beat, "reconcile_store_error", cut
@@ -459,7 +448,7 @@ def test_reconciler_with_a_tenth_of_its_store_writes_failing_settles_every_stale
     # Then every stale job is settled: the unpublished ones ran and SUCCEEDED, the ones
     # whose worker vanished timed out
     def live() -> dict[str, State]:
-        return {i: job.state for i in every if not (job := job_of(deployment, i)).terminal}
+        return {i: job.state for i in every if not (job := deployment.record(i)).terminal}
 
     try:
         poll(lambda: not live(), timeout=60, interval=0.2)
@@ -476,11 +465,11 @@ def test_reconciler_with_a_tenth_of_its_store_writes_failing_settles_every_stale
     # back-off outlasted the scaled-down deadline) timed out at dispatch_deadline, visibly
     errors = " ".join(event["message"] for event in beat.events("reconcile_store_error"))
     for task_id in redispatched:
-        job = job_of(deployment, task_id)
+        job = deployment.record(task_id)
         if job.state is not State.SUCCEEDED:
             assert job.state is State.TIMEOUT and "dispatch_deadline" in job.reason, job
             assert f"act on t:{task_id}" in errors, describe(deployment, [task_id])
-    succeeded = [i for i in every if job_of(deployment, i).state is State.SUCCEEDED]
+    succeeded = [i for i in every if deployment.record(i).state is State.SUCCEEDED]
     assert len(succeeded) > len(replayed), "no redispatch worked under the faults"
     # ... nothing ran twice, and nothing that did not succeed ran at all
     assert ledger.executions() == {(i, 0): 1 for i in succeeded}
