@@ -21,6 +21,7 @@ golden vectors in ``tests/unit/test_keys.py`` pin this one.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from datetime import datetime, timezone
 
@@ -86,10 +87,15 @@ def idempotency_key(key: str, fire_time: datetime, namespace: str = "default") -
     for name, value in (("key", key), ("namespace", namespace)):
         if not isinstance(value, str) or not value:
             raise exceptions.InvalidPayload(f"{name} must be a non-empty string, got {value!r}")
+    return _digest(key, canonical_instant(fire_time), namespace)
+
+
+@functools.lru_cache(maxsize=16_384)
+def _digest(key: str, instant: str, namespace: str) -> str:
+    """The key of a validated occurrence, remembered: beat derives each one when it
+    plans the slot and again when it publishes the claim (a whole slot of entries
+    may come between the two)."""
     data = _length_prefixed(
-        _DOMAIN,
-        namespace.encode("utf-8"),
-        key.encode("utf-8"),
-        canonical_instant(fire_time).encode("ascii"),
+        _DOMAIN, namespace.encode("utf-8"), key.encode("utf-8"), instant.encode("ascii")
     )
     return _PREFIX + hashlib.sha256(data).hexdigest()
