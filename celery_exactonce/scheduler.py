@@ -53,7 +53,9 @@ submissions and retries with an ``eta`` or ``countdown``): claimed in
 ``run_at`` order and in bounded batches, then dispatched.
 
 SIGTERM during a tick is held until the tick ends: its claims are dispatched,
-then beat exits. Not yet: the reconciler (the delayed-jobs issue).
+then beat exits. What a SIGKILL cuts short (claims not yet published) is the
+reconciler's to settle: beat runs it too, as the internal entry
+``celery_exactonce.reconcile``.
 """
 
 from __future__ import annotations

@@ -64,7 +64,7 @@ def test_three_beats_run_every_slot_once_through_sigkills_and_restarts(
     assert len(expected) >= ENTRIES * (RUN_SECONDS - 15)  # the window is most of the run
     # A SIGKILL lands at any moment; one inside a tick, between the claims and their
     # publishes, leaves those claims unpublished: SCHEDULED (the reconciler's to
-    # replay, and beat runs none yet: scheduler docstring, "Not yet") or, as the
+    # replay, which test_reconcile.py drills; here every beat is dead) or, as the
     # tick writes DISPATCHED for its whole batch before publishing one by one,
     # DISPATCHED with no message (the reconciler times those out, visibly; they
     # never run). No duplicate either way. Only such claims, of a killed node in
