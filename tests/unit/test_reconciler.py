@@ -967,3 +967,25 @@ def test_redispatch_back_off_starts_afresh_with_each_attempt(world: World) -> No
     world.run()
     # Then it is redispatched
     assert world.broker.sent == [(job.ref.id, 3)]
+
+
+def test_a_timeout_is_reported_to_sentry_with_its_job(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    reports: list[tuple[str, dict[str, Any]]] = []
+
+    def capture(action: str, message: str, tags: Any, exc: Any = None) -> bool:
+        reports.append((action, dict(tags)))
+        return True
+
+    monkeypatch.setattr(metrics, "report_to_sentry", capture)
+    # Given a running job whose worker vanished, and a live one
+    dead, live = world.put(State.RUNNING), world.put(State.RUNNING)
+    world.advance(RUNNING_TIMEOUT)
+    assert world.store.heartbeat(live.ref, live.run_id or "")
+    # When a pass times the dead one out
+    assert world.run().timed_out == 1
+    # Then one Sentry event names the action, the state and the job; none for the live one
+    assert [(action, tags.get("job_id"), tags.get("state")) for action, tags in reports] == [
+        ("timed_out", dead.ref.id, "RUNNING")
+    ]
