@@ -74,8 +74,8 @@ PATIENT_PLAIN = "rec.patient_plain"
 QUICK = "rec.quick"
 PLAIN_REDISPATCH = "rec.plain_redispatch"
 TASKS: dict[str, dict[str, Any]] = {
-    FAST_REDISPATCH: {"exactonce_redispatch": True, "exactonce_dispatch_timeout": 0.1,
-                      "exactonce_dispatch_deadline": 0.45},
+    FAST_REDISPATCH: {"exactonce_redispatch": True, "exactonce_dispatch_timeout": 0.3,
+                      "exactonce_dispatch_deadline": 1.35},
     PATIENT: {"exactonce_running_timeout": 60, "exactonce_dispatch_deadline": 60},
     PATIENT_PLAIN: {"gated": False, "exactonce_dispatch_timeout": 60},
     PLAIN_REDISPATCH: {"gated": False, "exactonce_redispatch": True},
@@ -228,24 +228,25 @@ def test_opted_in_redispatch_backs_off_and_is_capped(
     scene: Scene, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Given an opted-in gated job whose message was lost (its task: dispatch_timeout
-    # 0.1 s, dispatch_deadline 0.45 s), at most two redispatches per job
+    # 0.3 s, dispatch_deadline 1.35 s: room for a slow pass under a loaded machine),
+    # at most two redispatches per job
     monkeypatch.setattr(reconciler, "MAX_REDISPATCHES", 2)
     job = scene.put(State.DISPATCHED, FAST_REDISPATCH)
     # When passes run until it is settled
     scene.until(lambda: scene.state(job) is State.TIMEOUT)
-    # Then it was redispatched after 0.1 s, then after 0.2 s, then no more (the next
-    # would be due 0.4 s later, before the deadline); it timed out at the deadline
+    # Then it was redispatched after 0.3 s, then after 0.6 s, then no more (the next
+    # would be due 1.2 s later, before the deadline: the cap); it timed out at the deadline
     after = scene.get(job)
     assert scene.broker.sent == [(job.ref.id, 0)] * 2
     first, second = (age_when(after, State.DISPATCHED, nth=n) for n in (1, 2))
-    assert first >= 0.1 and second >= 0.2
-    assert age_when(after, State.TIMEOUT) >= 0.45
+    assert first >= 0.3 and second >= 0.6
+    assert age_when(after, State.TIMEOUT) >= 1.35
 
 
 def test_redispatch_budget_per_pass(scene: Scene, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(reconciler, "REDISPATCH_BUDGET", 2)
     jobs = [scene.put(State.DISPATCHED, FAST_REDISPATCH) for _ in range(3)]
-    scene.wait_stale(jobs[-1], 0.1)
+    scene.wait_stale(jobs[-1], 0.3)
     counts = [scene.run().redispatched, scene.run().redispatched]
     assert counts == [2, 1]
     assert sorted(scene.broker.ids()) == sorted(job.ref.id for job in jobs)
