@@ -162,10 +162,13 @@ class CeleryPublisher:
 
     Inside :meth:`batch`, every publish of this thread goes through one
     producer, acquired and connection-checked once for the whole batch.
+    ``timeout`` (``exactonce_publish_timeout``) bounds each publish where the
+    transport supports it; one that times out counts as ambiguous.
     """
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, *, timeout: float | None = None) -> None:
         self.app = app
+        self.timeout = timeout
         self._local = threading.local()
 
     @contextlib.contextmanager
@@ -187,6 +190,8 @@ class CeleryPublisher:
         options["headers"] = {**dict(options.get("headers") or {}), **headers}
         if job.deadline is not None:
             options["expires"] = job.deadline
+        if self.timeout is not None:
+            options.setdefault("timeout", self.timeout)
         if getattr(self._local, "producer", None) is None:
             with self.batch():
                 self._publish(job, options)

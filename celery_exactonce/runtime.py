@@ -39,7 +39,7 @@ class Runtime:
         self.store = store if store is not None else open_store(config, setup=setup)
         self.dispatcher = dispatch.Dispatcher(
             self.store,
-            dispatch.CeleryPublisher(app),
+            dispatch.CeleryPublisher(app, timeout=config.publish_timeout),
             node=self.node,
             known_task=lambda name: name in app.tasks,
             retrier=dispatch.Retrier(

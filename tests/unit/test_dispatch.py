@@ -6,10 +6,12 @@ from collections.abc import Mapping
 from typing import Any
 
 import pytest
+from celery import Celery
 
 from celery_exactonce import StoreUnavailable, metrics
 from celery_exactonce.dispatch import (
     GATED_OPTION,
+    CeleryPublisher,
     Dispatcher,
     Outcome,
     PublishFailed,
@@ -213,3 +215,26 @@ def test_background_retry_never_publishes_a_job_that_moved_on() -> None:
     assert Dispatcher(store, broker, node="other").dispatch(job).outcome is Outcome.PUBLISHED
     poll(lambda: retrier.pending() == 0)
     assert len(broker.sent) == 1
+
+
+def test_celery_publisher_bounds_each_publish_by_the_publish_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Given the publisher of an app on an in-memory broker, with a 2.5 s publish timeout
+    app = Celery("pub", broker="memory://", set_as_current=False)
+    publisher = CeleryPublisher(app, timeout=2.5)
+    sent: list[dict[str, Any]] = []
+    real = app.send_task
+
+    def send_task(name: str, **options: Any) -> Any:
+        sent.append(options)
+        return real(name, **options)
+
+    monkeypatch.setattr(app, "send_task", send_task)
+    job = scheduled(InMemoryStore())
+    # When a job is published, and one whose entry set its own timeout
+    publisher(job, {"h": 1}, {})
+    publisher(job, {"h": 1}, {"timeout": 0.5})
+    # Then the publish timeout reached the publish; an entry's own is kept
+    assert [options["timeout"] for options in sent] == [2.5, 0.5]
+    assert sent[0]["headers"] == {"h": 1} and sent[0]["queue"] == "q"
