@@ -79,6 +79,10 @@ _TRANSIENT_REPLIES = ("BUSY", "MASTERDOWN", "NOREPLICAS", "LOADING", "TRYAGAIN")
 #: A state's position in :class:`State` order (the order of the state index keys).
 _STATE_POS = {state: i for i, state in enumerate(State)}
 
+#: Jobs per call of a batch script (``create``, ``transition``): bounds how long one
+#: call holds the server (a few milliseconds) while sparing most per-call costs.
+SCRIPT_BATCH = 64
+
 _SCRIPTS = (
     "create", "transition", "heartbeat", "list_stale", "claim_due", "purge_expired",
     "epoch", "lease_acquire", "lease_renew", "lease_release", "setup",
@@ -300,19 +304,28 @@ class RedisStore:
 
     def create(self, new: NewJob, *, epoch: str | None = None) -> CreateResult:
         with self._wrap("create"):
-            return _create_result(self._run("create", *self._create_call(new, epoch)))
+            return _create_result(self._run_batched("create", *self._create_batch([new], epoch))[0])
 
     def create_many(
         self, news: Sequence[NewJob], *, epoch: str | None = None, brief: bool = False
     ) -> list[CreateResult]:
-        """One pipelined round trip: a ``create`` script call per job, each atomic."""
-        calls = [self._create_call(new, epoch, brief) for new in news]
+        """One pipelined round trip of ``create`` calls, each job created atomically."""
+        batch = self._create_batch(news, epoch, brief)
         with self._wrap("create_many"):
-            return [_create_result(reply) for reply in self._run_many("create", calls)]
+            return [_create_result(reply) for reply in self._run_batched("create", *batch)]
 
-    def _create_call(
-        self, new: NewJob, epoch: str | None, brief: bool = False
-    ) -> tuple[list[str], list[Any]]:
+    def _create_batch(
+        self, news: Sequence[NewJob], epoch: str | None, brief: bool = False
+    ) -> tuple[list[Any], list[Any], list[tuple[list[str], list[Any]]]]:
+        """The ``create`` script's shared keys and arguments, and each job's."""
+        shared_keys = [self._key("epoch"), self._key("wm"), self._due_key, *self._index_keys]
+        return (
+            shared_keys,
+            [_opt(epoch), "1" if brief else "0"],
+            [self._create_item(new) for new in news],
+        )
+
+    def _create_item(self, new: NewJob) -> tuple[list[str], list[Any]]:
         member = str(new.ref)
         fields: list[Any] = [
             "ref", member, "task", new.task, "state", new.state.value, "rev", new.rev,
@@ -325,16 +338,11 @@ class RedisStore:
                 fields += [name, jobs.to_micros(value) if isinstance(value, datetime) else value]
         fire_time = jobs.to_micros_opt(new.fire_time)
         run_at = jobs.to_micros_opt(new.run_at)
-        keys = [
-            self._job_key(new.ref), self._key("epoch"), self._key("wm"),
-            self._index_keys[_STATE_POS[new.state]], self._due_key,
-        ]  # fmt: skip
         args = [
-            _opt(epoch), new.entry or "", "" if fire_time is None else fire_time, member,
-            new.state.value, "" if run_at is None else run_at, new.node, new.reason, new.rev,
-            "1" if brief else "0", *fields,
+            new.entry or "", "" if fire_time is None else fire_time, member, new.state.value,
+            "" if run_at is None else run_at, new.node, new.reason, new.rev, len(fields), *fields,
         ]  # fmt: skip
-        return keys, args
+        return [self._job_key(new.ref)], args
 
     def get(self, ref: JobRef) -> Job | None:
         with self._wrap("get"):
@@ -360,25 +368,31 @@ class RedisStore:
 
     def transition(self, ref: JobRef, request: Transition) -> TransitionResult:
         with self._wrap("transition"):
-            return _transition_result(self._run("transition", *self._transition_call(ref, request)))
+            reply = self._run_batched("transition", *self._transition_batch([(ref, request)]))
+        return _transition_result(reply[0])
 
     def transition_many(
         self, requests: Sequence[tuple[JobRef, Transition]], *, brief: bool = False
     ) -> list[TransitionResult]:
-        """One pipelined round trip: a ``transition`` script call per job, each atomic."""
-        calls = [self._transition_call(ref, request, brief) for ref, request in requests]
+        """One pipelined round trip of ``transition`` calls, each job's CAS atomic."""
+        batch = self._transition_batch(requests, brief)
         with self._wrap("transition_many"):
-            return [_transition_result(reply) for reply in self._run_many("transition", calls)]
+            return [_transition_result(reply) for reply in self._run_batched("transition", *batch)]
 
-    def _transition_call(
-        self, ref: JobRef, request: Transition, brief: bool = False
-    ) -> tuple[list[str], list[Any]]:
+    def _transition_batch(
+        self, requests: Sequence[tuple[JobRef, Transition]], brief: bool = False
+    ) -> tuple[list[Any], list[Any], list[tuple[list[str], list[Any]]]]:
+        """The ``transition`` script's shared keys and arguments, and each job's."""
+        shared_keys = [*self._index_keys, self._due_key, self._expire_key]
+        shared_args = [self._retention_us, "1" if brief else "0"]
+        return shared_keys, shared_args, [self._transition_item(*pair) for pair in requests]
+
+    def _transition_item(self, ref: JobRef, request: Transition) -> tuple[list[str], list[Any]]:
         lease = request.lease
         keys = [
             self._job_key(ref),
             self._key("lease", lease.name) if lease else self._key("nolease"),
-            *self._index_keys, self._due_key, self._expire_key,
-        ]  # fmt: skip
+        ]
         args = [
             str(ref), request.to.value, ",".join(s.value for s in request.expect),
             request.node, request.reason, _opt(request.rev), _opt(request.attempt),
@@ -388,7 +402,6 @@ class RedisStore:
             _opt(jobs.to_micros_opt(request.run_at)),
             _opt(None if request.args is None else _json(request.args)),
             _opt(None if request.kwargs is None else _json(request.kwargs)),
-            self._retention_us, "1" if brief else "0",
         ]  # fmt: skip
         return keys, args
 
@@ -474,6 +487,31 @@ class RedisStore:
 
     def _run(self, name: str, keys: list[str], args: list[Any]) -> Any:
         return self._scripts[name](keys=keys, args=args)
+
+    def _run_batched(
+        self,
+        name: str,
+        shared_keys: list[Any],
+        shared_args: list[Any],
+        items: Sequence[tuple[list[str], list[Any]]],
+    ) -> list[Any]:
+        """Run a batch script (``create``, ``transition``) over ``items``; a reply per item.
+
+        The script takes its shared keys and arguments, then each item's; items
+        go :data:`SCRIPT_BATCH` to a call, the calls in one pipelined round trip.
+        Each item is applied atomically, not the batch: after an error, which
+        items were applied is unknown (the caller reads them back).
+        """
+        calls: list[tuple[list[str], list[Any]]] = []
+        for start in range(0, len(items), SCRIPT_BATCH):
+            keys, args = list(shared_keys), list(shared_args)
+            for item_keys, item_args in items[start : start + SCRIPT_BATCH]:
+                keys += item_keys
+                args += item_args
+            calls.append((keys, args))
+        if len(calls) == 1:
+            return list(self._run(name, *calls[0]))
+        return [reply for replies in self._run_many(name, calls) for reply in replies]
 
     def _run_many(self, name: str, calls: Sequence[tuple[list[str], list[Any]]]) -> list[Any]:
         """Run script ``name`` once per call in one pipelined round trip (not a transaction).

@@ -275,6 +275,32 @@ def test_transition_many_is_transition_in_turn(store: StateStore) -> None:
     assert store.transition_many([]) == []
 
 
+def test_large_batches_keep_their_order(store: StateStore) -> None:
+    # Given a batch larger than any store's internal chunk (the Redis store's: 64 jobs),
+    # where every third job already exists
+    news = [task_job() for _ in range(150)]
+    assert store.create_many(news[::3], brief=True)[-1].created
+    created = store.create_many(news)
+    assert [r.status for r in created] == [
+        CreateStatus.EXISTS if i % 3 == 0 else CreateStatus.CREATED for i in range(150)
+    ]
+    assert [r.job.ref for r in created if r.job] == [new.ref for new in news]
+    # When a CAS batch as large wins on every other job and loses on the rest
+    requests = [
+        (new.ref, to(State.DISPATCHED, State.SCHEDULED, rev=new.rev if i % 2 else "stale"))
+        for i, new in enumerate(news)
+    ]
+    results = store.transition_many(requests)
+    # Then each answer is its own job's, in order
+    assert [r.status for r in results] == [
+        TransitionStatus.APPLIED if i % 2 else TransitionStatus.CONFLICT for i in range(150)
+    ]
+    assert [r.job.ref for r in results if r.job] == [new.ref for new in news]
+    assert [store.get(new.ref).state for new in news] == [  # type: ignore[union-attr]
+        State.DISPATCHED if i % 2 else State.SCHEDULED for i in range(150)
+    ]
+
+
 def test_brief_batches_answer_statuses_and_write_the_same(store: StateStore) -> None:
     # Given a brief batched create: the statuses, and the records as a full create writes them
     news = [task_job(), task_job()]
