@@ -55,6 +55,10 @@ HEADER_FIRE_TIME = "exactonce_fire_time"
 #: Jobs per ``DISPATCHED`` write in :meth:`Dispatcher.dispatch_many`: at most this
 #: many are left ``DISPATCHED`` without a message if the process dies mid-chunk.
 DISPATCH_CHUNK = 32
+#: Transport commands a publish batch may buffer before kombu flushes it by itself:
+#: far above a chunk's (a message is one to a few), so only :meth:`CeleryPublisher.flush`
+#: sends, and a failure is known to concern exactly the chunk.
+PUBLISH_BUFFER_MAX = 100_000
 
 #: How long a writer keeps trying to read back a write whose answer was lost.
 READ_BACK_TRIES = 3
@@ -161,7 +165,10 @@ class CeleryPublisher:
     """Publishes through the Celery app's producer pool, kombu's retry off.
 
     Inside :meth:`batch`, every publish of this thread goes through one
-    producer, acquired and connection-checked once for the whole batch.
+    producer, acquired and connection-checked once for the whole batch; where
+    the transport batches publishes (kombu's ``Producer.batch``: the Redis
+    transport pipelines them), messages are buffered until :meth:`flush`,
+    which sends them in one round trip and says whether they landed.
     ``timeout`` (``exactonce_publish_timeout``) bounds each publish where the
     transport supports it; one that times out counts as ambiguous.
     """
@@ -173,17 +180,45 @@ class CeleryPublisher:
 
     @contextlib.contextmanager
     def batch(self) -> Iterator[None]:
-        """Publish the calls made inside on one producer from the pool."""
+        """Publish the calls made inside on one producer from the pool.
+
+        Messages still buffered at the end are flushed (:class:`PublishFailed`
+        if that fails), or discarded, never half-sent, if the block raised.
+        """
         local = self._local
         if getattr(local, "producer", None) is not None:
             yield  # nested: the outer batch's producer serves
             return
         with self.app.producer_or_acquire(None) as producer:
             local.producer, local.checked, local.connect_error = producer, False, None
+            local.buffer = None
             try:
                 yield
+                self.flush()
             finally:
+                buffer, local.buffer = local.buffer, None
                 local.producer = local.connect_error = None
+                if buffer is not None:
+                    error = RuntimeError("publish batch abandoned")
+                    buffer.__exit__(RuntimeError, error, None)  # discards
+
+    def flush(self) -> None:
+        """Send the messages this thread's batch buffered; :class:`PublishFailed` if not all did.
+
+        Nothing buffered (no batch, or a transport that publishes at once): nothing to do.
+        """
+        local = self._local
+        buffer = getattr(local, "buffer", None)
+        if buffer is None:
+            return
+        local.buffer = None
+        try:
+            buffer.__exit__(None, None, None)  # kombu flushes on a clean exit
+        except Exception as exc:
+            local.checked = False
+            raise PublishFailed(
+                f"batched publish failed: {exc}", definite=connection_refused(exc)
+            ) from exc
 
     def __call__(self, job: Job, headers: Mapping[str, Any], extra: Mapping[str, Any]) -> None:
         options = {k: v for k, v in {**job.options, **extra}.items() if k not in INTERNAL_OPTIONS}
@@ -199,7 +234,7 @@ class CeleryPublisher:
             self._publish(job, options)
 
     def _publish(self, job: Job, options: dict[str, Any]) -> None:
-        """Send on the batch's producer; connect first if nothing was sent on it yet.
+        """Send (or buffer) on the batch's producer; connect first if nothing was sent on it yet.
 
         The connect is checked (kombu's retries off) before the first publish
         and again after any failed one, so a refused connection is told apart
@@ -213,6 +248,10 @@ class CeleryPublisher:
         if local.connect_error is not None:
             error = local.connect_error
             raise PublishFailed(f"connect failed: {error}", definite=True) from error
+        if local.buffer is None and hasattr(local.producer, "batch"):  # kombu >= 5.7
+            buffer = local.producer.batch(max_size=PUBLISH_BUFFER_MAX)
+            buffer.__enter__()
+            local.buffer = buffer
         try:
             self.app.send_task(
                 job.task, args=job.args, kwargs=job.kwargs, task_id=job.ref.id,
@@ -392,14 +431,21 @@ class Dispatcher:
                     reason=reason, rev=job.rev, lease=lease,
                 )  # fmt: skip
                 writes.append((i, job, request))
-        published: list[Job] = []
+        sent: list[tuple[int, Job]] = []
         for i, written in self._write_dispatched(writes):
             if isinstance(written, DispatchResult):
                 results[i] = written
                 continue
-            results[i] = sent = self._send(written, {})
-            if sent.outcome is Outcome.PUBLISHED and not written.options.get(GATED_OPTION):
-                published.append(written)
+            results[i] = result = self._send(written, {})
+            if result.outcome is Outcome.PUBLISHED:
+                sent.append((i, written))
+        try:
+            self._flush()
+        except PublishFailed as exc:  # none of the chunk's buffered messages is known to land
+            for i, written in sent:
+                results[i] = self._publish_failed(written, exc)
+            sent = []
+        published = [job for _, job in sent if not job.options.get(GATED_OPTION)]
         done = [result for result in results if result is not None]
         assert len(done) == len(listed)  # noqa: S101 (every job has exactly one result)
         count = sum(1 for result in done if result.outcome is Outcome.PUBLISHED)
@@ -476,18 +522,7 @@ class Dispatcher:
         try:
             self.publisher(job, headers, extra)
         except PublishFailed as exc:
-            if exc.permanent:
-                return self._fail(self._rollback(job, exc) or job, f"cannot publish: {exc}")
-            if not exc.definite:
-                metrics.event(
-                    "publish_ambiguous", f"publish of {job.ref} may or may not have landed: {exc}",
-                    level=logging.WARNING, job_id=job.ref.id, task=job.task, attempt=job.attempt,
-                )  # fmt: skip
-                return DispatchResult(Outcome.AMBIGUOUS, job, exc)
-            rolled = self._rollback(job, exc)
-            if rolled is None:
-                return DispatchResult(Outcome.ROLLBACK_FAILED, job, exc)
-            return DispatchResult(Outcome.ROLLED_BACK, rolled, exc)
+            return self._publish_failed(job, exc)
         # Counted by the callers, once per batch: a counter update per message would
         # cost a good share of a publish (the Prometheus counter takes a lock too).
         if logger.isEnabledFor(logging.DEBUG):
@@ -559,6 +594,27 @@ class Dispatcher:
             level=logging.WARNING, labels={"phase": phase}, sentry=True, job_id=job.ref.id,
             task=job.task, exc_info=exc,
         )  # fmt: skip
+
+    def _publish_failed(self, job: Job, exc: PublishFailed) -> DispatchResult:
+        """The outcome of a publish of ``job`` (held ``DISPATCHED``) that failed with ``exc``."""
+        if exc.permanent:
+            return self._fail(self._rollback(job, exc) or job, f"cannot publish: {exc}")
+        if not exc.definite:
+            metrics.event(
+                "publish_ambiguous", f"publish of {job.ref} may or may not have landed: {exc}",
+                level=logging.WARNING, job_id=job.ref.id, task=job.task, attempt=job.attempt,
+            )  # fmt: skip
+            return DispatchResult(Outcome.AMBIGUOUS, job, exc)
+        rolled = self._rollback(job, exc)
+        if rolled is None:
+            return DispatchResult(Outcome.ROLLBACK_FAILED, job, exc)
+        return DispatchResult(Outcome.ROLLED_BACK, rolled, exc)
+
+    def _flush(self) -> None:
+        """Send what the publisher buffered (:class:`PublishFailed` if that failed)."""
+        flush = getattr(self.publisher, "flush", None)
+        if flush is not None:
+            flush()
 
     def _fail(self, job: Job, reason: str) -> DispatchResult:
         if job.state is State.SCHEDULED:
