@@ -1,4 +1,4 @@
-"""Batched publishing on a real Redis broker: a chunk is sent whole, or known not to be.
+"""Batched publishing on a real Redis broker: a chunk is sent together, or none of it counts.
 
 The broker is a private redis-server (``redis_server``), so a test can kill it
 between the buffering of a chunk and its flush.
