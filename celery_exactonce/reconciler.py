@@ -75,6 +75,9 @@ LIST_PAGES = 3
 BATCH = 100
 #: Dispatches after which a ``SCHEDULED`` job that never ran is ``FAILED``.
 MAX_REPLAYS = 5
+#: Unrecorded ends of reconcile occurrences a beat node keeps to write again (the newest).
+OWED_ENDS = 16
+
 #: History reasons of the reconciler's replays and redispatches: what the caps count.
 REPLAY_REASON = "reconciler replay"
 REDISPATCH_REASON = "reconciler redispatch"
@@ -508,13 +511,18 @@ class BeatRunner:
     CAS on the rev the claim returned), the pass runs, and the job ends
     ``SUCCEEDED``. While a pass is still running the next occurrence is
     ``CANCELLED`` (one pass at a time per node; the lease makes it one across
-    nodes).
+    nodes). An end the store could not take (an outage) is written again
+    before the next pass, rather than left ``RUNNING`` for the reconciler to
+    time out and report.
     """
 
     def __init__(self, runtime: Runtime, *, threaded: bool = True) -> None:
         self.runtime = runtime
         self.threaded = threaded
         self._thread: threading.Thread | None = None
+        #: Ends not yet recorded (``_end``'s requests), oldest first.
+        self._owed: list[tuple[JobRef, Transition]] = []
+        self._owed_lock = threading.Lock()
 
     def start(self, job: Job) -> None:
         if self._thread is not None and self._thread.is_alive():
@@ -533,6 +541,7 @@ class BeatRunner:
             self._thread.join(timeout)
 
     def _run(self, job: Job) -> None:
+        self._record_owed()
         run_id = jobs.new_token()
         request = Transition(
             State.RUNNING, frozenset({State.SCHEDULED}), node=self.runtime.node,
@@ -566,5 +575,24 @@ class BeatRunner:
         try:
             self.runtime.store.transition(job.ref, request)
         except exceptions.StoreError as exc:
-            logger.warning("reconcile occurrence %s: could not record %s: %s", job.ref, state,
-                           exc, extra={"action": "state_write_failed"})  # fmt: skip
+            logger.warning("reconcile occurrence %s: could not record %s (again before the next "
+                           "pass): %s", job.ref, state, exc,
+                           extra={"action": "state_write_failed"})  # fmt: skip
+            self._owe([(job.ref, request)])
+
+    def _owe(self, ends: list[tuple[JobRef, Transition]]) -> None:
+        with self._owed_lock:
+            self._owed = [*self._owed, *ends][-OWED_ENDS:]
+
+    def _record_owed(self) -> None:
+        """Write the ends earlier passes could not; keep those the store still refuses."""
+        with self._owed_lock:
+            owed, self._owed = self._owed, []
+        refused = []
+        for ref, request in owed:
+            try:
+                self.runtime.store.transition(ref, request)  # a CAS: applies at most once
+            except exceptions.StoreError:
+                refused.append((ref, request))
+        if refused:
+            self._owe(refused)

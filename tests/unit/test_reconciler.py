@@ -989,3 +989,35 @@ def test_a_timeout_is_reported_to_sentry_with_its_job(
     assert [(action, tags.get("job_id"), tags.get("state")) for action, tags in reports] == [
         ("timed_out", dead.ref.id, "RUNNING")
     ]
+
+
+# -- the beat node's own passes -----------------------------------------------------------
+
+
+def test_a_pass_end_the_store_refused_is_recorded_before_the_next_pass(world: World) -> None:
+    runner = reconciler.BeatRunner(world.reconciler.runtime, threaded=False)
+    refusing = True
+
+    def refuse_ends(ref: JobRef, request: Transition) -> None:
+        if refusing and request.to is State.SUCCEEDED:
+            raise exceptions.StoreUnavailable("injected: the end of the pass is lost")
+
+    world.hooked.before["transition"] = refuse_ends
+    # Given a pass whose end the store refused, and the next one's too
+    first = world.put(State.SCHEDULED, PLAIN)
+    runner.start(first)
+    assert world.state(first) is State.RUNNING
+    second = world.put(State.SCHEDULED, PLAIN)
+    runner.start(second)
+    assert [world.state(job) for job in (first, second)] == [State.RUNNING] * 2
+    # When the store takes writes again and another pass comes
+    refusing = False
+    third = world.put(State.SCHEDULED, PLAIN)
+    runner.start(third)
+    # Then every pass is recorded as ended, once, and nothing is left for a timeout
+    for job in (first, second, third):
+        after = world.get(job)
+        assert after.state is State.SUCCEEDED
+        assert [h.dst for h in after.history].count(State.SUCCEEDED) == 1
+    world.advance(3600)
+    assert world.run().timed_out == 0
