@@ -38,6 +38,7 @@ from celery_exactonce.runtime import runtime_for
 from celery_exactonce.states import State
 from tests.acceptance.apps.kill_points import killed_jobs
 from tests.acceptance.apps.ledger import EXECUTION_PHASES as EXECUTIONS
+from tests.acceptance.apps.ledger_app import NO_GATE
 from tests.acceptance.harness import BeatProcess, Deployment, Ledger, WorkerProcess, holds, poll
 
 STORES = ("redis", "postgres", "mysql", "sqlite")
@@ -507,3 +508,35 @@ def test_a_reconciler_racing_a_worker_times_out_no_job_that_ran_and_runs_each_bo
         f"redispatched {len(redispatched)}/{OPTED_IN_JOBS}; default jobs ran {len(ran)}, "
         f"timed out {len(timed_out)}"
     )
+
+
+# --- 5. a worker still on old code ------------------------------------------------------------
+
+OLD_WORKER_JOBS = 6
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.acceptance_matrix(brokers=("redis",), stores=("redis",))
+def test_a_worker_without_the_gate_runs_each_gated_job_once_and_nothing_redispatches_it(
+    deployment: Deployment, ledger: Ledger, gate: None
+) -> None:
+    # Given a worker on code from before the gate, consuming a gated task's queue, and a
+    # beat that reconciles (redispatch off: the default)
+    scale_down(deployment)
+    deployment.app()  # the sender has the gate
+    deployment.extra_env[NO_GATE] = "1"
+    deployment.start_worker(concurrency=2)
+    del deployment.extra_env[NO_GATE]
+    deployment.start_beat(every=0)
+    # When gated jobs are sent
+    ids = [deployment.send("gated_record", "old", i).id for i in range(OLD_WORKER_JOBS)]
+    # Then each body runs once, unseen by the store (no RUNNING, no result), and the
+    # reconciler times each job out at dispatch_deadline without publishing it again
+    ledger.wait_count(OLD_WORKER_JOBS, task="gated_record")
+    settled = wait_states(deployment, dict.fromkeys(ids, State.TIMEOUT))
+    for job in settled:
+        assert State.RUNNING not in {entry.dst for entry in job.history}, describe(job)
+        assert entry_to(job, State.TIMEOUT).src is State.DISPATCHED, describe(job)
+        assert job.dispatches == 1, describe(job)
+    holds(lambda: ledger.count(task="gated_record") == OLD_WORKER_JOBS, seconds=1.0)
+    assert_ran_once_each(ledger, ids)

@@ -48,6 +48,8 @@ class FlakyStore(InMemoryStore):
 
     down = False
     lose_next_create = False
+    fail_transitions = 0
+    """This many next transitions fail (before applying), as in a short outage."""
 
     def create(self, new, *, epoch=None):  # type: ignore[no-untyped-def]
         result = super().create(new, epoch=epoch)
@@ -60,6 +62,9 @@ class FlakyStore(InMemoryStore):
     def transition(self, ref, request):  # type: ignore[no-untyped-def]
         if self.down:
             raise StoreUnavailable("injected: store down")
+        if self.fail_transitions > 0:
+            self.fail_transitions -= 1
+            raise StoreUnavailable("injected: transition refused")
         return super().transition(ref, request)
 
     def get(self, ref):  # type: ignore[no-untyped-def]
@@ -118,6 +123,14 @@ def make_app() -> Celery:
         record(self)
         raise Reject("try elsewhere", requeue=True)
 
+    @app.task(base=ExactOnceTask, shared=False, bind=True, name="t.outage")
+    def outage(self: Any, failing_writes: int) -> str:
+        record(self, failing_writes)
+        store = runtime.runtime_for(self.app).store
+        assert isinstance(store, FlakyStore)
+        store.fail_transitions = failing_writes  # the completion write meets an outage
+        return "done"
+
     @app.task(base=ExactOnceTask, shared=False, bind=True, name="t.other")
     def other(self: Any) -> None:
         record(self)
@@ -170,7 +183,8 @@ def worker_app() -> Iterator[Celery]:
 def app(worker_app: Celery) -> Celery:
     LEDGER.clear()
     metrics.COUNTERS.reset()
-    store_of(worker_app).down = False
+    store = store_of(worker_app)
+    store.down, store.fail_transitions = False, 0
     return worker_app
 
 
@@ -274,6 +288,28 @@ def test_autoretry_is_one_run_per_attempt(app: Celery) -> None:
     result = app.tasks["t.auto"].delay()
     poll(lambda: job_state(app, result.id) is State.SUCCEEDED)
     assert [row[2] for row in runs(result.id)] == [0, 1, 2]
+
+
+def test_a_completion_write_that_fails_once_is_retried(app: Celery) -> None:
+    result = app.tasks["t.outage"].delay(1)
+    poll(lambda: job_state(app, result.id) is State.SUCCEEDED)
+    assert result.get(timeout=10) == "done"
+    assert len(runs(result.id)) == 1
+    assert metrics.COUNTERS.get("completion_write_failed") == 0
+
+
+def test_a_completion_write_that_keeps_failing_never_runs_the_body_again(app: Celery) -> None:
+    # Given a body that succeeded, whose every completion write then failed
+    result = app.tasks["t.outage"].delay(1_000)
+    poll(lambda: metrics.COUNTERS.get("completion_write_failed", state="SUCCEEDED") == 1)
+    # Then the result is kept, the job is left RUNNING for the reconciler to settle
+    assert result.get(timeout=10) == "done"
+    store_of(app).fail_transitions = 0
+    assert job_state(app, result.id) is State.RUNNING
+    # and a redelivery does not run the body again
+    republish(app, result.id)
+    poll(lambda: metrics.COUNTERS.get("suppressed_duplicate") >= 1)
+    assert len(runs(result.id)) == 1
 
 
 def test_store_down_at_the_gate_runs_nothing_until_it_returns(app: Celery) -> None:

@@ -46,6 +46,8 @@ For ``celery beat -S exactonce`` (``harness.BeatProcess`` sets these):
                                        (default ``sweep``; ``beat``: slot claims)
 ``EXACTONCE_ACC_SWEEP``                ``off``: this beat's delayed-job sweep claims nothing
                                        (it runs its slots and the reconciler only)
+``EXACTONCE_ACC_NO_GATE``              ``1``: the gated tasks' names are plain tasks here (a
+                                       worker still on code from before the gate)
 
 The clock variables give a process a skewed node clock (there is no
 libfaketime here): ``time.time`` and ``time.time_ns`` (so log timestamps show
@@ -93,6 +95,10 @@ GATED_TASKS = (
     "gated_beat",
     "gated_redispatch",
 )
+
+#: Set (``1``): the app registers the gated tasks' names as plain tasks, as a worker
+#: still on code from before the gate would (SCENARIOS.md 65).
+NO_GATE = "EXACTONCE_ACC_NO_GATE"
 
 #: With ``EXACTONCE_ACC_BEAT_ENTRIES``, every entry whose index is 3 modulo this runs the
 #: plain task: beat's claim alone (no gate behind it) keeps those to one run per slot.
@@ -157,7 +163,7 @@ def make_app(env: Mapping[str, str] = os.environ, *, set_as_current: bool = True
     # The gate logs suppressed duplicates at debug: let the worker log show them.
     logging.getLogger("celery_exactonce").setLevel(logging.DEBUG)
     ledger_path = env.get("EXACTONCE_ACC_LEDGER", "")
-    _register_tasks(app, ledger_path)
+    _register_tasks(app, ledger_path, gated=not _flag(env.get(NO_GATE)))
     return app
 
 
@@ -214,7 +220,9 @@ def _record_occurrence(task: Task, ledger_path: str, args: Any) -> None:
     _record(task, ledger_path, "run", args, meta=meta)
 
 
-def _register_tasks(app: Celery, ledger_path: str) -> None:
+def _register_tasks(app: Celery, ledger_path: str, *, gated: bool = True) -> None:
+    """The tasks; with ``gated=False``, the gated ones as plain tasks (a worker on old code)."""
+
     @app.task(bind=True, shared=False, name="plain_record")
     def plain_record(self: Task, *args: Any, **kwargs: Any) -> None:
         _record(self, ledger_path, "run", args, kwargs)
@@ -231,30 +239,31 @@ def _register_tasks(app: Celery, ledger_path: str) -> None:
 
     if ExactOnceTask is None:
         return
+    gate: type[Task] = ExactOnceTask if gated else Task
 
-    @app.task(bind=True, shared=False, base=ExactOnceTask, name="gated_record")
+    @app.task(bind=True, shared=False, base=gate, name="gated_record")
     def gated_record(self: Task, *args: Any, **kwargs: Any) -> None:
         _record(self, ledger_path, "run", args, kwargs)
 
-    @app.task(bind=True, shared=False, base=ExactOnceTask, name="gated_beat")
+    @app.task(bind=True, shared=False, base=gate, name="gated_beat")
     def gated_beat(self: Task, *args: Any) -> None:
         _record_occurrence(self, ledger_path, args)
 
-    @app.task(bind=True, shared=False, base=ExactOnceTask, name="gated_slow")
+    @app.task(bind=True, shared=False, base=gate, name="gated_slow")
     def gated_slow(self: Task, seconds: float) -> None:
         _record(self, ledger_path, "start", [seconds])
         time.sleep(seconds)
         _record(self, ledger_path, "end", [seconds])
 
     @app.task(
-        bind=True, shared=False, base=ExactOnceTask, name="gated_redispatch",
+        bind=True, shared=False, base=gate, name="gated_redispatch",
         exactonce_redispatch=True,
     )  # fmt: skip
     def gated_redispatch(self: Task, *args: Any) -> None:
         """``gated_record`` opted in to the reconciler's redispatch of a stale message."""
         _record(self, ledger_path, "run", args)
 
-    @app.task(bind=True, shared=False, base=ExactOnceTask, name="gated_retry")
+    @app.task(bind=True, shared=False, base=gate, name="gated_retry")
     def gated_retry(self: Task, n_fail: int, countdown: float, stage: int = 0) -> None:
         """Retries ``n_fail`` times; each retry carries ``stage`` = the next attempt."""
         _record(self, ledger_path, "run", [n_fail, countdown], {"stage": stage})
@@ -270,7 +279,7 @@ def _register_tasks(app: Celery, ledger_path: str) -> None:
     @app.task(
         bind=True,
         shared=False,
-        base=ExactOnceTask,
+        base=gate,
         name="gated_autoretry",
         autoretry_for=(RuntimeError,),
         retry_kwargs={"max_retries": 5, "countdown": 1},
