@@ -118,6 +118,35 @@ def test_dispatched_write_that_applied_is_read_back_and_published() -> None:
     assert result.outcome is Outcome.PUBLISHED and len(broker.sent) == 1
 
 
+class LosesPublished(InMemoryStore):
+    """Every write of ``PUBLISHED`` fails (the publish before it went through)."""
+
+    def transition_many(self, requests, *, brief=False):  # type: ignore[no-untyped-def]
+        if any(request.to is State.PUBLISHED for _, request in requests):
+            raise StoreUnavailable("injected: the PUBLISHED write failed")
+        return super().transition_many(requests, brief=brief)
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["dispatch", "dispatch_many"])
+def test_a_failed_write_after_the_publish_never_publishes_again(batched: bool) -> None:
+    # Given plain jobs whose publish succeeds and whose PUBLISHED write then fails
+    store, broker = LosesPublished("ns"), Broker()
+    listed = [scheduled(store, gated=False, job_id=f"j{i}") for i in range(3)]
+    retrier = Retrier(first_delay=0.01, max_delay=0.05, give_up_after=10)
+    dispatcher = Dispatcher(store, broker, node="n", retrier=retrier)
+    # When they are dispatched
+    if batched:
+        results = dispatcher.dispatch_many(listed)
+    else:
+        results = [dispatcher.dispatch(job) for job in listed]
+    # Then each was published once and counts as published; nothing is retried; the
+    # jobs stay DISPATCHED for the reconciler (plain: TIMEOUT "unconfirmed")
+    assert [r.outcome for r in results] == [Outcome.PUBLISHED] * 3
+    assert retrier.pending() == 0
+    assert sorted(job.ref.id for job, _ in broker.sent) == ["j0", "j1", "j2"]
+    assert {store.get(job.ref).state for job in listed} == {State.DISPATCHED}  # type: ignore[union-attr]
+
+
 def test_definite_failure_rolls_back() -> None:
     store, broker = InMemoryStore("ns"), Broker()
     job = scheduled(store)
