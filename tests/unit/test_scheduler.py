@@ -11,9 +11,10 @@ import pytest
 from celery import schedules
 from celery.schedules import crontab
 
-from celery_exactonce import metrics, runtime
-from celery_exactonce.jobs import Job
-from celery_exactonce.scheduler import ExactOnceScheduler
+from celery_exactonce import StoreUnavailable, metrics, runtime
+from celery_exactonce.jobs import Job, JobRef
+from celery_exactonce.scheduler import ExactOnceScheduler, occurrence_id
+from celery_exactonce.states import State
 from tests.unit.beat_cluster import START, Cluster, every, isolated
 
 
@@ -170,7 +171,6 @@ def test_sigterm_during_a_tick_is_held_until_the_tick_ends() -> None:
 
 
 def test_a_tick_that_cannot_reach_the_store_claims_nothing_and_notes_the_outage() -> None:
-    from celery_exactonce import StoreUnavailable
 
     # Given a node whose store does not answer
     cluster = Cluster({"a": every(1)}, nodes=1)
@@ -193,3 +193,73 @@ def test_a_tick_that_cannot_reach_the_store_claims_nothing_and_notes_the_outage(
     cluster.clock.advance(1)
     cluster.nodes[0].tick()
     assert cluster.fired("a")
+
+
+class LostAnswers:
+    """Makes the cluster's store apply its next ``method`` call, then raise as if the answer
+    was lost; while ``blind``, reads (the writer's read-back) fail too."""
+
+    def __init__(self, cluster: Cluster, method: str) -> None:
+        self.blind = False
+        self.armed = True
+        store = cluster.store
+        real_write, real_get = getattr(store, method), store.get
+
+        def write(*args: Any, **kwargs: Any) -> Any:
+            result = real_write(*args, **kwargs)
+            if self.armed:
+                self.armed = False
+                raise StoreUnavailable(f"injected: {method} applied, answer lost")
+            return result
+
+        def get(*args: Any, **kwargs: Any) -> Any:
+            if self.blind:
+                raise StoreUnavailable("injected: read-back failed")
+            return real_get(*args, **kwargs)
+
+        setattr(store, method, write)
+        store.get = get  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize("read_back", [True, False], ids=["read-back", "no-read-back"])
+def test_a_claim_whose_answer_was_lost_is_claimed_by_nobody_else(read_back: bool) -> None:
+    # Given two nodes, and a claim batch the store applies but whose answer is lost
+    cluster = Cluster({"a": every(3600)}, nodes=2)
+    lost = LostAnswers(cluster, "create_many")
+    lost.blind = not read_back
+    # When both nodes tick on the slot, and then run for ten minutes (reconcile passes)
+    cluster.nodes[0].tick()
+    lost.blind = False
+    cluster.nodes[1].tick()
+    # Then with the read-back the claim is its writer's and dispatched at once; without
+    # it the job sits SCHEDULED (no other node takes it) until the reconciler replays it
+    assert cluster.fired("a") == ([START] if read_back else [])
+    cluster.run(600, step=5)
+    assert cluster.fired("a") == [START]
+    if not read_back:
+        (sent,) = [job for job in cluster.broker.sent if job.entry == "a"]
+        replayed = cluster.store.get(sent.ref)
+        assert replayed is not None
+        assert [h.reason for h in replayed.history if h.dst is State.DISPATCHED] == [
+            "reconciler replay"
+        ]
+
+
+@pytest.mark.parametrize("read_back", [True, False], ids=["read-back", "no-read-back"])
+def test_a_dispatched_write_whose_answer_was_lost_publishes_at_most_once(read_back: bool) -> None:
+    # Given a DISPATCHED write the store applies but whose answer is lost
+    cluster = Cluster({"a": every(3600)}, nodes=2)
+    lost = LostAnswers(cluster, "transition_many")
+    lost.blind = not read_back
+    # When the nodes tick on the slot, and then run past dispatch_timeout
+    cluster.tick_all()
+    lost.blind = False
+    # Then the writer that reads its own rev back publishes once; one that cannot
+    # publishes nothing, and the reconciler settles the (plain) job visibly
+    assert cluster.fired("a") == ([START] if read_back else [])
+    cluster.run(600, step=5)
+    assert cluster.fired("a") == ([START] if read_back else [])
+    if not read_back:
+        ref = JobRef.occurrence(occurrence_id(cluster.store.namespace, "a", START))
+        job = cluster.store.get(ref)
+        assert job is not None and job.state is State.TIMEOUT and job.reason == "unconfirmed"
