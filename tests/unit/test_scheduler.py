@@ -171,7 +171,6 @@ def test_sigterm_during_a_tick_is_held_until_the_tick_ends() -> None:
 
 
 def test_a_tick_that_cannot_reach_the_store_claims_nothing_and_notes_the_outage() -> None:
-
     # Given a node whose store does not answer
     cluster = Cluster({"a": every(1)}, nodes=1)
     rt = runtime.runtime_for(cluster.app)
