@@ -159,6 +159,12 @@ def test_definite_failure_rolls_back() -> None:
     broker.fault = None
     assert Dispatcher(store, broker, node="n").dispatch(result.job).outcome is Outcome.PUBLISHED
     assert len(broker.sent) == 1
+    # the record counts both dispatches: the outage shows in its history
+    after = store.get(job.ref)
+    assert after is not None and after.dispatches == 2
+    assert [h.dst for h in after.history][-3:] == [
+        State.DISPATCHED, State.SCHEDULED, State.DISPATCHED
+    ]  # fmt: skip
 
 
 def test_failed_rollback_is_counted_and_leaves_dispatched() -> None:
