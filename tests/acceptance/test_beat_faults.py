@@ -1,13 +1,14 @@
 """Real beats under faults: skewed and jumping node clocks, a Redis store restarted empty.
 
-Three ``celery beat -S exactonce`` processes and a worker, entries every
-second, asserting on the ledger the bodies write and on the store.
+``celery beat -S exactonce`` processes and a worker, entries every second,
+asserting on the ledger the bodies write and on the store.
 
 * Node clocks: the scheduler judges due-ness on the store's clock, so a node
-  whose clock is off (by a second either way, or jumping an hour ahead
-  mid-run) changes nothing: no slot runs twice or goes missing. The clocks are
-  skewed inside the beat processes by ``ledger_app`` (``EXACTONCE_ACC_CLOCK_*``,
-  there is no libfaketime here), and the test checks the skew was real.
+  whose clock is off (by a second either way, jumping an hour ahead or
+  stepping a minute back mid-run) changes nothing: no slot runs twice or goes
+  missing. The clocks are skewed inside the beat processes by ``ledger_app``
+  (``EXACTONCE_ACC_CLOCK_*``, there is no libfaketime here), and the test
+  checks the skew was real.
 * Store loss: a private redis-server is the store (the broker stays on the
   shared Redis); it is SIGKILLed and started again empty, without persistence.
   No slot runs twice, runs resume, and the beats report the loss and count the
@@ -48,6 +49,8 @@ CLOCK_RUN = 30
 #: about a third into the measured window.
 JUMP_AFTER = 14
 JUMP = 3600.0
+#: The fourth node's clock steps back this much at the same point (SCENARIOS.md 23).
+STEP_BACK = -60.0
 
 
 def _skews(beat: BeatProcess) -> list[tuple[float, float]]:
@@ -67,16 +70,21 @@ def _jumped_at(beat: BeatProcess) -> float:
 def test_skewed_and_jumping_node_clocks_neither_double_nor_drop_a_slot(
     deployment: Deployment, ledger: Ledger, gate: None
 ) -> None:
-    # Given three beat nodes: two whose clocks differ by 2 s (one 1 s behind the
-    # store's, one 1 s ahead), and one whose clock jumps an hour ahead mid-run
+    # Given four beat nodes: two whose clocks differ by 2 s (one 1 s behind the
+    # store's, one 1 s ahead), one whose clock jumps an hour ahead mid-run, and one
+    # whose clock steps a minute back
     deployment.start_worker(concurrency=4)
-    behind, ahead, jumper = b.start_beats(
+    behind, ahead, jumper, stepper = b.start_beats(
         deployment,
         [
             {"EXACTONCE_ACC_CLOCK_OFFSET": "-1"},
             {"EXACTONCE_ACC_CLOCK_OFFSET": "1"},
             {
                 "EXACTONCE_ACC_CLOCK_JUMP": str(JUMP),
+                "EXACTONCE_ACC_CLOCK_JUMP_AFTER": str(JUMP_AFTER),
+            },
+            {
+                "EXACTONCE_ACC_CLOCK_JUMP": str(STEP_BACK),
                 "EXACTONCE_ACC_CLOCK_JUMP_AFTER": str(JUMP_AFTER),
             },
         ],
@@ -86,8 +94,9 @@ def test_skewed_and_jumping_node_clocks_neither_double_nor_drop_a_slot(
     window_start = max(started, b.claim_floor(deployment)) + timedelta(seconds=START_MARGIN)
 
     # When they tick together for half a minute
-    b.run_until(deployment, started + timedelta(seconds=CLOCK_RUN), [behind, ahead, jumper])
-    for beat in (behind, ahead, jumper):
+    nodes = [behind, ahead, jumper, stepper]
+    b.run_until(deployment, started + timedelta(seconds=CLOCK_RUN), nodes)
+    for beat in nodes:
         beat.kill()
     stopped = b.store_now(deployment)
 
@@ -96,19 +105,20 @@ def test_skewed_and_jumping_node_clocks_neither_double_nor_drop_a_slot(
         skews = [skew for _, skew in _skews(beat)]
         assert skews and all(abs(skew - offset) < 0.05 for skew in skews), (beat, skews[:5])
         assert f"{CLOCK_MARK} offset {offset:+g} s" in beat.log()
-    jumped = _jumped_at(jumper)
-    # (a record whose time was read while the jump took effect may be either)
-    before = [skew for real, skew in _skews(jumper) if real < jumped - 0.05]
-    after = [skew for real, skew in _skews(jumper) if real > jumped + 0.05]
-    assert before and all(abs(skew) < 0.05 for skew in before), before[:5]
-    assert after and all(abs(skew - JUMP) < 0.05 for skew in after), after[:5]
-    # ... and the jump happened inside the measured window
-    assert window_start.timestamp() + 1 < jumped < stopped.timestamp() - END_MARGIN - 5
-    # ... every node kept claiming and publishing, the jumped one after its jump too
-    assert b.dispatched_by(behind) > 0 and b.dispatched_by(ahead) > 0
-    assert b.dispatched_by(jumper, after_real=jumped) > 0, jumper.log_tail()
-    # ... and every slot of the window ran exactly once, none anywhere twice
     window_end = stopped - timedelta(seconds=END_MARGIN)
+    for beat, jump in ((jumper, JUMP), (stepper, STEP_BACK)):
+        jumped = _jumped_at(beat)
+        # (a record whose time was read while the jump took effect may be either)
+        before = [skew for real, skew in _skews(beat) if real < jumped - 0.05]
+        after = [skew for real, skew in _skews(beat) if real > jumped + 0.05]
+        assert before and all(abs(skew) < 0.05 for skew in before), before[:5]
+        assert after and all(abs(skew - jump) < 0.05 for skew in after), after[:5]
+        # ... the jump happened inside the measured window
+        assert window_start.timestamp() + 1 < jumped < window_end.timestamp() - 5
+        # ... and the node kept claiming and publishing after it
+        assert b.dispatched_by(beat, after_real=jumped) > 0, beat.log_tail()
+    assert b.dispatched_by(behind) > 0 and b.dispatched_by(ahead) > 0
+    # ... and every slot of the window ran exactly once, none anywhere twice
     expected = b.slots(b.entry_names(ENTRIES), window_start, window_end)
     assert len(expected) >= ENTRIES * 15
     b.wait_executed(ledger, expected)
