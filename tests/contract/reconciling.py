@@ -143,11 +143,13 @@ def put(
     *,
     deadline: datetime | None = None,
     job_id: str | None = None,
+    args: list[Any] | None = None,
 ) -> Job:
     """A job of ``task`` brought to ``state`` the way the dispatch path and the gate would."""
     new = NewJob(
-        JobRef.task(job_id or uuid.uuid4().hex), task, State.SCHEDULED, node=NODE, args=[1],
-        options={GATED_OPTION: is_gated(app, task), "queue": "celery"}, deadline=deadline,
+        JobRef.task(job_id or uuid.uuid4().hex), task, State.SCHEDULED, node=NODE,
+        args=[1] if args is None else args, deadline=deadline,
+        options={GATED_OPTION: is_gated(app, task), "queue": "celery"},
     )  # fmt: skip
     created = store.create(new)
     assert created.created and created.job is not None

@@ -10,7 +10,9 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+import uuid
 from collections.abc import Iterator
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -28,12 +30,13 @@ from celery_exactonce import (
     metrics,
     runtime,
 )
-from celery_exactonce.dispatch import message_headers
-from celery_exactonce.jobs import JobRef
+from celery_exactonce.dispatch import GATED_OPTION, message_headers
+from celery_exactonce.jobs import JobRef, NewJob
 from celery_exactonce.scheduler import ExactOnceScheduler
 from celery_exactonce.states import State
 from celery_exactonce.testing import InMemoryStore
 from tests.contract.helpers import poll
+from tests.contract.reconciling import put
 
 LEDGER: list[tuple[str, str, int, Any]] = []
 LOCK = threading.Lock()
@@ -258,6 +261,39 @@ def test_redelivery_is_suppressed(app: Celery) -> None:
     republish(app, result.id)
     poll(lambda: metrics.COUNTERS.get("suppressed_duplicate") == 2)
     assert len(runs(result.id)) == 1
+
+
+def _in_state(app: Celery, state: State) -> str:
+    """A ``t.add(2, 3)`` job in ``state`` (the current attempt's), its message not yet sent."""
+    store = store_of(app)
+    if state is State.PENDING:
+        later = store.now() + timedelta(hours=1)
+        new = NewJob(JobRef.task(uuid.uuid4().hex), "t.add", State.PENDING, node="test",
+                     args=[2, 3], options={GATED_OPTION: True}, run_at=later)  # fmt: skip
+        created = store.create(new)
+        assert created.job is not None
+        return created.job.ref.id
+    return put(store, app, state, "t.add", args=[2, 3]).ref.id
+
+
+@pytest.mark.parametrize("state", list(State), ids=lambda state: state.value)
+def test_a_delivery_runs_only_if_its_job_waits_for_it(app: Celery, state: State) -> None:
+    # Given a job in ``state``, and a delivery of its current attempt
+    task_id = _in_state(app, state)
+    before = store_of(app).get(JobRef.task(task_id))
+    republish(app, task_id)
+    # Then it runs if the job is SCHEDULED or DISPATCHED (its message may land before the
+    # DISPATCHED write is seen); from any other state it is acked unrun: no body, no
+    # result, the record unchanged
+    if state in (State.SCHEDULED, State.DISPATCHED):
+        poll(lambda: job_state(app, task_id) is State.SUCCEEDED)
+        assert len(runs(task_id)) == 1
+        assert app.AsyncResult(task_id).get(timeout=10) == 5
+        return
+    poll(lambda: metrics.COUNTERS.get("suppressed_duplicate", where=state.value) == 1)
+    assert runs(task_id) == []
+    assert app.AsyncResult(task_id).state == "PENDING"  # nothing stored for it
+    assert store_of(app).get(JobRef.task(task_id)) == before
 
 
 def test_same_task_id_twice_is_one_job(app: Celery) -> None:
