@@ -270,6 +270,8 @@ def test_celery_publisher_bounds_each_publish_by_the_publish_timeout(
     # When a job is published, and one whose entry set its own timeout
     publisher(job, {"h": 1}, {})
     publisher(job, {"h": 1}, {"timeout": 0.5})
-    # Then the publish timeout reached the publish; an entry's own is kept
+    # Then the publish timeout reached the publish; an entry's own is kept; and kombu
+    # never retries a publish by itself (a retry after a reset could send it twice)
     assert [options["timeout"] for options in sent] == [2.5, 0.5]
+    assert [options["retry"] for options in sent] == [False, False]
     assert sent[0]["headers"] == {"h": 1} and sent[0]["queue"] == "q"
