@@ -262,3 +262,40 @@ def test_a_dispatched_write_whose_answer_was_lost_publishes_at_most_once(read_ba
         ref = JobRef.occurrence(occurrence_id(cluster.store.namespace, "a", START))
         job = cluster.store.get(ref)
         assert job is not None and job.state is State.TIMEOUT and job.reason == "unconfirmed"
+
+
+def test_a_tick_longer_than_the_window_follows_the_catch_up_policy() -> None:
+    # Given one node, entries every second with the default catch-up (latest) and one
+    # with "all", a 60 s window, and a tick that takes 90 s of store time (its claim
+    # write is that slow)
+    cluster = Cluster(
+        {"latest": every(1), "all": every(1, exactonce={"catchup": "all"})},
+        nodes=1, exactonce_window_lookback=60,
+    )  # fmt: skip
+    cluster.run(5)
+    metrics.COUNTERS.reset()
+    store, real = cluster.store, cluster.store.create_many
+    slow = {"left": 1}
+
+    def create_many(*args: Any, **kwargs: Any) -> Any:
+        result = real(*args, **kwargs)
+        if slow["left"]:
+            slow["left"] -= 1
+            cluster.clock.advance(90)
+        return result
+
+    store.create_many = create_many  # type: ignore[method-assign]
+    cluster.clock.advance(1)
+    cluster.nodes[0].tick()  # the long one
+    fired = {name: cluster.fired(name) for name in ("latest", "all")}
+    # When the next ticks come
+    cluster.run(3)
+    # Then "latest" took only the newest slot after the long tick; the ones it left
+    # behind (out of the window, or overtaken) are counted, not run; "all" caught up
+    # what is still in the window; no slot of either ran twice
+    latest, every_slot = cluster.fired("latest"), cluster.fired("all")
+    assert len(latest) == len(set(latest)) and len(every_slot) == len(set(every_slot))
+    assert len(latest) == len(fired["latest"]) + 3
+    assert len(every_slot) >= len(fired["all"]) + 60
+    assert metrics.COUNTERS.get("slot_skipped", where="window") >= 2 * 30  # both entries
+    assert metrics.COUNTERS.get("slot_skipped", where="catchup") >= 59  # "latest" only
