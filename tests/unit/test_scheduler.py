@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import signal
 from collections.abc import Iterator, Mapping
 from datetime import timedelta
 from typing import Any
@@ -12,7 +13,8 @@ from celery import schedules
 from celery.schedules import crontab
 
 from celery_exactonce import StoreUnavailable, metrics, runtime
-from celery_exactonce.jobs import Job, JobRef
+from celery_exactonce.dispatch import GATED_OPTION
+from celery_exactonce.jobs import Job, JobRef, NewJob
 from celery_exactonce.scheduler import ExactOnceScheduler, occurrence_id
 from celery_exactonce.states import State
 from tests.unit.beat_cluster import START, Cluster, every, isolated
@@ -141,8 +143,6 @@ def test_unknown_schedule_type_is_refused_at_start_naming_the_entry() -> None:
 
 
 def test_sigterm_during_a_tick_is_held_until_the_tick_ends() -> None:
-    import signal
-
     # Given a node whose publish receives SIGTERM in the middle of a tick
     cluster = Cluster({"a": every(1), "b": every(1)}, nodes=1)
     node = cluster.nodes[0]
@@ -299,3 +299,48 @@ def test_a_tick_longer_than_the_window_follows_the_catch_up_policy() -> None:
     assert len(every_slot) >= len(fired["all"]) + 60
     assert metrics.COUNTERS.get("slot_skipped", where="window") >= 2 * 30  # both entries
     assert metrics.COUNTERS.get("slot_skipped", where="catchup") >= 59  # "latest" only
+
+
+@pytest.mark.parametrize(
+    "at",
+    ["now", "watermarks", "create_many", "transition_many", "claim_due", "publish"],
+)
+def test_sigterm_at_any_step_of_a_tick_leaves_no_claim_behind(at: str) -> None:
+    # Given a node with two entries due and a delayed job due, and SIGTERM arriving
+    # right after the tick's first call of ``at``
+    cluster = Cluster({"a": every(1), "b": every(1)}, nodes=1)
+    node = cluster.nodes[0]
+    handler = signal.getsignal(signal.SIGTERM)
+    assert callable(handler)
+    store = cluster.store
+    delayed = NewJob(JobRef.task("delayed-1"), "plain.t", State.PENDING, node="test",
+                     options={GATED_OPTION: False}, run_at=store.now())  # fmt: skip
+    assert store.create(delayed).created
+    cluster.clock.advance(1)
+    fired: list[str] = []
+
+    def after_first(call: Any) -> Any:
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            result = call(*args, **kwargs)
+            if not fired:
+                fired.append(at)
+                handler(signal.SIGTERM, None)  # as the signal would, inside the tick
+            return result
+
+        return wrapped
+
+    if at == "publish":
+        dispatcher = runtime.runtime_for(cluster.app).dispatcher
+        dispatcher.publisher = after_first(dispatcher.publisher)
+    else:
+        setattr(store, at, after_first(getattr(store, at)))
+    # When the tick runs, Then it ends, and only then beat exits
+    with pytest.raises(SystemExit):
+        node.tick()
+    assert fired == [at]
+    # and whatever the tick claimed was dispatched: no job is left SCHEDULED, and the
+    # slots were dispatched; the delayed job was dispatched or never claimed
+    left = store.list_stale(State.SCHEDULED, 0, 100)
+    assert left == [], [job.ref for job in left]
+    assert {job.entry for job in cluster.broker.sent} >= {"a", "b"}
+    assert store.get(delayed.ref).state in (State.PENDING, State.PUBLISHED)  # type: ignore[union-attr]
