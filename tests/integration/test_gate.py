@@ -126,6 +126,21 @@ def make_app() -> Celery:
         record(self)
         raise Reject("try elsewhere", requeue=True)
 
+    @app.task(base=ExactOnceTask, shared=False, bind=True, name="t.hopeless", max_retries=2)
+    def hopeless(self: Any) -> None:
+        record(self)
+        raise self.retry(countdown=0.01)
+
+    @app.task(base=ExactOnceTask, shared=False, bind=True, name="t.replacing")
+    def replacing(self: Any) -> None:
+        record(self)
+        raise self.replace(self.app.tasks["t.add"].s(1, 1))
+
+    @app.task(base=ExactOnceTask, shared=False, bind=True, name="t.total")
+    def total(self: Any, parts: list[int]) -> int:
+        record(self, sorted(parts))
+        return sum(parts)
+
     @app.task(base=ExactOnceTask, shared=False, bind=True, name="t.outage")
     def outage(self: Any, failing_writes: int) -> str:
         record(self, failing_writes)
@@ -238,6 +253,41 @@ def test_reject_with_requeue_fails_the_job_instead_of_looping(app: Celery) -> No
     job = store_of(app).get(JobRef.task(result.id))
     assert job is not None and job.reason.startswith("rejected")
     assert len(runs(result.id)) == 1
+
+
+def test_a_task_out_of_retries_ends_failed_after_one_run_per_attempt(app: Celery) -> None:
+    result = app.tasks["t.hopeless"].delay()
+    poll(lambda: job_state(app, result.id) is State.FAILED)
+    assert [row[2] for row in runs(result.id)] == [0, 1, 2]
+    job = store_of(app).get(JobRef.task(result.id))
+    assert job is not None and job.attempt == 2 and "MaxRetriesExceeded" in job.reason
+
+
+def test_replace_is_refused_and_the_job_fails_visibly(app: Celery) -> None:
+    result = app.tasks["t.replacing"].delay()
+    poll(lambda: job_state(app, result.id) is State.FAILED)
+    job = store_of(app).get(JobRef.task(result.id))
+    assert job is not None and "replace() is not supported" in job.reason
+    assert len(runs(result.id)) == 1
+    assert not [row for row in LEDGER if row[0] == "t.add"]  # the replacement never ran
+
+
+def test_a_chord_fires_its_callback_once_though_a_header_task_is_delivered_twice(
+    app: Celery,
+) -> None:
+    from celery import chord
+
+    add = app.tasks["t.add"]
+    # Given a chord of three gated header tasks and a gated callback
+    result = chord([add.s(i, i) for i in range(3)])(app.tasks["t.total"].s())
+    assert result.get(timeout=15) == 6
+    # When a header task's message is delivered again
+    header = next(row for row in LEDGER if row[0] == "t.add")
+    republish(app, header[1])
+    poll(lambda: metrics.COUNTERS.get("suppressed_duplicate") >= 1)
+    # Then every header ran once and the callback fired once
+    assert sorted(row[3][:2] for row in LEDGER if row[0] == "t.add") == [(0, 0), (1, 1), (2, 2)]
+    assert [row[3] for row in LEDGER if row[0] == "t.total"] == [([0, 2, 4],)]
 
 
 def test_chain_of_gated_tasks_runs_each_step_once(app: Celery) -> None:
