@@ -212,3 +212,13 @@ def assert_keys_match(deployment: Deployment, ledger: Ledger) -> None:
 def dispatched_by(beat: BeatProcess, after_real: float = 0.0) -> int:
     """How many occurrences ``beat`` published (its ``dispatched`` events) after a real time."""
     return sum(1 for event in beat.events("dispatched") if event["real"] >= after_real)
+
+
+def claims_by(beat: BeatProcess, after_real: float = 0.0) -> int:
+    """How many slot claims ``beat`` settled after a real time, won or found taken.
+
+    A node racing several others may lose every slot for a while: this shows it
+    kept claiming (its claims reached the store and were answered).
+    """
+    lost = sum(1 for event in beat.events("slot_already_claimed") if event["real"] >= after_real)
+    return dispatched_by(beat, after_real) + lost

@@ -115,9 +115,10 @@ def test_skewed_and_jumping_node_clocks_neither_double_nor_drop_a_slot(
         assert after and all(abs(skew - jump) < 0.05 for skew in after), after[:5]
         # ... the jump happened inside the measured window
         assert window_start.timestamp() + 1 < jumped < window_end.timestamp() - 5
-        # ... and the node kept claiming and publishing after it
-        assert b.dispatched_by(beat, after_real=jumped) > 0, beat.log_tail()
-    assert b.dispatched_by(behind) > 0 and b.dispatched_by(ahead) > 0
+        # ... and the node kept claiming after it (with four nodes racing for each slot,
+        # one may lose every slot for a while)
+        assert b.claims_by(beat, after_real=jumped) > 0, beat.log_tail()
+    assert b.claims_by(behind) > 0 and b.claims_by(ahead) > 0
     # ... and every slot of the window ran exactly once, none anywhere twice
     expected = b.slots(b.entry_names(ENTRIES), window_start, window_end)
     assert len(expected) >= ENTRIES * 15
