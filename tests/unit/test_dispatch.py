@@ -10,6 +10,7 @@ from celery import Celery
 
 from celery_exactonce import StoreUnavailable, metrics
 from celery_exactonce.dispatch import (
+    DISPATCH_CHUNK,
     GATED_OPTION,
     CeleryPublisher,
     Dispatcher,
@@ -275,3 +276,48 @@ def test_celery_publisher_bounds_each_publish_by_the_publish_timeout(
     assert [options["timeout"] for options in sent] == [2.5, 0.5]
     assert [options["retry"] for options in sent] == [False, False]
     assert sent[0]["headers"] == {"h": 1} and sent[0]["queue"] == "q"
+
+
+class BufferingBroker(Broker):
+    """A publisher that buffers until ``flush``, as kombu's batch does; ``flush_fault`` fails it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.buffer: list[tuple[Job, dict[str, Any]]] = []
+        self.flush_fault: PublishFailed | None = None
+        self.flushes = 0
+
+    def __call__(self, job: Job, headers: Mapping[str, Any], extra: Mapping[str, Any]) -> None:
+        self.buffer.append((job, dict(headers)))
+
+    def flush(self) -> None:
+        self.flushes += 1
+        buffered, self.buffer = self.buffer, []
+        if self.flush_fault is not None:
+            raise self.flush_fault
+        self.sent += buffered
+
+
+@pytest.mark.parametrize("definite", [True, False], ids=["refused", "ambiguous"])
+def test_a_failed_flush_settles_every_job_of_its_chunk_alike(definite: bool) -> None:
+    # Given a chunk and a half of plain jobs, and a broker whose first flush fails
+    store, broker = InMemoryStore("ns"), BufferingBroker()
+    listed = [scheduled(store, gated=False, job_id=f"j{i}") for i in range(DISPATCH_CHUNK + 8)]
+    broker.flush_fault = PublishFailed("flush failed", definite=definite)
+    dispatcher = Dispatcher(store, broker, node="n")
+    first = dispatcher.dispatch_many(listed[:DISPATCH_CHUNK], retry=False)
+    # Then none of the first chunk counts as published: all rolled back (nothing was
+    # sent) or all ambiguous (kept DISPATCHED for the reconciler), none PUBLISHED
+    outcome, state = (
+        (Outcome.ROLLED_BACK, State.SCHEDULED)
+        if definite
+        else (Outcome.AMBIGUOUS, State.DISPATCHED)
+    )
+    assert [r.outcome for r in first] == [outcome] * DISPATCH_CHUNK
+    assert {store.get(job.ref).state for job in listed[:DISPATCH_CHUNK]} == {state}  # type: ignore[union-attr]
+    # and once the broker takes messages again, the next chunk is sent at its flush
+    broker.flush_fault = None
+    rest = dispatcher.dispatch_many(listed[DISPATCH_CHUNK:])
+    assert [r.outcome for r in rest] == [Outcome.PUBLISHED] * 8
+    assert [job.ref.id for job, _ in broker.sent] == [job.ref.id for job in listed[DISPATCH_CHUNK:]]
+    assert broker.flushes == 2
