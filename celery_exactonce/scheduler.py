@@ -532,9 +532,11 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
         self._recent.clear()
         self._floor_reason = "store_loss"
         self._raise_floor(now + timedelta(seconds=self._config.max_skew))
-        # After a restart without persistence the epoch is gone too: taking the new one
-        # now (its birth is now) spares the next claim an epoch mismatch and a later floor.
-        self._adopt_epoch(store.epoch())
+        # A store that forgot only its last writes (Redis appendfsync everysec, a lagging
+        # replica) kept its epoch: replacing it makes every other node's next claim an
+        # epoch mismatch, so they stop short of the forgotten slots too. After a restart
+        # without persistence the epoch is gone already, and this takes the new one.
+        self._adopt_epoch(store.epoch(replace=self._epoch))
         metrics.event(
             "store_loss_detected", f"{len(missing)} of this node's recent claims are gone from "
             f"the store (e.g. {missing[0]}): slots up to {self._floor} "

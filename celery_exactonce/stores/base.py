@@ -59,13 +59,20 @@ class StateStore(Protocol):
         """
         ...
 
-    def epoch(self) -> str:
+    def epoch(self, *, replace: str | None = None) -> str:
         """The store's epoch, created if absent (atomically: one winner).
 
         The epoch is a random token written once per store life. A store that
         lost its data (a Redis restart without persistence) no longer holds the
         epoch a node remembers, and :meth:`create` with that epoch reports
         :attr:`~celery_exactonce.jobs.CreateStatus.EPOCH_MISMATCH`.
+
+        With ``replace``, a store whose epoch is still ``replace`` (or has none)
+        starts a new one, born now: a node that found the store forgot some of
+        its writes (which kept the epoch) declares a new life, so every node's
+        next claim with the old epoch is refused (a claim already in flight may
+        still pass). A store whose epoch already changed keeps it (one winner).
+        Either way the current epoch is returned.
         """
         ...
 

@@ -89,10 +89,10 @@ class InMemoryStore:
 
     # -- epoch and create ----------------------------------------------------------------
 
-    def epoch(self) -> str:
+    def epoch(self, *, replace: str | None = None) -> str:
         with self._lock:
             self._check_open()
-            if self._epoch is None:
+            if self._epoch is None or (replace is not None and self._epoch == replace):
                 born = jobs.to_micros(self._clock.now())
                 self._epoch = f"{jobs.new_token()}{jobs.EPOCH_SEPARATOR}{born}"
             return self._epoch

@@ -298,9 +298,10 @@ class RedisStore:
 
     # -- epoch and create ----------------------------------------------------------------
 
-    def epoch(self) -> str:
+    def epoch(self, *, replace: str | None = None) -> str:
+        args = [jobs.new_token(), _opt(replace)]
         with self._wrap("epoch"):
-            return _text(self._run("epoch", [self._key("epoch")], [jobs.new_token()]))
+            return _text(self._run("epoch", [self._key("epoch")], args))
 
     def create(self, new: NewJob, *, epoch: str | None = None) -> CreateResult:
         with self._wrap("create"):

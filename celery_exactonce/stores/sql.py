@@ -351,19 +351,24 @@ class SqlStore:
 
     # -- epoch and create ------------------------------------------------------------
 
-    def epoch(self) -> str:
+    def epoch(self, *, replace: str | None = None) -> str:
         meta = self._t.meta
         query = sa.select(meta.c.epoch).where(meta.c.namespace == self._namespace)
 
         def op(conn: sa.Connection) -> str:
             stored = conn.execute(query).scalar_one_or_none()
+            if stored is not None and (replace is None or stored != replace):
+                return str(stored)
+            epoch = f"{jobs.new_token()}{jobs.EPOCH_SEPARATOR}{self._now(conn)}"
             if stored is None:
-                born = self._now(conn)
-                epoch = f"{jobs.new_token()}{jobs.EPOCH_SEPARATOR}{born}"
-                values = {"namespace": self._namespace, "epoch": epoch}
-                self._insert_absent(conn, meta, values)
-                stored = conn.execute(query).scalar_one()
-            return str(stored)
+                self._insert_absent(conn, meta, {"namespace": self._namespace, "epoch": epoch})
+            else:  # a CAS on the epoch read: of two replacers, one wins
+                conn.execute(
+                    sa.update(meta)
+                    .where(meta.c.namespace == self._namespace, meta.c.epoch == replace)
+                    .values(epoch=epoch)
+                )
+            return str(conn.execute(query).scalar_one())
 
         return self._run("epoch", op)
 

@@ -127,3 +127,23 @@ def test_three_processes_claim_every_due_job_once(store_factory: StoreFactory) -
     store: StateStore = store_factory()
     assert store.claim_due(10, node="late") == []
     assert len(store.list_stale(State.SCHEDULED, 0, CLAIM_JOBS + 1)) == CLAIM_JOBS
+
+
+def test_eight_nodes_replacing_one_epoch_agree_on_its_successor(
+    store_factory: StoreFactory,
+) -> None:
+    # Given an epoch, and eight nodes (clients) that all found the store forgot writes
+    old = store_factory().epoch()
+    stores = [store_factory() for _ in range(8)]
+    barrier = threading.Barrier(len(stores))
+
+    def replace(store: StateStore) -> str:
+        barrier.wait(timeout=60)
+        return store.epoch(replace=old)
+
+    # When they all replace it at once
+    with ThreadPoolExecutor(len(stores)) as pool:
+        successors = list(pool.map(replace, stores))
+    # Then one replacement won, and every node holds it
+    assert len(set(successors)) == 1 and successors[0] != old
+    assert store_factory().epoch() == successors[0]

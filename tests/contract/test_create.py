@@ -91,6 +91,24 @@ def test_epoch_is_stable_and_checked(store: StateStore) -> None:
     assert store.create(task_job("e1"), epoch=epoch).created
 
 
+def test_an_epoch_is_replaced_only_while_it_is_the_current_one(store: StateStore) -> None:
+    old = store.epoch()
+    before = store.now()
+    # When a node replaces the epoch it holds
+    new = store.epoch(replace=old)
+    # Then a new life begins now: claims with the old epoch are refused from here on
+    assert new != old and store.epoch() == new
+    born = epoch_born(new)
+    assert born is not None and before <= born <= store.now()
+    refused = store.create(task_job("ep-old"), epoch=old)
+    assert refused.status is CreateStatus.EPOCH_MISMATCH and refused.epoch == new
+    assert store.create(task_job("ep-new"), epoch=new).created
+    # and a second node replacing the same old epoch changes nothing (one winner)
+    assert store.epoch(replace=old) == new
+    assert store.epoch(replace="never-an-epoch") == new
+    assert store.epoch() == new
+
+
 def test_store_loss_is_detected_by_the_next_claim(store_factory: StoreFactory) -> None:
     # Given a node that claimed a slot and remembers the epoch
     store = store_factory()

@@ -132,6 +132,27 @@ def test_a_lost_recent_claim_shows_a_loss_the_epoch_did_not() -> None:
     assert len(fired) - before <= 10 - 5
 
 
+def test_a_node_that_finds_its_claim_forgotten_stops_the_others_reclaiming_it() -> None:
+    # Given two nodes holding the epoch; the first wins every claim, the second none
+    cluster = Cluster({"a": every(60)}, nodes=2, start=START - timedelta(seconds=1))
+    first, second = cluster.nodes
+    cluster.tick_all()
+    # When the first claims and dispatches the 12:00 slot before the second ticks on
+    # it, and the store then forgets that claim but keeps its epoch (a lagging replica)
+    cluster.clock.advance(1)
+    first.tick()
+    assert cluster.fired("a").count(START) == 1
+    cluster.store.simulate_loss(keep_epoch=True)
+    # and the first node ticks (and finds its claim gone) before the second does
+    cluster.clock.advance(1)
+    first.tick()
+    second.tick()
+    # Then the second does not claim the slot again: its claim meets a new epoch
+    assert cluster.fired("a").count(START) == 1
+    assert metrics.COUNTERS.get("store_loss_detected", where="recheck") == 1
+    assert metrics.COUNTERS.get("store_loss_detected", where="epoch") == 1
+
+
 def test_unknown_schedule_type_is_refused_at_start_naming_the_entry() -> None:
     from celery_exactonce import ConfigurationError
 

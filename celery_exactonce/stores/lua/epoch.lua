@@ -1,7 +1,9 @@
--- The store's epoch, created if absent: the caller's fresh token, '@', and
--- the birth time on the store clock.    KEYS: 1 epoch    ARGV: 1 fresh token
+-- The store's epoch, created if absent, or replaced if it is still the one the
+-- caller names: the caller's fresh token, '@', and the birth time on the store
+-- clock.    KEYS: 1 epoch    ARGV: 1 fresh token, 2 epoch to replace (opt)
 local current = redis.call('GET', KEYS[1])
-if current then return current end
+local replace = opt(ARGV[2])
+if current and current ~= replace then return current end
 local epoch = ARGV[1] .. '@' .. us(clock())
 redis.call('SET', KEYS[1], epoch)
 return epoch
