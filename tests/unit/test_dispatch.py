@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -276,6 +277,28 @@ def test_celery_publisher_bounds_each_publish_by_the_publish_timeout(
     assert [options["timeout"] for options in sent] == [2.5, 0.5]
     assert [options["retry"] for options in sent] == [False, False]
     assert sent[0]["headers"] == {"h": 1} and sent[0]["queue"] == "q"
+
+
+def test_every_publish_of_a_job_with_a_deadline_expires_at_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Given a job with a deadline
+    store = InMemoryStore()
+    deadline = store.now() + timedelta(seconds=10)
+    new = NewJob(JobRef.task("late"), "tasks.t", State.SCHEDULED, node="n",
+                 options={GATED_OPTION: True}, deadline=deadline)  # fmt: skip
+    job = store.create(new).job
+    assert job is not None
+    app = Celery("pub", broker="memory://", set_as_current=False)
+    sent: list[dict[str, Any]] = []
+    monkeypatch.setattr(app, "send_task", lambda name, **options: sent.append(options))
+    # When it is dispatched
+    result = Dispatcher(store, CeleryPublisher(app), node="n").dispatch(job)
+    # Then its message expires at the deadline: a publish that comes late (a node paused
+    # between its DISPATCHED write and the publish) is dropped unrun by the worker, as
+    # tests/acceptance/test_gate.py shows for an expired message
+    assert result.outcome is Outcome.PUBLISHED
+    assert [options["expires"] for options in sent] == [deadline]
 
 
 class BufferingBroker(Broker):
