@@ -76,9 +76,6 @@ _TRANSIENT: tuple[type[Exception], ...] = (
 #: Server replies that mean the same though redis-py has no class for them.
 _TRANSIENT_REPLIES = ("BUSY", "MASTERDOWN", "NOREPLICAS", "LOADING", "TRYAGAIN")
 
-#: A state's position in :class:`State` order (the order of the state index keys).
-_STATE_POS = {state: i for i, state in enumerate(State)}
-
 #: Jobs per call of a batch script (``create``, ``transition``): bounds how long one
 #: call holds the server (a few milliseconds) while sparing most per-call costs.
 SCRIPT_BATCH = 64

@@ -9,10 +9,11 @@
 -- Answer: per job {status, epoch[, HGETALL of the record]}
 local current = redis.call('GET', KEYS[1])
 local want = opt(ARGV[1])
+local stale_epoch = want and current ~= want
 local brief = ARGV[2] == '1'
 
 local function create(key, a)
-  if want and current ~= want then
+  if stale_epoch then
     return {'epoch_mismatch', current}
   end
   if redis.call('EXISTS', key) == 1 then
