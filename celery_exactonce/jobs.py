@@ -323,6 +323,8 @@ class Transition:
     * ``rev``: the current rev equals it (dispatchers, reconciler, release, cancel);
     * ``attempt``: the current attempt equals it (the worker gate);
     * ``run_id``: the current run id equals it (worker writes);
+    * ``task``: the job is for this task name (the worker gate: a message for
+      one task never runs on the record of another);
     * ``lease``: the lease is held with that token (the reconciler);
     * ``stale_for``: the job was last touched (transition or heartbeat) at
       least this many seconds ago, by the store's clock at the write.
@@ -342,6 +344,7 @@ class Transition:
     run_id: str | None = None
     lease: Lease | None = None
     stale_for: float | None = None
+    task: str | None = None
     new_run_id: str | None = None
     next_attempt: bool = False
     run_at: datetime | None = None
@@ -378,6 +381,8 @@ class Transition:
             encode_payload({"args": self.args, "kwargs": self.kwargs}, context="transition")
         if self.stale_for is not None and self.stale_for < 0:
             raise exceptions.InvalidPayload("stale_for must be >= 0 seconds")
+        if self.task is not None:
+            validate_identifier(self.task, "task name", MAX_NAME_LENGTH)
         validate_identifier(self.node, "node id", MAX_NAME_LENGTH)
         validate_identifier(self.new_rev, "rev", MAX_NAME_LENGTH)
         validate_reason(self.reason)
@@ -414,6 +419,8 @@ def check_transition(job: Job, t: Transition, now: datetime) -> bool:
     if t.attempt is not None and job.attempt != t.attempt:
         return False
     if t.run_id is not None and job.run_id != t.run_id:
+        return False
+    if t.task is not None and job.task != t.task:
         return False
     if t.stale_for is not None:
         age = (to_micros(now) - to_micros(job.touched_at)) / 1_000_000

@@ -66,6 +66,9 @@ ALLOWED: dict[State, frozenset[State]] = {
             State.FAILED,
             State.CANCELLED,
             State.TIMEOUT,
+            # The gate's take-over: a delivery sent back by a gate that could not
+            # learn whether its write applied claims that run under a fresh run_id.
+            State.RUNNING,
             # A Celery retry (or an opted-in re-run): the next attempt only.
             State.DISPATCHED,
             State.PENDING,

@@ -36,7 +36,7 @@ import time
 import uuid
 from collections.abc import Mapping, Sequence
 from datetime import datetime, timedelta, timezone
-from typing import Any
+from typing import Any, NoReturn
 
 from celery import Task, signals
 from celery.exceptions import Ignore, Reject, Retry
@@ -246,8 +246,9 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
         ref = dispatch.ref_from_headers(headers, request.id)
         attempt = int(headers.get(dispatch.HEADER_ATTEMPT, request.retries or 0))
         run_id = jobs.new_token()
-        job = self._gate(runtime, ref, attempt, run_id, headers, args, kwargs)
-        run_id = job.run_id or run_id
+        job = self._gate(
+            runtime, ref, attempt, run_id, headers, args, kwargs, request.delivery_info or {}
+        )
         request.idempotency_key = headers.get(dispatch.HEADER_IDEMPOTENCY_KEY) or (
             dispatch.job_idempotency_key(job, runtime.store.namespace)
         )
@@ -291,55 +292,86 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
         headers: Mapping[str, Any],
         args: Sequence[Any],
         kwargs: Mapping[str, Any],
+        delivery_info: Mapping[str, Any],
     ) -> Job:
-        """Pass the gate (returning the ``RUNNING`` job) or raise ``Ignore``/``Retry``."""
-        earlier_runs = set(headers.get(HEADER_GATE_RUNS) or ())
-        request = Transition(
+        """Pass the gate (returning the ``RUNNING`` job this delivery owns) or raise.
+
+        ``run_id`` is this delivery's own token, fresh for it: the body runs
+        only once the store confirms the job ``RUNNING`` under it. Raises
+        ``Ignore`` for a delivery the job does not wait for, and the exception
+        of :meth:`_send_back` when the store stays unreachable.
+
+        A write whose answer is lost is settled by reading the record back
+        (never by guessing). A delivery that could not settle in time is sent
+        back carrying *tickets*: the run ids it (or the deliveries before it)
+        may have written. A ticket is not ownership: the next delivery holding
+        it must *take over* the run with a CAS from that run id to its own,
+        which only one copy of a message can win.
+        """
+        tickets = frozenset(str(t) for t in headers.get(HEADER_GATE_RUNS) or ())
+        gate = Transition(
             State.RUNNING, frozenset({State.SCHEDULED, State.DISPATCHED}), node=runtime.node,
-            reason="gate", attempt=attempt, new_run_id=run_id,
+            reason="gate", attempt=attempt, task=self.name, new_run_id=run_id,
         )  # fmt: skip
         deadline = time.monotonic() + self.exactonce_gate_timeout
         delay = runtime.config.retry_delay_store
-        adopted = False
+        adoption_lost = False
+        write: Transition | None = gate  # the next write; None: read the record first
         while True:
             try:
-                result = runtime.store.transition(ref, request)
-                job = result.job
-                if result.status is jobs.TransitionStatus.NOT_FOUND:
-                    if dispatch.HEADER_JOB_ID in headers:
-                        metrics.event(
-                            "record_lost", f"no record for {ref}, whose message carries our "
-                            "headers: not run (the store lost it)",
-                            level=logging.ERROR, job_id=ref.id, task=self.name,
-                        )  # fmt: skip
-                        raise Ignore()
-                    if adopted:
-                        raise Ignore()
-                    adopted = True
-                    job = self._adopt(runtime, ref, run_id, args, kwargs)
-                    if job is not None:
-                        return job
-                    continue  # someone else adopted it: the next CAS decides
+                if write is None:
+                    job = runtime.store.get(ref)
+                else:
+                    result = runtime.store.transition(ref, write)
+                    if result.applied and result.job is not None:
+                        return result.job
+                    job = result.job
+                if job is None:
+                    if adoption_lost or dispatch.HEADER_JOB_ID in headers:
+                        self._refuse(ref, None, attempt, headers, delivery_info)
+                    adopted = self._adopt(runtime, ref, run_id, args, kwargs)
+                    if adopted is not None:
+                        return adopted
+                    adoption_lost, write = True, gate  # another delivery adopted it first
+                    continue
+                if job.state is State.RUNNING and job.run_id == run_id:
+                    return job  # our own write applied; its answer was lost
+                write = self._next_write(runtime, job, attempt, run_id, tickets, gate)
+                if write is None:
+                    self._refuse(ref, job, attempt, headers, delivery_info)
             except exceptions.StoreError as exc:
-                job = self._read_own_run(runtime, ref, {run_id, *earlier_runs})
-                if job is not None:
-                    return job
+                write = None  # what did the store keep? read it back before writing again
                 if time.monotonic() + delay > deadline:
                     metrics.event(
                         "fail_closed", f"gate of {ref} cannot reach the store: delivery sent back",
                         level=logging.WARNING, labels={"phase": "gate_read"}, sentry=True,
                         job_id=ref.id, task=self.name, exc_info=exc,
                     )  # fmt: skip
-                    back = self._send_back(headers, attempt, earlier_runs | {run_id}, delay)
-                    raise back from exc
+                    raise self._send_back(tickets | {run_id}, attempt, delay, exc) from exc
                 time.sleep(delay)
                 delay = min(delay * 2, 10.0)
-                continue
-            if result.applied and job is not None:
-                return job
-            if job is not None and job.state is State.RUNNING and job.run_id in earlier_runs:
-                return job  # an earlier delivery's gate write did apply: this run is ours
-            self._refuse(ref, job, attempt)
+
+    def _next_write(
+        self,
+        runtime: Runtime,
+        job: Job,
+        attempt: int,
+        run_id: str,
+        tickets: frozenset[str],
+        gate: Transition,
+    ) -> Transition | None:
+        """The write that would let this delivery run ``job`` as read, or ``None``: not ours."""
+        if job.task != self.name or job.attempt != attempt:
+            return None
+        if job.state in gate.expect:
+            return gate  # our earlier write did not apply: try it again
+        if job.state is State.RUNNING and job.run_id in tickets:
+            return Transition(
+                State.RUNNING, frozenset({State.RUNNING}), node=runtime.node,
+                reason="gate: taken over from a delivery sent back", attempt=attempt,
+                task=self.name, run_id=job.run_id, new_run_id=run_id,
+            )  # fmt: skip
+        return None
 
     def _adopt(
         self,
@@ -349,10 +381,15 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
         args: Sequence[Any],
         kwargs: Mapping[str, Any],
     ) -> Job | None:
-        """A message from elsewhere (no headers, no record): create its job as ``RUNNING``."""
+        """A message from elsewhere (no headers, no record): create its job as ``RUNNING``.
+
+        ``None`` if another delivery's create won. A store error propagates:
+        the gate reads back whether this create applied.
+        """
         new = NewJob(
             ref, self.name, State.RUNNING, node=runtime.node, args=list(args),
-            kwargs=dict(kwargs), run_id=run_id, reason="adopted at the gate",
+            kwargs=dict(kwargs), options={dispatch.GATED_OPTION: True}, run_id=run_id,
+            reason="adopted at the gate",
         )  # fmt: skip
         result = runtime.store.create(new)
         if result.created or (result.job is not None and result.job.rev == new.rev):
@@ -361,42 +398,84 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
             return result.job
         return None
 
-    def _refuse(self, ref: JobRef, job: Job | None, attempt: int) -> None:
-        if job is not None and job.task != self.name:
+    def _refuse(
+        self,
+        ref: JobRef,
+        job: Job | None,
+        attempt: int,
+        headers: Mapping[str, Any],
+        delivery_info: Mapping[str, Any],
+    ) -> NoReturn:
+        """Ack the delivery unrun (``Ignore``: no result, no callback), counted and logged.
+
+        A redelivery refused is the gate doing its work (debug). A first
+        delivery refused means a job that will not run through this message,
+        which an operator should see (warning).
+        """
+        if job is None:
+            if dispatch.HEADER_JOB_ID in headers:
+                metrics.event(
+                    "record_lost", f"no record for {ref}, whose message carries our "
+                    "headers: not run (the store lost it)",
+                    level=logging.ERROR, job_id=ref.id, task=self.name,
+                )  # fmt: skip
+            else:
+                metrics.event(
+                    "adoption_lost", f"no record for {ref} after another delivery adopted it: "
+                    "not run", level=logging.WARNING, job_id=ref.id, task=self.name,
+                )  # fmt: skip
+            raise Ignore()
+        if job.task != self.name:
             metrics.event(
                 "gate_conflict", f"message for {ref} as {self.name}, but the record is "
                 f"{job.task}: not run",
                 level=logging.ERROR, job_id=ref.id, task=self.name,
             )  # fmt: skip
             raise Ignore()
-        where = str(job.state) if job is not None else "missing"
-        if job is not None and job.attempt != attempt and not job.terminal:
+        where = str(job.state)
+        if job.attempt != attempt and not job.terminal:
             where = "stale_attempt"
+        first = not delivery_info.get("redelivered") and HEADER_GATE_RUNS not in headers
         metrics.event(
-            "suppressed_duplicate", f"duplicate delivery of {ref} (attempt {attempt}) skipped",
-            level=logging.DEBUG, labels={"where": where}, job_id=ref.id, task=self.name,
+            "suppressed_duplicate",
+            f"{'delivery' if first else 'duplicate delivery'} of {ref} (attempt {attempt}) "
+            f"not run: the job is {job.state} at attempt {job.attempt}",
+            level=logging.WARNING if first else logging.DEBUG, labels={"where": where},
+            job_id=ref.id, task=self.name, first_delivery=first,
         )  # fmt: skip
         raise Ignore()
 
-    def _read_own_run(self, runtime: Runtime, ref: JobRef, run_ids: set[str]) -> Job | None:
-        try:
-            job = runtime.store.get(ref)
-        except exceptions.StoreError:
-            return None
-        if job is not None and job.state is State.RUNNING and job.run_id in run_ids:
-            return job
-        return None
-
     def _send_back(
-        self, headers: Mapping[str, Any], attempt: int, runs: set[str], delay: float
-    ) -> Retry:
-        """Re-publish this delivery unchanged (same attempt) through Celery's retry."""
-        new_headers = {**dict(headers), HEADER_GATE_RUNS: sorted(runs)}
+        self, tickets: frozenset[str], attempt: int, delay: float, exc: BaseException
+    ) -> BaseException:
+        """Re-publish this delivery (same attempt) with its tickets; what the worker must raise.
+
+        Celery's ``retry`` is not used: it counts against ``max_retries`` (a task
+        on its last attempt would get ``MaxRetriesExceededError`` and the
+        delivery would be lost) and starts the next attempt. Returns ``Retry``
+        once the copy is sent; if it cannot be sent, ``Reject(requeue=True)``,
+        which gives the message back to the broker where ``acks_late`` holds it.
+        """
+        request = self.request
+        headers = {**dict(request.headers or {}), **_headers(request)}
+        headers[HEADER_GATE_RUNS] = sorted(tickets)
+        signature = self.signature_from_request(
+            request, countdown=delay, retries=attempt, headers=headers
+        )
         raw = _raw_republish.set(attempt)
         try:
-            return self.retry(countdown=delay, max_retries=None, headers=new_headers, throw=False)
+            signature.apply_async()
+        except Exception as error:  # the broker refused too: hand the message back
+            logger.warning(
+                "gate of %s could not send the delivery back (%s): requeued", request.id, error,
+                extra={"action": "gate_send_back_failed", "job_id": request.id},
+            )  # fmt: skip
+            requeue: BaseException = Reject(exc, requeue=True)
+            return requeue
         finally:
             _raw_republish.reset(raw)
+        sent_back: BaseException = Retry(exc=exc, when=delay, sig=signature)
+        return sent_back
 
     def _finish(
         self, runtime: Runtime, ref: JobRef, run_id: str, state: State, reason: str
@@ -549,15 +628,20 @@ def _deadline(expires: Any, eta: datetime | None) -> datetime | None:
 def _on_revoked(
     sender: Any = None, request: Any = None, terminated: bool = False, **_kw: Any
 ) -> None:
-    """Revoke and ``expires`` end the job ``CANCELLED`` (no redispatch loop)."""
+    """Revoke and ``expires`` end the job ``CANCELLED`` (no redispatch loop).
+
+    Only for the attempt the revoked message carries: an expired copy of an
+    earlier attempt says nothing of the attempt the job is at now.
+    """
     if not isinstance(sender, ExactOnceTask) or request is None:
         return
     runtime = runtime_for(sender.app)
     headers = {**_headers(getattr(request, "request_dict", None) or {}), **_headers(request)}
     ref = dispatch.ref_from_headers(headers, request.id)
+    attempt = int(headers.get(dispatch.HEADER_ATTEMPT, getattr(request, "retries", 0) or 0))
     try:
         job = runtime.store.get(ref)
-        if job is None or job.terminal:
+        if job is None or job.terminal or job.task != sender.name or job.attempt != attempt:
             return
         if job.state is State.RUNNING:
             if not terminated:
@@ -568,7 +652,8 @@ def _on_revoked(
         runtime.store.transition(
             ref,
             Transition(State.CANCELLED, frozenset({job.state}), node=runtime.node,
-                       reason="revoked" if not _kw.get("expired") else "expired", **guard),
+                       reason="revoked" if not _kw.get("expired") else "expired",
+                       attempt=attempt, task=sender.name, **guard),
         )  # fmt: skip
     except exceptions.StoreError as exc:
         logger.warning("could not record the revoke of %s: %s", ref, exc,

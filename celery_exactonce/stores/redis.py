@@ -400,6 +400,7 @@ class RedisStore:
             _opt(jobs.to_micros_opt(request.run_at)),
             _opt(None if request.args is None else _json(request.args)),
             _opt(None if request.kwargs is None else _json(request.kwargs)),
+            _opt(request.task),
         ]  # fmt: skip
         return keys, args
 

@@ -103,11 +103,11 @@ class StoreMachine(RuleBasedStateMachine):
         i=st.integers(0, 3),
         edge=st.sampled_from(EDGES),
         extra=st.sets(st.sampled_from(list(State))),
-        rev=GUARD, attempt=GUARD, run_id=GUARD, fault=FAULTS,
+        rev=GUARD, attempt=GUARD, run_id=GUARD, task=GUARD, fault=FAULTS,
     )  # fmt: skip
     def transition(
         self, i: int, edge: tuple[State, State], extra: set[State], rev: str, attempt: str,
-        run_id: str, fault: str,
+        run_id: str, task: str, fault: str,
     ) -> None:  # fmt: skip
         src, dst = edge
         ref = self.refs[i]
@@ -126,6 +126,7 @@ class StoreMachine(RuleBasedStateMachine):
             rev=guard(rev, current.rev if current else "r", "wrong-rev"),
             attempt=guard(attempt, current.attempt if current else 0, 99),
             run_id=guard(run_id, (current.run_id if current else None) or "x", "wrong-run"),
+            task=guard(task, "tasks.model", "tasks.other"),
             new_run_id=uuid.uuid4().hex if dst is State.RUNNING else None,
             next_attempt=nxt,
             run_at=self._run_at() if dst is State.PENDING else None,
@@ -137,6 +138,7 @@ class StoreMachine(RuleBasedStateMachine):
             and request.rev in (None, current.rev)
             and request.attempt in (None, current.attempt)
             and (request.run_id is None or request.run_id == current.run_id)
+            and request.task in (None, "tasks.model")
         )
         try:
             result = call(fault, lambda: self.store.transition(ref, request))

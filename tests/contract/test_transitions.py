@@ -174,6 +174,44 @@ def test_eight_concurrent_attempts_one_winner(store: StateStore) -> None:
     assert job is not None and job.state is State.RUNNING and len(job.history) == 3
 
 
+def test_a_cas_guarded_by_another_task_name_conflicts(store: StateStore) -> None:
+    """The gate names its task: a message for one task never runs another's job (SCENARIOS 45e)."""
+    ref, _ = _dispatched(store)
+    before = store.get(ref)
+    assert before is not None
+    other = to(State.RUNNING, State.DISPATCHED, attempt=0, task="tasks.other", new_run_id="r")
+    assert store.transition(ref, other).status is TransitionStatus.CONFLICT
+    assert store.get(ref) == before
+    mine = to(State.RUNNING, State.DISPATCHED, attempt=0, task=before.task, new_run_id="r")
+    assert store.transition(ref, mine).applied
+
+
+def test_a_run_is_taken_over_once_from_its_run_id(store: StateStore) -> None:
+    """The gate's take-over, RUNNING(r1) → RUNNING(own run id): eight racers, one winner."""
+    ref, _ = _dispatched(store)
+    assert store.transition(ref, to(State.RUNNING, State.DISPATCHED, new_run_id="r1")).applied
+    barrier = threading.Barrier(8)
+    results: list[TransitionStatus] = []
+    lock = threading.Lock()
+
+    def take_over(i: int) -> None:
+        request = to(State.RUNNING, State.RUNNING, run_id="r1", attempt=0, new_run_id=f"r-{i}")
+        barrier.wait(timeout=10)
+        status = store.transition(ref, request).status
+        with lock:
+            results.append(status)
+
+    threads = [threading.Thread(target=take_over, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert sorted(results) == sorted([TransitionStatus.APPLIED] + [TransitionStatus.CONFLICT] * 7)
+    job = store.get(ref)
+    assert job is not None and job.state is State.RUNNING and job.run_id != "r1"
+    assert store.heartbeat(ref, "r1") is False and store.heartbeat(ref, job.run_id or "")
+
+
 def test_stale_rev_loses_after_expiry_and_recreation(store_factory: StoreFactory) -> None:
     store = store_factory(retention=0.05)
     ref, rev = _dispatched(store, "recycled")

@@ -6,16 +6,16 @@
 --       then per job (ARGS_PER_JOB): member, to, expected states (comma-separated),
 --       node, reason, rev (opt), attempt (opt), run_id (opt), lease token (opt),
 --       stale_for seconds (opt), new rev, new run_id (opt), next_attempt ('1' or '0'),
---       run_at (opt), args JSON (opt), kwargs JSON (opt)
+--       run_at (opt), args JSON (opt), kwargs JSON (opt), task name (opt)
 -- Answer: per job {status[, HGETALL of the record]}
 -- The hot path (beat's DISPATCHED and PUBLISHED writes) is as few commands as it
 -- can be: one read, one write of the record, and the index moves it needs.
-local ARGS_PER_JOB = 16
+local ARGS_PER_JOB = 17
 local retention, brief = tonumber(ARGV[1]), ARGV[2] == '1'
 
 local function transition(key, lease_key, a)
   local cur = redis.call('HMGET', key, 'state', 'rev', 'attempt', 'run_id', 'touched_at',
-                         'fire_time', 'history', 'dispatches', 'terminal_at')
+                         'fire_time', 'history', 'dispatches', 'terminal_at', 'task')
   local state = cur[1]
   if not state then
     return {'not_found'}
@@ -36,6 +36,8 @@ local function transition(key, lease_key, a)
   if ok and rev and cur[2] ~= rev then ok = false end
   if ok and attempt and cur[3] ~= attempt then ok = false end
   if ok and run_id and cur[4] ~= run_id then ok = false end
+  local task = opt(ARGV[a + 16])
+  if ok and task and cur[10] ~= task then ok = false end
   local stale_for = opt(ARGV[a + 9])
   if ok and stale_for and (now - tonumber(cur[5])) / 1000000 < tonumber(stale_for) then
     ok = false
