@@ -5,7 +5,7 @@ with the ``exactonce_`` prefix (``app.conf.exactonce_store_url``); Django
 projects that load Celery settings with ``namespace="CELERY"`` write
 ``CELERY_EXACTONCE_STORE_URL``. :meth:`ExactOnceConfig.from_app` reads them
 once at start-up and refuses anything inconsistent with an error that names
-the setting (DESIGN.md section 5). The config is then passed explicitly to the
+the setting (docs/reference/settings.md). The config is then passed explicitly to the
 store, the scheduler and the reconciler; nothing is set on the app.
 """
 

@@ -2,7 +2,7 @@
 
 Beat, the delayed-job sweeper, the reconciler, Celery retries and
 ``ExactOnceTask.apply_async`` all publish through :class:`Dispatcher` and
-nothing else (DESIGN.md section 4, "Dispatch"):
+nothing else (docs/design/protocol.md, "Dispatch"):
 
 1. CAS ``SCHEDULED → DISPATCHED`` on the job's ``rev``. A write that errors is
    settled by reading back: if the record holds this writer's new ``rev`` the
@@ -121,7 +121,7 @@ def job_idempotency_key(job: Job, namespace: str) -> str:
 
 
 def message_headers(job: Job, namespace: str) -> dict[str, Any]:
-    """The headers every dispatch of ``job`` carries (DESIGN.md section 6)."""
+    """The headers every dispatch of ``job`` carries (docs/design/protocol.md, "Dispatch")."""
     headers: dict[str, Any] = {
         HEADER_JOB_ID: job.ref.id,
         HEADER_ATTEMPT: job.attempt,

@@ -75,7 +75,7 @@ class Space(str, enum.Enum):
     """The key space of a job id.
 
     Beat occurrences and caller-chosen ids never share a key space, so a
-    guessed ``task_id`` can never pre-empt a beat slot (DESIGN.md section 2).
+    guessed ``task_id`` can never pre-empt a beat slot (docs/design/protocol.md, "Jobs").
     """
 
     OCCURRENCE = "o"

@@ -1,6 +1,6 @@
 """The reconciler: settles jobs a crash or a lost message left between states.
 
-DESIGN.md section 4, "Reconciler". One pass, under a token-checked lease
+docs/design/protocol.md, "The reconciler". One pass, under a token-checked lease
 (``exactonce_lease_ttl``, renewed between batches, released at the end), looks
 at the stale jobs of each live state, oldest first, and acts on each with a
 compare-and-swap on the ``rev`` it listed, so a job that moved meanwhile (a

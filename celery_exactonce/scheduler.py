@@ -5,15 +5,15 @@ It reads the ordinary ``beat_schedule``. Every node derives the same nominal
 slots (:mod:`celery_exactonce.slots`), claims each due one with a
 create-if-absent that also checks the store epoch and advances the entry's
 durable watermark, and dispatches the claims it won through the dispatch path
-(DESIGN.md section 4, "Beat").
+(docs/design/protocol.md, "Beat").
 
 Per tick, for each entry whose next slot is due (a heap keyed by next slot:
 the cost follows the due entries, not all of them):
 
 * slots in ``(last settled, store time]`` and within ``window_lookback`` are
   due. Due-ness is judged on the store's clock, never this node's, so a node
-  never claims a slot before ``store time >= fire_time`` (DESIGN allows up to
-  ``max_skew`` early; judging on store time needs no such allowance);
+  never claims a slot before ``store time >= fire_time`` (judging on store
+  time needs no ``max_skew`` allowance for early nodes);
 * a node that has not settled an entry lately (it started, or fell behind)
   starts from the entry's store watermark: what is at or below it was decided
   by whoever claimed it, and is neither planned nor counted again;
@@ -41,7 +41,10 @@ proven unclaimed, so it is skipped and counted, never claimed again:
 * each node re-reads a few of its own recent claims every tick; one that is
   gone while it should still be kept shows a loss the epoch did not (a lagging
   replica keeps an old epoch), and the node moves its floor to
-  ``store time + max_skew``.
+  ``store time + max_skew`` and replaces the epoch, so the other nodes' next
+  claims are refused and their floors move too. What this leaves open (a
+  store that forgot only its last writes, for about one tick) is in
+  docs/design/protocol.md, "Store loss".
 
 Per-entry overrides live under ``options["exactonce"]`` (:class:`EntryPolicy`):
 ``{"catchup": "all", "max_lateness": 600, "deadline": 300}``. Entries added at

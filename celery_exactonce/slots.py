@@ -3,7 +3,7 @@
 A *slot* is an instant at which a schedule fires by definition, independent of
 when any node last ran it, so every beat node derives the same
 ``(entry, fire_time)`` pairs and the store's create-if-absent picks one
-dispatcher per slot (DESIGN §4 "Beat"). Everything here is a pure function of
+dispatcher per slot (docs/design/protocol.md, "Beat"). Everything here is a pure function of
 its arguments: no I/O, no wall clock. Instants in are timezone-aware; slots out
 are aware UTC datetimes.
 
@@ -20,7 +20,7 @@ Supported schedules:
 * ``celery.schedules.solar``: the events Celery's ``solar`` computes with
   ``ephem``, each searched from the UTC midnight of its own day.
 
-DST, for crontab (DESIGN §4): a *fixed-hour* job (the hour field is not all 24
+DST, for crontab: a *fixed-hour* job (the hour field is not all 24
 hours) fires once on both change days: a wall time inside a spring-forward gap
 fires at the first valid instant after the gap (02:30 Europe/Berlin on the last
 Sunday of March fires at 03:00 CEST = 01:00 UTC), and several gap times, or a

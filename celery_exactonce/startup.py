@@ -1,4 +1,4 @@
-"""Start-up validation of a worker or beat node (DESIGN.md section 5).
+"""Start-up validation of a worker or beat node (docs/reference/settings.md).
 
 Each failure stops start-up with a :class:`~celery_exactonce.exceptions.ConfigurationError`
 naming the setting: it is far cheaper to refuse to start than to discover a

@@ -1,4 +1,4 @@
-"""Job states and the transition table of DESIGN.md section 3.
+"""Job states and their transition table (docs/design/protocol.md, "States and transitions").
 
 The table is data, not code: every store checks a requested transition
 against it before touching a record, so no backend can drift from another.
@@ -44,7 +44,7 @@ LIVE = frozenset(State) - TERMINAL
 #: States a job may be created in (∅ → state).
 CREATABLE = frozenset({State.PENDING, State.SCHEDULED, State.RUNNING})
 
-#: Allowed ``from → to`` edges, DESIGN.md section 3. Terminal states have none.
+#: Allowed ``from → to`` edges (docs/design/protocol.md). Terminal states have none.
 ALLOWED: dict[State, frozenset[State]] = {
     State.PENDING: frozenset({State.SCHEDULED, State.CANCELLED}),
     State.SCHEDULED: frozenset(

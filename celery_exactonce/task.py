@@ -1,8 +1,8 @@
 """ExactOnceTask: the worker gate around the body, and submission through the store.
 
 Subclass it (``@app.task(base=ExactOnceTask)``) for the tasks whose body must
-run at most once per attempt whatever the broker redelivers (DESIGN.md
-section 4, "Worker gate"):
+run at most once per attempt whatever the broker redelivers
+(docs/design/protocol.md, "The worker gate"):
 
 * **Submission.** ``apply_async``/``delay`` create the job in the store
   (create-if-absent on the ``task_id``) and publish it through the dispatch
@@ -544,7 +544,7 @@ TASK_TIMEOUTS = ("dispatch_timeout", "dispatch_deadline", "running_timeout")
 
 
 def validate_gated_task(task: Task) -> None:
-    """Refuse settings that would let a gated body run twice (DESIGN.md section 5).
+    """Refuse settings that would let a gated body run twice (start-up validation).
 
     Per-task timeouts must pass the same consistency checks as the settings
     (``dispatch_timeout > replay_age``, ``dispatch_deadline >= dispatch_timeout``,

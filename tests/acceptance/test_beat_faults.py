@@ -49,7 +49,7 @@ CLOCK_RUN = 30
 #: about a third into the measured window.
 JUMP_AFTER = 14
 JUMP = 3600.0
-#: The fourth node's clock steps back this much at the same point (SCENARIOS.md 23).
+#: The fourth node's clock steps back this much at the same point (scenario 23).
 STEP_BACK = -60.0
 
 

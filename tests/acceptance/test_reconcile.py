@@ -5,7 +5,7 @@ after the delayed-job sweep claimed a batch (the batch stays ``SCHEDULED``), or
 right after the ``DISPATCHED`` write of a dispatch chunk, before its
 publishes (that chunk stays ``DISPATCHED`` with no message, the claimed jobs
 behind it ``SCHEDULED``). Another beat's reconciler settles what it left
-(SCENARIOS.md B7, B8, F32): ``SCHEDULED`` jobs are replayed and run once; a
+(scenarios B7, B8, F32): ``SCHEDULED`` jobs are replayed and run once; a
 gated ``DISPATCHED`` job reaches ``TIMEOUT`` at ``dispatch_deadline`` and never
 runs, unless its task opted in to redispatch (``gated_redispatch``): then it
 runs once. Two reconcilers act on each stale job once (H46); a reconciler

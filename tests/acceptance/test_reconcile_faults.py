@@ -1,4 +1,4 @@
-"""The reconciler under faults, in real processes (SCENARIOS.md 47, 49a, 49c, 49d).
+"""The reconciler under faults, in real processes (scenarios 47, 49a, 49c, 49d).
 
 A ``celery beat -S exactonce`` runs the reconciler in its own thread (the
 default ``exactonce_reconcile_on = "beat"``), a real worker runs the gated

@@ -78,7 +78,7 @@ def make_app(
 
     ``tasks`` maps a task name to its attributes; ``gated=False`` in them
     makes a plain Celery task, anything else an ExactOnceTask. The settings and
-    every task's timeouts must pass the start-up checks (DESIGN.md section 5).
+    every task's timeouts must pass the start-up checks (docs/reference/settings.md).
     """
     app = Celery("reconciler-tests", set_as_current=False)
     app.conf.update(exactonce_store_url="memory://", **settings)

@@ -1,7 +1,7 @@
 """Model-based test: random operations and injected faults, the store against a tiny model.
 
 Hypothesis drives each store and an independent model (a few lines of dict
-updates restating DESIGN.md section 3) through random creates, transitions
+updates restating docs/design/protocol.md) through random creates, transitions
 with right and wrong guards, heartbeats and claims. Any call may fail with an
 injected fault, either *before* the request reaches the store or *after* it
 applied (a commit whose answer was lost). The test then does what callers

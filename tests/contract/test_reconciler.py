@@ -46,7 +46,7 @@ DISPATCH_DEADLINE = 0.6
 #: Twelve heartbeat intervals: a live job's heartbeat thread may stall on a loaded machine.
 RUNNING_TIMEOUT = 0.6
 
-#: Small timeouts that still pass the start-up checks of DESIGN section 5
+#: Small timeouts that still pass the start-up checks (docs/reference/settings.md)
 #: (replay_age >= 2 x (tick_interval + publish_timeout + store_timeout) = 0.05 s).
 SETTINGS: dict[str, Any] = {
     "exactonce_tick_interval": 0.005,

@@ -7,11 +7,11 @@ unset it does nothing. Set them on one beat process only
 ``EXACTONCE_ACC_KILL_AT=after_claim``
     right after the delayed-job sweep's ``claim_due`` returned a non-empty
     batch, before any ``DISPATCHED`` write: the batch stays ``SCHEDULED``
-    (SCENARIOS.md B7, F32).
+    (scenarios B7, F32).
 ``EXACTONCE_ACC_KILL_AT=after_dispatched_write``
     right after a ``DISPATCHED`` write of one dispatch chunk applied for at
     least one job, before any of its publishes: the chunk stays ``DISPATCHED``
-    with no message (SCENARIOS.md B8).
+    with no message (scenario B8).
 ``EXACTONCE_ACC_KILL_REASON``
     for ``after_dispatched_write``: the dispatch reason whose write kills
     (default ``sweep``: the delayed-job sweep; ``beat``: beat's slot claims).

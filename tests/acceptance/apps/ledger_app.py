@@ -97,7 +97,7 @@ GATED_TASKS = (
 )
 
 #: Set (``1``): the app registers the gated tasks' names as plain tasks, as a worker
-#: still on code from before the gate would (SCENARIOS.md 65).
+#: still on code from before the gate would (scenario 65).
 NO_GATE = "EXACTONCE_ACC_NO_GATE"
 
 #: With ``EXACTONCE_ACC_BEAT_ENTRIES``, every entry whose index is 3 modulo this runs the
