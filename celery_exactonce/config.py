@@ -18,7 +18,7 @@ import warnings
 from collections.abc import Mapping
 from typing import Any, Literal, cast
 
-from celery_exactonce import exceptions
+from celery_exactonce import exceptions, jobs
 from celery_exactonce.stores import KNOWN_SCHEMES, redact_url, validate_namespace
 
 PREFIX = "exactonce_"
@@ -115,6 +115,15 @@ class ExactOnceConfig:
             )
         if self.signing_key is not None and len(self.signing_key) < 16:
             raise _error("signing_key", "must be at least 16 characters")
+        if self.node_id is not None:
+            try:  # the rules every store applies to the node id of each write
+                jobs.validate_identifier(self.node_id, "node id", jobs.MAX_NAME_LENGTH)
+            except exceptions.InvalidPayload as exc:
+                raise _error(
+                    "node_id",
+                    f"must be 1-{jobs.MAX_NAME_LENGTH} characters, none of them a control "
+                    f"character ({exc})",
+                ) from None
         self._check_consistency()
 
     def _check_consistency(self) -> None:

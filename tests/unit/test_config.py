@@ -59,6 +59,24 @@ def test_bad_settings_name_the_culprit(settings: dict[str, Any], culprit: str) -
     assert culprit in str(info.value)
 
 
+@pytest.mark.parametrize(
+    "node_id",
+    ["node\x07one", "line\nbreak", "tab\there", "n" * 256, ""],
+    ids=["bell", "newline", "tab", "256-characters", "empty"],
+)
+def test_node_id_is_checked_as_the_stores_check_it(node_id: str) -> None:
+    """A node id every store write would refuse is refused at start-up, naming the setting.
+
+    Fails on the code before the fix: ``exactonce_node_id`` was accepted, then
+    every write of the node failed at run time.
+    """
+    with pytest.raises(ConfigurationError) as info:
+        ExactOnceConfig.from_app(app_with(exactonce_node_id=node_id))
+    assert info.value.setting == "exactonce_node_id"
+    assert "exactonce_node_id" in str(info.value)
+    assert ExactOnceConfig.from_app(app_with(exactonce_node_id="n" * 255)).node_id == "n" * 255
+
+
 def test_retention_rule_is_inclusive() -> None:
     config = ExactOnceConfig.from_app(
         app_with(exactonce_retention=306, exactonce_window_lookback=300, exactonce_max_skew=5)
