@@ -76,11 +76,11 @@ from zoneinfo import ZoneInfo
 from celery import beat
 
 from celery_exactonce import config as config_module
-from celery_exactonce import exceptions, jobs, keys, metrics, reconciler, slots
+from celery_exactonce import exceptions, jobs, keys, metrics, reconciler, slots, startup
 from celery_exactonce.dispatch import GATED_OPTION
 from celery_exactonce.jobs import CreateStatus, JobRef, NewJob
 from celery_exactonce.reconciler import RECONCILE_TASK, BeatRunner
-from celery_exactonce.runtime import Runtime, runtime_for
+from celery_exactonce.runtime import Runtime
 from celery_exactonce.states import State
 from celery_exactonce.stores import redact_url
 from celery_exactonce.task import ExactOnceTask
@@ -113,7 +113,8 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
     reconcile_in_thread = True
 
     def __init__(self, app: Any, *args: Any, **kwargs: Any) -> None:
-        self._runtime: Runtime = runtime_for(app)
+        # The start-up checks: a refused setting ends beat here, naming it, before any tick.
+        self._runtime: Runtime = startup.start_beat(app)
         self._config = self._runtime.config
         self._tz = ZoneInfo(str(app.timezone))
         self._epoch: str | None = None
