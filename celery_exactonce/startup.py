@@ -189,7 +189,7 @@ def refuse(role: str, error: BaseException) -> NoReturn:
     """End start-up: one line on stderr, the traceback at debug, :class:`StartupRefused`."""
     metrics.event(
         "startup_refused", f"{role} refused to start: {error}",
-        level=logging.DEBUG, labels={"role": role}, exc_info=error,
+        level=logging.DEBUG, labels={"where": role}, exc_info=error,
     )  # fmt: skip
     try:
         sys.stderr.write(refusal_line(role, error) + "\n")
