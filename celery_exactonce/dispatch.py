@@ -13,6 +13,9 @@ nothing else (docs/design/protocol.md, "Dispatch"):
 3. A failure is *definite* only when nothing can have been sent (the
    connection was refused): CAS back to ``SCHEDULED`` and count a rollback; the
    job is retried later (the reconciler replays stale ``SCHEDULED`` jobs).
+   A message that cannot be built (an option ``send_task`` refuses, a payload
+   that does not encode) fails before anything is sent: definite and
+   permanent, the job ends ``FAILED`` with the reason.
    Anything else is *ambiguous*: the job stays ``DISPATCHED`` and is counted;
    a second copy, if one is ever published, is stopped by the worker gate.
 4. A plain job (no gate) ends ``PUBLISHED`` once its publish returned.
@@ -26,6 +29,7 @@ import enum
 import errno
 import heapq
 import logging
+import os
 import socket
 import threading
 import time
@@ -45,6 +49,13 @@ GATED_OPTION = "exactonce_gated"
 
 #: Stored job options that are ours and never go to ``send_task``.
 INTERNAL_OPTIONS = frozenset({GATED_OPTION})
+
+#: Options the dispatch path passes to ``send_task`` itself (or that name a
+#: process-local object): a job or beat entry that sets one is refused.
+RESERVED_OPTIONS = frozenset(
+    {"args", "kwargs", "task_id", "producer", "retries", "retry", "name", "connection",
+     "router", "result_cls", "publisher"}
+)  # fmt: skip
 
 HEADER_JOB_ID = "exactonce_job_id"
 HEADER_ATTEMPT = "exactonce_attempt"
@@ -141,6 +152,46 @@ def ref_from_headers(headers: Mapping[str, Any], task_id: str) -> JobRef:
     return JobRef.task(job_id)
 
 
+def check_options(options: Mapping[str, Any], *, context: str) -> None:
+    """Refuse publish options the dispatch path cannot pass on; ``InvalidPayload`` naming it.
+
+    ``send_task`` keywords the dispatch sets itself (``retry``: kombu's publish
+    retry is always off; ``retries``: the job's attempt; ``task_id``...) and a
+    ``headers`` that is not a dict of string keys. Whether each value can be
+    stored as JSON is checked when the job is built (:class:`~celery_exactonce.jobs.NewJob`).
+    """
+    reserved = sorted(RESERVED_OPTIONS.intersection(options))
+    if reserved:
+        raise exceptions.InvalidPayload(
+            f"{context}: option {reserved[0]!r} cannot be set: the dispatch path sets it itself "
+            f"(options it refuses: {', '.join(sorted(RESERVED_OPTIONS))})"
+        )
+    headers = options.get("headers")
+    if headers is not None and (
+        not isinstance(headers, Mapping) or not all(isinstance(k, str) for k in headers)
+    ):
+        raise exceptions.InvalidPayload(
+            f"{context}: option 'headers' must be a dict with string keys, "
+            f"got {type(headers).__name__}"
+        )
+
+
+def _reached_the_transport(exc: BaseException) -> bool:
+    """Whether ``exc`` was raised once kombu was handing the message over (``Producer._publish``).
+
+    An error raised before that (Celery building the message, a keyword
+    ``send_task`` refuses) cannot have sent anything.
+    """
+    messaging = os.path.join("kombu", "messaging.py")
+    tb = exc.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if code.co_name == "_publish" and code.co_filename.endswith(messaging):
+            return True
+        tb = tb.tb_next
+    return False
+
+
 def connection_refused(exc: BaseException) -> bool:
     """Whether ``exc`` (or what caused it) is a refused or unresolvable connect.
 
@@ -221,17 +272,31 @@ class CeleryPublisher:
             ) from exc
 
     def __call__(self, job: Job, headers: Mapping[str, Any], extra: Mapping[str, Any]) -> None:
-        options = {k: v for k, v in {**job.options, **extra}.items() if k not in INTERNAL_OPTIONS}
-        options["headers"] = {**dict(options.get("headers") or {}), **headers}
-        if job.deadline is not None:
-            options["expires"] = job.deadline
-        if self.timeout is not None:
-            options.setdefault("timeout", self.timeout)
+        try:
+            options = self._options(job, headers, extra)
+        except (TypeError, ValueError) as exc:  # before anything is sent
+            raise PublishFailed(
+                f"cannot build the message: {exc}", definite=True, permanent=True
+            ) from exc
         if getattr(self._local, "producer", None) is None:
             with self.batch():
                 self._publish(job, options)
         else:
             self._publish(job, options)
+
+    def _options(
+        self, job: Job, headers: Mapping[str, Any], extra: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        """The ``send_task`` options of one publish: stored ones decoded, ours added."""
+        options = {k: v for k, v in {**job.options, **extra}.items() if k not in INTERNAL_OPTIONS}
+        check_options(options, context=f"job {job.ref}")
+        options = dict(jobs.decode_payload(options))
+        options["headers"] = {**dict(options.get("headers") or {}), **headers}
+        if job.deadline is not None:
+            options["expires"] = job.deadline
+        if self.timeout is not None:
+            options.setdefault("timeout", self.timeout)
+        return options
 
     def _publish(self, job: Job, options: dict[str, Any]) -> None:
         """Send (or buffer) on the batch's producer; connect first if nothing was sent on it yet.
@@ -254,11 +319,23 @@ class CeleryPublisher:
             local.buffer = buffer
         try:
             self.app.send_task(
-                job.task, args=job.args, kwargs=job.kwargs, task_id=job.ref.id,
+                job.task, args=jobs.decode_payload(job.args),
+                kwargs=jobs.decode_payload(job.kwargs), task_id=job.ref.id,
                 producer=local.producer, retries=job.attempt, retry=False, **options,
             )  # fmt: skip
         except EncodeError as exc:
             raise PublishFailed(f"cannot encode: {exc}", definite=True, permanent=True) from exc
+        except (TypeError, ValueError) as exc:
+            if _reached_the_transport(exc):
+                local.checked = False
+                raise PublishFailed(str(exc), definite=connection_refused(exc)) from exc
+            # Celery could not build the message from the stored job: nothing was sent,
+            # and no later try would build it either.
+            raise PublishFailed(
+                f"cannot build the message: {type(exc).__name__}: {exc}",
+                definite=True,
+                permanent=True,
+            ) from exc
         except Exception as exc:
             local.checked = False
             raise PublishFailed(str(exc), definite=connection_refused(exc)) from exc

@@ -9,6 +9,14 @@ implementation and the Redis Lua scripts have one reference to agree with
 
 Times are timezone-aware UTC :class:`~datetime.datetime` values at microsecond
 precision; stores keep them as integer microseconds since the UNIX epoch.
+
+Payloads (args, kwargs, options) are stored as JSON. A value that plain JSON
+cannot hold but kombu's JSON serializer can (``datetime``, ``date``, ``time``,
+``Decimal``, ``UUID``, ``bytes``) is stored in kombu's own encoding (an object
+``{"__type__": ..., "__value__": ...}``), and :func:`decode_payload` turns it
+back into the value before it is published: the worker gets exactly what plain
+Celery would have sent. Free text we store (reasons) is made storable on every
+backend by :func:`sanitize_text`.
 """
 
 from __future__ import annotations
@@ -21,6 +29,8 @@ import uuid
 from collections.abc import Mapping, Sequence
 from datetime import datetime, timezone
 from typing import Any
+
+from kombu.utils import json as kombu_json
 
 from celery_exactonce import exceptions
 from celery_exactonce.states import (
@@ -240,6 +250,7 @@ class NewJob:
         validate_identifier(self.node, "node id", MAX_NAME_LENGTH)
         validate_identifier(self.rev, "rev", MAX_NAME_LENGTH)
         validate_reason(self.reason)
+        object.__setattr__(self, "reason", sanitize_text(self.reason))
         if self.state not in CREATABLE:
             raise exceptions.InvalidPayload(
                 f"a job cannot be created in state {self.state}; "
@@ -266,10 +277,13 @@ class NewJob:
                 object.__setattr__(self, name, require_aware(value, name))
         # Freeze the payload as JSON now: a payload that cannot be stored fails
         # here, before anything is written.
-        object.__setattr__(self, "args", list(self.args))
-        object.__setattr__(self, "kwargs", dict(self.kwargs))
-        object.__setattr__(self, "options", dict(self.options))
-        encode_payload(self.payload, context=str(self.ref))
+        payload = storable_payload(
+            {"args": list(self.args), "kwargs": dict(self.kwargs), "options": dict(self.options)},
+            context=str(self.ref),
+        )
+        object.__setattr__(self, "args", list(payload["args"]))
+        object.__setattr__(self, "kwargs", dict(payload["kwargs"]))
+        object.__setattr__(self, "options", dict(payload["options"]))
 
     @property
     def payload(self) -> dict[str, Any]:
@@ -373,12 +387,15 @@ class Transition:
             object.__setattr__(self, "run_at", require_aware(self.run_at, "run_at"))
         if (self.args is not None or self.kwargs is not None) and not self.next_attempt:
             raise exceptions.InvalidPayload("args/kwargs change only with the next attempt")
-        if self.args is not None:
-            object.__setattr__(self, "args", list(self.args))
-        if self.kwargs is not None:
-            object.__setattr__(self, "kwargs", dict(self.kwargs))
         if self.args is not None or self.kwargs is not None:
-            encode_payload({"args": self.args, "kwargs": self.kwargs}, context="transition")
+            payload = storable_payload(
+                {"args": list(self.args or ()), "kwargs": dict(self.kwargs or {})},
+                context="transition",
+            )
+            if self.args is not None:
+                object.__setattr__(self, "args", list(payload["args"]))
+            if self.kwargs is not None:
+                object.__setattr__(self, "kwargs", dict(payload["kwargs"]))
         if self.stale_for is not None and self.stale_for < 0:
             raise exceptions.InvalidPayload("stale_for must be >= 0 seconds")
         if self.task is not None:
@@ -386,6 +403,7 @@ class Transition:
         validate_identifier(self.node, "node id", MAX_NAME_LENGTH)
         validate_identifier(self.new_rev, "rev", MAX_NAME_LENGTH)
         validate_reason(self.reason)
+        object.__setattr__(self, "reason", sanitize_text(self.reason))
 
 
 class TransitionStatus(str, enum.Enum):
@@ -482,24 +500,98 @@ def job_from_new(new: NewJob, now: datetime) -> Job:
 # -- encoding ----------------------------------------------------------------------------
 
 
-def encode_payload(payload: Mapping[str, Any], *, context: str) -> str:
-    """Canonical JSON for a payload; raises :class:`InvalidPayload` naming the culprit."""
+class _KombuEncoder(kombu_json.JSONEncoder):
+    """kombu's JSON encoder, noting whether it met a value plain JSON cannot hold."""
+
+    typed = False
+
+    def default(self, o: Any) -> Any:
+        self.typed = True
+        return super().default(o)  # type: ignore[no-untyped-call]  # kombu is untyped
+
+
+def _encode(value: Any) -> tuple[str, bool]:
+    """Canonical JSON of ``value`` as kombu's serializer writes it; whether a value was typed."""
+    encoder = _KombuEncoder(sort_keys=True, separators=(",", ":"), allow_nan=False)
+    text = encoder.encode(value)
+    if _TYPE_MARKER in text:  # a value kombu marks (or a look-alike): it must decode back
+        try:
+            kombu_json.loads(text)  # type: ignore[no-untyped-call]
+        except Exception as exc:
+            raise ValueError(
+                f'an object with "__type__" and "__value__" keys that kombu cannot decode '
+                f"(a worker could not read the message): {exc}"
+            ) from exc
+    return text, encoder.typed
+
+
+_TYPE_MARKER = '"__type__"'
+
+
+def _encode_payload(payload: Mapping[str, Any], context: str) -> tuple[str, bool]:
     try:
-        text = json.dumps(payload, sort_keys=True, separators=(",", ":"), allow_nan=False)
-    except (TypeError, ValueError) as error:
+        text, typed = _encode(payload)
+    except (TypeError, ValueError, OverflowError) as error:
         for field, value in payload.items():  # which field: the error names no culprit
             try:
-                json.dumps(value, sort_keys=True, allow_nan=False)
-            except (TypeError, ValueError) as exc:
+                _encode(value)
+            except (TypeError, ValueError, OverflowError) as exc:
                 raise exceptions.InvalidPayload(
                     f"{context}: {field} cannot be stored as JSON: {exc}"
                 ) from exc
         raise exceptions.InvalidPayload(f"{context}: cannot be stored as JSON: {error}") from error
-    if len(text.encode()) > MAX_PAYLOAD_BYTES:
+    size = len(text.encode("utf-8", "surrogatepass"))
+    if size > MAX_PAYLOAD_BYTES:
         raise exceptions.InvalidPayload(
-            f"{context}: payload is {len(text.encode())} bytes, over {MAX_PAYLOAD_BYTES}"
+            f"{context}: payload is {size} bytes, over {MAX_PAYLOAD_BYTES}"
         )
-    return text
+    return text, typed
+
+
+def encode_payload(payload: Mapping[str, Any], *, context: str) -> str:
+    """Canonical JSON for a payload; raises :class:`InvalidPayload` naming the culprit.
+
+    Values kombu's JSON serializer carries (``datetime``, ``Decimal``, ``UUID``,
+    ``bytes``...) are written as kombu writes them; anything else plain JSON
+    cannot hold (an arbitrary object, ``NaN``) is refused.
+    """
+    return _encode_payload(payload, context)[0]
+
+
+def storable_payload(payload: Mapping[str, Any], *, context: str) -> dict[str, Any]:
+    """``payload`` as it is stored: plain JSON values, kombu-typed ones in kombu's encoding.
+
+    Raises :class:`InvalidPayload` naming the culprit if it cannot be stored. A
+    payload of plain JSON values is returned as it is (no copy).
+    """
+    text, typed = _encode_payload(payload, context)
+    if not typed:
+        return dict(payload)
+    return dict(json.loads(text))
+
+
+def decode_payload(value: Any) -> Any:
+    """A stored payload value with kombu's typed values decoded: what ``send_task`` gets.
+
+    The inverse of :func:`storable_payload`; what a plain Celery worker would
+    decode from the same JSON. A value with nothing to decode is returned as is.
+    """
+    if isinstance(value, dict):
+        decoded = {key: decode_payload(item) for key, item in value.items()}
+        if decoded.keys() == _TYPE_KEYS:
+            return kombu_json.object_hook(decoded)
+        if all(decoded[key] is item for key, item in value.items()):
+            return value
+        return decoded
+    if isinstance(value, (list, tuple)):
+        items = [decode_payload(item) for item in value]
+        if all(new is old for new, old in zip(items, value, strict=True)):
+            return value
+        return items if isinstance(value, list) else tuple(items)
+    return value
+
+
+_TYPE_KEYS = frozenset({"__type__", "__value__"})
 
 
 def job_to_json(job: Job) -> dict[str, Any]:
@@ -591,7 +683,11 @@ def require_aware(value: datetime, name: str) -> datetime:
     return value.astimezone(timezone.utc)
 
 
-_CONTROL = re.compile("[\x00-\x1f\x7f]")
+_CONTROL = re.compile("[\x00-\x1f\x7f\ud800-\udfff]")
+#: What not every backend stores in a text column: NUL and the other C0 controls but
+#: tab, newline and carriage return, DEL, and lone surrogates (a non-UTF-8 file name
+#: decoded with surrogateescape).
+_UNSTORABLE = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f\ud800-\udfff]")
 
 
 def validate_identifier(value: object, what: str, max_length: int) -> None:
@@ -603,9 +699,25 @@ def validate_identifier(value: object, what: str, max_length: int) -> None:
     if len(value) > max_length:
         raise exceptions.InvalidPayload(f"{what} {value[:40]!r}… is over {max_length} characters")
     if _CONTROL.search(value):
-        raise exceptions.InvalidPayload(f"{what} {value!r} contains control characters")
+        raise exceptions.InvalidPayload(
+            f"{what} {value!r} contains control characters or lone surrogates"
+        )
 
 
 def validate_reason(reason: object) -> None:
-    if not isinstance(reason, str) or len(reason) > MAX_REASON_LENGTH:
-        raise exceptions.InvalidPayload(f"reason must be a string of at most {MAX_REASON_LENGTH}")
+    if not isinstance(reason, str):
+        raise exceptions.InvalidPayload(f"reason must be a string, got {type(reason).__name__}")
+
+
+def sanitize_text(text: str, max_length: int = MAX_REASON_LENGTH) -> str:
+    """``text`` as every store can hold it: unstorable characters replaced, length capped.
+
+    NUL and the other control characters but tab, newline and carriage return, and lone
+    surrogates, become U+FFFD; text over ``max_length`` characters is cut and
+    ends with an ellipsis. Used for every reason written to a record, so a
+    completion whose exception message holds such characters is still recorded.
+    """
+    clean = _UNSTORABLE.sub("\ufffd", text)
+    if len(clean) > max_length:
+        clean = clean[: max_length - 1] + "…"
+    return clean

@@ -46,6 +46,21 @@ proven unclaimed, so it is skipped and counted, never claimed again:
   store that forgot only its last writes, for about one tick) is in
   docs/design/protocol.md, "Store loss".
 
+Every entry is checked when beat starts (and when one is added at run time):
+its name, task name, arguments and options must make a job the store can
+hold and ``send_task`` can publish. A bad entry is refused with a
+:class:`~celery_exactonce.exceptions.ConfigurationError` naming it, so beat
+does not start with it (rather than dying at its first due slot on every
+node). Arguments kombu's JSON serializer carries (``datetime``, ``Decimal``,
+``UUID``, ``bytes``...) are stored in kombu's encoding and published as
+plain Celery publishes them.
+
+Two apps on one namespace that define one entry name differently (another
+task, other arguments) compete for the same slots, and only the winner's
+job runs: a node that finds a slot claimed by a record that is not its
+entry's logs a ``claim_conflict`` warning (at most once per entry every
+:data:`CONFLICT_RECHECK` seconds).
+
 Per-entry overrides live under ``options["exactonce"]`` (:class:`EntryPolicy`):
 ``{"catchup": "all", "max_lateness": 600, "deadline": 300}``. Entries added at
 run time through Celery's ``Scheduler.add`` or ``update_from_dict`` join the
@@ -77,7 +92,7 @@ from celery import beat
 
 from celery_exactonce import config as config_module
 from celery_exactonce import exceptions, jobs, keys, metrics, reconciler, slots, startup
-from celery_exactonce.dispatch import GATED_OPTION
+from celery_exactonce.dispatch import GATED_OPTION, check_options
 from celery_exactonce.jobs import CreateStatus, JobRef, NewJob
 from celery_exactonce.reconciler import RECONCILE_TASK, BeatRunner
 from celery_exactonce.runtime import Runtime
@@ -98,6 +113,10 @@ SWEEP_MAX_BATCHES = 20
 #: This node's recent claims kept for the store-loss re-check, and how many each tick re-reads.
 RECENT_CLAIMS = 1024
 RECHECK_PER_TICK = 8
+#: Seconds (store time) before an entry whose slot was found claimed is compared
+#: again with the record that holds it, and how many records a tick reads for that.
+CONFLICT_RECHECK = 600.0
+CONFLICT_CHECKS_PER_TICK = 8
 
 
 def occurrence_id(namespace: str, entry: str, fire_time: datetime) -> str:
@@ -134,6 +153,7 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
             maxlen=RECENT_CLAIMS
         )
         self._due: list[tuple[datetime, str]] = []
+        self._conflict_checked: dict[str, datetime] = {}
         self._heap_ready = False
         self._in_tick = False
         self._stop_requested = False
@@ -147,10 +167,30 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
         self.merge_inplace({**self.app.conf.beat_schedule, **self._internal_entries()})
         now = self._runtime.store.now()
         for name, entry in self.schedule.items():
-            slots.validate_schedule(name, entry.schedule, self._tz, at=now)
-            self._policies[name] = EntryPolicy.of(name, entry, self._config)
+            self._validate(name, entry, now)
         self._due = []
         self._heap_ready = False
+
+    def _validate(self, name: str, entry: Any, now: datetime) -> None:
+        """Check ``entry`` as beat will use it; :class:`ConfigurationError` naming it.
+
+        Its schedule, its ``exactonce`` policy, its options (none that the
+        dispatch path sets itself, ``headers`` a dict), and the job of a slot:
+        name, task name and payload storable (what kombu's JSON carries).
+        """
+        label = f"beat entry {_label(name)}"
+        if not isinstance(name, str):
+            raise exceptions.ConfigurationError(f"{label}: the name must be a string",
+                                                setting="beat_schedule")  # fmt: skip
+        slots.validate_schedule(name, entry.schedule, self._tz, at=now)
+        self._policies[name] = EntryPolicy.of(name, entry, self._config)
+        options = {k: v for k, v in (entry.options or {}).items() if k != ENTRY_OPTIONS}
+        try:
+            check_options(options, context=label)
+            self._occurrence(name, entry, now)
+        except exceptions.InvalidPayload as exc:
+            message = str(exc) if str(exc).startswith(label) else f"{label}: {exc}"
+            raise exceptions.ConfigurationError(message, setting="beat_schedule") from exc
 
     def _internal_entries(self) -> dict[str, Any]:
         """The reconciler's entry: one pass per ``reconcile_interval`` across all nodes."""
@@ -163,23 +203,42 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
         }
 
     def add(self, **kwargs: Any) -> Any:
-        """Celery's ``Scheduler.add``: the new entry joins the due heap."""
+        """Celery's ``Scheduler.add``: the new entry joins the due heap.
+
+        A bad entry raises :class:`ConfigurationError` naming it; the schedule
+        keeps the entry it had under that name, if any.
+        """
+        name = kwargs.get("name")
+        previous = dict(self.schedule)
         entry = super().add(**kwargs)
-        self._changed([entry.name])
+        self._changed([entry.name if name is None else name], previous)
         return entry
 
     def update_from_dict(self, dict_: dict[str, Any]) -> None:
-        """Celery's ``Scheduler.update_from_dict``: changed entries join the due heap."""
-        super().update_from_dict(dict_)
-        self._changed(list(dict_))
+        """Celery's ``Scheduler.update_from_dict``: changed entries join the due heap.
 
-    def _changed(self, names: list[str]) -> None:
-        """Entries added or replaced at run time: validate them, rebuild the heap next tick."""
+        If any of them is bad, :class:`ConfigurationError` names it and the
+        schedule is left as it was.
+        """
+        previous = dict(self.schedule)
+        super().update_from_dict(dict_)
+        self._changed(list(dict_), previous)
+
+    def _changed(self, names: list[str], previous: dict[str, Any]) -> None:
+        """Entries added or replaced at run time: validate them, rebuild the heap next tick.
+
+        A bad one puts ``previous`` back (entries and their policies) and raises.
+        """
         now = datetime.now(timezone.utc)
-        for name in names:
-            entry = self.schedule[name]
-            slots.validate_schedule(name, entry.schedule, self._tz, at=now)
-            self._policies[name] = EntryPolicy.of(name, entry, self._config)
+        policies = dict(self._policies)
+        try:
+            for name in names:
+                self._validate(name, self.schedule[name], now)
+        except exceptions.ConfigurationError:
+            self.schedule.clear()
+            self.schedule.update(previous)
+            self._policies = policies
+            raise
         self._heap_ready = False
 
     @property
@@ -476,6 +535,7 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
                 )  # fmt: skip
         won: list[jobs.Job] = []
         lost: list[tuple[_Plan, NewJob]] = []
+        taken: list[tuple[NewJob, jobs.Job | None]] = []
         for (plan, new), result in zip(provable, results, strict=True):
             if result is None:
                 plan.failed.append(_fire(new))
@@ -493,9 +553,57 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
                     "%s at %s already claimed (%s)", plan.name, new.fire_time, result.status.value,
                     extra={"action": "slot_already_claimed", "entry": plan.name},
                 )  # fmt: skip
+                if result.status is CreateStatus.EXISTS:
+                    taken.append((new, result.job))
         if lost:
             self._store_lost(lost)
+        if taken:
+            self._check_conflicts(taken, now)
         return won
+
+    def _check_conflicts(self, taken: list[tuple[NewJob, jobs.Job | None]], now: datetime) -> None:
+        """Compare slots found claimed with this node's entries; report another definition.
+
+        Each entry is compared at most once every :data:`CONFLICT_RECHECK`
+        seconds, and at most :data:`CONFLICT_CHECKS_PER_TICK` records are read
+        per tick (a brief claim answers without the record).
+        """
+        reads = 0
+        for new, found in taken:
+            record = found
+            entry = _fire_entry(new)
+            checked = self._conflict_checked.get(entry)
+            if checked is not None and (now - checked).total_seconds() < CONFLICT_RECHECK:
+                continue
+            if record is None:
+                if reads >= CONFLICT_CHECKS_PER_TICK:
+                    continue
+                reads += 1
+                try:
+                    record = self._runtime.store.get(new.ref)
+                except exceptions.StoreError:
+                    continue  # compared on a later tick
+                if record is None:
+                    continue  # purged meanwhile
+            self._conflict_checked[entry] = now
+            mine = (new.task, new.args, new.kwargs)
+            if (record.task, record.args, record.kwargs) != mine:
+                self._report_conflict(new, record)
+
+    def _report_conflict(self, new: NewJob, record: jobs.Job) -> None:
+        entry = _fire_entry(new)
+        what = (
+            f"task {record.task} instead of {new.task}"
+            if record.task != new.task
+            else f"task {record.task} with other arguments"
+        )
+        metrics.event(
+            "claim_conflict", f"beat entry {entry!r}: the slot {_fire(new).isoformat()} was "
+            f"claimed as {what} (node {record.node}): another app defines this entry name "
+            "differently on this namespace, and this node's job does not run",
+            level=logging.WARNING, entry=entry, job_id=new.ref.id, task=new.task,
+            claimed_task=record.task, claimed_by=record.node,
+        )  # fmt: skip
 
     def _store_lost(self, lost: list[tuple[_Plan, NewJob]]) -> None:
         """Claims refused for an epoch mismatch: skip them, count, and adopt the new epoch."""
@@ -613,6 +721,18 @@ _WHY = {
     "unprovable": "at or before the store epoch's birth + max_skew: a new (or wiped) store",
     "store_loss": "store loss: unprovable",
 }
+
+
+def _label(name: object) -> str:
+    """An entry name for a message: its repr, cut short if long."""
+    text = repr(name)
+    return text if len(text) <= 60 else f"{text[:40]}…"
+
+
+def _fire_entry(new: NewJob) -> str:
+    """An occurrence's entry name (every claim beat builds has one)."""
+    assert new.entry is not None  # noqa: S101
+    return new.entry
 
 
 def _fire(new: NewJob) -> datetime:

@@ -143,8 +143,10 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
         options: dict[str, Any],
     ) -> Any:
         runtime = runtime_for(self.app)
+        self._check_arguments(args, kwargs)
         task_id = task_id or str(uuid.uuid4())
         stored = _storable_options(options)
+        dispatch.check_options(stored, context=f"{self.name}.apply_async")
         for name, value in (("link", link), ("link_error", link_error)):
             if value is not None:
                 stored[name] = [dict(s) for s in (value if isinstance(value, list) else [value])]
@@ -165,6 +167,20 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
             # whose publish was rolled back: the CAS on its rev lets one dispatch win.
             runtime.dispatcher.dispatch(job, reason="apply_async")
         return self.AsyncResult(task_id)
+
+    def _check_arguments(
+        self, args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None
+    ) -> None:
+        """Celery's own check that the call matches the task's signature (``TypeError``).
+
+        ``Task.apply_async`` runs it when ``typing`` is on; a submission that
+        skipped it would store, and run, a call the body cannot take.
+        """
+        if not self.typing:
+            return
+        check = getattr(self, "__header__", None)
+        if check is not None:
+            check(*(args or ()), **(kwargs or {}))
 
     def _create(self, runtime: Runtime, new: NewJob) -> Job:
         try:

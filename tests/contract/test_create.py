@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
+import uuid
+from datetime import datetime, timedelta, timezone
+from decimal import Decimal
 
 import pytest
 
-from celery_exactonce import exceptions
+from celery_exactonce import exceptions, jobs
 from celery_exactonce.jobs import CreateStatus, JobRef, NewJob, Space, epoch_born
 from celery_exactonce.states import State
 from celery_exactonce.stores.base import StateStore
@@ -30,6 +32,24 @@ def test_create_then_read_back(store: StateStore) -> None:
     assert job.node == NODE and job.dispatches == 0 and job.terminal_at is None
     assert [(h.src, h.dst, h.rev) for h in job.history] == [(None, State.SCHEDULED, new.rev)]
     assert abs(job.created_at - store.now()) < timedelta(seconds=5)
+
+
+def test_kombu_typed_arguments_are_stored_and_read_back_as_kombu_encodes_them(
+    store: StateStore,
+) -> None:
+    """datetime, Decimal, UUID and bytes arguments, which plain Celery's JSON carries.
+
+    Fails before the fix: ``InvalidPayload`` (not JSON), so a beat entry or an
+    ``apply_async`` with such an argument could not be stored.
+    """
+    args = (datetime(2026, 1, 2, 3, 4, 5, 6, tzinfo=timezone.utc), Decimal("0.10"), b"\xff\x00")
+    kwargs = {"id": uuid.UUID(int=7), "naive": datetime(2026, 1, 2), "text": "ü"}
+    new = task_job(args=args, kwargs=kwargs)
+    assert store.create(new).created
+    job = store.get(new.ref)
+    assert job is not None and (job.args, job.kwargs) == (new.args, new.kwargs)
+    assert jobs.decode_payload(job.args) == list(args)
+    assert jobs.decode_payload(job.kwargs) == kwargs
 
 
 def test_second_create_reports_existing(store: StateStore) -> None:

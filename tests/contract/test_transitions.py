@@ -245,6 +245,29 @@ def test_op_id_reads_back_after_an_unknown_outcome(store: StateStore) -> None:
     assert not job.applied(uuid.uuid4().hex)
 
 
+def test_a_reason_with_unencodable_text_is_stored_sanitised(store: StateStore) -> None:
+    """A completion reason holding a lone surrogate and a NUL still applies.
+
+    Fails before the fix: ``UnicodeEncodeError`` (PostgreSQL, SQLite) or
+    ``InvalidPayload`` (Redis) from the write, so the job stayed ``RUNNING``.
+    """
+    name = b"report-\xff.csv".decode("utf-8", "surrogateescape")  # a non-UTF-8 file name
+    reason = f"FileNotFoundError: [Errno 2] No such file: {name!s}\x00\nsee log"
+    new = task_job(state=State.RUNNING)
+    store.create(new)
+    request = Transition(
+        State.FAILED, frozenset({State.RUNNING}), node=NODE, reason=reason, run_id=new.run_id
+    )
+    result = store.transition(new.ref, request)
+    assert result.applied
+    job = store.get(new.ref)
+    assert job is not None and job.state is State.FAILED
+    assert (
+        job.reason == "FileNotFoundError: [Errno 2] No such file: report-\ufffd.csv\ufffd\nsee log"
+    )
+    assert job.history[-1].reason == job.reason
+
+
 def test_heartbeat_touches_without_changing_rev(store: StateStore) -> None:
     ref, _ = _dispatched(store)
     job = store.transition(ref, to(State.RUNNING, State.DISPATCHED, attempt=0, new_run_id="r")).job
