@@ -189,7 +189,10 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
             check_options(options, context=label)
             self._occurrence(name, entry, now)
         except exceptions.InvalidPayload as exc:
-            message = str(exc) if str(exc).startswith(label) else f"{label}: {exc}"
+            text = str(exc)
+            if text.startswith(f"{jobs.Space.OCCURRENCE}:"):  # the probe job's id: noise here
+                text = text.partition(": ")[2]
+            message = text if text.startswith(label) else f"{label}: {text}"
             raise exceptions.ConfigurationError(message, setting="beat_schedule") from exc
 
     def _internal_entries(self) -> dict[str, Any]:

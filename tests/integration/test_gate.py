@@ -12,7 +12,8 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
+from decimal import Decimal
 from typing import Any
 
 import pytest
@@ -39,6 +40,13 @@ from tests.contract.helpers import poll
 from tests.contract.reconciling import put
 
 LEDGER: list[tuple[str, str, int, Any]] = []
+#: A file name that is not UTF-8, as ``os.listdir`` decodes it (lone surrogates).
+NON_UTF8_NAME = b"report-\xff.csv".decode("utf-8", "surrogateescape")
+#: Values kombu's JSON carries and plain JSON does not (issue 12 of the tracker).
+TYPED_ARGS = (
+    b"\x00\xffraw", datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone.utc), uuid.UUID(int=42),
+    Decimal("19.99"),
+)  # fmt: skip
 LOCK = threading.Lock()
 
 
@@ -152,6 +160,15 @@ def make_app() -> Celery:
     @app.task(base=ExactOnceTask, shared=False, bind=True, name="t.other")
     def other(self: Any) -> None:
         record(self)
+
+    @app.task(base=ExactOnceTask, shared=False, bind=True, name="t.echo")
+    def echo(self: Any, *args: Any, **kwargs: Any) -> None:
+        record(self, args, kwargs)
+
+    @app.task(base=ExactOnceTask, shared=False, bind=True, name="t.badname")
+    def badname(self: Any) -> None:
+        record(self)
+        raise OSError(f"cannot read {NON_UTF8_NAME}")
 
     return app
 
@@ -492,3 +509,33 @@ def test_cancel_before_run_at_never_runs(app: Celery) -> None:
     assert runs(result.id) == []
     assert cancel(later.id, app=app) is False  # dispatched and done: not cancellable
     assert cancel("never-submitted", app=app) is False
+
+
+def test_a_failure_whose_message_cannot_be_stored_still_ends_failed(app: Celery) -> None:
+    """A body raising with a non-UTF-8 file name in its message (issue 11 item 14).
+
+    Fails before the fix: the reason went to the store as it was (PostgreSQL,
+    SQLite and Redis refuse it: the job stayed RUNNING until its timeout).
+    """
+    result = app.tasks["t.badname"].delay()
+    poll(lambda: job_state(app, result.id) is State.FAILED)
+    job = store_of(app).get(JobRef.task(result.id))
+    assert job is not None
+    assert job.reason == "OSError: cannot read report-\ufffd.csv"
+    # The task's own exception is what Celery records
+    poll(lambda: result.state == "FAILURE")
+    assert isinstance(result.result, OSError) and NON_UTF8_NAME in str(result.result)
+
+
+def test_kombu_typed_arguments_reach_the_body_as_plain_celery_sends_them(app: Celery) -> None:
+    """bytes, datetime, UUID and Decimal arguments of ``apply_async``.
+
+    Fails before the fix: ``InvalidPayload`` from ``apply_async`` (not JSON).
+    """
+    result = app.tasks["t.echo"].apply_async(TYPED_ARGS, {"when": TYPED_ARGS[1]})
+    poll(lambda: job_state(app, result.id) is State.SUCCEEDED)
+    plain = app.send_task("t.echo", args=TYPED_ARGS, kwargs={"when": TYPED_ARGS[1]})
+    poll(lambda: runs(plain.id) or None)
+    ((*_, gated_args),) = runs(result.id)
+    ((*_, plain_args),) = runs(plain.id)
+    assert gated_args == plain_args == (TYPED_ARGS, {"when": TYPED_ARGS[1]})

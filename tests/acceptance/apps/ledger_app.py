@@ -24,6 +24,10 @@ For ``celery beat -S exactonce`` (``harness.BeatProcess`` sets these):
                                        ``gated_beat``; both record the occurrence's entry
                                        and fire time. Unset: the two entries
                                        ``gated-every`` and ``plain-every``.
+``EXACTONCE_ACC_BEAT_EXTRA``           comma-separated names of :data:`EXTRA_ENTRIES` sets to add
+                                       to the schedule: ``typed`` (arguments kombu's JSON
+                                       carries), or one bad entry (``bad-argument``,
+                                       ``long-name``, ``control-name``, ``retry-option``)
 ``EXACTONCE_ACC_EVENTS``               file to append every ``celery_exactonce`` log record
                                        to, as a JSON line with its ``action`` and fields
 ``EXACTONCE_ACC_CLOCK_OFFSET``         seconds added to this process's wall clock
@@ -71,8 +75,10 @@ import os
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Mapping
 from datetime import datetime, timezone
+from decimal import Decimal
 from typing import Any
 
 from celery import Celery, Task
@@ -158,6 +164,10 @@ def make_app(env: Mapping[str, str] = os.environ, *, set_as_current: bool = True
         app.conf.beat_schedule = beat_schedule(
             float(env["EXACTONCE_ACC_BEAT_EVERY"]), int(env.get("EXACTONCE_ACC_BEAT_ENTRIES") or 0)
         )
+        for name in filter(None, (env.get("EXACTONCE_ACC_BEAT_EXTRA") or "").split(",")):
+            app.conf.beat_schedule.update(
+                extra_entries(name, float(env["EXACTONCE_ACC_BEAT_EVERY"]))
+            )
     if env.get("EXACTONCE_ACC_EXTRA_CONF"):
         app.conf.update(json.loads(env["EXACTONCE_ACC_EXTRA_CONF"]))
     # The gate logs suppressed duplicates at debug: let the worker log show them.
@@ -165,6 +175,43 @@ def make_app(env: Mapping[str, str] = os.environ, *, set_as_current: bool = True
     ledger_path = env.get("EXACTONCE_ACC_LEDGER", "")
     _register_tasks(app, ledger_path, gated=not _flag(env.get(NO_GATE)))
     return app
+
+
+#: Arguments plain JSON cannot hold and kombu's JSON serializer carries (with a type marker).
+TYPED_ARGS = (
+    datetime(2026, 1, 2, 3, 4, 5, 678901, tzinfo=timezone.utc),
+    datetime(2026, 1, 2, 3, 4, 5),  # naive
+    Decimal("19.990"),
+    uuid.UUID(int=42),
+    b"\x00\xffraw",
+)
+
+#: The entry every bad set of :data:`EXTRA_ENTRIES` holds, by set.
+BAD_ENTRY_NAMES = {
+    "bad-argument": "bad-argument",
+    "long-name": "n" * 300,
+    "control-name": "bad\tname",
+    "retry-option": "retry-option",
+}
+
+
+def extra_entries(name: str, every: float) -> dict[str, dict[str, Any]]:
+    """The entries of the set ``name`` (``EXACTONCE_ACC_BEAT_EXTRA``)."""
+    if name == "typed":
+        return {
+            f"typed-{kind}": {"task": f"{kind}_record", "schedule": every,
+                              "args": (f"typed-{kind}", *TYPED_ARGS),
+                              "kwargs": {"when": TYPED_ARGS[0], "amount": TYPED_ARGS[2]}}
+            for kind in ("gated", "plain")
+        }  # fmt: skip
+    entry: dict[str, Any] = {"task": "plain_record", "schedule": every, "args": (name,)}
+    if name == "bad-argument":
+        entry["args"] = ({"a", "set"},)  # neither JSON nor kombu's JSON holds a set
+    elif name == "retry-option":
+        entry["options"] = {"retry": True}  # a send_task keyword the dispatch sets itself
+    elif name not in BAD_ENTRY_NAMES:
+        raise ValueError(f"unknown EXACTONCE_ACC_BEAT_EXTRA set {name!r}")
+    return {BAD_ENTRY_NAMES[name]: entry}
 
 
 def beat_schedule(every: float, entries: int = 0) -> dict[str, dict[str, Any]]:
