@@ -211,10 +211,9 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
         A bad entry raises :class:`ConfigurationError` naming it; the schedule
         keeps the entry it had under that name, if any.
         """
-        name = kwargs.get("name")
         previous = dict(self.schedule)
         entry = super().add(**kwargs)
-        self._changed([entry.name if name is None else name], previous)
+        self._changed([entry.name], previous)
         return entry
 
     def update_from_dict(self, dict_: dict[str, Any]) -> None:
@@ -589,8 +588,10 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
                 if record is None:
                     continue  # purged meanwhile
             self._conflict_checked[entry] = now
-            mine = (new.task, new.args, new.kwargs)
-            if (record.task, record.args, record.kwargs) != mine:
+            if record.task != new.task or (
+                # a Celery retry may have given a later attempt other arguments
+                record.attempt == 0 and (record.args, record.kwargs) != (new.args, new.kwargs)
+            ):
                 self._report_conflict(new, record)
 
     def _report_conflict(self, new: NewJob, record: jobs.Job) -> None:
@@ -600,12 +601,13 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
             if record.task != new.task
             else f"task {record.task} with other arguments"
         )
+        claimer = record.history[0].node if record.history else record.node
         metrics.event(
             "claim_conflict", f"beat entry {entry!r}: the slot {_fire(new).isoformat()} was "
-            f"claimed as {what} (node {record.node}): another app defines this entry name "
+            f"claimed as {what} (node {claimer}): another app defines this entry name "
             "differently on this namespace, and this node's job does not run",
             level=logging.WARNING, entry=entry, job_id=new.ref.id, task=new.task,
-            claimed_task=record.task, claimed_by=record.node,
+            claimed_task=record.task, claimed_by=claimer,
         )  # fmt: skip
 
     def _store_lost(self, lost: list[tuple[_Plan, NewJob]]) -> None:

@@ -276,6 +276,7 @@ def test_same_entry_name_with_another_task_is_reported_once_as_a_conflict(
     assert record.levelno == logging.WARNING
     message = record.getMessage()
     assert "report" in message and "app_a.report" in message and "app_b.report" in message
+    assert record.claimed_by == runtime.runtime_for(cluster.app).node  # type: ignore[attr-defined]
 
 
 def test_same_entry_with_other_arguments_is_a_conflict_too() -> None:
