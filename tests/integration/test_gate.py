@@ -8,6 +8,7 @@ Real worker processes on Redis and RabbitMQ brokers are in tests/acceptance.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 import uuid
@@ -511,7 +512,36 @@ def test_cancel_before_run_at_never_runs(app: Celery) -> None:
     assert cancel("never-submitted", app=app) is False
 
 
-def test_a_failure_whose_message_cannot_be_stored_still_ends_failed(app: Celery) -> None:
+class _Printable(logging.Filter):
+    """Escapes lone surrogates in log records: pytest-xdist cannot send them to its controller."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        if record.exc_info and not record.exc_text:
+            record.exc_text = logging.Formatter().formatException(record.exc_info)
+        record.msg, record.args = text.encode("utf-8", "backslashreplace").decode(), ()
+        if record.exc_text:
+            record.exc_text = record.exc_text.encode("utf-8", "backslashreplace").decode()
+        record.exc_info = None
+        return True
+
+
+@pytest.fixture
+def printable_logs() -> Iterator[None]:
+    handlers = list(logging.getLogger().handlers)
+    printable = _Printable()
+    for handler in handlers:
+        handler.addFilter(printable)
+    try:
+        yield
+    finally:
+        for handler in handlers:
+            handler.removeFilter(printable)
+
+
+def test_a_failure_whose_message_cannot_be_stored_still_ends_failed(
+    app: Celery, printable_logs: None
+) -> None:
     """A body raising with a non-UTF-8 file name in its message (issue 11 item 14).
 
     Fails before the fix: the reason went to the store as it was (PostgreSQL,
