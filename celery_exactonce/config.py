@@ -197,6 +197,12 @@ class ExactOnceConfig:
         """
         return cls.from_mapping(settings_of(app))
 
+    def __repr__(self) -> str:
+        # The dataclass repr would print store_url and signing_key in clear, and a
+        # config ends up in logs, tracebacks (locals) and debugger output.
+        fields = ", ".join(f"{name}={value!r}" for name, value in self.redacted().items())
+        return f"{type(self).__name__}({fields})"
+
     def redacted(self) -> dict[str, Any]:
         """The settings as a dict for logs and ``exactonce check``: no secret in clear."""
         data = dataclasses.asdict(self)

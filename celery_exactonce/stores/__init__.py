@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import importlib
 import re
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import unquote, unquote_plus, urlsplit
 
 from celery_exactonce import exceptions
 from celery_exactonce.stores.base import FORMAT_VERSION, StateStore
@@ -35,12 +36,15 @@ if TYPE_CHECKING:
 __all__ = [
     "FORMAT_VERSION",
     "KNOWN_SCHEMES",
+    "REDACTED",
     "InMemoryStore",
     "StateStore",
     "open_store",
     "redact_message",
+    "redact_secrets",
     "redact_url",
     "store_from_url",
+    "url_secrets",
 ]
 
 _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
@@ -70,33 +74,175 @@ def validate_namespace(namespace: object, setting: str = "exactonce_namespace") 
     return namespace
 
 
-def redact_url(url: str) -> str:
-    """``url`` with any password replaced by ``***`` (for logs, errors and CLI output).
+#: Query (or ``key=value``) parameter names whose value is a credential, matched
+#: case-insensitively anywhere in the name (``password``, ``sslpassword``,
+#: ``auth_token``, ``X-Api-Key``...). Over-redacting a harmless value is cheap;
+#: printing a password is not.
+_SECRET_NAME_RE = re.compile(
+    r"pass|pwd|secret|token|auth|credential|api[-_]?key|private|signature|sig$", re.IGNORECASE
+)
+#: ``name=value`` pairs in free text (a libpq conninfo inside a query value, a
+#: driver message): the value is a quoted string or runs to a separator.
+_PAIR_RE = re.compile(
+    r"(?P<name>[A-Za-z_][A-Za-z0-9_.-]*)(?P<eq>\s*=\s*)"
+    r"(?P<value>'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"|[^\s&;,'\"]+)"
+)
+#: ``scheme://user:password@`` inside free text.
+_USERINFO_RE = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.-]*://[^\s/:@?#]*):[^\s@/?#]*@")
+REDACTED = "***"
+_UNPARSABLE = "<unparsable url>"
 
-    A URL too malformed to parse is replaced whole: it may hold a password
-    where a parser would not look for one.
+
+def _secret_name(name: str) -> bool:
+    return bool(_SECRET_NAME_RE.search(unquote_plus(name)))
+
+
+def _redact_pairs(text: str) -> str:
+    """``text`` with the value of every credential-named ``name=value`` pair blanked."""
+    return _PAIR_RE.sub(
+        lambda m: (
+            m.group(0)
+            if not _secret_name(m.group("name"))
+            else f"{m.group('name')}{m.group('eq')}{REDACTED}"
+        ),
+        text,
+    )
+
+
+def _holds_pair(text: str) -> bool:
+    """Whether percent-decoded ``text`` carries a credential-named ``key=value`` pair."""
+    decoded = unquote_plus(text)
+    return _redact_pairs(decoded) != decoded
+
+
+def _redact_query(query: str) -> str:
+    """A query string with credential parameters blanked (names and order kept).
+
+    A parameter whose own value holds a credential-named ``key=value`` (a libpq
+    conninfo, percent-encoded or not) is blanked whole.
     """
+    if not query:
+        return query
+    out = []
+    for part in re.split(r"([&;])", query):
+        if part in ("&", ";"):
+            out.append(part)
+            continue
+        name, sep, value = part.partition("=")
+        if sep and (_secret_name(name) or _holds_pair(value)):
+            out.append(f"{name}={REDACTED}")
+        elif not sep and _holds_pair(name):
+            out.append(REDACTED)
+        else:
+            out.append(part)
+    return "".join(out)
+
+
+def redact_url(url: str) -> str:
+    """``url`` with every credential replaced by ``***`` (for logs, errors and CLI output).
+
+    Blanks the user-info password (``user:***@``, ``:***@`` for Redis's
+    password-only form), every query parameter whose name says it holds a
+    credential (``password``, ``passwd``, ``pwd``, ``sslpassword``, ``token``,
+    ``auth``..., in any case), and any parameter whose value carries such a
+    ``key=value`` pair (a libpq conninfo); the fragment likewise. A user name
+    alone is kept. A URL too malformed to parse is replaced whole: it may hold
+    a password where a parser would not look for one.
+    """
+    if not isinstance(url, str):
+        return _UNPARSABLE
+    if "://" not in url:
+        # Not a URL: a bare conninfo ("host=db password=x") or junk.
+        return _UNPARSABLE if "@" in url else _redact_pairs(url)
     try:
         parts = urlsplit(url)
-        if parts.password is None:
-            return url
-        port = f":{parts.port}" if parts.port else ""
+        parts.port  # noqa: B018 (raises ValueError on a malformed port)
     except ValueError:
-        return "<unparsable url>"
-    host = parts.hostname or ""
-    if ":" in host:
-        host = f"[{host}]"
-    netloc = f"{parts.username or ''}:***@{host}{port}"
-    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+        return _UNPARSABLE
+    netloc = parts.netloc
+    userinfo, at, hostport = netloc.rpartition("@")
+    if at and ":" in userinfo:
+        netloc = f"{userinfo.partition(':')[0]}:{REDACTED}@{hostport}"
+    if "@" in parts.path and ":" in hostport:
+        return _UNPARSABLE  # "user:12/34@host": a password with a "/" read as a port and path
+    path = _redact_pairs(parts.path) if "=" in parts.path else parts.path
+    query, fragment = _redact_query(parts.query), _redact_query(parts.fragment)
+    if (netloc, path, query, fragment) == (parts.netloc, parts.path, parts.query, parts.fragment):
+        return url
+    text = f"{url.split('://', 1)[0]}://{netloc}{path}"
+    if query or "?" in url:
+        text += f"?{query}"
+    if fragment or "#" in url:
+        text += f"#{fragment}"
+    return text
+
+
+def url_secrets(url: str) -> list[str]:
+    """Every credential ``url`` carries, as written and decoded (what a driver may echo)."""
+    if not isinstance(url, str):
+        return []
+    found: list[str] = []
+
+    def add(raw: str) -> None:
+        for form in (raw, unquote(raw), unquote_plus(raw)):
+            value = form.strip("'\"")
+            if value and value not in found:
+                found.append(value)
+
+    def add_pairs(text: str) -> None:
+        for match in _PAIR_RE.finditer(text):
+            if _secret_name(match.group("name")):
+                add(match.group("value"))
+
+    if "://" not in url:
+        add_pairs(url)
+        return found
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        head = url.split("://", 1)[1]
+        userinfo = head.rpartition("@")[0]
+        if ":" in userinfo:
+            add(userinfo.split(":", 1)[1])
+        add_pairs(url)
+        return found
+    userinfo, at, _ = parts.netloc.rpartition("@")
+    if "@" in parts.path:  # "user:12/34@host": the parser cut the password at its "/"
+        userinfo, at, _ = url.split("://", 1)[1].split("?", 1)[0].rpartition("@")
+    if at and ":" in userinfo:
+        add(userinfo.split(":", 1)[1])
+    for section in (parts.query, parts.fragment):
+        for part in re.split(r"[&;]", section):
+            name, sep, value = part.partition("=")
+            if sep and _secret_name(name):
+                add(value)
+            for text in (value, unquote(value), unquote_plus(value)):
+                add_pairs(text)
+    add_pairs(parts.path)
+    return found
+
+
+def redact_secrets(message: str, secrets: Iterable[str]) -> str:
+    """``message`` with each of ``secrets`` blanked, and any credential it spells out itself.
+
+    Besides the given values (longest first, so one that contains another goes
+    whole), credential-named ``key=value`` pairs and ``scheme://user:pass@``
+    user-info in the text are blanked too: a driver may echo a connection
+    string this process never saw.
+    """
+    for secret in sorted({s for s in secrets if s}, key=len, reverse=True):
+        message = message.replace(secret, REDACTED)
+    message = _USERINFO_RE.sub(lambda m: f"{m.group('head')}:{REDACTED}@", message)
+    return _redact_pairs(message)
 
 
 def redact_message(message: str, url: str) -> str:
-    """``message`` with the password of ``url`` blanked out wherever a driver echoed it."""
-    try:
-        secret = urlsplit(url).password if "://" in url else None
-    except ValueError:
-        return message
-    return message.replace(secret, "***") if secret else message
+    """``message`` with every credential of ``url`` blanked out wherever a driver echoed it.
+
+    Covers the user-info password and credential query parameters, both as
+    written in the URL and percent-decoded, and the URL itself (redacted).
+    """
+    return redact_secrets(message, url_secrets(url))
 
 
 def store_from_url(

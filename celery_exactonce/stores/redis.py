@@ -56,7 +56,13 @@ from celery_exactonce.jobs import (
     TransitionStatus,
 )
 from celery_exactonce.states import TERMINAL, State
-from celery_exactonce.stores import redact_message, redact_url, validate_namespace
+from celery_exactonce.stores import (
+    redact_message,
+    redact_secrets,
+    redact_url,
+    url_secrets,
+    validate_namespace,
+)
 from celery_exactonce.stores.base import FORMAT_VERSION
 
 logger = logging.getLogger(__name__)
@@ -186,7 +192,8 @@ class RedisStore:
             else f"redis://{kwargs.get('host', 'localhost')}:{kwargs.get('port', 6379)}"
             f"/{kwargs.get('db', 0)}"
         )
-        self._secret: str | None = kwargs.get("password") or None
+        password = kwargs.get("password")
+        self._secrets: list[str] = [str(password)] if password else []
         header = _lua_header() + _lua("common")
         self._scripts = {name: client.register_script(header + _lua(name)) for name in _SCRIPTS}
 
@@ -220,7 +227,11 @@ class RedisStore:
         store = cls(client, namespace=namespace, retention=retention, prefix=prefix)
         store._owns_client = True
         store._where = redact_url(url)
+        store._secrets += url_secrets(url)
         return store
+
+    def __repr__(self) -> str:
+        return f"RedisStore({self._where}, namespace={self._namespace!r})"
 
     # -- properties and housekeeping ---------------------------------------------------
 
@@ -573,9 +584,10 @@ class RedisStore:
         try:
             yield
         except rexc.RedisError as exc:
-            message = f"Redis store {self._where}: {action} failed: {type(exc).__name__}: {exc}"
-            if self._secret:
-                message = message.replace(self._secret, "***")
+            message = redact_secrets(
+                f"Redis store {self._where}: {action} failed: {type(exc).__name__}: {exc}",
+                self._secrets,
+            )
             transient = isinstance(exc, _TRANSIENT) or (
                 isinstance(exc, rexc.ResponseError) and str(exc).startswith(_TRANSIENT_REPLIES)
             )

@@ -60,7 +60,14 @@ from celery_exactonce.jobs import (
     TransitionStatus,
 )
 from celery_exactonce.states import State
-from celery_exactonce.stores import redact_message, redact_url, sql_schema, validate_namespace
+from celery_exactonce.stores import (
+    redact_message,
+    redact_secrets,
+    redact_url,
+    sql_schema,
+    url_secrets,
+    validate_namespace,
+)
 
 __all__ = ["SqlStore"]
 
@@ -231,10 +238,12 @@ class SqlStore:
         self._t = sql_schema.build(table_prefix)
         self._now_col = sa.literal_column(dialect.now, sa.BigInteger)
         self._inserts: dict[str, Any] = {}  # per table, see _insert_absent
-        self._where = (
-            f"{engine.dialect.name} store {engine.url.render_as_string(hide_password=True)}"
-        )
-        self._secret = engine.url.password
+        # The URL may carry credentials in its query too (``?password=``): redact
+        # the whole of it, and remember every secret to blank from driver errors.
+        full_url = engine.url.render_as_string(hide_password=False)
+        self._where = f"{engine.dialect.name} store {redact_url(full_url)}"
+        password = engine.url.password
+        self._secrets: list[str] = [*url_secrets(full_url), *([str(password)] if password else [])]
         dbapi = getattr(engine.dialect, "dbapi", None)
         self._driver_errors: tuple[type[BaseException], ...] = (
             (dbapi.Error,) if dbapi is not None and hasattr(dbapi, "Error") else ()
@@ -289,6 +298,9 @@ class SqlStore:
         store = cls(engine, namespace=namespace, retention=retention, table_prefix=table_prefix)
         store._owns_engine = True
         return store
+
+    def __repr__(self) -> str:
+        return f"SqlStore({self._where}, namespace={self._namespace!r})"
 
     # -- properties and housekeeping -------------------------------------------------
 
@@ -807,9 +819,9 @@ class SqlStore:
                 )
             )
             detail = (str(orig).strip().splitlines() or [""])[0]
-            if self._secret:
-                detail = detail.replace(self._secret, "***")
-            message = f"{op} on {self._where} failed: {type(orig).__name__}: {detail}"
+            message = redact_secrets(
+                f"{op} on {self._where} failed: {type(orig).__name__}: {detail}", self._secrets
+            )
             cls = exceptions.StoreUnavailable if transient else exceptions.StoreError
             raise cls(message) from exc
 
