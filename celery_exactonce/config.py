@@ -18,7 +18,7 @@ import warnings
 from collections.abc import Mapping
 from typing import Any, Literal, cast
 
-from celery_exactonce import exceptions, jobs
+from celery_exactonce import exceptions, jobs, signing
 from celery_exactonce.stores import KNOWN_SCHEMES, redact_url, validate_namespace
 
 PREFIX = "exactonce_"
@@ -80,8 +80,10 @@ class ExactOnceConfig:
     """How long a publish may take before it counts as ambiguous."""
     retry_delay_store: float = 1.0
     """Back-off before retrying after a store error."""
-    signing_key: str | None = None
-    """HMAC key for payloads (anyone who can write the store can make workers run tasks)."""
+    signing_key: str | tuple[str, ...] | None = None
+    """HMAC key(s) that sign stored payloads (anyone who can write the store could
+    otherwise make workers run tasks): one string, or a list while rotating (the
+    first signs, every one verifies); each at least 16 characters."""
     key_prefix: str = "exactonce"
     """Redis key prefix."""
     table_prefix: str = "exactonce_"
@@ -91,7 +93,8 @@ class ExactOnceConfig:
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
-            _check_type(field.name, getattr(self, field.name), field.type)
+            if field.name != "signing_key":
+                _check_type(field.name, getattr(self, field.name), field.type)
         validate_namespace(self.namespace, "exactonce_namespace")
         _check_store_url(self.store_url)
         _check_choice("catchup", self.catchup, ("latest", "all", "none"))
@@ -113,8 +116,10 @@ class ExactOnceConfig:
             raise _error(
                 "table_prefix", "must be 1-32 letters, digits or '_', not starting with a digit"
             )
-        if self.signing_key is not None and len(self.signing_key) < 16:
-            raise _error("signing_key", "must be at least 16 characters")
+        if self.signing_key is not None:
+            keys = signing.normalize_keys(self.signing_key, PREFIX + "signing_key")
+            if not isinstance(self.signing_key, str):
+                object.__setattr__(self, "signing_key", keys)  # a list, frozen
         if self.node_id is not None:
             try:  # the rules every store applies to the node id of each write
                 jobs.validate_identifier(self.node_id, "node id", jobs.MAX_NAME_LENGTH)

@@ -19,6 +19,11 @@ nothing else (docs/design/protocol.md, "Dispatch"):
    Anything else is *ambiguous*: the job stays ``DISPATCHED`` and is counted;
    a second copy, if one is ever published, is stopped by the worker gate.
 4. A plain job (no gate) ends ``PUBLISHED`` once its publish returned.
+
+With a signing key (:mod:`celery_exactonce.signing`), a record whose signature
+does not verify is never published: it ends ``FAILED`` and is counted
+(``signature_invalid``). The check runs before the ``DISPATCHED`` write and
+again on the very record about to be published.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
-from celery_exactonce import exceptions, jobs, keys, metrics
+from celery_exactonce import exceptions, jobs, keys, metrics, signing
 from celery_exactonce.jobs import Job, JobRef, Lease, Space, Transition, TransitionStatus
 from celery_exactonce.states import State
 from celery_exactonce.stores.base import StateStore
@@ -439,12 +444,15 @@ class Dispatcher:
         node: str,
         known_task: Callable[[str], bool] | None = None,
         retrier: Retrier | None = None,
+        signer: signing.Signer | None = None,
     ) -> None:
         self.store = store
         self.publisher = publisher
         self.node = node
         self.known_task = known_task or (lambda _name: True)
         self.retrier = retrier
+        #: Verifies every record before it is published (``exactonce_signing_key``).
+        self.signer = signer
         if retrier is not None:
             retrier.bind(self)
 
@@ -500,6 +508,8 @@ class Dispatcher:
         for i, job in enumerate(listed):
             if job.state is not State.SCHEDULED:
                 results[i] = DispatchResult(Outcome.LOST, job)
+            elif self.signer is not None and (problem := self.signer.problem(job)):
+                results[i] = self._refuse(job, problem)
             elif job.options.get(GATED_OPTION) and not self.known_task(job.task):
                 results[i] = self._fail(job, f"unknown task {job.task!r}")
             else:
@@ -590,6 +600,8 @@ class Dispatcher:
 
     def _send(self, job: Job, extra: Mapping[str, Any]) -> DispatchResult:
         """Publish a job we hold ``DISPATCHED``; every outcome but the ``PUBLISHED`` write."""
+        if self.signer is not None and (problem := self.signer.problem(job)):
+            return self._refuse(job, problem)
         if job.deadline is not None and job.touched_at >= job.deadline:
             self._write(job, State.CANCELLED, "deadline passed before publish")
             metrics.event("dispatch_expired", f"job {job.ref} expired before publish",
@@ -699,6 +711,16 @@ class Dispatcher:
         metrics.event(
             "dispatch_failed", f"job {job.ref} cannot be dispatched: {reason}",
             level=logging.ERROR, job_id=job.ref.id, task=job.task,
+        )  # fmt: skip
+        return DispatchResult(Outcome.FAILED, job)
+
+    def _refuse(self, job: Job, problem: str) -> DispatchResult:
+        """A record whose signature does not verify: ``FAILED``, counted, never published."""
+        if job.state in (State.SCHEDULED, State.DISPATCHED):
+            self._write(job, State.FAILED, problem)
+        metrics.event(
+            "signature_invalid", f"job {job.ref} ({job.task}) refused: {problem}; not published",
+            level=logging.ERROR, sentry=True, job_id=job.ref.id, task=job.task,
         )  # fmt: skip
         return DispatchResult(Outcome.FAILED, job)
 

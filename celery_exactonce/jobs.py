@@ -195,6 +195,8 @@ class Job:
     node: str
     reason: str
     history: tuple[HistoryEntry, ...] = ()
+    signature: str | None = None
+    """HMAC of the payload and identity (:mod:`celery_exactonce.signing`), when signed."""
 
     @property
     def terminal(self) -> bool:
@@ -244,9 +246,13 @@ class NewJob:
     run_id: str | None = None
     reason: str = "created"
     rev: str = dataclasses.field(default_factory=new_token)
+    signature: str | None = None
+    """Set by :class:`~celery_exactonce.signing.SigningStore` when a signing key is configured."""
 
     def __post_init__(self) -> None:
         validate_identifier(self.task, "task name", MAX_NAME_LENGTH)
+        if self.signature is not None:
+            validate_identifier(self.signature, "signature", MAX_NAME_LENGTH)
         validate_identifier(self.node, "node id", MAX_NAME_LENGTH)
         validate_identifier(self.rev, "rev", MAX_NAME_LENGTH)
         validate_reason(self.reason)
@@ -346,7 +352,9 @@ class Transition:
     Effects: state, a new ``rev`` (``new_rev``, chosen by the caller so a
     write that timed out can be settled by reading back), the history entry,
     and optionally a new ``run_id``, the next attempt, a new ``run_at`` and
-    new args/kwargs (a Celery retry may change them).
+    new args/kwargs (a Celery retry may change them), with their ``signature``:
+    a transition that changes args or kwargs replaces the stored signature by
+    its own (none if it has none), so a signature never outlives its payload.
     """
 
     to: State
@@ -365,6 +373,7 @@ class Transition:
     args: Sequence[Any] | None = None
     kwargs: Mapping[str, Any] | None = None
     new_rev: str = dataclasses.field(default_factory=new_token)
+    signature: str | None = None
 
     def __post_init__(self) -> None:
         expect = frozenset(State(s) for s in self.expect)
@@ -385,8 +394,14 @@ class Transition:
             raise exceptions.InvalidPayload("run_at is set exactly for transitions to PENDING")
         if self.run_at is not None:
             object.__setattr__(self, "run_at", require_aware(self.run_at, "run_at"))
-        if (self.args is not None or self.kwargs is not None) and not self.next_attempt:
-            raise exceptions.InvalidPayload("args/kwargs change only with the next attempt")
+        if (
+            self.args is not None or self.kwargs is not None or self.signature is not None
+        ) and not self.next_attempt:
+            raise exceptions.InvalidPayload(
+                "args/kwargs/signature change only with the next attempt"
+            )
+        if self.signature is not None:
+            validate_identifier(self.signature, "signature", MAX_NAME_LENGTH)
         if self.args is not None or self.kwargs is not None:
             payload = storable_payload(
                 {"args": list(self.args or ()), "kwargs": dict(self.kwargs or {})},
@@ -451,6 +466,7 @@ def apply_transition(job: Job, t: Transition, now: datetime) -> Job:
     """The record after ``t`` applied to ``job`` at store time ``now`` (guards not checked)."""
     entry = HistoryEntry(job.state, t.to, now, t.node, t.reason, t.new_rev)
     running = t.to is State.RUNNING
+    resigned = t.args is not None or t.kwargs is not None or t.signature is not None
     return dataclasses.replace(
         job,
         state=t.to,
@@ -467,6 +483,7 @@ def apply_transition(job: Job, t: Transition, now: datetime) -> Job:
         node=t.node,
         reason=t.reason,
         history=(*job.history, entry)[-HISTORY_LIMIT:],
+        signature=t.signature if resigned else job.signature,
     )
 
 
@@ -494,6 +511,7 @@ def job_from_new(new: NewJob, now: datetime) -> Job:
         node=new.node,
         reason=new.reason,
         history=(HistoryEntry(None, new.state, now, new.node, new.reason, new.rev),),
+        signature=new.signature,
     )
 
 
@@ -618,6 +636,7 @@ def job_to_json(job: Job) -> dict[str, Any]:
         "node": job.node,
         "reason": job.reason,
         "history": [h.to_json() for h in job.history],
+        "signature": job.signature,
     }
 
 
@@ -645,6 +664,7 @@ def job_from_json(data: Mapping[str, Any]) -> Job:
         node=data["node"],
         reason=data["reason"],
         history=tuple(HistoryEntry.from_json(h) for h in data.get("history") or ()),
+        signature=data.get("signature") or None,
     )
 
 

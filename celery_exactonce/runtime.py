@@ -14,7 +14,7 @@ import time
 import weakref
 from typing import Any
 
-from celery_exactonce import dispatch
+from celery_exactonce import dispatch, signing
 from celery_exactonce.config import ExactOnceConfig
 from celery_exactonce.stores import open_store
 from celery_exactonce.stores.base import StateStore
@@ -37,6 +37,11 @@ class Runtime:
         self.node = config.node_id or f"{socket.gethostname()}:{self.pid}"
         self.owns_store = store is None
         self.store = store if store is not None else open_store(config, setup=setup)
+        #: Signs every record this process writes, and the dispatcher refuses to
+        #: publish one that does not verify (``None``: no ``exactonce_signing_key``).
+        self.signer = signing.Signer.from_setting(config.signing_key)
+        if self.signer is not None:
+            self.store = signing.SigningStore(self.store, self.signer)
         self.dispatcher = dispatch.Dispatcher(
             self.store,
             dispatch.CeleryPublisher(app, timeout=config.publish_timeout),
@@ -45,6 +50,7 @@ class Runtime:
             retrier=dispatch.Retrier(
                 first_delay=config.retry_delay_store, give_up_after=config.replay_age
             ),
+            signer=self.signer,
         )
 
         #: ``time.monotonic()`` of the last store-wide error any part of this process

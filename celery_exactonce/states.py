@@ -58,6 +58,8 @@ ALLOWED: dict[State, frozenset[State]] = {
             State.PUBLISHED,
             State.TIMEOUT,
             State.CANCELLED,
+            # A record refused before its (re)publish: its signature does not verify.
+            State.FAILED,
         }
     ),
     State.RUNNING: frozenset(

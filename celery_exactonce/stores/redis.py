@@ -341,7 +341,7 @@ class RedisStore:
             "node", new.node, "reason", new.reason, "args", _json(new.args),
             "kwargs", _json(new.kwargs), "options", _json(new.options),
         ]  # fmt: skip
-        for name in ("run_id", "entry", "fire_time", "run_at", "deadline"):
+        for name in ("run_id", "entry", "fire_time", "run_at", "deadline", "signature"):
             value = getattr(new, name)
             if value is not None:
                 fields += [name, jobs.to_micros(value) if isinstance(value, datetime) else value]
@@ -412,6 +412,7 @@ class RedisStore:
             _opt(None if request.args is None else _json(request.args)),
             _opt(None if request.kwargs is None else _json(request.kwargs)),
             _opt(request.task),
+            _opt(request.signature),
         ]  # fmt: skip
         return keys, args
 

@@ -223,7 +223,7 @@ def job_values(job: Job, namespace: str, retention: float, *, key: bool = True) 
         "rev": job.rev,
         "attempt": job.attempt,
         "run_id": job.run_id,
-        "payload": jobs.encode_payload(job.payload, context=str(job.ref)),
+        "payload": jobs.encode_payload(payload_document(job), context=str(job.ref)),
         "entry": job.entry,
         "fire_time": jobs.to_micros_opt(job.fire_time),
         "run_at": jobs.to_micros_opt(job.run_at),
@@ -269,4 +269,18 @@ def job_from_row(row: sa.Row[Any]) -> Job:
         node=m["node"],
         reason=m["reason"],
         history=tuple(HistoryEntry.from_json(h) for h in json.loads(m["history"])),
+        signature=payload.get("signature") or None,
     )
+
+
+def payload_document(job: Job) -> dict[str, Any]:
+    """The ``payload`` column's JSON: args, kwargs, options, and the signature if any.
+
+    The signature lives in the document it signs, so one write changes both,
+    and tables of schema version 1 hold it without an upgrade (a reader that
+    does not know the key ignores it).
+    """
+    document = job.payload
+    if job.signature is not None:
+        document["signature"] = job.signature
+    return document

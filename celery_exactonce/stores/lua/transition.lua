@@ -6,11 +6,11 @@
 --       then per job (ARGS_PER_JOB): member, to, expected states (comma-separated),
 --       node, reason, rev (opt), attempt (opt), run_id (opt), lease token (opt),
 --       stale_for seconds (opt), new rev, new run_id (opt), next_attempt ('1' or '0'),
---       run_at (opt), args JSON (opt), kwargs JSON (opt), task name (opt)
+--       run_at (opt), args JSON (opt), kwargs JSON (opt), task name (opt), signature (opt)
 -- Answer: per job {status[, HGETALL of the record]}
 -- The hot path (beat's DISPATCHED and PUBLISHED writes) is as few commands as it
 -- can be: one read, one write of the record, and the index moves it needs.
-local ARGS_PER_JOB = 17
+local ARGS_PER_JOB = 18
 local retention, brief = tonumber(ARGV[1]), ARGV[2] == '1'
 
 local function transition(key, lease_key, a)
@@ -65,6 +65,13 @@ local function transition(key, lease_key, a)
   if run_at then put('run_at', run_at) end
   if args then put('args', args) end
   if kwargs then put('kwargs', kwargs) end
+  -- A new payload takes its own signature (or none): a signature never outlives it.
+  local signature = opt(ARGV[a + 17])
+  if signature then
+    put('signature', signature)
+  elseif args or kwargs then
+    del[#del + 1] = 'signature'
+  end
   if TERMINAL[to] then
     put('terminal_at', us(now))
   elseif cur[9] then
