@@ -480,13 +480,16 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
         }
         options[GATED_OPTION] = isinstance(self.app.tasks.get(entry.task), ExactOnceTask)
         deadline = self._policy(name, entry).deadline
-        return NewJob(
+        new = NewJob(
             JobRef.occurrence(occurrence_id(self._runtime.store.namespace, name, fire)),
             entry.task, State.SCHEDULED, node=self._runtime.node, args=list(entry.args or ()),
             kwargs=dict(entry.kwargs or {}), options=options, entry=name, fire_time=fire,
             deadline=None if deadline is None else fire + timedelta(seconds=deadline),
             reason="beat claim",
         )  # fmt: skip
+        # Signed here, not only by the store: a won claim is dispatched as built from this.
+        signer = self._runtime.signer
+        return new if signer is None else signer.sign_new(new)
 
     def _claim_and_dispatch(self, plans: list[_Plan], now: datetime) -> None:
         """Claim the planned slots in batches, dispatch the won ones, settle what is decided.

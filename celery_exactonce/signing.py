@@ -151,7 +151,7 @@ class SigningStore:
     (beat claims, ``apply_async``, jobs adopted at the gate, Celery retries)
     signs without knowing about it:
 
-    * a create is signed before it is sent;
+    * a create is signed before it is sent (unless its writer signed it);
     * a transition that changes args or kwargs (a Celery retry) is signed
       over the record it produces. The record is read first and must verify:
       a record someone tampered with is never re-signed (the transition then
@@ -189,12 +189,12 @@ class SigningStore:
         return self.inner.epoch(replace=replace)
 
     def create(self, new: NewJob, *, epoch: str | None = None) -> CreateResult:
-        return self.inner.create(self.signer.sign_new(new), epoch=epoch)
+        return self.inner.create(self._signed_new(new), epoch=epoch)
 
     def create_many(
         self, news: Sequence[NewJob], *, epoch: str | None = None, brief: bool = False
     ) -> list[CreateResult]:
-        signed = [self.signer.sign_new(new) for new in news]
+        signed = [self._signed_new(new) for new in news]
         return self.inner.create_many(signed, epoch=epoch, brief=brief)
 
     def get(self, ref: JobRef) -> Job | None:
@@ -245,6 +245,15 @@ class SigningStore:
 
     def close(self) -> None:
         self.inner.close()
+
+    def _signed_new(self, new: NewJob) -> NewJob:
+        """``new`` signed, unless its writer signed it already.
+
+        A writer that builds the record it dispatches from its own request (beat,
+        whose claims are brief: the store answers with a status only) signs the
+        request itself, so that record carries the signature too.
+        """
+        return new if new.signature is not None else self.signer.sign_new(new)
 
     def _signed(self, ref: JobRef, request: Transition) -> Transition:
         """``request`` signed over the record it produces, when it changes the payload."""

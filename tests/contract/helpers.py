@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import time
 import uuid
 from collections.abc import Callable
 from datetime import datetime
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from celery_exactonce.jobs import JobRef, NewJob, Transition
 from celery_exactonce.states import State
+from celery_exactonce.stores import InMemoryStore
 from celery_exactonce.stores.base import StateStore
 
 T = TypeVar("T")
@@ -73,3 +76,39 @@ def poll(check: Callable[[], T | None], timeout: float = 10.0, interval: float =
 def wait_store_past(store: StateStore, instant: datetime) -> None:
     """Poll until the store's clock is strictly past ``instant``."""
     poll(lambda: store.now() > instant)
+
+
+def tamper(store: StateStore, ref: JobRef, field: str, value: Any) -> None:
+    """Change one field of a stored record behind the store's back, in the backend itself.
+
+    ``field`` is ``args``, ``kwargs``, ``options``, ``task`` or ``signature``
+    (``value`` ``None`` removes the signature).
+    """
+    if isinstance(store, InMemoryStore):
+        job = store._jobs[ref]
+        store._jobs[ref] = dataclasses.replace(job, **{field: value})
+    elif hasattr(store, "_client"):  # Redis: the record is a hash
+        client, key = store._client, store._job_key(ref)  # type: ignore[attr-defined]
+        if value is None:
+            client.hdel(key, field)
+        else:
+            client.hset(key, field, value if field in ("task", "signature") else json.dumps(value))
+    else:  # SQL: one row; args, kwargs, options and the signature in the payload document
+        import sqlalchemy as sa
+
+        table = store._t.jobs  # type: ignore[attr-defined]
+        where = (
+            (table.c.namespace == store.namespace)
+            & (table.c.space == ref.space.value)
+            & (table.c.id == ref.id)
+        )
+        with store.engine.begin() as conn:  # type: ignore[attr-defined]
+            if field == "task":
+                conn.execute(sa.update(table).where(where).values(task=value))
+                return
+            payload = json.loads(conn.execute(sa.select(table.c.payload).where(where)).scalar_one())
+            if value is None:
+                payload.pop(field, None)
+            else:
+                payload[field] = value
+            conn.execute(sa.update(table).where(where).values(payload=json.dumps(payload)))

@@ -11,8 +11,6 @@ fix (there was no signature to check).
 
 from __future__ import annotations
 
-import dataclasses
-import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -23,9 +21,8 @@ from celery_exactonce.dispatch import Dispatcher, Outcome
 from celery_exactonce.jobs import Job, JobRef, Transition
 from celery_exactonce.signing import Signer, SigningStore
 from celery_exactonce.states import State
-from celery_exactonce.stores import InMemoryStore
 from celery_exactonce.stores.base import StateStore
-from tests.contract.helpers import NODE, task_job
+from tests.contract.helpers import NODE, tamper, task_job
 
 OLD_KEY = "old-signing-key-0123456789abcdef"
 NEW_KEY = "new-signing-key-fedcba9876543210"
@@ -44,42 +41,6 @@ class Broker:
 @pytest.fixture(autouse=True)
 def _counters() -> None:
     metrics.COUNTERS.reset()
-
-
-def tamper(store: StateStore, ref: JobRef, field: str, value: Any) -> None:
-    """Change one field of a stored record behind the store's back, in the backend itself.
-
-    ``field`` is ``args``, ``kwargs``, ``options``, ``task`` or ``signature``
-    (``value`` ``None`` removes the signature).
-    """
-    if isinstance(store, InMemoryStore):
-        job = store._jobs[ref]
-        store._jobs[ref] = dataclasses.replace(job, **{field: value})
-    elif hasattr(store, "_client"):  # Redis: the record is a hash
-        client, key = store._client, store._job_key(ref)  # type: ignore[attr-defined]
-        if value is None:
-            client.hdel(key, field)
-        else:
-            client.hset(key, field, value if field in ("task", "signature") else json.dumps(value))
-    else:  # SQL: one row; args, kwargs, options and the signature in the payload document
-        import sqlalchemy as sa
-
-        table = store._t.jobs  # type: ignore[attr-defined]
-        where = (
-            (table.c.namespace == store.namespace)
-            & (table.c.space == ref.space.value)
-            & (table.c.id == ref.id)
-        )
-        with store.engine.begin() as conn:  # type: ignore[attr-defined]
-            if field == "task":
-                conn.execute(sa.update(table).where(where).values(task=value))
-                return
-            payload = json.loads(conn.execute(sa.select(table.c.payload).where(where)).scalar_one())
-            if value is None:
-                payload.pop(field, None)
-            else:
-                payload[field] = value
-            conn.execute(sa.update(table).where(where).values(payload=json.dumps(payload)))
 
 
 def assert_refused(store: StateStore, ref: JobRef, broker: Broker, outcome: Outcome) -> None:
