@@ -169,6 +169,8 @@ class SigningStore:
         return f"SigningStore({self.inner!r})"
 
     def __getattr__(self, name: str) -> Any:
+        if name == "inner":  # not set yet (a copy being built): no recursion
+            raise AttributeError(name)
         return getattr(self.inner, name)
 
     @property
