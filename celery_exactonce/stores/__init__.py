@@ -24,7 +24,7 @@ import importlib
 import re
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
-from urllib.parse import unquote, unquote_plus, urlsplit
+from urllib.parse import quote, quote_plus, unquote, unquote_plus, urlsplit
 
 from celery_exactonce import exceptions
 from celery_exactonce.stores.base import FORMAT_VERSION, StateStore
@@ -163,8 +163,8 @@ def redact_url(url: str) -> str:
     userinfo, at, hostport = netloc.rpartition("@")
     if at and ":" in userinfo:
         netloc = f"{userinfo.partition(':')[0]}:{REDACTED}@{hostport}"
-    if "@" in parts.path and ":" in hostport:
-        return _UNPARSABLE  # "user:12/34@host": a password with a "/" read as a port and path
+    if _cut_userinfo(url, parts.netloc):
+        return _UNPARSABLE
     path = _redact_pairs(parts.path) if "=" in parts.path else parts.path
     query, fragment = _redact_query(parts.query), _redact_query(parts.fragment)
     if (netloc, path, query, fragment) == (parts.netloc, parts.path, parts.query, parts.fragment):
@@ -177,8 +177,19 @@ def redact_url(url: str) -> str:
     return text
 
 
+def _cut_userinfo(url: str, netloc: str) -> bool:
+    """Whether a raw ``/``, ``?`` or ``#`` in a password cut it short (``u:pa/ss@host``).
+
+    The parser then ends the host part early and leaves the rest of the
+    password in the path, query or fragment: an ``@`` after a host part that
+    has none (or has a ``:``, read as a port).
+    """
+    rest = url.split("://", 1)[1][len(netloc) :]
+    return bool(netloc) and "@" in rest and ("@" in netloc or ":" in netloc)
+
+
 def url_secrets(url: str) -> list[str]:
-    """Every credential ``url`` carries, as written and decoded (what a driver may echo)."""
+    """Every credential in ``url``: as written, decoded and encoded (what a driver may echo)."""
     if not isinstance(url, str):
         return []
     found: list[str] = []
@@ -186,8 +197,9 @@ def url_secrets(url: str) -> list[str]:
     def add(raw: str) -> None:
         for form in (raw, unquote(raw), unquote_plus(raw)):
             value = form.strip("'\"")
-            if value and value not in found:
-                found.append(value)
+            for shown in (value, quote(value, safe=""), quote_plus(value, safe="")):
+                if shown and shown not in found:
+                    found.append(shown)
 
     def add_pairs(text: str) -> None:
         for match in _PAIR_RE.finditer(text):
@@ -207,8 +219,8 @@ def url_secrets(url: str) -> list[str]:
         add_pairs(url)
         return found
     userinfo, at, _ = parts.netloc.rpartition("@")
-    if "@" in parts.path:  # "user:12/34@host": the parser cut the password at its "/"
-        userinfo, at, _ = url.split("://", 1)[1].split("?", 1)[0].rpartition("@")
+    if _cut_userinfo(url, parts.netloc):
+        userinfo, at, _ = url.split("://", 1)[1].rpartition("@")
     if at and ":" in userinfo:
         add(userinfo.split(":", 1)[1])
     for section in (parts.query, parts.fragment):

@@ -51,6 +51,9 @@ SHAPES = [
     ("redis://[::1:6379/0?password=S3cretPw1", "<unparsable url>", ["S3cretPw1"]),
     ("redis://u:S3cretPw1@h:port/0", "<unparsable url>", ["S3cretPw1"]),
     ("redis://u:12/S3cretPw1@h/0", "<unparsable url>", ["12/S3cretPw1"]),
+    ("redis://:S3cret@Pw/1@cache:6379/0", "<unparsable url>", ["S3cret@Pw/1"]),
+    ("redis://:12?S3cret@cache:6379/0", "<unparsable url>", ["12?S3cret"]),
+    ("redis://u:12#S3cret@cache/0", "<unparsable url>", ["12#S3cret"]),
     # Not a URL: a bare conninfo keeps its harmless pairs.
     ("host=/tmp password=S3cretPw1", "host=/tmp password=***", ["S3cretPw1"]),
 ]  # fmt: skip
@@ -75,6 +78,12 @@ def test_redact_message_blanks_each_secret_as_written_and_decoded(
     for secret in secrets:
         assert secret not in redacted
     assert "S3cret" not in redacted
+
+
+def test_redact_message_blanks_a_secret_the_driver_echoes_percent_encoded() -> None:
+    url = "redis://:S3cret@Pw/1@cache:6379/0"  # '@' and '/' left raw in the password
+    message = "AUTH failed for S3cret%40Pw%2F1 (S3cret@Pw/1)"
+    assert "S3cret" not in redact_message(message, url)
 
 
 def test_redact_message_blanks_credentials_the_url_never_held() -> None:
