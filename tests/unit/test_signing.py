@@ -276,3 +276,17 @@ def test_beat_claims_are_signed_when_the_store_answers_briefly() -> None:
     assert len(broker.sent) >= 3
     assert all(Signer(KEY).verify(job) for job in broker.sent)
     runtime.reset(app)
+
+
+def test_kombu_typed_arguments_are_signed_as_stored_and_verify(signed: Signed) -> None:
+    """datetime, Decimal, UUID and bytes are stored in kombu's encoding: signed in that form."""
+    import decimal
+    import uuid
+    from datetime import datetime, timezone
+
+    args = [datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone.utc), decimal.Decimal("1.50"),
+            uuid.UUID(int=7), b"\x00\xff"]  # fmt: skip
+    job = signed.create(args=args)
+    assert job.signature == Signer(KEY).sign(job)
+    assert signed.rt.dispatcher.dispatch(job).outcome is Outcome.PUBLISHED
+    assert signed.broker.ids() == ["j1"]
