@@ -38,7 +38,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 from celery_exactonce import exceptions, jobs, keys, metrics, signing
@@ -49,11 +49,17 @@ from celery_exactonce.stores.base import StateStore
 logger = logging.getLogger(__name__)
 
 #: Job option (stored with the job, never published) telling that the consumer
-#: runs the gate for this task.
+#: runs the gate for this task. Written by whoever creates the job, from what it
+#: knows of the task; every later reader (a beat sweeping delayed jobs, the
+#: reconciler) goes by the record, never by its own task registry.
 GATED_OPTION = "exactonce_gated"
+#: Job option (stored, never published): the task's own reconciler policy as its
+#: creator saw it (``exactonce_dispatch_deadline``, ``exactonce_redispatch``...),
+#: so a process that does not import the task still applies it.
+POLICY_OPTION = "exactonce_policy"
 
 #: Stored job options that are ours and never go to ``send_task``.
-INTERNAL_OPTIONS = frozenset({GATED_OPTION})
+INTERNAL_OPTIONS = frozenset({GATED_OPTION, POLICY_OPTION})
 
 #: Options the dispatch path passes to ``send_task`` itself (or that name a
 #: process-local object): a job or beat entry that sets one is refused.
@@ -442,14 +448,12 @@ class Dispatcher:
         publisher: Publisher,
         *,
         node: str,
-        known_task: Callable[[str], bool] | None = None,
         retrier: Retrier | None = None,
         signer: signing.Signer | None = None,
     ) -> None:
         self.store = store
         self.publisher = publisher
         self.node = node
-        self.known_task = known_task or (lambda _name: True)
         self.retrier = retrier
         #: Verifies every record before it is published (``exactonce_signing_key``).
         self.signer = signer
@@ -510,8 +514,6 @@ class Dispatcher:
                 results[i] = DispatchResult(Outcome.LOST, job)
             elif self.signer is not None and (problem := self.signer.problem(job)):
                 results[i] = self._refuse(job, problem)
-            elif job.options.get(GATED_OPTION) and not self.known_task(job.task):
-                results[i] = self._fail(job, f"unknown task {job.task!r}")
             else:
                 request = Transition(
                     State.DISPATCHED, frozenset({State.SCHEDULED}), node=self.node,

@@ -57,7 +57,7 @@ from datetime import datetime
 from typing import Any
 
 from celery_exactonce import exceptions, jobs, metrics
-from celery_exactonce.dispatch import GATED_OPTION, Outcome
+from celery_exactonce.dispatch import GATED_OPTION, POLICY_OPTION, Outcome
 from celery_exactonce.jobs import Job, JobRef, Lease, Transition
 from celery_exactonce.runtime import Runtime, runtime_for
 from celery_exactonce.states import State
@@ -105,19 +105,32 @@ class Timeouts:
     rerun: bool
 
     @classmethod
-    def of(cls, runtime: Runtime, task: Any) -> Timeouts:
+    def of(cls, runtime: Runtime, task: Any, job: Job | None = None) -> Timeouts:
+        """The limits for ``job``: the policy its record stores, else ``task``'s attributes.
+
+        The record is written by the job's creator, which knows the task; this
+        process (a beat that does not import the task's module) may not.
+        A stored value of the wrong type is ignored (the setting applies).
+        """
         config = runtime.config
+        stored = job.options.get(POLICY_OPTION) if job is not None else None
+
+        def value(name: str) -> Any:
+            if isinstance(stored, dict):
+                return stored.get(name)
+            return getattr(task, f"exactonce_{name}", None)
 
         def pick(name: str, default: float) -> float:
-            value = getattr(task, f"exactonce_{name}", None)
-            return float(default if value is None else value)
+            found = value(name)
+            number = isinstance(found, (int, float)) and not isinstance(found, bool)
+            return float(found) if number and found > 0 else float(default)
 
         return cls(
             dispatch_timeout=pick("dispatch_timeout", config.dispatch_timeout),
             dispatch_deadline=pick("dispatch_deadline", config.dispatch_deadline),
             running_timeout=pick("running_timeout", config.running_timeout),
-            redispatch=bool(getattr(task, "exactonce_redispatch", False)),
-            rerun=bool(getattr(task, "exactonce_rerun", False)),
+            redispatch=bool(value("redispatch")),
+            rerun=bool(value("rerun")),
         )
 
 
@@ -417,7 +430,7 @@ class Reconciler:
         return dispatch, running
 
     def _timeouts(self, job: Job) -> Timeouts:
-        return Timeouts.of(self.runtime, self._tasks.get(job.task))
+        return Timeouts.of(self.runtime, self._tasks.get(job.task), job)
 
     def _renew(self, lease: Lease) -> None:
         try:

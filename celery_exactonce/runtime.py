@@ -46,7 +46,6 @@ class Runtime:
             self.store,
             dispatch.CeleryPublisher(app, timeout=config.publish_timeout),
             node=self.node,
-            known_task=lambda name: name in app.tasks,
             retrier=dispatch.Retrier(
                 first_delay=config.retry_delay_store, give_up_after=config.replay_age
             ),

@@ -84,6 +84,7 @@ import heapq
 import logging
 import signal
 import threading
+from collections.abc import Mapping
 from datetime import datetime, timedelta, timezone
 from typing import Any
 from zoneinfo import ZoneInfo
@@ -92,13 +93,13 @@ from celery import beat
 
 from celery_exactonce import config as config_module
 from celery_exactonce import exceptions, jobs, keys, metrics, reconciler, slots, startup
-from celery_exactonce.dispatch import GATED_OPTION, check_options
+from celery_exactonce.dispatch import GATED_OPTION, POLICY_OPTION, check_options
 from celery_exactonce.jobs import CreateStatus, JobRef, NewJob
 from celery_exactonce.reconciler import RECONCILE_TASK, BeatRunner
 from celery_exactonce.runtime import Runtime
 from celery_exactonce.states import State
 from celery_exactonce.stores import redact_url
-from celery_exactonce.task import ExactOnceTask
+from celery_exactonce.task import TASK_FLAGS, TASK_TIMEOUTS, ExactOnceTask, task_policy
 
 logger = logging.getLogger(__name__)
 
@@ -183,7 +184,9 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
             raise exceptions.ConfigurationError(f"{label}: the name must be a string",
                                                 setting="beat_schedule")  # fmt: skip
         slots.validate_schedule(name, entry.schedule, self._tz, at=now)
-        self._policies[name] = EntryPolicy.of(name, entry, self._config)
+        self._policies[name] = EntryPolicy.of(
+            name, entry, self._config, self.app.tasks.get(entry.task)
+        )
         options = {k: v for k, v in (entry.options or {}).items() if k != ENTRY_OPTIONS}
         try:
             check_options(options, context=label)
@@ -370,7 +373,8 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
     def _policy(self, name: str, entry: Any) -> EntryPolicy:
         policy = self._policies.get(name)
         if policy is None:
-            policy = self._policies[name] = EntryPolicy.of(name, entry, self._config)
+            task = self.app.tasks.get(entry.task)
+            policy = self._policies[name] = EntryPolicy.of(name, entry, self._config, task)
         return policy
 
     def _load_watermarks(self, names: list[str], now: datetime) -> None:
@@ -478,8 +482,11 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
         options = {
             k: v for k, v in (entry.options or {}).items() if k != ENTRY_OPTIONS and v is not None
         }
-        options[GATED_OPTION] = isinstance(self.app.tasks.get(entry.task), ExactOnceTask)
-        deadline = self._policy(name, entry).deadline
+        policy = self._policy(name, entry)
+        options[GATED_OPTION] = policy.gated
+        if policy.gated:
+            options[POLICY_OPTION] = dict(policy.task_policy)
+        deadline = policy.deadline
         new = NewJob(
             JobRef.occurrence(occurrence_id(self._runtime.store.namespace, name, fire)),
             entry.task, State.SCHEDULED, node=self._runtime.node, args=list(entry.args or ()),
@@ -681,24 +688,41 @@ class EntryPolicy:
                       ``exactonce_max_lateness``; ``None``: no bound but the window)
     ``deadline``      seconds after its fire time an occurrence may still be
                       published; past it the message expires (``None``: no deadline)
+    ``gated``         whether the workers run the task as an ``ExactOnceTask``.
+                      Beat tells by itself when it imports the task; for a task
+                      it does not import, the entry must say (``True``/``False``),
+                      or beat refuses to start: guessing "plain" would write
+                      each occurrence ``PUBLISHED`` and the workers' gate would
+                      refuse to run it.
+    ``dispatch_timeout``, ``dispatch_deadline``, ``running_timeout``, ``redispatch``,
+    ``rerun``         the task's reconciler policy, as its ``exactonce_*``
+                      attributes give it (gated entries only); beat reads the
+                      attributes of a task it imports, and these override them.
     """
 
     catchup: config_module.Catchup
     max_lateness: float | None
     deadline: float | None
+    gated: bool = False
+    task_policy: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     @classmethod
-    def of(cls, name: str, entry: Any, config: config_module.ExactOnceConfig) -> EntryPolicy:
-        """The entry's policy; a :class:`ConfigurationError` naming the entry if it is wrong."""
+    def of(
+        cls, name: str, entry: Any, config: config_module.ExactOnceConfig, task: Any = None
+    ) -> EntryPolicy:
+        """The entry's policy; a :class:`ConfigurationError` naming the entry if it is wrong.
+
+        ``task`` is the entry's task as this process registers it, or ``None``.
+        """
         overrides = (entry.options or {}).get(ENTRY_OPTIONS) or {}
         where = f"beat entry {name!r}: options[{ENTRY_OPTIONS!r}]"
         if not isinstance(overrides, dict):
             raise exceptions.ConfigurationError(f"{where} must be a dict", setting="beat_schedule")
-        unknown = sorted(set(overrides) - {"catchup", "max_lateness", "deadline"})
+        unknown = sorted(set(overrides) - set(ENTRY_KEYS))
         if unknown:
             raise exceptions.ConfigurationError(
                 f"{where}: unknown key(s) {', '.join(map(repr, unknown))} "
-                "(known: catchup, max_lateness, deadline)",
+                f"(known: {', '.join(ENTRY_KEYS)})",
                 setting="beat_schedule",
             )
         try:
@@ -708,7 +732,81 @@ class EntryPolicy:
         lateness = _seconds(
             where, "max_lateness", overrides.get("max_lateness", config.max_lateness)
         )
-        return cls(catchup, lateness, _seconds(where, "deadline", overrides.get("deadline")))
+        gated = _gated(name, entry, where, overrides.get("gated"), task)
+        policy = _entry_task_policy(where, overrides, config, task if gated else None, gated)
+        return cls(
+            catchup, lateness, _seconds(where, "deadline", overrides.get("deadline")), gated, policy
+        )
+
+
+#: The keys of an entry's ``options["exactonce"]``.
+ENTRY_KEYS = (
+    "catchup", "max_lateness", "deadline", "gated", *TASK_TIMEOUTS, *TASK_FLAGS,
+)  # fmt: skip
+
+
+def _gated(name: str, entry: Any, where: str, declared: object, task: Any) -> bool:
+    """Whether the entry's task is gated: what beat sees of it, or what the entry declares."""
+    if declared is not None and not isinstance(declared, bool):
+        raise exceptions.ConfigurationError(
+            f"{where}['gated'] must be True or False, got {declared!r}", setting="beat_schedule"
+        )
+    if task is None:
+        if declared is None:
+            raise exceptions.ConfigurationError(
+                f"beat entry {name!r}: task {entry.task!r} is not registered in this beat "
+                "process, so beat cannot tell whether the workers gate it. Import the task's "
+                "module in beat (app.conf.imports or include), or declare it on the entry: "
+                f"options={{{ENTRY_OPTIONS!r}: {{'gated': True}}}} for an ExactOnceTask, "
+                "{'gated': False} for a plain task",
+                setting="beat_schedule",
+            )
+        return declared
+    actual = isinstance(task, ExactOnceTask)
+    if declared is not None and declared is not actual:
+        kind = "an ExactOnceTask" if actual else "a plain task"
+        raise exceptions.ConfigurationError(
+            f"{where}['gated'] is {declared}, but task {entry.task!r} is {kind} here",
+            setting="beat_schedule",
+        )
+    return actual
+
+
+def _entry_task_policy(
+    where: str,
+    overrides: Mapping[str, Any],
+    config: config_module.ExactOnceConfig,
+    task: Any,
+    gated: bool,
+) -> dict[str, Any]:
+    """The reconciler policy an entry's occurrences store: the task's, then the entry's."""
+    given = [key for key in (*TASK_TIMEOUTS, *TASK_FLAGS) if overrides.get(key) is not None]
+    if not gated:
+        if given:
+            raise exceptions.ConfigurationError(
+                f"{where}: {', '.join(given)} apply to gated tasks only", setting="beat_schedule"
+            )
+        return {}
+    policy = task_policy(task) if task is not None else {}
+    for key in TASK_FLAGS:
+        value = overrides.get(key)
+        if value is not None and not isinstance(value, bool):
+            raise exceptions.ConfigurationError(
+                f"{where}[{key!r}] must be True or False, got {value!r}", setting="beat_schedule"
+            )
+        if value is not None:
+            policy[key] = value
+    for key in TASK_TIMEOUTS:
+        seconds = _seconds(where, key, overrides.get(key))
+        if seconds is not None:
+            policy[key] = seconds
+    timeouts = {key: policy[key] for key in TASK_TIMEOUTS if key in policy}
+    if timeouts:
+        try:  # the rules the settings follow (dispatch_deadline >= dispatch_timeout...)
+            dataclasses.replace(config, **timeouts)
+        except exceptions.ConfigurationError as exc:
+            raise exceptions.ConfigurationError(f"{where}: {exc}", setting="beat_schedule") from exc
+    return policy
 
 
 def _seconds(where: str, key: str, value: object) -> float | None:

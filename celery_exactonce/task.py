@@ -155,6 +155,7 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
         eta = _eta(options)
         delayed = eta is not None and eta > datetime.now(timezone.utc)
         stored[dispatch.GATED_OPTION] = True
+        stored[dispatch.POLICY_OPTION] = task_policy(self)
         new = NewJob(
             JobRef.task(task_id), self.name, State.PENDING if delayed else State.SCHEDULED,
             node=runtime.node, args=list(args or ()), kwargs=dict(kwargs or {}), options=stored,
@@ -404,7 +405,8 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
         """
         new = NewJob(
             ref, self.name, State.RUNNING, node=runtime.node, args=list(args),
-            kwargs=dict(kwargs), options={dispatch.GATED_OPTION: True}, run_id=run_id,
+            kwargs=dict(kwargs), run_id=run_id,
+            options={dispatch.GATED_OPTION: True, dispatch.POLICY_OPTION: task_policy(self)},
             reason="adopted at the gate",
         )  # fmt: skip
         result = runtime.store.create(new)
@@ -557,6 +559,27 @@ class _Heartbeat:
 
 #: Settings a gated task may override as ``exactonce_<name>`` attributes (the reconciler's).
 TASK_TIMEOUTS = ("dispatch_timeout", "dispatch_deadline", "running_timeout")
+#: Opt-ins a gated task may set as ``exactonce_<name> = True`` (the reconciler's).
+TASK_FLAGS = ("redispatch", "rerun")
+
+
+def task_policy(task: Any) -> dict[str, Any]:
+    """The reconciler policy ``task`` overrides, as its jobs store it.
+
+    Written into every job of a gated task by whoever creates it (under
+    :data:`~celery_exactonce.dispatch.POLICY_OPTION`), so that a process that
+    does not import the task, a slim beat, still applies the task's own
+    timeouts and opt-ins.
+    """
+    policy: dict[str, Any] = {}
+    for name in TASK_TIMEOUTS:
+        value = getattr(task, f"exactonce_{name}", None)
+        if value is not None:
+            policy[name] = float(value)
+    for name in TASK_FLAGS:
+        if getattr(task, f"exactonce_{name}", False):
+            policy[name] = True
+    return policy
 
 
 def validate_gated_task(task: Task) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 
 from celery import Celery
 
-from celery_exactonce import metrics, runtime
+from celery_exactonce import ExactOnceTask, metrics, runtime
 from celery_exactonce.dispatch import Dispatcher
 from celery_exactonce.jobs import Job
 from celery_exactonce.scheduler import ExactOnceScheduler
@@ -45,13 +45,19 @@ class Cluster:
     ``start`` is the store time of the first tick; the store was born a day
     before it unless ``store_born`` says otherwise (so its first slots are
     provable). ``conf`` holds Celery settings (``exactonce_*``, ``timezone``).
+
+    The nodes import the entries' tasks, as plain tasks, unless ``imported`` is
+    false (a slim beat) or an entry declares ``gated`` (it stands for a task
+    beat does not import); the tasks named in ``gated`` are gated
+    (``exactonce_running_timeout = 1200``, ``exactonce_redispatch = True``).
     """
 
     def __init__(
         self, schedule: dict[str, Any], nodes: int = 3, *, start: datetime = START,
         store_born: datetime | None = None, store_retention: float = STORE_RETENTION,
-        **conf: Any,
+        imported: bool = True, gated: tuple[str, ...] = (), **conf: Any,
     ) -> None:  # fmt: skip
+        self.imported, self.gated = imported, gated
         self.clock = FrozenClock(store_born or start - timedelta(days=1))
         self.store = InMemoryStore("beat", retention=store_retention, clock=self.clock)
         self.store.epoch()
@@ -65,6 +71,11 @@ class Cluster:
         app = Celery("beat-tests", set_as_current=False)
         settings: dict[str, Any] = {"timezone": "UTC", **conf}
         app.conf.update(exactonce_store_url="memory://", beat_schedule=schedule, **settings)
+        for name in self.gated:
+            app.task(name=name, base=ExactOnceTask, shared=False, exactonce_redispatch=True,
+                     exactonce_running_timeout=1200)(_noop)  # fmt: skip
+        if self.imported:
+            register_plain_tasks(app, schedule)
         rt = runtime.install(app, self.store)
         rt.dispatcher = Dispatcher(self.store, self.broker, node="beat")
         return app
@@ -132,6 +143,22 @@ def isolated() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, sigterm)
+
+
+def register_plain_tasks(app: Celery, schedule: dict[str, Any]) -> None:
+    """Register the entries' tasks as plain tasks, as a beat importing their module would.
+
+    An entry that declares ``gated`` stands for a task beat does not import: skipped.
+    """
+    for entry in schedule.values():
+        name = entry.get("task") if isinstance(entry, dict) else None
+        declared = "gated" in ((entry.get("options") or {}).get("exactonce") or {})
+        if name and name not in app.tasks and not declared:
+            app.task(name=name, shared=False)(_noop)
+
+
+def _noop(*_args: Any, **_kwargs: Any) -> None:
+    """The body of the plain tasks beat tests schedule (beat never runs it)."""
 
 
 def every(seconds: float, task: str = "plain.t", **options: Any) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
@@ -194,12 +195,18 @@ def test_ambiguous_failure_keeps_dispatched() -> None:
     assert metrics.COUNTERS.get("publish_ambiguous") == 1
 
 
-def test_unknown_gated_task_fails_without_publishing() -> None:
+def test_a_gated_job_of_a_task_this_process_does_not_import_is_published() -> None:
+    """SCENARIOS 67: the record says the job is gated; the dispatching process's registry
+    (a beat that does not import the task modules) is not asked.
+
+    Fails before the fix: a beat without the module ended every delayed job and
+    countdown retry ``FAILED 'unknown task'``, though workers run the task.
+    """
     store, broker = InMemoryStore("ns"), Broker()
-    job = scheduled(store)
-    result = Dispatcher(store, broker, node="n", known_task=lambda _n: False).dispatch(job)
-    assert result.outcome is Outcome.FAILED and broker.sent == []
-    assert store.get(job.ref).state is State.FAILED  # type: ignore[union-attr]
+    job = scheduled(store)  # "tasks.t": registered nowhere in this process
+    result = Dispatcher(store, broker, node="n").dispatch(job)
+    assert result.outcome is Outcome.PUBLISHED and [j.ref for j, _ in broker.sent] == [job.ref]
+    assert store.get(job.ref).state is State.DISPATCHED  # type: ignore[union-attr]
 
 
 def test_occurrence_headers() -> None:
@@ -344,3 +351,24 @@ def test_a_failed_flush_settles_every_job_of_its_chunk_alike(definite: bool) -> 
     assert [r.outcome for r in rest] == [Outcome.PUBLISHED] * 8
     assert [job.ref.id for job, _ in broker.sent] == [job.ref.id for job in listed[DISPATCH_CHUNK:]]
     assert broker.flushes == 2
+
+
+def test_a_payload_that_cannot_be_published_fails_the_job_counted_and_never_retried(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """SCENARIOS 35: dispatch raises after the claim (the payload does not encode):
+    ``FAILED`` with the reason, counted, logged with the job id; not retried."""
+    store, broker = InMemoryStore("ns"), Broker()
+    retrier = Retrier(first_delay=0.01)
+    job = scheduled(store)
+    broker.fault = PublishFailed("cannot encode: <object>", definite=True, permanent=True)
+    with caplog.at_level(logging.ERROR, logger="celery_exactonce"):
+        result = Dispatcher(store, broker, node="n", retrier=retrier).dispatch(job)
+    assert result.outcome is Outcome.FAILED and broker.sent == []
+    stored = store.get(job.ref)
+    assert stored is not None and stored.state is State.FAILED
+    assert "cannot encode" in stored.reason
+    assert metrics.COUNTERS.get("dispatch_failed") == 1
+    (record,) = [r for r in caplog.records if getattr(r, "action", "") == "dispatch_failed"]
+    assert getattr(record, "job_id", None) == job.ref.id
+    assert retrier.pending() == 0

@@ -253,7 +253,7 @@ def test_beat_claims_are_signed_when_the_store_answers_briefly() -> None:
     from celery_exactonce.scheduler import ExactOnceScheduler
     from tests.unit.beat_cluster import START as BEAT_START
     from tests.unit.beat_cluster import Broker as BeatBroker
-    from tests.unit.beat_cluster import every, isolated
+    from tests.unit.beat_cluster import every, isolated, register_plain_tasks
 
     clock = FrozenClock(BEAT_START - timedelta(days=1))
     store = BriefStore("beat", clock=clock)
@@ -264,6 +264,7 @@ def test_beat_claims_are_signed_when_the_store_answers_briefly() -> None:
         exactonce_store_url="memory://", exactonce_signing_key=KEY, timezone="UTC",
         beat_schedule={"tick": every(1)},
     )  # fmt: skip
+    register_plain_tasks(app, app.conf.beat_schedule)
     rt = runtime.install(app, store)
     broker = BeatBroker()
     rt.dispatcher = Dispatcher(rt.store, broker, node="beat", signer=rt.signer)
