@@ -158,7 +158,10 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
         self._heap_ready = False
         self._in_tick = False
         self._stop_requested = False
-        super().__init__(app, *args, **kwargs)
+        try:
+            super().__init__(app, *args, **kwargs)  # setup_schedule checks every entry
+        except exceptions.ConfigurationError as exc:  # a bad entry: refused as a bad setting is
+            startup.refuse("beat", exc)
         self._install_sigterm()
 
     # -- celery.beat.Scheduler interface ---------------------------------------------

@@ -10,17 +10,20 @@ from __future__ import annotations
 
 import contextlib
 import heapq
+import re
 import signal
 from collections.abc import Iterator, Mapping
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
+import pytest
 from celery import Celery
 
-from celery_exactonce import ExactOnceTask, metrics, runtime
+from celery_exactonce import ConfigurationError, ExactOnceTask, metrics, runtime
 from celery_exactonce.dispatch import Dispatcher
 from celery_exactonce.jobs import Job
 from celery_exactonce.scheduler import ExactOnceScheduler
+from celery_exactonce.startup import StartupRefused
 from celery_exactonce.testing import FrozenClock, InMemoryStore
 
 START = datetime(2026, 6, 1, 12, 0, 0, tzinfo=timezone.utc)
@@ -143,6 +146,21 @@ def isolated() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, sigterm)
+
+
+@contextlib.contextmanager
+def refused_at_start(match: str = "") -> Iterator[list[ConfigurationError]]:
+    """Expect beat to refuse to start (``StartupRefused``) on a ``ConfigurationError``.
+
+    Yields a list that holds the error afterwards; ``match`` is searched in its text.
+    """
+    holder: list[ConfigurationError] = []
+    with pytest.raises(StartupRefused) as raised:
+        yield holder
+    error = raised.value.error
+    assert isinstance(error, ConfigurationError), error
+    assert re.search(match, str(error)), str(error)
+    holder.append(error)
 
 
 def register_plain_tasks(app: Celery, schedule: dict[str, Any]) -> None:

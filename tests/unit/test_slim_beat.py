@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from celery import Celery
 
-from celery_exactonce import ConfigurationError, ExactOnceTask, runtime
+from celery_exactonce import ExactOnceTask, runtime
 from celery_exactonce.dispatch import GATED_OPTION, POLICY_OPTION
 from celery_exactonce.jobs import JobRef, NewJob
 from celery_exactonce.reconciler import Reconciler
@@ -23,7 +23,7 @@ from celery_exactonce.states import State
 from celery_exactonce.task import task_policy
 from celery_exactonce.testing import FrozenClock, InMemoryStore
 from tests.contract.reconciling import move
-from tests.unit.beat_cluster import Cluster, every, isolated
+from tests.unit.beat_cluster import Cluster, every, isolated, refused_at_start
 
 START = datetime(2026, 3, 1, 12, 0, 0, tzinfo=timezone.utc)
 
@@ -38,12 +38,12 @@ def test_an_entry_whose_task_beat_cannot_see_is_refused_naming_it_and_the_fix() 
     plain (written ``PUBLISHED``); the workers' gate then refused every delivery, at
     DEBUG: a silent, total loss."""
     schedule = {"nightly": every(60, task="billing.charge")}
-    with isolated(), pytest.raises(ConfigurationError) as info:
+    with isolated(), refused_at_start() as refusal:
         Cluster(schedule, nodes=1, imported=False)
-    message = str(info.value)
+    message = str(refusal[0])
     assert "beat entry 'nightly'" in message and "'billing.charge'" in message
     assert "Import the task's module" in message and "'gated': True" in message
-    assert info.value.setting == "beat_schedule"
+    assert refusal[0].setting == "beat_schedule"
 
 
 def test_a_declared_gated_entry_is_dispatched_as_gated() -> None:
@@ -72,13 +72,13 @@ def test_a_wrong_declaration_is_refused_naming_the_entry(
     exactonce: dict[str, Any], culprit: str
 ) -> None:
     """A declaration that contradicts the task beat sees, or a bad policy value."""
-    with isolated(), pytest.raises(ConfigurationError, match="beat entry 'e'") as info:
+    with isolated(), refused_at_start("beat entry 'e'") as refusal:
         Cluster({"e": every(60, task="t.real", exactonce=exactonce)}, nodes=1, gated=("t.real",))
-    assert culprit in str(info.value)
+    assert culprit in str(refusal[0])
 
 
 def test_policy_keys_on_a_plain_entry_are_refused() -> None:
-    with isolated(), pytest.raises(ConfigurationError, match="apply to gated tasks only"):
+    with isolated(), refused_at_start("apply to gated tasks only"):
         Cluster({"e": every(60, exactonce={"gated": False, "rerun": True})}, nodes=1)
 
 

@@ -52,6 +52,9 @@ For ``celery beat -S exactonce`` (``harness.BeatProcess`` sets these):
                                        (it runs its slots and the reconciler only)
 ``EXACTONCE_ACC_NO_GATE``              ``1``: the gated tasks' names are plain tasks here (a
                                        worker still on code from before the gate)
+``EXACTONCE_ACC_SLIM``                 a slim beat app, which registers no task: ``1``, its
+                                       entries as they are; ``declared``, every entry
+                                       declares ``gated`` in its ``exactonce`` options
 
 The clock variables give a process a skewed node clock (there is no
 libfaketime here): ``time.time`` and ``time.time_ns`` (so log timestamps show
@@ -105,6 +108,9 @@ GATED_TASKS = (
 #: Set (``1``): the app registers the gated tasks' names as plain tasks, as a worker
 #: still on code from before the gate would (scenario 65).
 NO_GATE = "EXACTONCE_ACC_NO_GATE"
+
+#: A slim beat app: no task registered (``1``), entries declaring ``gated`` (``declared``).
+SLIM = "EXACTONCE_ACC_SLIM"
 
 #: With ``EXACTONCE_ACC_BEAT_ENTRIES``, every entry whose index is 3 modulo this runs the
 #: plain task: beat's claim alone (no gate behind it) keeps those to one run per slot.
@@ -168,12 +174,18 @@ def make_app(env: Mapping[str, str] = os.environ, *, set_as_current: bool = True
             app.conf.beat_schedule.update(
                 extra_entries(name, float(env["EXACTONCE_ACC_BEAT_EVERY"]))
             )
+    slim = env.get(SLIM, "")
+    if slim == "declared":
+        for entry in (app.conf.beat_schedule or {}).values():
+            exactonce = {"gated": entry["task"] in GATED_TASKS}
+            entry["options"] = {**entry.get("options", {}), "exactonce": exactonce}
     if env.get("EXACTONCE_ACC_EXTRA_CONF"):
         app.conf.update(json.loads(env["EXACTONCE_ACC_EXTRA_CONF"]))
     # The gate logs suppressed duplicates at debug: let the worker log show them.
     logging.getLogger("celery_exactonce").setLevel(logging.DEBUG)
     ledger_path = env.get("EXACTONCE_ACC_LEDGER", "")
-    _register_tasks(app, ledger_path, gated=not _flag(env.get(NO_GATE)))
+    if not slim:
+        _register_tasks(app, ledger_path, gated=not _flag(env.get(NO_GATE)))
     return app
 
 
