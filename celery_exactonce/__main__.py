@@ -1,7 +1,7 @@
 """``python -m celery_exactonce``: the command line of the package (``demo`` for now).
 
 ``python -m celery_exactonce demo`` runs two beat nodes and a worker on this
-machine with no server (SQLite store, filesystem broker), SIGKILLs one beat
+machine with no server (SQLite store and broker), SIGKILLs one beat
 half-way through and prints a report; see :mod:`celery_exactonce.demo`.
 Exit status: 0, 1 when any occurrence ran twice, 2 when the demo could not
 run, 130 when interrupted (Ctrl-C or SIGTERM).
@@ -37,7 +37,7 @@ def parser() -> argparse.ArgumentParser:
         "demo",
         help="two beat nodes and a worker on this machine, no servers; ends with a report",
         description=(
-            "Run two leaderless beat nodes and a worker (SQLite store, filesystem broker), "
+            "Run two leaderless beat nodes and a worker (SQLite store and broker), "
             "SIGKILL one beat half-way through, then report the occurrences due, "
             "dispatched, executed, duplicated and missed. Exits 1 if any occurrence "
             "ran twice, 2 if the demo could not run."

@@ -1,6 +1,6 @@
 """``python -m celery_exactonce demo``: the whole thing on one machine, with no servers.
 
-It runs :mod:`celery_exactonce.demo_app` (SQLite store, filesystem broker, four
+It runs :mod:`celery_exactonce.demo_app` (SQLite store, SQLite broker, four
 beat entries every 1, 2, 3 and 5 s, each a gated task that writes one ledger
 line per body run) as real processes, each in its own session with its log in
 the work folder:
@@ -385,7 +385,7 @@ def run_demo(
         path.mkdir(parents=True, exist_ok=True)
     kept = keep or workdir is not None
     layout = demo_app.Layout(path)
-    layout.make_folders()
+    layout.prepare()
     progress(f"work folder {path}" + ("" if kept else " (removed at the end; --keep keeps it)"))
     try:
         result = Demo(layout, seconds, progress).run()

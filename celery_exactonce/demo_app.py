@@ -8,8 +8,14 @@ starts them and sets:
 ``EXACTONCE_DEMO_NODE``      this process's node id in job histories (``beat-a``...)
 
 No server is involved: the store is ``sqlite:///<workdir>/store.db`` and the
-broker is kombu's ``filesystem://`` transport (one folder holds the queue, so
-producers and consumer read and write the same place).
+broker is kombu's SQLAlchemy transport on another SQLite file,
+``sqla+sqlite:///<workdir>/broker.db``. A message is one row, inserted and
+committed in one transaction, so a reader sees it whole or not at all (kombu's
+``filesystem://`` transport, the demo's first broker, creates the message file
+before it writes it, and a reader could take it empty). The file runs in WAL
+mode, every connection waits up to :data:`BROKER_BUSY_TIMEOUT` s for SQLite's
+write lock, and :meth:`Layout.prepare` creates the tables and the queue before
+any process starts, so the processes never race to create them.
 
 Every beat entry runs :func:`record`, an
 :class:`~celery_exactonce.task.ExactOnceTask` whose body appends one JSON line
@@ -19,15 +25,19 @@ executions from it, not from logs.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import sqlite3
 import time
-from collections.abc import Mapping
+import warnings
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from celery import Celery
+from kombu.connection import Connection
 
 from celery_exactonce import dispatch
 from celery_exactonce.task import ExactOnceTask
@@ -53,8 +63,19 @@ MAX_SKEW = 1.0
 #: of ``every-1s``, not the 300 of the default look-back.
 WINDOW_LOOKBACK = 10.0
 
-#: How often the worker looks at the queue folder when it is empty (kombu's default: 1 s).
-POLLING_INTERVAL = 0.1
+#: How long a connection to the broker's SQLite file waits for the write lock
+#: (sqlite3's ``timeout``; its default, 5 s, is short on a loaded machine).
+BROKER_BUSY_TIMEOUT = 30.0
+#: kombu's SQLAlchemy transport passes its options on to ``create_engine`` (so
+#: it takes no ``polling_interval``: the worker looks at an empty queue once a second).
+BROKER_OPTIONS: dict[str, Any] = {"connect_args": {"timeout": BROKER_BUSY_TIMEOUT}}
+
+#: kombu's SQLAlchemy models (``Queue.messages``) use the ``noload`` loader
+#: strategy, which SQLAlchemy 2.1 deprecates; the transport never loads that
+#: relationship. The warning would land in every demo log: it is silenced here,
+#: in the processes that import this module, for that message only.
+NOLOAD_WARNING = r"The ``noload`` loader strategy is deprecated"
+warnings.filterwarnings("ignore", message=NOLOAD_WARNING, category=DeprecationWarning)
 
 
 @dataclass(frozen=True)
@@ -68,35 +89,55 @@ class Layout:
         return f"sqlite:///{self.workdir / 'store.db'}"
 
     @property
-    def queue_folder(self) -> Path:
-        """Messages waiting in the queue (kombu's ``data_folder_in`` and ``_out``)."""
-        return self.workdir / "broker" / "queue"
+    def broker_db(self) -> Path:
+        """The SQLite file of the broker (kombu's SQLAlchemy transport)."""
+        return self.workdir / "broker.db"
 
     @property
-    def processed_folder(self) -> Path:
-        """Messages the worker took from the queue (kept for inspection)."""
-        return self.workdir / "broker" / "processed"
-
-    @property
-    def control_folder(self) -> Path:
-        """kombu's exchange tables (relative to the current folder unless set)."""
-        return self.workdir / "broker" / "control"
+    def broker_url(self) -> str:
+        return f"sqla+sqlite:///{self.broker_db}"
 
     @property
     def ledger(self) -> Path:
         """One JSON line per task body run (:func:`append_ledger`)."""
         return self.workdir / "ledger.jsonl"
 
-    def make_folders(self) -> None:
-        for folder in (self.queue_folder, self.processed_folder, self.control_folder):
-            folder.mkdir(parents=True, exist_ok=True)
+    @contextlib.contextmanager
+    def broker(self) -> Iterator[Any]:
+        """A channel of the demo's broker, closed (session and connection) on leaving."""
+        # kombu's Connection is not annotated: Any from here on.
+        conn: Any = Connection(self.broker_url, transport_options=BROKER_OPTIONS)  # type: ignore[no-untyped-call]
+        with conn:
+            channel = conn.channel()
+            try:
+                yield channel
+            finally:
+                # kombu's SQLAlchemy channel does not close its session, which
+                # keeps a pooled connection checked out until garbage collection.
+                channel.session.close()
+                channel.close()
+
+    def prepare(self) -> None:
+        """Create the work folder and the broker: WAL mode, kombu's tables, the queue.
+
+        WAL mode is a property of the file, so every later connection uses it:
+        readers never wait for a writer, and a publish waits only for another
+        write. Idempotent.
+        """
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        db = sqlite3.connect(self.broker_db, timeout=BROKER_BUSY_TIMEOUT)
+        try:
+            db.execute("PRAGMA journal_mode = WAL")
+        finally:
+            db.close()
+        with self.broker() as channel:
+            channel.queue_declare(queue=QUEUE)
 
     def waiting_messages(self) -> int:
-        """Messages in the queue folder, not yet taken by the worker."""
-        try:
-            return sum(1 for name in os.listdir(self.queue_folder) if name.endswith(".msg"))
-        except FileNotFoundError:
-            return 0
+        """Messages in the queue, not yet taken by the worker."""
+        with self.broker() as channel:
+            count: int = channel.queue_declare(queue=QUEUE, passive=True).message_count
+        return count
 
 
 def append_ledger(path: Path, line: dict[str, Any]) -> None:
@@ -115,19 +156,11 @@ def append_ledger(path: Path, line: dict[str, Any]) -> None:
 
 
 def make_app(layout: Layout, node: str | None = None) -> Celery:
-    """The demo app: SQLite store, filesystem broker, the beat entries of :data:`ENTRIES`."""
+    """The demo app: SQLite store, SQLite broker, the beat entries of :data:`ENTRIES`."""
     app = Celery("celery_exactonce.demo_app", set_as_current=False)
-    queue = str(layout.queue_folder)
     app.conf.update(
-        broker_url="filesystem://",
-        broker_transport_options={
-            "data_folder_in": queue,
-            "data_folder_out": queue,
-            "store_processed": True,
-            "processed_folder": str(layout.processed_folder),
-            "control_folder": str(layout.control_folder),
-            "polling_interval": POLLING_INTERVAL,
-        },
+        broker_url=layout.broker_url,
+        broker_transport_options=BROKER_OPTIONS,
         broker_connection_retry_on_startup=True,
         result_backend=None,
         task_ignore_result=True,

@@ -248,7 +248,7 @@ def render(result: DemoResult) -> str:
     survivors = " and ".join(name for name in result.beats if name != result.killed.node)
     lines = [
         f"celery-exactonce demo: {len(result.beats)} beat nodes (no leader), one worker, "
-        "SQLite store, filesystem broker",
+        "SQLite store and broker",
         f"  {len(result.entries)} beat entries (every {every} s) of a gated task",
         f"  {result.killed.node} (pid {result.killed.pid}) SIGKILLed at "
         f"+{result.killed.after:g} s; {survivors} carried on",

@@ -1,10 +1,11 @@
 """``python -m celery_exactonce demo``: two beats and a worker with no server, one beat SIGKILLed.
 
-Needs no service: the demo brings its SQLite store and filesystem broker.
+Needs no service: the demo brings its SQLite store and its SQLite broker.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import signal
@@ -13,10 +14,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tests.acceptance.harness import REPO_ROOT
+from celery_exactonce import demo_app
+from tests.acceptance.apps import demo_broker
+from tests.acceptance.harness import REPO_ROOT, poll
 
 #: The run lasts about 15 s plus start-up and drain; generous for a loaded CI machine.
 DEMO_TIMEOUT = 150.0
+#: How long a reader may take its one message while the writer is held.
+READ_WINDOW = 5.0
 
 
 def run_demo(*args: str) -> tuple[int, dict[str, Any], str]:
@@ -82,3 +87,63 @@ def test_demo_two_beats_one_killed_no_duplicate() -> None:
     finally:
         if workdir:
             shutil.rmtree(workdir, ignore_errors=True)
+
+
+def broker_process(command: str, workdir: Path) -> subprocess.Popen[str]:
+    """``tests.acceptance.apps.demo_broker``: a held writer (``put``) or a reader (``get``)."""
+    argv = [sys.executable, "-m", "tests.acceptance.apps.demo_broker", command, str(workdir)]
+    return subprocess.Popen(
+        argv, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def outcome(proc: subprocess.Popen[str]) -> dict[str, Any]:
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, f"{proc.args} exited {proc.returncode}:\n{out}\n{err}"
+    result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
+    return result
+
+
+def test_a_message_still_being_written_is_never_handed_to_the_reader(tmp_path: Path) -> None:
+    """Issue 11, hole 19: the demo's broker hands a reader a message only once it is whole.
+
+    Fails on the code before the fix: the demo used kombu's ``filesystem``
+    transport, whose publisher creates the message file, then locks it, then
+    writes it; the reader lists the folder, moves the file away and reads it
+    without looking at the lock. A reader that comes between gets an empty
+    file: ``JSONDecodeError`` (under load the demo's worker met it and the
+    demo exited 2), and the message is gone from the queue.
+    Here the writer is held at that point for certain, in a real process.
+    """
+    workdir = tmp_path / "demo"
+    layout = demo_app.Layout(workdir)
+    layout.prepare()
+    writer = broker_process("put", workdir)
+    reader: subprocess.Popen[str] | None = None
+    try:
+        # Given a writer held at the last step of its publish
+        poll(lambda: (workdir / demo_broker.HELD).exists() or writer.poll() is not None, 60)
+        assert writer.poll() is None, outcome(writer)
+        # When a reader takes a message from the queue meanwhile (given time to do so)
+        reader = broker_process("get", workdir)
+        poll(lambda: (workdir / demo_broker.READING).exists() or reader.poll() is not None, 60)
+        with contextlib.suppress(AssertionError):  # a sound broker makes it wait: fine
+            poll(lambda: reader.poll() is not None, READ_WINDOW)
+        # And the writer finishes
+        (workdir / demo_broker.RELEASE).touch()
+        sent = outcome(writer)
+        # Then the reader got the whole message, or nothing yet
+        got = outcome(reader)
+        assert got in ({"outcome": "message", "task_id": sent["task_id"]}, {"outcome": "empty"})
+        # And the message was taken once: by that reader, else by the next one
+        after = outcome(broker_process("get", workdir))
+        if got["outcome"] == "empty":
+            assert after == {"outcome": "message", "task_id": sent["task_id"]}
+            after = outcome(broker_process("get", workdir))
+        assert after == {"outcome": "empty"}
+    finally:
+        (workdir / demo_broker.RELEASE).touch()
+        for proc in (writer, reader):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=60)

@@ -167,7 +167,7 @@ class FakeDemo:
 
     def run(self) -> DemoResult:
         FakeDemo.folders.append(self.layout.workdir)
-        assert self.layout.queue_folder.is_dir()
+        assert self.layout.broker_db.is_file()
         return fake_result()
 
 
@@ -193,7 +193,7 @@ def test_a_named_work_folder_is_kept_and_must_be_empty(
 ) -> None:
     result = demo.run_demo(10, tmp_path / "new")
     assert result.workdir == (tmp_path / "new").resolve()
-    assert (tmp_path / "new" / "broker" / "queue").is_dir()
+    assert (tmp_path / "new" / "broker.db").is_file()
     with pytest.raises(demo.DemoError, match="must be an empty folder"):
         demo.run_demo(10, tmp_path / "new")
 
