@@ -7,12 +7,17 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from celery_exactonce import demo_app
 from tests.acceptance.apps import demo_broker
@@ -23,9 +28,15 @@ DEMO_TIMEOUT = 150.0
 #: How long a reader may take its one message while the writer is held.
 READ_WINDOW = 5.0
 
+#: The proof under load: this many runs in a row of the command the README gives.
+LOAD_RUNS = 20
+
 
 def run_demo(*args: str) -> tuple[int, dict[str, Any], str]:
-    """Run the demo command; its exit status, its JSON report and its stderr."""
+    """Run the demo command; its exit status, its JSON report and its stderr.
+
+    The temporary work folder (``--keep``) is the caller's to remove.
+    """
     argv = [sys.executable, "-m", "celery_exactonce", "demo", *args]
     proc = subprocess.Popen(
         argv, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
@@ -147,3 +158,63 @@ def test_a_message_still_being_written_is_never_handed_to_the_reader(tmp_path: P
             if proc is not None and proc.poll() is None:
                 proc.kill()
                 proc.wait(timeout=60)
+
+
+def busy_cores(seconds: float) -> list[subprocess.Popen[bytes]]:
+    """One busy loop per core (two at least), each ending by itself after ``seconds``."""
+    code = f"import time\nend = time.monotonic() + {seconds}\nwhile time.monotonic() < end: pass"
+    return [
+        subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL)
+        for _ in range(max(2, os.cpu_count() or 2))
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(LOAD_RUNS * (DEMO_TIMEOUT + 30) + 60)
+def test_the_demo_passes_twenty_runs_in_a_row_with_every_core_busy() -> None:
+    """Issue 11, hole 19: the demo as the README runs it, 20 times in a row, cores taken.
+
+    ``python -m celery_exactonce demo --json`` (30 s, the default) runs 20
+    times, one after the other, while busy loops keep every core of the machine
+    busy; each run must exit 0 with no duplicate, its queue drained. About 15
+    minutes: ``tox -e chaos`` (``pytest -m slow``). It prints the time of every run.
+
+    On the code before the fix the demo's filesystem broker could hand the
+    worker a message file before the beat had written it, and a run exited 2
+    now and then (the test above shows that race for certain).
+    """
+    load = busy_cores(LOAD_RUNS * (DEMO_TIMEOUT + 30))
+    times: list[float] = []
+    try:
+        for number in range(1, LOAD_RUNS + 1):
+            assert all(proc.poll() is None for proc in load), "the load ended early"
+            started = time.monotonic()
+            status, result, err = run_demo("--json", "--keep")
+            times.append(time.monotonic() - started)
+            workdir = result.get("workdir")
+            try:
+                context = (
+                    f"run {number}: stderr:\n{err}\nresult: {json.dumps(result, indent=1)}\n"
+                    f"{logs(workdir)}"
+                )
+                assert status == 0, context
+                report = result["report"]
+                assert report["duplicates"] == 0, context
+                assert report["executed"] > 0, context
+                assert result["drained"] and result["left_in_queue"] == 0, context
+                assert result["key_mismatches"] == 0, context
+            finally:
+                if workdir:
+                    shutil.rmtree(workdir, ignore_errors=True)
+            print(
+                f"run {number:2}/{LOAD_RUNS}: exit 0 in {times[-1]:5.1f} s; due {report['due']}, "
+                f"executed {report['executed']}, duplicates 0, missed {report['missed']}"
+            )
+    finally:
+        for proc in load:
+            proc.kill()
+            proc.wait(timeout=60)
+    print(
+        f"{len(times)}/{LOAD_RUNS} runs passed with {len(load)} busy loops; run time "
+        f"min {min(times):.1f} s, median {statistics.median(times):.1f} s, max {max(times):.1f} s"
+    )
