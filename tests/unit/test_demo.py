@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
+import sqlite3
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import ClassVar
@@ -132,6 +134,30 @@ def test_a_line_that_is_not_a_ledger_record_is_refused(tmp_path: Path) -> None:
     path.write_text(json.dumps({"entry": "a"}) + "\n")
     with pytest.raises(demo.DemoError, match=r"ledger.jsonl:1: not a ledger line"):
         demo.read_ledger(path)
+
+
+# -- the broker -------------------------------------------------------------------------
+
+
+def test_the_broker_is_prepared_in_wal_mode_and_counts_waiting_messages(tmp_path: Path) -> None:
+    # Given a prepared work folder (twice: it is idempotent)
+    layout = demo_app.Layout(tmp_path / "demo")
+    layout.prepare()
+    layout.prepare()
+    # Then the broker is a SQLite file in WAL mode, with the queue and no message
+    assert layout.broker_url == f"sqla+sqlite:///{tmp_path / 'demo' / 'broker.db'}"
+    with contextlib.closing(sqlite3.connect(layout.broker_db)) as db:
+        assert db.execute("PRAGMA journal_mode").fetchone() == ("wal",)
+    assert layout.waiting_messages() == 0
+    # When the demo app publishes two messages and a reader takes one
+    app = demo_app.make_app(layout)
+    sent = [app.send_task(demo_app.TASK, args=(name,), queue=demo_app.QUEUE) for name in "ab"]
+    assert layout.waiting_messages() == 2
+    with layout.broker() as channel:
+        message = channel.basic_get(demo_app.QUEUE, no_ack=True)
+    # Then the first came out whole, and one waits
+    assert message.headers["id"] == sent[0].id
+    assert layout.waiting_messages() == 1
 
 
 # -- the work folder and the command line -----------------------------------------------
