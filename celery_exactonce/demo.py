@@ -372,7 +372,8 @@ def run_demo(
     """
     if importlib.util.find_spec("sqlalchemy") is None:
         raise DemoError(
-            "the demo's SQLite store needs SQLAlchemy: pip install 'celery-exactonce[demo]'"
+            "the demo's SQLite store and broker need SQLAlchemy: "
+            "pip install 'celery-exactonce[demo]'"
         )
     if not math.isfinite(seconds) or seconds < MIN_SECONDS:
         raise DemoError(f"--seconds must be at least {MIN_SECONDS:g}, got {seconds:g}")
