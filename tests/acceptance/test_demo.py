@@ -177,7 +177,8 @@ def test_the_demo_passes_twenty_runs_in_a_row_with_every_core_busy() -> None:
     ``python -m celery_exactonce demo --json`` (30 s, the default) runs 20
     times, one after the other, while busy loops keep every core of the machine
     busy; each run must exit 0 with no duplicate, its queue drained. About 15
-    minutes: ``tox -e chaos`` (``pytest -m slow``). It prints the time of every run.
+    minutes: ``tox -e chaos`` (``pytest -m slow``). It prints the time of every run
+    (``-s`` shows them).
 
     On the code before the fix the demo's filesystem broker could hand the
     worker a message file before the beat had written it, and a run exited 2
