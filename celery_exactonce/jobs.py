@@ -487,6 +487,29 @@ def apply_transition(job: Job, t: Transition, now: datetime) -> Job:
     )
 
 
+def check_note(node: str, reason: str, op_id: str) -> str:
+    """Refuse a bad node id or op id (:class:`InvalidPayload`); the reason as stored."""
+    validate_identifier(node, "node id", MAX_NAME_LENGTH)
+    validate_identifier(op_id, "op id", MAX_NAME_LENGTH)
+    validate_reason(reason)
+    return sanitize_text(reason)
+
+
+def annotate_job(job: Job, *, node: str, reason: str, op_id: str, now: datetime) -> Job:
+    """The record with a note appended to its history (store time ``now``); nothing else moves.
+
+    A note is a history entry from the job's state to itself whose ``rev`` is
+    ``op_id`` (so :meth:`Job.applied` settles a note whose answer was lost):
+    the state, the rev, ``touched_at`` (what staleness is measured from) and
+    every other field stay as they are. Appending the same ``op_id`` again
+    changes nothing.
+    """
+    if any(entry.rev == op_id for entry in job.history):
+        return job
+    entry = HistoryEntry(job.state, job.state, now, node, reason, op_id)
+    return dataclasses.replace(job, history=(*job.history, entry)[-HISTORY_LIMIT:])
+
+
 def job_from_new(new: NewJob, now: datetime) -> Job:
     """The record a create of ``new`` writes at store time ``now``."""
     return Job(

@@ -79,6 +79,7 @@ reconciler's to settle: beat runs it too, as the internal entry
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import heapq
 import logging
@@ -622,6 +623,17 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
             level=logging.WARNING, entry=entry, job_id=new.ref.id, task=new.task,
             claimed_task=record.task, claimed_by=claimer,
         )  # fmt: skip
+        note = (
+            f"claim conflict: node {self._runtime.node} defines beat entry {entry!r} as "
+            f"{new.task}{' with other arguments' if record.task == new.task else ''}; "
+            "its job did not run"
+        )
+        # The record says it too, for whoever reads it later; a store error leaves the
+        # warning above, and the next report (CONFLICT_RECHECK) tries again.
+        with contextlib.suppress(exceptions.StoreError):
+            self._runtime.store.annotate(
+                record.ref, node=self._runtime.node, reason=note, op_id=jobs.new_token()
+            )
 
     def _store_lost(self, lost: list[tuple[_Plan, NewJob]]) -> None:
         """Claims refused for an epoch mismatch: skip them, count, and adopt the new epoch."""

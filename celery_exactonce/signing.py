@@ -214,6 +214,9 @@ class SigningStore:
     def heartbeat(self, ref: JobRef, run_id: str) -> bool:
         return self.inner.heartbeat(ref, run_id)
 
+    def annotate(self, ref: JobRef, *, node: str, reason: str, op_id: str) -> bool:
+        return self.inner.annotate(ref, node=node, reason=reason, op_id=op_id)
+
     def watermark(self, entry: str) -> datetime | None:
         return self.inner.watermark(entry)
 

@@ -28,6 +28,7 @@ run at most once per attempt whatever the broker redelivers
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import dataclasses
 import logging
@@ -516,12 +517,15 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
                 continue
             if not result.applied:
                 # The run no longer owns the job (the reconciler timed it out, a
-                # revoke cancelled it): the outcome is late and changes nothing.
+                # revoke cancelled it): the outcome is late and changes nothing,
+                # but the record says it (a note, never a change of state).
                 current = result.job.state if result.job else "no record"
                 logger.warning(
                     "late outcome %s of %s ignored: the job is %s", state, ref, current,
                     extra={"action": "late_outcome", "job_id": ref.id, "state": str(state)},
                 )  # fmt: skip
+                if result.job is not None:
+                    self._note_late(runtime, ref, run_id, state, reason)
             return
         metrics.event(
             "completion_write_failed", f"could not record {state} for {ref}; "
@@ -529,6 +533,12 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
             level=logging.ERROR, labels={"state": str(state)}, sentry=True, job_id=ref.id,
             task=self.name, exc_info=error,
         )  # fmt: skip
+
+    @staticmethod
+    def _note_late(runtime: Runtime, ref: JobRef, run_id: str, state: State, reason: str) -> None:
+        note = f"late outcome of run {run_id}: {state} ({reason}); not applied"
+        with contextlib.suppress(exceptions.StoreError):  # the warning above stands
+            runtime.store.annotate(ref, node=runtime.node, reason=note, op_id=jobs.new_token())
 
 
 class _Heartbeat:

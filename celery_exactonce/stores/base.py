@@ -141,6 +141,17 @@ class StateStore(Protocol):
         """
         ...
 
+    def annotate(self, ref: JobRef, *, node: str, reason: str, op_id: str) -> bool:
+        """Append a note to the job's history (store time), atomically; nothing else changes.
+
+        For what a job's record should say without a transition: a claim
+        conflict, an outcome that came too late. See
+        :func:`~celery_exactonce.jobs.annotate_job`: state, ``rev`` and
+        ``touched_at`` are unchanged, and a repeat with the same ``op_id``
+        appends nothing. Returns whether the record exists.
+        """
+        ...
+
     def watermark(self, entry: str) -> datetime | None:
         """The highest ``fire_time`` claimed for ``entry``, or ``None``."""
         ...

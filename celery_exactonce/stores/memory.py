@@ -158,6 +158,18 @@ class InMemoryStore:
             self._jobs[ref] = dataclasses.replace(job, touched_at=now, heartbeat_at=now)
             return True
 
+    def annotate(self, ref: JobRef, *, node: str, reason: str, op_id: str) -> bool:
+        reason = jobs.check_note(node, reason, op_id)
+        with self._lock:
+            self._check_open()
+            job = self._jobs.get(ref)
+            if job is None:
+                return False
+            self._jobs[ref] = jobs.annotate_job(
+                job, node=node, reason=reason, op_id=op_id, now=self.now()
+            )
+            return True
+
     def watermark(self, entry: str) -> datetime | None:
         return self.watermarks([entry]).get(entry)
 

@@ -87,8 +87,8 @@ _TRANSIENT_REPLIES = ("BUSY", "MASTERDOWN", "NOREPLICAS", "LOADING", "TRYAGAIN")
 SCRIPT_BATCH = 64
 
 _SCRIPTS = (
-    "create", "transition", "heartbeat", "list_stale", "claim_due", "purge_expired",
-    "epoch", "lease_acquire", "lease_renew", "lease_release", "setup",
+    "create", "transition", "heartbeat", "annotate", "list_stale", "claim_due",
+    "purge_expired", "epoch", "lease_acquire", "lease_renew", "lease_release", "setup",
 )  # fmt: skip
 
 
@@ -420,6 +420,11 @@ class RedisStore:
         keys = [self._job_key(ref), self._state_key(State.RUNNING)]
         with self._wrap("heartbeat"):
             return bool(self._run("heartbeat", keys, [run_id, str(ref)]))
+
+    def annotate(self, ref: JobRef, *, node: str, reason: str, op_id: str) -> bool:
+        reason = jobs.check_note(node, reason, op_id)
+        with self._wrap("annotate"):
+            return bool(self._run("annotate", [self._job_key(ref)], [node, reason, op_id]))
 
     # -- queries and sweeps --------------------------------------------------------------
 

@@ -527,6 +527,27 @@ class SqlStore:
 
         return self._run("heartbeat", op)
 
+    def annotate(self, ref: JobRef, *, node: str, reason: str, op_id: str) -> bool:
+        reason = jobs.check_note(node, reason, op_id)
+        c = self._t.jobs.c
+
+        def op(conn: sa.Connection) -> bool:
+            job = self._select_job(conn, ref, lock=True)
+            if job is None:
+                return False
+            at = jobs.from_micros(self._now(conn))
+            noted = jobs.annotate_job(job, node=node, reason=reason, op_id=op_id, now=at)
+            if noted is not job:
+                history = self._values(noted, key=False)["history"]
+                conn.execute(
+                    self._t.jobs.update()
+                    .where(self._pk(ref), c.rev == job.rev)
+                    .values(history=history)
+                )
+            return True
+
+        return self._run("annotate", op)
+
     def watermark(self, entry: str) -> datetime | None:
         return self.watermarks([entry]).get(entry)
 

@@ -385,3 +385,37 @@ def test_brief_batches_answer_statuses_and_write_the_same(store: StateStore) -> 
         local.dispatches,
         local.payload,
     )
+
+
+def test_a_note_is_appended_to_the_history_and_nothing_else_moves(store: StateStore) -> None:
+    """``annotate``: a claim conflict or a late outcome said in the record (SCENARIOS 57)."""
+    ref, _ = _dispatched(store)
+    before = store.get(ref)
+    assert before is not None
+    assert store.annotate(ref, node=NODE, reason="claim conflict: \udcff other app", op_id="n1")
+    after = store.get(ref)
+    assert after is not None
+    note = after.history[-1]
+    assert (note.src, note.dst, note.node, note.rev) == (before.state, before.state, NODE, "n1")
+    assert note.reason == "claim conflict: \ufffd other app" and after.applied("n1")
+    assert after.history[:-1] == before.history
+    assert (after.state, after.rev, after.touched_at) == (
+        before.state,
+        before.rev,
+        before.touched_at,
+    )
+    # A repeat of the same note appends nothing; a missing record says so
+    assert store.annotate(ref, node=NODE, reason="again", op_id="n1")
+    assert store.get(ref) == after
+    assert not store.annotate(JobRef.task("ghost"), node=NODE, reason="x", op_id="n2")
+    # The record still moves on as before
+    assert store.transition(ref, to(State.PUBLISHED, State.DISPATCHED, rev=before.rev)).applied
+
+
+def test_notes_are_capped_with_the_history(store: StateStore) -> None:
+    ref, _ = _dispatched(store)
+    for i in range(HISTORY_LIMIT + 3):
+        assert store.annotate(ref, node=NODE, reason=f"note {i}", op_id=f"n{i}")
+    job = store.get(ref)
+    assert job is not None and len(job.history) == HISTORY_LIMIT
+    assert job.history[-1].reason == f"note {HISTORY_LIMIT + 2}"

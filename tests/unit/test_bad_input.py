@@ -277,6 +277,11 @@ def test_same_entry_name_with_another_task_is_reported_once_as_a_conflict(
     message = record.getMessage()
     assert "report" in message and "app_a.report" in message and "app_b.report" in message
     assert record.claimed_by == runtime.runtime_for(cluster.app).node  # type: ignore[attr-defined]
+    # and the record that won the slot says it, in a note of its history
+    job = cluster.store.get(JobRef.occurrence(record.job_id))  # type: ignore[attr-defined]
+    assert job is not None and job.task == "app_a.report"
+    (note,) = [h for h in job.history if h.reason.startswith("claim conflict")]
+    assert "app_b.report" in note.reason and note.src is note.dst
 
 
 def test_same_entry_with_other_arguments_is_a_conflict_too() -> None:

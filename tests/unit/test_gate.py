@@ -102,6 +102,16 @@ def world() -> Iterator[World]:
 
     for name, options in (("t.body", {}), ("t.other", {}), ("t.last", {"max_retries": 0})):
         app.task(base=ExactOnceTask, shared=False, bind=True, name=name, **options)(body)
+
+    @app.task(base=ExactOnceTask, shared=False, bind=True, name="t.late")
+    def late(self: Any, *args: Any) -> str:
+        """Its job is timed out (as by the reconciler) while the body runs."""
+        world.runs.append((self.name, self.request.id, self.request.retries))
+        job = store.get(JobRef.task(self.request.id))
+        assert job is not None
+        _move(store, job, State.TIMEOUT, rev=job.rev)
+        return "done"
+
     for task in app.tasks.values():
         if isinstance(task, ExactOnceTask):
             task.exactonce_gate_timeout = 0.05
@@ -387,3 +397,15 @@ def test_a_first_delivery_the_job_does_not_wait_for_is_a_warning(
         "suppressed_duplicate")]  # fmt: skip
     assert levels == [logging.WARNING, logging.DEBUG]
     assert metrics.COUNTERS.get("suppressed_duplicate", where="PUBLISHED") == 2
+
+
+def test_an_outcome_that_comes_too_late_is_noted_in_the_record(world: World) -> None:
+    """The design's rule for a terminal job: a late outcome is an annotation, never a
+    change of state. Before, it was only logged."""
+    job = dispatched(world, "t.late")
+    assert deliver(world, "t.late", job.ref.id, headers_of(job)) == "ran"
+    final = state_of(world, job)
+    assert final.state is State.TIMEOUT
+    note = final.history[-1]
+    assert note.src is note.dst is State.TIMEOUT
+    assert note.reason.startswith("late outcome of run") and "SUCCEEDED" in note.reason
