@@ -346,6 +346,8 @@ def _in_state(app: Celery, state: State) -> str:
 
 @pytest.mark.parametrize("state", list(State), ids=lambda state: state.value)
 def test_a_delivery_runs_only_if_its_job_waits_for_it(app: Celery, state: State) -> None:
+    """SCENARIOS 36: a delivery from every starting state; it runs from SCHEDULED or
+    DISPATCHED at its attempt, and is acked unrun (``Ignore``) from every other."""
     # Given a job in ``state``, and a delivery of its current attempt
     task_id = _in_state(app, state)
     before = store_of(app).get(JobRef.task(task_id))

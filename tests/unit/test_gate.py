@@ -8,7 +8,9 @@ again, as often as a broker might copy it.
 
 from __future__ import annotations
 
+import itertools
 import logging
+import threading
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -42,6 +44,8 @@ class ScriptedStore(InMemoryStore):
         self.creates: list[str] = []
         self.gets: list[str] = []
         self.down = False
+        #: Called before every transition (a barrier, to make deliveries race).
+        self.before_transition: Any = None
 
     def _step(self, script: list[str]) -> str:
         if self.down:
@@ -49,6 +53,8 @@ class ScriptedStore(InMemoryStore):
         return script.pop(0) if script else "ok"
 
     def transition(self, ref, request):  # type: ignore[no-untyped-def]
+        if self.before_transition is not None:
+            self.before_transition()
         step = self._step(self.transitions)
         if step == "fail":
             raise StoreUnavailable("injected: refused")
@@ -409,3 +415,29 @@ def test_an_outcome_that_comes_too_late_is_noted_in_the_record(world: World) -> 
     note = final.history[-1]
     assert note.src is note.dst is State.TIMEOUT
     assert note.reason.startswith("late outcome of run") and "SUCCEEDED" in note.reason
+
+
+def test_two_deliveries_at_the_same_moment_run_the_attempt_once(world: World) -> None:
+    """SCENARIOS 39: two workers receive the same job at once; one gate CAS wins."""
+    job = dispatched(world)
+    barrier = threading.Barrier(2, timeout=10)
+    calls = itertools.count()
+
+    def together() -> None:  # both gate writes reach the store at once; later writes do not wait
+        if next(calls) < 2:
+            barrier.wait()
+
+    world.store.before_transition = together
+    outcomes: list[str] = []
+
+    def worker() -> None:
+        outcomes.append(deliver(world, "t.body", job.ref.id, headers_of(job)))
+
+    threads = [threading.Thread(target=worker) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=10)
+    world.store.before_transition = None
+    assert sorted(outcomes) == ["ignored", "ran"]
+    assert world.runs == [("t.body", job.ref.id, 0)]
