@@ -151,25 +151,35 @@ def test_transitions_out_of_terminal_states_cannot_be_requested() -> None:
         to(State.DISPATCHED, State.RUNNING)
 
 
-def test_eight_concurrent_attempts_one_winner(store: StateStore) -> None:
-    ref, _ = _dispatched(store)
-    barrier = threading.Barrier(8)
+def _race(store: StateStore, ref: JobRef, requests: list[Transition]) -> list[TransitionStatus]:
+    """Each request from a thread of its own, released together; their statuses, sorted."""
+    barrier = threading.Barrier(len(requests))
     results: list[TransitionStatus] = []
     lock = threading.Lock()
 
-    def attempt(i: int) -> None:
-        request = to(State.RUNNING, State.DISPATCHED, attempt=0, new_run_id=f"run-{i}")
+    def attempt(request: Transition) -> None:
         barrier.wait(timeout=10)
         status = store.transition(ref, request).status
         with lock:
             results.append(status)
 
-    threads = [threading.Thread(target=attempt, args=(i,)) for i in range(8)]
+    threads = [threading.Thread(target=attempt, args=(request,)) for request in requests]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=30)
-    assert sorted(results) == sorted([TransitionStatus.APPLIED] + [TransitionStatus.CONFLICT] * 7)
+    return sorted(results)
+
+
+ONE_WINNER = sorted([TransitionStatus.APPLIED] + [TransitionStatus.CONFLICT] * 7)
+
+
+def test_eight_concurrent_attempts_one_winner(store: StateStore) -> None:
+    ref, _ = _dispatched(store)
+    requests = [
+        to(State.RUNNING, State.DISPATCHED, attempt=0, new_run_id=f"run-{i}") for i in range(8)
+    ]
+    assert _race(store, ref, requests) == ONE_WINNER
     job = store.get(ref)
     assert job is not None and job.state is State.RUNNING and len(job.history) == 3
 
@@ -190,23 +200,11 @@ def test_a_run_is_taken_over_once_from_its_run_id(store: StateStore) -> None:
     """The gate's take-over, RUNNING(r1) → RUNNING(own run id): eight racers, one winner."""
     ref, _ = _dispatched(store)
     assert store.transition(ref, to(State.RUNNING, State.DISPATCHED, new_run_id="r1")).applied
-    barrier = threading.Barrier(8)
-    results: list[TransitionStatus] = []
-    lock = threading.Lock()
-
-    def take_over(i: int) -> None:
-        request = to(State.RUNNING, State.RUNNING, run_id="r1", attempt=0, new_run_id=f"r-{i}")
-        barrier.wait(timeout=10)
-        status = store.transition(ref, request).status
-        with lock:
-            results.append(status)
-
-    threads = [threading.Thread(target=take_over, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=30)
-    assert sorted(results) == sorted([TransitionStatus.APPLIED] + [TransitionStatus.CONFLICT] * 7)
+    requests = [
+        to(State.RUNNING, State.RUNNING, run_id="r1", attempt=0, new_run_id=f"r-{i}")
+        for i in range(8)
+    ]
+    assert _race(store, ref, requests) == ONE_WINNER
     job = store.get(ref)
     assert job is not None and job.state is State.RUNNING and job.run_id != "r1"
     assert store.heartbeat(ref, "r1") is False and store.heartbeat(ref, job.run_id or "")
