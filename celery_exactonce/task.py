@@ -455,10 +455,11 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
         if job.attempt != attempt and not job.terminal:
             where = "stale_attempt"
         first = not delivery_info.get("redelivered") and HEADER_GATE_RUNS not in headers
+        why = " (a first delivery: the job will not run through this message)" if first else ""
         metrics.event(
             "suppressed_duplicate",
-            f"{'delivery' if first else 'duplicate delivery'} of {ref} (attempt {attempt}) "
-            f"not run: the job is {job.state} at attempt {job.attempt}",
+            f"duplicate delivery of {ref} (attempt {attempt}) skipped: the job is {job.state} "
+            f"at attempt {job.attempt}{why}",
             level=logging.WARNING if first else logging.DEBUG, labels={"where": where},
             job_id=ref.id, task=self.name, first_delivery=first,
         )  # fmt: skip
