@@ -645,7 +645,7 @@ class Dispatcher:
         """CAS our ``DISPATCHED`` back to ``SCHEDULED``; ``None`` if that write failed."""
         request = Transition(
             State.SCHEDULED, frozenset({State.DISPATCHED}), node=self.node,
-            reason=f"publish failed: {exc}"[: jobs.MAX_REASON_LENGTH], rev=job.rev,
+            reason=f"publish failed: {exc}", rev=job.rev,
         )  # fmt: skip
         try:
             result = self.store.transition(job.ref, request)
@@ -707,24 +707,32 @@ class Dispatcher:
         if flush is not None:
             flush()
 
-    def _fail(self, job: Job, reason: str) -> DispatchResult:
-        if job.state is State.SCHEDULED:
+    def _fail(
+        self,
+        job: Job,
+        reason: str,
+        *,
+        action: str = "dispatch_failed",
+        message: str | None = None,
+        sentry: bool = False,
+        held: frozenset[State] = frozenset({State.SCHEDULED}),
+    ) -> DispatchResult:
+        """End ``job`` ``FAILED`` if it is in a ``held`` state (our rev); counted, never sent."""
+        if job.state in held:
             self._write(job, State.FAILED, reason)
         metrics.event(
-            "dispatch_failed", f"job {job.ref} cannot be dispatched: {reason}",
-            level=logging.ERROR, job_id=job.ref.id, task=job.task,
+            action, message or f"job {job.ref} cannot be dispatched: {reason}",
+            level=logging.ERROR, sentry=sentry, job_id=job.ref.id, task=job.task,
         )  # fmt: skip
         return DispatchResult(Outcome.FAILED, job)
 
     def _refuse(self, job: Job, problem: str) -> DispatchResult:
         """A record whose signature does not verify: ``FAILED``, counted, never published."""
-        if job.state in (State.SCHEDULED, State.DISPATCHED):
-            self._write(job, State.FAILED, problem)
-        metrics.event(
-            "signature_invalid", f"job {job.ref} ({job.task}) refused: {problem}; not published",
-            level=logging.ERROR, sentry=True, job_id=job.ref.id, task=job.task,
+        return self._fail(
+            job, problem, action="signature_invalid", sentry=True,
+            message=f"job {job.ref} ({job.task}) refused: {problem}; not published",
+            held=frozenset({State.SCHEDULED, State.DISPATCHED}),
         )  # fmt: skip
-        return DispatchResult(Outcome.FAILED, job)
 
     def _write(self, job: Job, state: State, reason: str) -> bool:
         """A best-effort CAS on our own rev; failures are logged (the reconciler settles)."""
@@ -737,7 +745,7 @@ class Dispatcher:
         requests = [
             (job.ref, Transition(
                 state, frozenset({job.state}), node=self.node,
-                reason=reason[: jobs.MAX_REASON_LENGTH], rev=job.rev,
+                reason=reason, rev=job.rev,
             ))
             for job in listed
         ]  # fmt: skip

@@ -582,7 +582,7 @@ class BeatRunner:
     ) -> None:  # fmt: skip
         request = Transition(
             state, frozenset({expect or job.state}), node=self.runtime.node,
-            reason=reason[: jobs.MAX_REASON_LENGTH], rev=None if run_id else job.rev,
+            reason=reason, rev=None if run_id else job.rev,
             run_id=run_id,
         )  # fmt: skip
         try:

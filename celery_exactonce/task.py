@@ -502,7 +502,7 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
     ) -> None:
         request = Transition(
             state, frozenset({State.RUNNING}), node=runtime.node,
-            reason=reason[: jobs.MAX_REASON_LENGTH], run_id=run_id,
+            reason=reason, run_id=run_id,
         )  # fmt: skip
         delay = runtime.config.retry_delay_store
         error: BaseException | None = None
