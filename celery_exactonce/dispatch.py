@@ -58,8 +58,19 @@ GATED_OPTION = "exactonce_gated"
 #: so a process that does not import the task still applies it.
 POLICY_OPTION = "exactonce_policy"
 
+#: Job option (stored, never published as an option): the Celery ``task_id`` of
+#: the job's messages when it differs from the job id. A task's replacement
+#: (``Task.replace``) takes the replaced task's id, whose job already exists: its
+#: job gets an id of its own (:func:`replacement_job_id`), its messages that id.
+MESSAGE_ID_OPTION = "exactonce_message_id"
+
 #: Stored job options that are ours and never go to ``send_task``.
-INTERNAL_OPTIONS = frozenset({GATED_OPTION, POLICY_OPTION})
+INTERNAL_OPTIONS = frozenset({GATED_OPTION, POLICY_OPTION, MESSAGE_ID_OPTION})
+
+#: ``send_task`` keywords that belong to one call (the caller's), never stored:
+#: ``result_cls`` builds the result it returns, ``add_to_parent`` adds that result to
+#: the worker task that submits (only the submitting process has one).
+CALL_OPTIONS = frozenset({"result_cls", "add_to_parent"})
 
 #: Options the dispatch path passes to ``send_task`` itself (or that name a
 #: process-local object): a job or beat entry that sets one is refused.
@@ -113,6 +124,8 @@ class DispatchResult:
     outcome: Outcome
     job: Job | None = None
     error: BaseException | None = None
+    #: What the publisher returned for a ``PUBLISHED`` job (``send_task``'s ``AsyncResult``).
+    sent: Any = None
 
 
 class PublishFailed(Exception):
@@ -125,9 +138,13 @@ class PublishFailed(Exception):
 
 
 class Publisher(Protocol):
-    """Sends one job's message. Raises :class:`PublishFailed` on failure."""
+    """Sends one job's message; returns what the caller may hand on (``send_task``'s result).
 
-    def __call__(self, job: Job, headers: Mapping[str, Any], extra: Mapping[str, Any]) -> None: ...
+    ``extra`` holds options of this publish only (:data:`CALL_OPTIONS` among them).
+    Raises :class:`PublishFailed` on failure.
+    """
+
+    def __call__(self, job: Job, headers: Mapping[str, Any], extra: Mapping[str, Any]) -> Any: ...
 
 
 def job_idempotency_key(job: Job, namespace: str) -> str:
@@ -153,6 +170,20 @@ def message_headers(job: Job, namespace: str) -> dict[str, Any]:
         headers[HEADER_KEY] = job.entry
         headers[HEADER_FIRE_TIME] = keys.canonical_instant(job.fire_time)
     return headers
+
+
+def replacement_job_id(task_id: str, nesting: int) -> str:
+    """The job id of the task that replaces ``task_id`` at ``replaced_task_nesting`` ``nesting``.
+
+    Deterministic, so a replacement submitted again (a re-run of the replaced
+    body) finds its job instead of creating a second one.
+    """
+    return f"{task_id}~replaced~{nesting}"
+
+
+def message_task_id(job: Job) -> str:
+    """The Celery ``task_id`` every message of ``job`` carries."""
+    return str(job.options.get(MESSAGE_ID_OPTION) or job.ref.id)
 
 
 def ref_from_headers(headers: Mapping[str, Any], task_id: str) -> JobRef:
@@ -282,18 +313,22 @@ class CeleryPublisher:
                 f"batched publish failed: {exc}", definite=connection_refused(exc)
             ) from exc
 
-    def __call__(self, job: Job, headers: Mapping[str, Any], extra: Mapping[str, Any]) -> None:
+    def __call__(self, job: Job, headers: Mapping[str, Any], extra: Mapping[str, Any]) -> Any:
+        call = {name: extra[name] for name in CALL_OPTIONS.intersection(extra)}
         try:
-            options = self._options(job, headers, extra)
+            options = self._options(
+                job, headers, {k: v for k, v in extra.items() if k not in CALL_OPTIONS}
+            )
         except (TypeError, ValueError) as exc:  # before anything is sent
             raise PublishFailed(
                 f"cannot build the message: {exc}", definite=True, permanent=True
             ) from exc
+        options.update(call)
+        options.setdefault("add_to_parent", False)  # only a submitting worker task has a parent
         if getattr(self._local, "producer", None) is None:
             with self.batch():
-                self._publish(job, options)
-        else:
-            self._publish(job, options)
+                return self._publish(job, options)
+        return self._publish(job, options)
 
     def _options(
         self, job: Job, headers: Mapping[str, Any], extra: Mapping[str, Any]
@@ -305,11 +340,15 @@ class CeleryPublisher:
         options["headers"] = {**dict(options.get("headers") or {}), **headers}
         if job.deadline is not None:
             options["expires"] = job.deadline
+        if job.run_at is not None:
+            # The ``eta`` the job waited for in the store (it is due now): the worker
+            # shows it as ``request.eta``, as it would the ETA of a plain message.
+            options.setdefault("eta", job.run_at)
         if self.timeout is not None:
             options.setdefault("timeout", self.timeout)
         return options
 
-    def _publish(self, job: Job, options: dict[str, Any]) -> None:
+    def _publish(self, job: Job, options: dict[str, Any]) -> Any:
         """Send (or buffer) on the batch's producer; connect first if nothing was sent on it yet.
 
         The connect is checked (kombu's retries off) before the first publish
@@ -329,9 +368,9 @@ class CeleryPublisher:
             buffer.__enter__()
             local.buffer = buffer
         try:
-            self.app.send_task(
+            return self.app.send_task(
                 job.task, args=jobs.decode_payload(job.args),
-                kwargs=jobs.decode_payload(job.kwargs), task_id=job.ref.id,
+                kwargs=jobs.decode_payload(job.kwargs), task_id=message_task_id(job),
                 producer=local.producer, retries=job.attempt, retry=False, **options,
             )  # fmt: skip
         except EncodeError as exc:
@@ -461,7 +500,13 @@ class Dispatcher:
             retrier.bind(self)
 
     def dispatch(
-        self, job: Job, *, reason: str = "dispatch", retry: bool = True, lease: Lease | None = None
+        self,
+        job: Job,
+        *,
+        reason: str = "dispatch",
+        retry: bool = True,
+        lease: Lease | None = None,
+        call: Mapping[str, Any] | None = None,
     ) -> DispatchResult:
         """CAS ``job`` (as listed, ``SCHEDULED``) to ``DISPATCHED`` and publish it.
 
@@ -469,8 +514,9 @@ class Dispatcher:
         or was rolled back is retried later in the background. With ``lease``
         (the reconciler), the CAS also requires that lease: a lost lease is
         ``LOST`` with a :class:`~celery_exactonce.exceptions.LeaseLost` error.
+        ``call`` holds the submitting caller's :data:`CALL_OPTIONS`.
         """
-        return self.dispatch_many([job], reason=reason, retry=retry, lease=lease)[0]
+        return self.dispatch_many([job], reason=reason, retry=retry, lease=lease, call=call)[0]
 
     def dispatch_many(
         self,
@@ -479,6 +525,7 @@ class Dispatcher:
         reason: str = "dispatch",
         retry: bool = True,
         lease: Lease | None = None,
+        call: Mapping[str, Any] | None = None,
     ) -> list[DispatchResult]:
         """:meth:`dispatch` for each job, its store writes batched; results in order.
 
@@ -493,7 +540,7 @@ class Dispatcher:
         with batch() if batch is not None else contextlib.nullcontext():
             for start in range(0, len(listed), DISPATCH_CHUNK):
                 done, published = self._dispatch_chunk(
-                    listed[start : start + DISPATCH_CHUNK], reason, lease
+                    listed[start : start + DISPATCH_CHUNK], reason, lease, call or {}
                 )
                 results += done
                 self._write_many(published, State.PUBLISHED, "publish returned")
@@ -504,7 +551,7 @@ class Dispatcher:
         return results
 
     def _dispatch_chunk(
-        self, listed: Sequence[Job], reason: str, lease: Lease | None
+        self, listed: Sequence[Job], reason: str, lease: Lease | None, call: Mapping[str, Any]
     ) -> tuple[list[DispatchResult], list[Job]]:
         """Write ``DISPATCHED`` and publish one chunk; the results, and the plain jobs sent."""
         results: list[DispatchResult | None] = [None] * len(listed)
@@ -525,7 +572,7 @@ class Dispatcher:
             if isinstance(written, DispatchResult):
                 results[i] = written
                 continue
-            results[i] = result = self._send(written, {})
+            results[i] = result = self._send(written, call)
             if result.outcome is Outcome.PUBLISHED:
                 sent.append((i, written))
         try:
@@ -611,7 +658,7 @@ class Dispatcher:
             return DispatchResult(Outcome.EXPIRED, job)
         headers = message_headers(job, self.store.namespace)
         try:
-            self.publisher(job, headers, extra)
+            sent = self.publisher(job, headers, extra)
         except PublishFailed as exc:
             return self._publish_failed(job, exc)
         # Counted by the callers, once per batch: a counter update per message would
@@ -622,7 +669,7 @@ class Dispatcher:
                 extra={"action": "dispatched", "job_id": job.ref.id, "task": job.task,
                        "attempt": job.attempt},
             )  # fmt: skip
-        return DispatchResult(Outcome.PUBLISHED, job)
+        return DispatchResult(Outcome.PUBLISHED, job, sent=sent)
 
     def read_back(self, ref: JobRef, op_id: str) -> Job | None:
         """The record if the write ``op_id`` applied and is still the latest; else ``None``.

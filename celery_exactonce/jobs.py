@@ -475,7 +475,8 @@ def apply_transition(job: Job, t: Transition, now: datetime) -> Job:
         run_id=t.new_run_id if running else (None if t.next_attempt else job.run_id),
         args=list(t.args) if t.args is not None else job.args,
         kwargs=dict(t.kwargs) if t.kwargs is not None else job.kwargs,
-        run_at=t.run_at if t.run_at is not None else job.run_at,
+        # A next attempt waits for its own run_at, or none: the last one's is gone.
+        run_at=t.run_at if t.run_at is not None or t.next_attempt else job.run_at,
         touched_at=now,
         heartbeat_at=now if running else job.heartbeat_at,
         terminal_at=now if t.to in TERMINAL else None,

@@ -59,19 +59,21 @@ HEADER_GATE_RUNS = "exactonce_gate_runs"
 #: priority, headers, link, chain, chord, root and parent ids...) is stored as
 #: JSON with the job and published with every dispatch of it.
 _LOCAL_OPTIONS = frozenset(
-    {"producer", "connection", "router", "result_cls", "publisher", "add_to_parent", "retry",
-     "retry_policy", "countdown", "eta", "expires", "task_id", "retries"}
+    {"producer", "connection", "router", "publisher", "retry", "retry_policy", "countdown",
+     "eta", "expires", "task_id", "retries", *dispatch.CALL_OPTIONS}
 )  # fmt: skip
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class _Run:
-    """The gated run in progress in this thread (what ``self.retry`` needs)."""
+    """The gated run in progress in this thread (what ``self.retry`` and ``replace`` need)."""
 
     ref: JobRef
     run_id: str
     attempt: int
     headers: Mapping[str, Any]
+    #: The job that replaced this run (``Task.replace``), once submitted.
+    replaced_by: JobRef | None = None
 
 
 _current: contextvars.ContextVar[_Run | None] = contextvars.ContextVar(
@@ -129,7 +131,7 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
                 link_error=link_error, shadow=shadow, **options,
             )  # fmt: skip
         run = _current.get()
-        if run is not None and task_id == run.ref.id:
+        if run is not None and task_id == self.request.id and run.replaced_by is None:
             return self._retry_next_attempt(run, args, kwargs, options)
         return self._submit(args, kwargs, task_id, link, link_error, shadow, options)
 
@@ -143,9 +145,13 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
         shadow: str | None,
         options: dict[str, Any],
     ) -> Any:
+        args, kwargs, shadow, options = self._before_send(args, kwargs, shadow, options)
         runtime = runtime_for(self.app)
-        self._check_arguments(args, kwargs)
         task_id = task_id or str(uuid.uuid4())
+        call = {
+            "result_cls": options.get("result_cls") or self.AsyncResult,
+            "add_to_parent": options.get("add_to_parent", True),
+        }
         stored = _storable_options(options)
         dispatch.check_options(stored, context=f"{self.name}.apply_async")
         for name, value in (("link", link), ("link_error", link_error)):
@@ -153,36 +159,73 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
                 stored[name] = [dict(s) for s in (value if isinstance(value, list) else [value])]
         if shadow is not None:
             stored["shadow"] = shadow
+        # Results sent by the reply_to backend (rpc://) go to the caller, not to the
+        # process that publishes the job when it falls due.
+        stored.setdefault("reply_to", self.app.thread_oid)
+        ref = JobRef.task(task_id)
+        nesting = int(options.get("replaced_task_nesting") or 0)
+        if nesting:  # a replacement (Task.replace) takes the id of the job it replaces
+            ref = JobRef.task(dispatch.replacement_job_id(task_id, nesting))
+            stored[dispatch.MESSAGE_ID_OPTION] = task_id
         eta = _eta(options)
         delayed = eta is not None and eta > datetime.now(timezone.utc)
         stored[dispatch.GATED_OPTION] = True
         stored[dispatch.POLICY_OPTION] = task_policy(self)
         new = NewJob(
-            JobRef.task(task_id), self.name, State.PENDING if delayed else State.SCHEDULED,
+            ref, self.name, State.PENDING if delayed else State.SCHEDULED,
             node=runtime.node, args=list(args or ()), kwargs=dict(kwargs or {}), options=stored,
             run_at=eta if delayed else None, deadline=_deadline(options.get("expires"), eta),
             reason="apply_async (delayed)" if delayed else "apply_async",
         )  # fmt: skip
         job = self._create(runtime, new)
+        sent = None
         if job.state is State.SCHEDULED:
             # Ours, or a resubmission of a job whose first submit was ambiguous or
             # whose publish was rolled back: the CAS on its rev lets one dispatch win.
-            runtime.dispatcher.dispatch(job, reason="apply_async")
-        return self.AsyncResult(task_id)
+            sent = runtime.dispatcher.dispatch(job, reason="apply_async", call=call).sent
+        if sent is not None:
+            return sent  # send_task's own result: subscribed, ``ignored`` and parent set
+        return self._result(task_id, call, ignore_result=bool(options.get("ignore_result")))
 
-    def _check_arguments(
-        self, args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None
-    ) -> None:
-        """Celery's own check that the call matches the task's signature (``TypeError``).
+    def _before_send(
+        self,
+        args: Sequence[Any] | None,
+        kwargs: Mapping[str, Any] | None,
+        shadow: str | None,
+        options: Mapping[str, Any],
+    ) -> tuple[Sequence[Any] | None, Mapping[str, Any] | None, str | None, dict[str, Any]]:
+        """What Celery's ``Task.apply_async`` does before it sends, before anything is stored.
 
-        ``Task.apply_async`` runs it when ``typing`` is on; a submission that
-        skipped it would store, and run, a call the body cannot take.
+        The time limits' ``ValueError``; the argument check (``TypeError``) when
+        ``typing`` is on; the shadow name; the task's own execution options
+        (``queue``, ``expires``, ``time_limit``...) under the call's;
+        ``pydantic=True`` arguments dumped; ``ignore_result`` defaulted.
         """
-        if not self.typing:
-            return
-        check = getattr(self, "__header__", None)
-        if check is not None:
-            check(*(args or ()), **(kwargs or {}))
+        if self.soft_time_limit and self.time_limit and self.soft_time_limit > self.time_limit:
+            raise ValueError("soft_time_limit must be less than or equal to time_limit")
+        if self.typing:
+            check = getattr(self, "__header__", None)
+            if check is not None:
+                check(*(args or ()), **(kwargs or {}))
+        shadow = shadow or self.shadow_name(args, kwargs, options)
+        merged = {**self._get_exec_options(), **options}
+        dump = getattr(self, "_dump_pydantic_arguments", None)
+        if dump is not None and merged.get("serializer") != "pickle":
+            args, kwargs = dump(args, kwargs)
+        merged.setdefault("ignore_result", self.ignore_result)
+        return args, kwargs, shadow, merged
+
+    def _result(self, task_id: str, call: Mapping[str, Any], *, ignore_result: bool) -> Any:
+        """The ``AsyncResult`` ``send_task`` would have returned, for a job not published now."""
+        result = call["result_cls"](task_id)
+        result.ignored = ignore_result
+        if not ignore_result:
+            with self.app.producer_or_acquire(None) as producer:
+                self.app.backend.on_task_call(producer, task_id)
+        parent = self.app.current_worker_task if call["add_to_parent"] else None
+        if parent is not None:
+            parent.add_trail(result)
+        return result
 
     def _create(self, runtime: Runtime, new: NewJob) -> Job:
         try:
@@ -212,14 +255,17 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
         args: Sequence[Any] | None,
         kwargs: Mapping[str, Any] | None,
         options: dict[str, Any],
+        *,
+        reason: str = "retry",
     ) -> Any:
         """Celery's retry re-publishes the task: make it the next attempt of the job first."""
         runtime = runtime_for(self.app)
         eta = _eta(options)
         delayed = eta is not None and eta > datetime.now(timezone.utc)
+        reason = f"{reason} (delayed)" if delayed else reason
         request = Transition(
             State.PENDING if delayed else State.DISPATCHED, frozenset({State.RUNNING}),
-            node=runtime.node, reason="retry (delayed)" if delayed else "retry",
+            node=runtime.node, reason=reason,
             run_id=run.run_id, next_attempt=True, run_at=eta if delayed else None,
             args=list(args) if args is not None else None,
             kwargs=dict(kwargs) if kwargs is not None else None,
@@ -238,19 +284,43 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
                 raise Reject(exc, requeue=False) from exc
         if job is None:
             logger.info(
-                "retry of %s refused: the job moved on", run.ref,
+                "%s of %s refused: the job moved on", reason, run.ref,
                 extra={"action": "retry_refused", "job_id": run.ref.id},
             )  # fmt: skip
-            return self.AsyncResult(run.ref.id)
+            return self.AsyncResult(self.request.id)
         if job.state is State.DISPATCHED:  # a delayed retry waits PENDING for the sweep
-            runtime.dispatcher.publish(job)
-        return self.AsyncResult(run.ref.id)
+            runtime.dispatcher.publish(job, extra={"eta": eta} if eta is not None else None)
+        return self.AsyncResult(self.request.id)
 
-    def replace(self, sig: Any) -> Any:
-        """Not supported on a gated task yet: the replacement's run would escape the gate."""
-        raise exceptions.ExactOnceError(
-            f"{self.name}: replace() is not supported on an ExactOnceTask yet"
-        )
+    def on_replace(self, sig: Any) -> Any:
+        """Submit the replacement through the store, then end this run (``Task.replace``).
+
+        Celery gives the replacement this task's id, so the caller's result is
+        the replacement's. Its job cannot have that id (this run's job holds it):
+        it gets :func:`~celery_exactonce.dispatch.replacement_job_id` of it,
+        deterministic, so submitting it again finds it. This job ends
+        ``SUCCEEDED``, its reason naming the replacement.
+        """
+        run = _current.get()
+        if run is None or self.request.is_eager:
+            return super().on_replace(sig)
+        nesting = int(self.request.get("replaced_task_nesting") or 0) + 1
+        run.replaced_by = JobRef.task(dispatch.replacement_job_id(self.request.id, nesting))
+        return super().on_replace(sig)  # submits it, then raises Ignore
+
+    def _requeue(self, run: _Run, exc: Reject) -> NoReturn:
+        """``Reject(requeue=True)``: the next attempt of the job, published; this message acked.
+
+        Giving the message itself back would only meet the gate again (its
+        attempt has run). The job moves to its next attempt first, as a retry
+        does, then a copy is published for it, at the back of the queue.
+        """
+        logger.info(
+            "%s rejected %s with requeue: running it again as attempt %s", self.name, run.ref,
+            run.attempt + 1, extra={"action": "requeued", "job_id": run.ref.id},
+        )  # fmt: skip
+        self._retry_next_attempt(run, None, None, {}, reason=f"requeued: {exc.reason}")
+        raise Ignore()
 
     # -- the gate --------------------------------------------------------------------
 
@@ -270,26 +340,24 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
         request.idempotency_key = headers.get(dispatch.HEADER_IDEMPOTENCY_KEY) or (
             dispatch.job_idempotency_key(job, runtime.store.namespace)
         )
-        token = _current.set(_Run(ref, run_id, attempt, headers))
+        run = _Run(ref, run_id, attempt, headers)
+        token = _current.set(run)
         beat = _Heartbeat(runtime, ref, run_id)
         try:
             result = self.run(*args, **kwargs)
         except Retry:
             raise  # the retry already made this the next attempt of the job
         except Ignore:
-            self._finish(runtime, ref, run_id, State.CANCELLED, "the body raised Ignore")
+            if run.replaced_by is not None:
+                replaced = f"replaced by {run.replaced_by}"
+                self._finish(runtime, ref, run_id, State.SUCCEEDED, replaced)
+            else:
+                self._finish(runtime, ref, run_id, State.CANCELLED, "the body raised Ignore")
             raise
         except Reject as exc:
-            self._finish(runtime, ref, run_id, State.FAILED, f"rejected: {exc.reason}")
             if exc.requeue:
-                # A requeued message would only meet the gate again and be skipped:
-                # the body ran, so the job is FAILED and the message is dropped.
-                logger.error(
-                    "%s raised Reject(requeue=True), which a gated task cannot honour; "
-                    "the job is FAILED and the message dropped", self.name,
-                    extra={"action": "reject_requeue_refused", "job_id": ref.id},
-                )  # fmt: skip
-                raise Reject(exc.reason, requeue=False) from exc
+                self._requeue(run, exc)
+            self._finish(runtime, ref, run_id, State.FAILED, f"rejected: {exc.reason}")
             raise
         except BaseException as exc:
             self._finish(runtime, ref, run_id, State.FAILED, f"{type(exc).__name__}: {exc}")
@@ -484,7 +552,7 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
         )
         raw = _raw_republish.set(attempt)
         try:
-            signature.apply_async()
+            signature.apply_async(add_to_parent=False)
         except Exception as error:  # the broker refused too: hand the message back
             logger.warning(
                 "gate of %s could not send the delivery back (%s): requeued", request.id, error,

@@ -115,6 +115,25 @@ def test_countdown_retry_goes_back_to_pending(store: StateStore) -> None:
     assert job is not None and (job.state, job.attempt, job.run_at) == (State.PENDING, 1, run_at)
 
 
+def test_the_next_attempt_keeps_no_run_at_of_the_last(store: StateStore) -> None:
+    """A retry without a countdown after a delayed attempt: its messages carry no old ``eta``."""
+    ref, _ = _dispatched(store)
+    store.transition(ref, to(State.RUNNING, State.DISPATCHED, attempt=0, new_run_id="r1"))
+    run_at = store.now() + timedelta(seconds=-1)  # due at once: the sweep claims it
+    store.transition(
+        ref, to(State.PENDING, State.RUNNING, run_id="r1", next_attempt=True, run_at=run_at)
+    )
+    (claimed,) = store.claim_due(limit=1, node=NODE)
+    assert claimed.run_at == run_at  # the swept attempt still shows what it waited for
+    store.transition(ref, to(State.DISPATCHED, State.SCHEDULED, rev=claimed.rev))
+    store.transition(ref, to(State.RUNNING, State.DISPATCHED, attempt=1, new_run_id="r2"))
+    job = store.transition(
+        ref, to(State.DISPATCHED, State.RUNNING, run_id="r2", next_attempt=True)
+    ).job
+    assert job is not None and (job.attempt, job.run_at) == (2, None)
+    assert store.get(ref).run_at is None  # type: ignore[union-attr]
+
+
 @pytest.mark.parametrize("terminal", sorted(TERMINAL, key=str))
 def test_terminal_refuses_every_transition(store: StateStore, terminal: State) -> None:
     # Given a job driven into a terminal state along a legal path

@@ -62,7 +62,11 @@ local function transition(key, lease_key, a)
     del[#del + 1] = 'run_id'
   end
   local run_at, args, kwargs = opt(ARGV[a + 13]), opt(ARGV[a + 14]), opt(ARGV[a + 15])
-  if run_at then put('run_at', run_at) end
+  if run_at then
+    put('run_at', run_at)
+  elseif next_attempt then
+    del[#del + 1] = 'run_at'  -- the next attempt waits for its own run_at, or none
+  end
   if args then put('args', args) end
   if kwargs then put('kwargs', kwargs) end
   -- A new payload takes its own signature (or none): a signature never outlives it.
