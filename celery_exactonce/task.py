@@ -242,12 +242,35 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
             raise exceptions.SubmitAmbiguous(new.ref.id)
         job = result.job
         if result.status is CreateStatus.EXISTS and job.rev != new.rev:
-            same = (job.task, job.args, job.kwargs) == (new.task, new.args, new.kwargs)
-            if not same:
-                raise exceptions.JobConflict(
-                    f"task_id {new.ref.id!r} already exists as {job.task} with another payload"
-                )
+            self._resubmitted(job, new)
         return job
+
+    def _resubmitted(self, job: Job, new: NewJob) -> None:
+        """A ``task_id`` submitted again: the same job (logged, counted), or a conflict.
+
+        The same task and payload is the same job: it is not run again (a frozen
+        signature applied twice runs once). Another task or payload, or the
+        same one in another group, chord or chain (a frozen signature reused in a
+        second canvas, which would wait forever for a part that never runs
+        again), is refused with :class:`~celery_exactonce.exceptions.JobConflict`.
+        """
+        if (job.task, job.args, job.kwargs) != (new.task, new.args, new.kwargs):
+            raise exceptions.JobConflict(
+                f"task_id {new.ref.id!r} already exists as {job.task} with another payload"
+            )
+        differ = [name for name in _CANVAS_OPTIONS if _canvas(new.options, name) != _canvas(
+            job.options, name)]  # fmt: skip
+        if differ:
+            raise exceptions.JobConflict(
+                f"task_id {new.ref.id!r} already exists as a part of another canvas (its "
+                f"{differ[0]} differs): a frozen signature runs in one canvas only; build the "
+                "signature again for each canvas"
+            )
+        metrics.event(
+            "resubmitted", f"{job.task} {new.ref.id} submitted again: the existing job "
+            f"({job.state}) stands, not run again",
+            job_id=new.ref.id, task=job.task, state=str(job.state),
+        )  # fmt: skip
 
     def _retry_next_attempt(
         self,
@@ -313,7 +336,8 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
 
         Giving the message itself back would only meet the gate again (its
         attempt has run). The job moves to its next attempt first, as a retry
-        does, then a copy is published for it, at the back of the queue.
+        does, then a copy is published for it, at the back of the queue. Only
+        with ``acks_late``, as in Celery: a message acked on receipt cannot go back.
         """
         logger.info(
             "%s rejected %s with requeue: running it again as attempt %s", self.name, run.ref,
@@ -355,7 +379,7 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
                 self._finish(runtime, ref, run_id, State.CANCELLED, "the body raised Ignore")
             raise
         except Reject as exc:
-            if exc.requeue:
+            if exc.requeue and self.acks_late:  # acked at once, a message cannot go back
                 self._requeue(run, exc)
             self._finish(runtime, ref, run_id, State.FAILED, f"rejected: {exc.reason}")
             raise
@@ -710,6 +734,16 @@ def _headers(request: Any) -> dict[str, Any]:
         if value is not None:
             found[name] = value
     return found
+
+
+#: Options that place a job in a canvas: the group or chord it is a part of, and
+#: the rest of its chain.
+_CANVAS_OPTIONS = ("group_id", "chord", "chain")
+
+
+def _canvas(options: Mapping[str, Any], name: str) -> str:
+    """Canvas option ``name`` of a job (stored or about to be), comparable across the two."""
+    return jobs.encode_payload({name: options.get(name)}, context="canvas options")
 
 
 def _storable_options(options: Mapping[str, Any]) -> dict[str, Any]:
