@@ -32,7 +32,7 @@ from celery_exactonce import (
     metrics,
     runtime,
 )
-from celery_exactonce.dispatch import GATED_OPTION, message_headers
+from celery_exactonce.dispatch import GATED_OPTION, message_headers, replacement_job_id
 from celery_exactonce.jobs import JobRef, NewJob
 from celery_exactonce.scheduler import ExactOnceScheduler
 from celery_exactonce.states import State
@@ -131,9 +131,11 @@ def make_app() -> Celery:
         time.sleep(seconds)  # the body's own work, during which heartbeats must flow
 
     @app.task(base=ExactOnceTask, shared=False, bind=True, name="t.requeue")
-    def requeue(self: Any) -> None:
+    def requeue(self: Any) -> str:
         record(self)
-        raise Reject("try elsewhere", requeue=True)
+        if self.request.retries == 0:
+            raise Reject("try elsewhere", requeue=True)
+        return "again"
 
     @app.task(base=ExactOnceTask, shared=False, bind=True, name="t.hopeless", max_retries=2)
     def hopeless(self: Any) -> None:
@@ -265,12 +267,13 @@ def test_heartbeats_keep_a_long_body_fresh(app: Celery) -> None:
     assert (job.heartbeat_at - gate.at).total_seconds() >= 0.2
 
 
-def test_reject_with_requeue_fails_the_job_instead_of_looping(app: Celery) -> None:
+def test_reject_with_requeue_runs_the_next_attempt_once(app: Celery) -> None:
     result = app.tasks["t.requeue"].delay()
-    poll(lambda: job_state(app, result.id) is State.FAILED)
+    assert result.get(timeout=10) == "again"
+    poll(lambda: job_state(app, result.id) is State.SUCCEEDED)
     job = store_of(app).get(JobRef.task(result.id))
-    assert job is not None and job.reason.startswith("rejected")
-    assert len(runs(result.id)) == 1
+    assert job is not None and job.attempt == 1
+    assert [row[2] for row in runs(result.id)] == [0, 1]
 
 
 def test_a_task_out_of_retries_ends_failed_after_one_run_per_attempt(app: Celery) -> None:
@@ -281,13 +284,15 @@ def test_a_task_out_of_retries_ends_failed_after_one_run_per_attempt(app: Celery
     assert job is not None and job.attempt == 2 and "MaxRetriesExceeded" in job.reason
 
 
-def test_replace_is_refused_and_the_job_fails_visibly(app: Celery) -> None:
+def test_replace_runs_the_replacement_as_a_job_of_its_own(app: Celery) -> None:
     result = app.tasks["t.replacing"].delay()
-    poll(lambda: job_state(app, result.id) is State.FAILED)
+    assert result.get(timeout=10) == 2  # the caller's result is the replacement's
+    replacement = JobRef.task(replacement_job_id(result.id, 1))
+    poll(lambda: job_state(app, replacement.id) is State.SUCCEEDED)
     job = store_of(app).get(JobRef.task(result.id))
-    assert job is not None and "replace() is not supported" in job.reason
-    assert len(runs(result.id)) == 1
-    assert not [row for row in LEDGER if row[0] == "t.add"]  # the replacement never ran
+    assert job is not None and job.state is State.SUCCEEDED
+    assert job.reason == f"replaced by {replacement}"
+    assert [row[0] for row in runs(result.id)] == ["t.replacing", "t.add"]
 
 
 def test_a_chord_fires_its_callback_once_though_a_header_task_is_delivered_twice(

@@ -1,0 +1,242 @@
+"""Celery's own semantics kept by ``ExactOnceTask``, in process (the real worker: test_compat).
+
+Submissions go through the real dispatch path to an in-memory broker; the
+messages are read back from ``before_task_publish``. Deliveries are handed to
+the gate as Celery's worker does (a request pushed, then the task called).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import pytest
+from celery import Celery, signals
+from celery.exceptions import Ignore, Reject
+
+from celery_exactonce import JobConflict, metrics, runtime
+from celery_exactonce.dispatch import MESSAGE_ID_OPTION, message_headers, replacement_job_id
+from celery_exactonce.jobs import Job, JobRef
+from celery_exactonce.states import State
+from celery_exactonce.task import ExactOnceTask
+from celery_exactonce.testing import FrozenClock, InMemoryStore
+
+NAMESPACE = "semantics-unit"
+
+try:
+    import pydantic
+except ImportError:  # pragma: no cover - a dev dependency
+    pydantic = None  # type: ignore[assignment]
+else:
+
+    class Point(pydantic.BaseModel):
+        """A model argument of a ``pydantic=True`` task."""
+
+        x: int
+
+
+@dataclass
+class World:
+    app: Celery
+    store: InMemoryStore
+    clock: FrozenClock
+    #: Every message published: (task_id, headers, body).
+    sent: list[tuple[str, dict[str, Any], Any]] = field(default_factory=list)
+    runs: list[str] = field(default_factory=list)
+
+    def job(self, job_id: str) -> Job:
+        job = self.store.get(JobRef.task(job_id))
+        assert job is not None, f"no job {job_id}"
+        return job
+
+    def deliver(self, name: str, job: Job) -> str:
+        """Hand the gate the message of ``job``; what became of it."""
+        task = self.app.tasks[name]
+        headers = message_headers(job, NAMESPACE)
+        task.push_request(
+            id=str(job.options.get(MESSAGE_ID_OPTION) or job.ref.id), args=job.args, kwargs={},
+            retries=job.attempt, headers=headers, is_eager=False, called_directly=False,
+            delivery_info={"redelivered": False}, **headers,
+        )  # fmt: skip
+        try:
+            task(*job.args)
+        except Ignore:
+            return "ignored"
+        except Reject:
+            return "rejected"
+        finally:
+            task.pop_request()
+        return "ran"
+
+
+@pytest.fixture
+def world() -> Iterator[World]:
+    app = Celery("semantics-unit", broker="memory://", set_as_current=False)
+    app.conf.update(exactonce_store_url="memory://", exactonce_namespace=NAMESPACE)
+    clock = FrozenClock(datetime.now(timezone.utc))
+    store = InMemoryStore(NAMESPACE, clock=clock)
+    runtime.install(app, store)
+    world = World(app, store, clock)
+
+    @app.task(base=ExactOnceTask, shared=False, name="t.add")
+    def add(x: int, y: int) -> int:
+        world.runs.append("add")
+        return x + y
+
+    @app.task(base=ExactOnceTask, shared=False, name="t.limits", soft_time_limit=5, time_limit=2)
+    def limits() -> None:
+        world.runs.append("limits")
+
+    @app.task(base=ExactOnceTask, shared=False, name="t.quiet", ignore_result=True)
+    def quiet() -> None:
+        world.runs.append("quiet")
+
+    @app.task(base=ExactOnceTask, shared=False, bind=True, name="t.requeue", acks_late=True)
+    def requeue(self: Any, x: int) -> None:
+        world.runs.append("requeue")
+        raise Reject("again", requeue=True)
+
+    @app.task(base=ExactOnceTask, shared=False, bind=True, name="t.requeue_early")
+    def requeue_early(self: Any, x: int) -> None:
+        world.runs.append("requeue_early")
+        raise Reject("again", requeue=True)
+
+    @app.task(base=ExactOnceTask, shared=False, bind=True, name="t.replacing")
+    def replacing(self: Any, x: int) -> None:
+        world.runs.append("replacing")
+        raise self.replace(add.s(x, 100))
+
+    def capture(sender: Any = None, headers: Any = None, body: Any = None, **_kw: Any) -> None:
+        world.sent.append((headers["id"], dict(headers), body))
+
+    signals.before_task_publish.connect(capture, weak=False)
+    metrics.COUNTERS.reset()
+    try:
+        yield world
+    finally:
+        signals.before_task_publish.disconnect(capture)
+        runtime.reset(app)
+
+
+def test_time_limits_the_wrong_way_round_raise_before_anything_is_stored(world: World) -> None:
+    task_id = uuid.uuid4().hex
+    with pytest.raises(ValueError, match="soft_time_limit"):
+        world.app.tasks["t.limits"].apply_async(task_id=task_id)
+    assert world.store.get(JobRef.task(task_id)) is None and not world.sent
+
+
+def test_wrong_arguments_raise_type_error_before_anything_is_stored(world: World) -> None:
+    task_id = uuid.uuid4().hex
+    with pytest.raises(TypeError):
+        world.app.tasks["t.add"].apply_async((5,), task_id=task_id)
+    assert world.store.get(JobRef.task(task_id)) is None and not world.sent
+
+
+def test_pydantic_models_are_dumped_as_celery_dumps_them(world: World) -> None:
+    if pydantic is None:
+        pytest.skip("pydantic is not installed")
+
+    @world.app.task(base=ExactOnceTask, shared=False, name="t.typed", pydantic=True)
+    def typed(point: Point) -> int:
+        return point.x
+
+    result = typed.delay(Point(x=3))
+    assert world.job(result.id).args == [{"x": 3}]
+
+
+@pytest.mark.parametrize("how", ["task attribute", "option"])
+def test_an_ignored_result_is_marked_ignored(world: World, how: str) -> None:
+    if how == "task attribute":
+        result = world.app.tasks["t.quiet"].delay()
+    else:
+        result = world.app.tasks["t.add"].apply_async((1, 2), ignore_result=True)
+    assert result.ignored is True
+    assert world.sent[-1][1]["ignore_result"] is True
+    assert world.app.tasks["t.add"].delay(1, 2).ignored is False
+
+
+def test_a_delayed_submission_is_marked_ignored_too(world: World) -> None:
+    result = world.app.tasks["t.quiet"].apply_async(countdown=60)
+    assert result.ignored is True and not world.sent
+    assert world.job(result.id).state is State.PENDING
+
+
+def test_the_result_returned_is_the_class_asked_for(world: World) -> None:
+    class Mine(world.app.AsyncResult):  # type: ignore[name-defined,misc]
+        pass
+
+    result = world.app.tasks["t.add"].apply_async((1, 2), result_cls=Mine)
+    assert type(result) is Mine and world.sent
+
+
+def test_a_resubmitted_task_id_returns_the_job_and_is_counted(world: World) -> None:
+    add = world.app.tasks["t.add"]
+    task_id = uuid.uuid4().hex
+    add.apply_async((1, 2), task_id=task_id)
+    add.apply_async((1, 2), task_id=task_id)
+    assert len(world.sent) == 1
+    assert metrics.COUNTERS.get("resubmitted") == 1
+
+
+def test_a_task_id_reused_in_another_canvas_is_a_conflict(world: World) -> None:
+    add = world.app.tasks["t.add"]
+    task_id = uuid.uuid4().hex
+    add.apply_async((1, 2), task_id=task_id, group_id="g1")
+    with pytest.raises(JobConflict, match="group_id differs"):
+        add.apply_async((1, 2), task_id=task_id, group_id="g2")
+    assert len(world.sent) == 1
+
+
+def test_a_requeue_is_the_next_attempt_published_once(world: World) -> None:
+    result = world.app.tasks["t.requeue"].delay(1)
+    assert world.deliver("t.requeue", world.job(result.id)) == "ignored"  # acked
+    job = world.job(result.id)
+    assert (job.state, job.attempt) == (State.DISPATCHED, 1)
+    assert [(h["id"], h["retries"]) for _, h, _ in world.sent] == [
+        (result.id, 0),
+        (result.id, 1),
+    ]
+    # The message of the attempt that ran, delivered again, does not run.
+    first = world.job(result.id)
+    stale = type(first)(**{**first.__dict__, "attempt": 0})
+    assert world.deliver("t.requeue", stale) == "ignored"
+    assert world.runs == ["requeue"]
+
+
+def test_a_requeue_without_acks_late_fails_the_job_as_celery_drops_it(world: World) -> None:
+    result = world.app.tasks["t.requeue_early"].delay(1)
+    assert world.deliver("t.requeue_early", world.job(result.id)) == "rejected"
+    assert world.job(result.id).state is State.FAILED and len(world.sent) == 1
+
+
+def test_a_replacement_is_a_job_of_its_own_with_the_replaced_id(world: World) -> None:
+    result = world.app.tasks["t.replacing"].delay(1)
+    assert world.deliver("t.replacing", world.job(result.id)) == "ignored"
+    replacement = world.job(replacement_job_id(result.id, 1))
+    assert (replacement.task, replacement.args) == ("t.add", [1, 100])
+    replaced = world.job(result.id)
+    assert replaced.state is State.SUCCEEDED and str(replacement.ref) in replaced.reason
+    task_id, headers, _ = world.sent[-1]
+    assert task_id == result.id and headers["exactonce_job_id"] == replacement.ref.id
+    assert headers["replaced_task_nesting"] == 1
+    assert world.deliver("t.add", replacement) == "ran"
+    assert world.job(replacement.ref.id).state is State.SUCCEEDED
+    # The replaced message delivered again: the gate refuses it, nothing is submitted.
+    sent = len(world.sent)
+    assert world.deliver("t.replacing", world.job(result.id)) == "ignored"
+    assert len(world.sent) == sent and world.runs == ["replacing", "add"]
+
+
+def test_a_job_that_waited_in_the_store_is_published_with_its_eta(world: World) -> None:
+    eta = datetime.now(timezone.utc) + timedelta(seconds=30)
+    result = world.app.tasks["t.add"].apply_async((1, 2), eta=eta)
+    assert not world.sent
+    world.clock.set(eta + timedelta(seconds=1))
+    (claimed,) = world.store.claim_due(limit=1, node="n")
+    runtime.runtime_for(world.app).dispatcher.dispatch(claimed)
+    task_id, headers, _ = world.sent[-1]
+    assert task_id == result.id
+    assert datetime.fromisoformat(headers["eta"]) == eta
