@@ -247,15 +247,16 @@ class CeleryProcess:
     env: Mapping[str, str]
     log_path: Path
     proc: subprocess.Popen[bytes] | None
+    #: The module ``celery -A`` loads: the ledger app unless a process is given another.
+    app_module: str = APP_MODULE
 
     @property
     def argv(self) -> list[str]:
         raise NotImplementedError
 
-    @staticmethod
-    def celery(*args: str) -> list[str]:
-        """``python -m celery -A <the ledger app> <args>``."""
-        return [sys.executable, "-m", "celery", "-A", APP_MODULE, *args]
+    def celery(self, *args: str) -> list[str]:
+        """``python -m celery -A <app_module> <args>``."""
+        return [sys.executable, "-m", "celery", "-A", self.app_module, *args]
 
     @property
     def pid(self) -> int:
@@ -306,7 +307,10 @@ class CeleryProcess:
 
 
 class WorkerProcess(CeleryProcess):
-    """``celery -A tests.acceptance.apps.ledger_app worker -P prefork`` in its own session."""
+    """``celery -A tests.acceptance.apps.ledger_app worker -P prefork`` in its own session.
+
+    ``app_module`` runs another app module's worker (the same ``EXACTONCE_ACC_*`` way).
+    """
 
     def __init__(
         self,
@@ -317,7 +321,9 @@ class WorkerProcess(CeleryProcess):
         concurrency: int = 2,
         name: str | None = None,
         extra_args: Iterable[str] = (),
+        app_module: str = APP_MODULE,
     ) -> None:
+        self.app_module = app_module
         self.env = env
         self.log_path = Path(log_path)
         self.queue = queue
@@ -475,10 +481,14 @@ class BeatProcess(CeleryProcess):
 
     Its output goes to ``<name>.log``, and every ``celery_exactonce`` log record
     (with its ``action`` and fields, ``ledger_app.EventFile``) to
-    ``<name>.events.jsonl``, both in ``directory``.
+    ``<name>.events.jsonl``, both in ``directory``. ``app_module`` runs another app
+    module's beat.
     """
 
-    def __init__(self, env: Mapping[str, str], directory: Path, name: str) -> None:
+    def __init__(
+        self, env: Mapping[str, str], directory: Path, name: str, *, app_module: str = APP_MODULE
+    ) -> None:
+        self.app_module = app_module
         self.name = name
         self.log_path = Path(directory) / f"{name}.log"
         self.events_path = Path(directory) / f"{name}.events.jsonl"
