@@ -835,13 +835,39 @@ def soft_time_limit_caught_by_the_body(app: Celery) -> Outcome:
 # --- the documented differences -----------------------------------------------------------
 
 #: Scenario name → (why ExactOnceTask differs, the outcome it has instead of plain Celery's).
-#: Mirrored by docs/reference/differences.md; every entry names a scenario above.
+#: Mirrored by docs/reference/differences.md, which names the scenario of each case.
 DIFFERENCES: dict[str, tuple[str, Outcome]] = {
     "frozen_signature_reapplied": (
         "ExactOnceTask treats one task_id as one job: applying the same frozen signature "
         "again returns the existing job, and the body runs once (Celery's Task runs it "
         "once per apply_async)",
         {"same task id": True, "first": {"value": 1}, "second": {"value": 1}, "runs": 1},
+    ),
+    "frozen_chord_reapplied": (
+        "one task_id is one job inside canvases too: a frozen chord applied again runs its "
+        "tasks once, and the second apply_async returns results of the same ids, which hold "
+        "the first run's outcome",
+        {"same ids": True, "first": {"value": 3}, "second": {"value": 3}, "header runs": 2},
+    ),
+    "frozen_chain_in_two_chords": (
+        "a frozen signature placed in a second canvas would leave that canvas waiting for a "
+        "part that never runs again: it is refused with JobConflict where the part is "
+        "submitted",
+        {"first": {"value": 7}, "second": {"raised at send": "JobConflict"}, "runs of the part": 1},
+    ),
+    "reject_requeue": (
+        "Reject(requeue=True) cannot give back a message whose attempt has run (the gate "
+        "would refuse it): the job moves to its next attempt and a new copy is published, so "
+        "the body runs again once and sees request.retries one higher, in a message that "
+        "was not redelivered",
+        {
+            "result": {"value": 2},
+            "runs": 2,
+            "seen": [
+                {"redelivered": False, "retries": 0, "run": 1},
+                {"redelivered": False, "retries": 1, "run": 2},
+            ],
+        },
     ),
 }
 
