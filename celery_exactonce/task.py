@@ -131,7 +131,12 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
                 link_error=link_error, shadow=shadow, **options,
             )  # fmt: skip
         run = _current.get()
-        if run is not None and task_id == self.request.id and run.replaced_by is None:
+        if (
+            run is not None
+            and task_id is not None
+            and task_id == self.request.id
+            and run.replaced_by is None
+        ):  # the running task's own id: Celery's retry (or a Reject requeue) re-publishing it
             return self._retry_next_attempt(run, args, kwargs, options)
         return self._submit(args, kwargs, task_id, link, link_error, shadow, options)
 

@@ -109,6 +109,12 @@ def world() -> Iterator[World]:
         world.runs.append("replacing")
         raise self.replace(add.s(x, 100))
 
+    @app.task(base=ExactOnceTask, shared=False, bind=True, name="t.parent")
+    def parent(self: Any, x: int) -> str:
+        world.runs.append("parent")
+        child: str = add.delay(x, 1).id
+        return child
+
     def capture(sender: Any = None, headers: Any = None, body: Any = None, **_kw: Any) -> None:
         world.sent.append((headers["id"], dict(headers), body))
 
@@ -240,3 +246,13 @@ def test_a_job_that_waited_in_the_store_is_published_with_its_eta(world: World) 
     task_id, headers, _ = world.sent[-1]
     assert task_id == result.id
     assert datetime.fromisoformat(headers["eta"]) == eta
+
+
+def test_a_body_that_submits_another_task_submits_it_and_ends_as_itself(world: World) -> None:
+    result = world.app.tasks["t.parent"].delay(1)
+    assert world.deliver("t.parent", world.job(result.id)) == "ran"
+    parent = world.job(result.id)
+    assert (parent.state, parent.attempt, parent.args) == (State.SUCCEEDED, 0, [1])
+    (child_id,) = [task_id for task_id, headers, _ in world.sent if headers["task"] == "t.add"]
+    child = world.job(child_id)
+    assert (child.args, child.state) == ([1, 1], State.DISPATCHED)
