@@ -390,6 +390,23 @@ class CeleryPublisher:
             local.checked = False
             raise PublishFailed(str(exc), definite=connection_refused(exc)) from exc
 
+    def expired(self, job: Job) -> None:
+        """Record ``job``, past its deadline and never sent, as a worker records an expired message.
+
+        The result becomes ``REVOKED`` (``TaskRevokedError('expired')``), so a
+        caller waiting on it is answered as plain Celery answers it. Best
+        effort: a result backend that fails is logged, the job is ``CANCELLED``.
+        """
+        if job.options.get("ignore_result"):
+            return
+        try:
+            self.app.backend.mark_as_revoked(message_task_id(job), "expired")
+        except Exception as exc:
+            logger.warning(
+                "could not record the expiry of %s in the result backend: %s", job.ref, exc,
+                extra={"action": "result_write_failed", "job_id": job.ref.id},
+            )  # fmt: skip
+
     @staticmethod
     def _connect(producer: Any) -> Exception | None:
         """Connect ``producer`` without kombu's retries; the error if that failed."""
@@ -655,6 +672,9 @@ class Dispatcher:
             self._write(job, State.CANCELLED, "deadline passed before publish")
             metrics.event("dispatch_expired", f"job {job.ref} expired before publish",
                           job_id=job.ref.id, task=job.task)  # fmt: skip
+            expired = getattr(self.publisher, "expired", None)
+            if expired is not None:
+                expired(job)
             return DispatchResult(Outcome.EXPIRED, job)
         headers = message_headers(job, self.store.namespace)
         try:

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 from celery import Celery, signals
-from celery.exceptions import Ignore, Reject
+from celery.exceptions import Ignore, Reject, TaskRevokedError
 
 from celery_exactonce import JobConflict, metrics, runtime
 from celery_exactonce.dispatch import MESSAGE_ID_OPTION, message_headers, replacement_job_id
@@ -74,7 +74,9 @@ class World:
 
 @pytest.fixture
 def world() -> Iterator[World]:
-    app = Celery("semantics-unit", broker="memory://", set_as_current=False)
+    app = Celery(
+        "semantics-unit", broker="memory://", backend="cache+memory://", set_as_current=False
+    )
     app.conf.update(exactonce_store_url="memory://", exactonce_namespace=NAMESPACE)
     clock = FrozenClock(datetime.now(timezone.utc))
     store = InMemoryStore(NAMESPACE, clock=clock)
@@ -256,3 +258,11 @@ def test_a_body_that_submits_another_task_submits_it_and_ends_as_itself(world: W
     (child_id,) = [task_id for task_id, headers, _ in world.sent if headers["task"] == "t.add"]
     child = world.job(child_id)
     assert (child.args, child.state) == ([1, 1], State.DISPATCHED)
+
+
+def test_a_job_expired_before_its_publish_is_revoked_as_a_worker_would_say(world: World) -> None:
+    result = world.app.tasks["t.add"].apply_async((1, 2), expires=-1)
+    assert world.job(result.id).state is State.CANCELLED and not world.sent
+    assert result.state == "REVOKED"
+    with pytest.raises(TaskRevokedError, match="expired"):
+        result.get(timeout=1)
