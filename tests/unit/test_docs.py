@@ -58,3 +58,21 @@ def test_a_page_cites_only_what_the_repository_holds(page: Path) -> None:
         if "://" in target or target.startswith("mailto:"):
             continue
         assert (page.parent / target).exists(), f"{page.name} links to missing {target}"
+
+
+DIFFERENCES_PAGE = ROOT / "docs" / "reference" / "differences.md"
+
+
+def test_every_difference_on_its_page_has_a_compatibility_scenario() -> None:
+    """Each case of differences.md names the scenario that tests it, and the table matches."""
+    from tests.acceptance.test_compat import DIFFERENCES, SCENARIOS
+
+    text = DIFFERENCES_PAGE.read_text(encoding="utf-8")
+    named = {
+        name
+        for bracket in re.findall(r"\[(`[a-z_]+`(?:,\s*`[a-z_]+`)*)\]", text)
+        for name in re.findall(r"`([a-z_]+)`", bracket)
+    }
+    assert named, "differences.md names no scenario"
+    assert named <= set(SCENARIOS), sorted(named - set(SCENARIOS))
+    assert set(DIFFERENCES) <= named, sorted(set(DIFFERENCES) - named)
