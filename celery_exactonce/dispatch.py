@@ -272,11 +272,13 @@ class CeleryPublisher:
         self._local = threading.local()
 
     @contextlib.contextmanager
-    def batch(self) -> Iterator[None]:
+    def batch(self, *, buffered: bool = True) -> Iterator[None]:
         """Publish the calls made inside on one producer from the pool.
 
         Messages still buffered at the end are flushed (:class:`PublishFailed`
         if that fails), or discarded, never half-sent, if the block raised.
+        Without ``buffered`` (one message: a buffer would only add its own
+        round trips), each publish is sent at once.
         """
         local = self._local
         if getattr(local, "producer", None) is not None:
@@ -284,7 +286,7 @@ class CeleryPublisher:
             return
         with self.app.producer_or_acquire(None) as producer:
             local.producer, local.checked, local.connect_error = producer, False, None
-            local.buffer = None
+            local.buffer, local.buffered = None, buffered
             try:
                 yield
                 self.flush()
@@ -326,7 +328,7 @@ class CeleryPublisher:
         options.update(call)
         options.setdefault("add_to_parent", False)  # only a submitting worker task has a parent
         if getattr(self._local, "producer", None) is None:
-            with self.batch():
+            with self.batch(buffered=False):
                 return self._publish(job, options)
         return self._publish(job, options)
 
@@ -363,7 +365,7 @@ class CeleryPublisher:
         if local.connect_error is not None:
             error = local.connect_error
             raise PublishFailed(f"connect failed: {error}", definite=True) from error
-        if local.buffer is None and hasattr(local.producer, "batch"):  # kombu >= 5.7
+        if local.buffer is None and local.buffered and hasattr(local.producer, "batch"):
             buffer = local.producer.batch(max_size=PUBLISH_BUFFER_MAX)
             buffer.__enter__()
             local.buffer = buffer
@@ -554,7 +556,7 @@ class Dispatcher:
         """
         results: list[DispatchResult] = []
         batch = getattr(self.publisher, "batch", None)  # CeleryPublisher: one producer
-        with batch() if batch is not None else contextlib.nullcontext():
+        with batch(buffered=len(listed) > 1) if batch is not None else contextlib.nullcontext():
             for start in range(0, len(listed), DISPATCH_CHUNK):
                 done, published = self._dispatch_chunk(
                     listed[start : start + DISPATCH_CHUNK], reason, lease, call or {}
