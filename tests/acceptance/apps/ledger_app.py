@@ -392,14 +392,20 @@ def _clock_mark(what: str, real: float, node: float) -> None:
     sys.stderr.flush()
 
 
+#: The attribute a record carries the true wall clock in, taken when it was made.
+REAL_FIELD = "exactonce_acc_real"
+
+
 class EventFile(logging.Handler):
     """Appends each record as a JSON line: its ``action``, message and ``extra`` fields.
 
     ``created`` is the record's time as logging took it (this process's
-    ``time.time()``, skewed or not), ``real`` the true wall clock.
+    ``time.time()``, skewed or not), ``real`` the true wall clock at the same
+    moment (stamped when the record was made, not when it is written: a loaded
+    machine may take a while in between).
     """
 
-    _STANDARD = frozenset(vars(logging.makeLogRecord({}))) | {"message", "asctime"}
+    _STANDARD = frozenset(vars(logging.makeLogRecord({}))) | {"message", "asctime", REAL_FIELD}
 
     def __init__(self, path: str) -> None:
         super().__init__(logging.DEBUG)
@@ -413,7 +419,7 @@ class EventFile(logging.Handler):
                 "level": record.levelname,
                 "message": record.getMessage(),
                 "created": record.created,
-                "real": real_time(),
+                "real": getattr(record, REAL_FIELD, None) or real_time(),
                 **fields,
             }
             with open(self.path, "a", encoding="utf-8") as out:
@@ -424,6 +430,14 @@ class EventFile(logging.Handler):
 
 def install_event_file(env: Mapping[str, str]) -> None:
     if env.get("EXACTONCE_ACC_EVENTS"):
+        make_record = logging.getLogRecordFactory()
+
+        def stamped(*args: Any, **kwargs: Any) -> logging.LogRecord:
+            record = make_record(*args, **kwargs)
+            setattr(record, REAL_FIELD, real_time())  # next to ``created``, read just before
+            return record
+
+        logging.setLogRecordFactory(stamped)
         logging.getLogger("celery_exactonce").addHandler(EventFile(env["EXACTONCE_ACC_EVENTS"]))
 
 
