@@ -63,7 +63,19 @@ def _app(entries: dict[str, Any], queue: str) -> Iterator[Celery]:
         if isinstance(store, RedisStore):
             store.drop_namespace()
         runtime.reset(app)
-        redis.Redis.from_url(_broker_url()).delete(queue)
+        drop_queue(queue)
+
+
+def drop_queue(queue: str) -> None:
+    """Remove ``queue`` from the broker, with the bindings kombu keeps for its exchange.
+
+    The exchange is named after the queue (Celery's default exchange of a default queue).
+    """
+    client = redis.Redis.from_url(_broker_url())
+    try:
+        client.delete(queue, f"_kombu.binding.{queue}", f"_kombu.binding_permanent.{queue}")
+    finally:
+        client.close()
 
 
 def _noop(i: int) -> None:

@@ -33,7 +33,7 @@ from celery_exactonce.scheduler import ExactOnceScheduler
 from celery_exactonce.states import State
 from celery_exactonce.stores.redis import RedisStore
 from tests import services
-from tests.benchmarks.beat import BROKER_DB, plain_publish
+from tests.benchmarks.beat import BROKER_DB, drop_queue, plain_publish
 
 TASK = "bench.t"
 #: Stale jobs in the reconcile benchmark.
@@ -76,7 +76,7 @@ def _namespace(queue: str) -> Iterator[tuple[str, RedisStore]]:
     finally:
         store.drop_namespace()
         runtime.reset(app)
-        redis.Redis.from_url(_broker_url()).delete(queue)
+        drop_queue(queue)
 
 
 def _create(store: RedisStore, news: list[NewJob]) -> None:
