@@ -1,9 +1,14 @@
-"""Store benchmarks: operations per second for create, CAS and claim, per backend.
+"""Benchmarks: store operations per second, and celery-exactonce against plain Celery.
 
-Run with ``tox -e bench`` or ``python -m tests.benchmarks [--ops N] [--backends a,b]``.
-Each figure is a single-client loop against a fresh namespace (no concurrency),
-so it measures the cost of one operation including its round trips. Later
-issues add ratios against plain Celery measured in the same run.
+Run with ``tox -e bench`` or ``python -m tests.benchmarks [--suite S]``.
+Suites (``--suite all``, the default, runs every one):
+
+* ``stores``: create, CAS and claim per backend, one client looping against a
+  fresh namespace (no concurrency), so each figure is the cost of one
+  operation including its round trips;
+* ``beat`` and ``delayed``: see ``beat.py`` and ``delayed.py``;
+* ``submit``: ``.delay()`` per store and broker, from alternating plain and
+  gated rounds of one run (``submit.py``, ``rounds.py``).
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ from celery_exactonce.jobs import JobRef, NewJob, Transition
 from celery_exactonce.states import State
 from celery_exactonce.stores.base import StateStore
 from tests import services
+from tests.benchmarks import submit
+from tests.benchmarks.rounds import Rounds, table
 from tests.contract.backends import BACKENDS, StoreFactory
 
 
@@ -62,28 +69,66 @@ def bench_store(store: StateStore, n: int) -> dict[str, float]:
     return figures
 
 
+SUITES = ("stores", "beat", "delayed", "submit")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tests.benchmarks", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m tests.benchmarks", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
     parser.add_argument("--ops", type=int, default=2000, help="operations per figure")
-    parser.add_argument("--backends", default=",".join(BACKENDS))
     parser.add_argument(
-        "--suite", choices=("stores", "beat", "delayed", "all"), default="all", help="which figures"
+        "--backends", default=",".join(BACKENDS), help="stores (submit: all but memory)"
     )
+    parser.add_argument("--suite", choices=(*SUITES, "all"), default="all", help="which figures")
     parser.add_argument("--entries", type=int, default=10_000, help="beat entries (beat suite)")
-    parser.add_argument("--rounds", type=int, default=3, help="plain/beat pairs (beat suite)")
+    parser.add_argument(
+        "--rounds", type=int, default=3,
+        help="plain/ours pairs of rounds (beat, submit suites)",
+    )  # fmt: skip
     parser.add_argument("--delayed", type=int, default=100_000, help="due delayed jobs to sweep")
     parser.add_argument(
         "--reconcile-jobs", default="10000,1000000", help="small,large job counts of a pass"
     )
+    parser.add_argument("--submits", type=int, default=3000, help=".delay() calls per round")
+    parser.add_argument("--brokers", default=",".join(submit.BROKERS), help="submit suite")
     args = parser.parse_args(argv)
+    suites = SUITES if args.suite == "all" else (args.suite,)
+    figures = {
+        "stores": stores, "beat": beat_figures, "delayed": delayed_figures,
+        "submit": submit_figures,
+    }  # fmt: skip
     status = 0
-    if args.suite in ("stores", "all"):
-        status = stores(args)
-    if args.suite in ("beat", "all"):
-        status = beat_figures(args) or status
-    if args.suite in ("delayed", "all"):
-        status = delayed_figures(args) or status
+    for suite in suites:
+        status = figures[suite](args) or status
     return status
+
+
+def submit_figures(args: argparse.Namespace) -> int:
+    if not services.answers("redis"):
+        print(f"submit: skipped, {services.REDIS_URL} does not answer")
+        return 1
+    rows: list[tuple[str, Rounds]] = []
+    brokers = args.brokers.split(",")
+    for store in (b for b in args.backends.split(",") if b in submit.STORES):
+        for broker in brokers:
+            down = [s for s in (store, broker) if (service := submit.service_of(s))
+                    and not services.answers(service)]  # fmt: skip
+            if down:
+                url = services.SERVICE_URLS[down[0]]
+                print(f"submit: {store} store, {broker} broker skipped, {url} does not answer")
+                continue
+            rows.append((f"{store} / {broker}", submit.measure(store, broker, args.submits,
+                                                               args.rounds)))  # fmt: skip
+    if not rows:
+        return 1
+    print(
+        f"\n.delay() of a gated task against the same plain task, {args.submits:,} calls a "
+        f"round, {args.rounds} pairs of rounds, one client (main figure: redis / redis)\n"
+    )
+    print("\n".join(table("store / broker", "calls", rows)))
+    return 0
 
 
 def delayed_figures(args: argparse.Namespace) -> int:

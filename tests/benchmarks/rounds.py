@@ -1,0 +1,74 @@
+"""Plain Celery against ours in alternating rounds of one run, and the table that shows them.
+
+A suite times a *round* of the same work twice, once through plain Celery and
+once through celery-exactonce, and alternates: plain, ours, plain, ours... so
+that load drift on a shared machine hits both alike. Its figures are the
+medians of the rounds' rates, and the ratio is the median of the per-pair
+ratios of the times (ours / plain: how many times as long ours took; 1.00x is
+as fast, 2.00x half the rate). Each pair's ratio is printed too, so a noisy
+run shows itself.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Rounds:
+    """Seconds of each round of ``work`` items, plain and ours, pair by pair."""
+
+    work: int
+    plain: tuple[float, ...]
+    ours: tuple[float, ...]
+
+    @property
+    def plain_rate(self) -> float:
+        """Items per second through plain Celery (the median of the rounds)."""
+        return statistics.median(self.work / s for s in self.plain)
+
+    @property
+    def ours_rate(self) -> float:
+        """Items per second through celery-exactonce (the median of the rounds)."""
+        return statistics.median(self.work / s for s in self.ours)
+
+    @property
+    def ratios(self) -> list[float]:
+        """Each pair's time ours / plain, in the order the pairs ran."""
+        return [ours / plain for plain, ours in zip(self.plain, self.ours, strict=True)]
+
+    @property
+    def ratio(self) -> float:
+        return statistics.median(self.ratios)
+
+
+def alternate(
+    rounds: int, work: int, plain: Callable[[], float], ours: Callable[[], float]
+) -> Rounds:
+    """``rounds`` pairs of ``plain()`` then ``ours()``, each returning the seconds of its round."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be at least 1, got {rounds}")
+    plains: list[float] = []
+    ourses: list[float] = []
+    for _ in range(rounds):
+        plains.append(plain())
+        ourses.append(ours())
+    return Rounds(work, tuple(plains), tuple(ourses))
+
+
+def table(label: str, unit: str, rows: Sequence[tuple[str, Rounds]]) -> list[str]:
+    """The lines of a table: one row per ``(name, rounds)``, rates in ``unit`` per second."""
+    head = (
+        f"{label:<34}{'plain ' + unit + '/s':>16}{'ours ' + unit + '/s':>16}"
+        f"{'ours/plain':>12}   each pair (time ours/plain)"
+    )
+    lines = [head]
+    for name, figures in rows:
+        each = " ".join(f"{r:.2f}x" for r in figures.ratios)
+        lines.append(
+            f"{name:<34}{figures.plain_rate:>16,.0f}{figures.ours_rate:>16,.0f}"
+            f"{figures.ratio:>11.2f}x   {each}"
+        )
+    return lines

@@ -1,0 +1,171 @@
+"""Submit benchmarks: ``.delay()`` of a gated task against the same task as a plain Celery task.
+
+One process calls ``.delay(i)`` ``count`` times on a plain task, then ``count``
+times on the same function as a gated task (``base=ExactOnceTask``: each call
+creates the job in the store, CASes it ``DISPATCHED`` and publishes it), in
+alternating rounds (``tests/benchmarks/rounds.py``). Per store (Redis,
+PostgreSQL, MariaDB, SQLite: the URLs of ``tests/contract/backends.py``) and
+per broker: Redis, and RabbitMQ with publisher confirms (``confirm_publish``,
+which a gated app must set on AMQP). Both tasks belong to one app, so the
+plain one publishes with the same broker settings, confirms included. The
+figures are calls/s of one client; the Redis store on a Redis broker is the
+main one.
+
+Plain and gated publish to queues of their own, fresh for the run. Every
+round's messages are counted on the broker (then purged), so a round that
+submitted less fails; one unmeasured call per task first opens the
+connections. Queues and the store namespace (the SQLite file) are removed
+afterwards.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+from celery import Celery, Task
+from kombu.exceptions import ChannelError
+
+from celery_exactonce import ExactOnceTask, runtime
+from tests import services
+from tests.benchmarks.beat import BROKER_DB
+from tests.benchmarks.rounds import Rounds, alternate
+from tests.contract.backends import SHARED_BACKENDS, store_url
+
+#: Stores a gated app can run on (the in-process memory store is no deployment).
+STORES = SHARED_BACKENDS
+#: Brokers, each with the ``tests.services`` service it needs.
+BROKERS = ("redis", "rabbitmq")
+
+
+def broker_url(broker: str) -> str:
+    """The benchmarks' Redis database, or RabbitMQ's default vhost."""
+    if broker == "redis":
+        return services.REDIS_URL.rsplit("/", 1)[0] + f"/{BROKER_DB}"
+    if broker == "rabbitmq":
+        return services.AMQP_URL
+    raise ValueError(f"unknown broker {broker!r}")
+
+
+def transport_options(broker: str) -> dict[str, Any]:
+    """Publisher confirms on RabbitMQ: a gated app without them refuses to start."""
+    return {"confirm_publish": True} if broker == "rabbitmq" else {}
+
+
+def service_of(name: str) -> str | None:
+    """The ``tests.services`` service a store or broker needs (SQLite: none, a file)."""
+    return None if name == "sqlite" else name
+
+
+def _noop(i: int) -> None:
+    """The benchmark task (only published, never run)."""
+
+
+@dataclass(frozen=True)
+class Bench:
+    """One app with the same function as a plain and as a gated task, each on its own queue."""
+
+    app: Celery
+    plain: Task
+    gated: Task
+    #: In the name of every queue (and so of every broker key) of this bench.
+    uid: str
+
+    def landed(self, queue: str) -> int:
+        """Messages waiting in ``queue`` on the broker."""
+        with self.app.connection_for_write() as conn:
+            try:
+                return int(conn.default_channel.queue_declare(queue=queue, passive=True)[1])
+            except ChannelError:  # never declared (Redis: no message ever landed on it)
+                return 0
+
+    def settle(self, queue: str, expected: int, what: str) -> None:
+        """Fail unless ``expected`` messages are in ``queue``; then empty it."""
+        landed = self.landed(queue)
+        if landed != expected:
+            raise AssertionError(f"{what}: {landed} of {expected} messages on the broker")
+        with self.app.connection_for_write() as conn:
+            conn.default_channel.queue_purge(queue)
+
+    def drop_queues(self) -> None:
+        """Remove the queues and their exchanges (on Redis: every key naming the bench)."""
+        if self.app.conf.broker_url.startswith("redis"):
+            # kombu's Redis queue_delete forgets only bindings this connection made.
+            client = redis.Redis.from_url(self.app.conf.broker_url)
+            try:
+                keys = list(client.scan_iter(match=f"*{self.uid}*", count=500))
+                if keys:
+                    client.delete(*keys)
+            finally:
+                client.close()
+            return
+        with self.app.connection_for_write() as conn:
+            for task in (self.plain, self.gated):
+                conn.default_channel.queue_delete(task.queue)
+                conn.default_channel.exchange_delete(task.queue)
+
+
+@contextmanager
+def bench_app(store: str, broker: str, name: str = "bench") -> Iterator[Bench]:
+    """:class:`Bench` on ``store`` and ``broker``, a fresh namespace and queues, cleaned up after.
+
+    The store is opened and set up (schema, checks) before it is handed out.
+    """
+    uid = uuid.uuid4().hex[:12]
+    tmp = tempfile.mkdtemp(prefix="exactonce-bench-")
+    app = Celery(name, set_as_current=False)
+    app.conf.update(
+        broker_url=broker_url(broker), broker_transport_options=transport_options(broker),
+        task_ignore_result=True, timezone="UTC", exactonce_store_url=store_url(store, tmp),
+        exactonce_namespace=f"bench-{uid}",
+    )  # fmt: skip
+    plain = app.task(name=f"{name}.plain", shared=False, queue=f"{name}-plain-{uid}")(_noop)
+    gated = app.task(
+        name=f"{name}.gated", base=ExactOnceTask, shared=False, queue=f"{name}-gated-{uid}"
+    )(_noop)
+    bench = Bench(app, plain, gated, uid)
+    try:
+        store_client = runtime.runtime_for(app).store
+        try:
+            yield bench
+        finally:
+            try:
+                store_client.drop_namespace()  # type: ignore[attr-defined]
+            finally:
+                bench.drop_queues()
+    finally:
+        runtime.reset(app)
+        app.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _timed(bench: Bench, task: Task, count: int, what: str) -> float:
+    """Seconds for ``count`` calls of ``task.delay``; every message must be on the broker."""
+    call: Callable[..., Any] = task.delay
+    start = time.perf_counter()
+    for i in range(count):
+        call(i)
+    elapsed = time.perf_counter() - start
+    bench.settle(task.queue, count, what)
+    return elapsed
+
+
+def measure(store: str, broker: str, count: int, rounds: int) -> Rounds:
+    """``rounds`` pairs of ``count`` plain and ``count`` gated ``.delay()`` calls."""
+    with bench_app(store, broker) as bench:
+        for task in (bench.plain, bench.gated):  # connections opened, queues declared
+            task.delay(-1)
+            bench.settle(task.queue, 1, f"submit warm-up ({task.name})")
+        where = f"{store} store, {broker} broker"
+        return alternate(
+            rounds, count,
+            lambda: _timed(bench, bench.plain, count, f"submit plain, {where}"),
+            lambda: _timed(bench, bench.gated, count, f"submit gated, {where}"),
+        )  # fmt: skip
