@@ -7,13 +7,15 @@ Suites (``--suite all``, the default, runs every one):
   fresh namespace (no concurrency), so each figure is the cost of one
   operation including its round trips;
 * ``beat`` and ``delayed``: see ``beat.py`` and ``delayed.py``;
-* ``submit``: ``.delay()`` per store and broker, from alternating plain and
-  gated rounds of one run (``submit.py``, ``rounds.py``).
+* ``submit``, ``e2e``: ``.delay()`` per store and broker, and no-op tasks
+  through a real worker, each from alternating plain and gated rounds of one
+  run (``submit.py``, ``e2e.py``, ``rounds.py``).
 """
 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -69,7 +71,7 @@ def bench_store(store: StateStore, n: int) -> dict[str, float]:
     return figures
 
 
-SUITES = ("stores", "beat", "delayed", "submit")
+SUITES = ("stores", "beat", "delayed", "submit", "e2e")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--entries", type=int, default=10_000, help="beat entries (beat suite)")
     parser.add_argument(
         "--rounds", type=int, default=3,
-        help="plain/ours pairs of rounds (beat, submit suites)",
+        help="plain/ours pairs of rounds (beat, submit, e2e suites)",
     )  # fmt: skip
     parser.add_argument("--delayed", type=int, default=100_000, help="due delayed jobs to sweep")
     parser.add_argument(
@@ -93,11 +95,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--submits", type=int, default=3000, help=".delay() calls per round")
     parser.add_argument("--brokers", default=",".join(submit.BROKERS), help="submit suite")
+    parser.add_argument("--e2e-tasks", type=int, default=3000, help="tasks per e2e round")
     args = parser.parse_args(argv)
+    # SIGINT unwinds the run (the e2e worker stopped, queues and keys removed), even when
+    # the run was started with it ignored (a background job of a non-interactive shell).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     suites = SUITES if args.suite == "all" else (args.suite,)
     figures = {
         "stores": stores, "beat": beat_figures, "delayed": delayed_figures,
-        "submit": submit_figures,
+        "submit": submit_figures, "e2e": e2e_figures,
     }  # fmt: skip
     status = 0
     for suite in suites:
@@ -128,6 +134,20 @@ def submit_figures(args: argparse.Namespace) -> int:
         f"round, {args.rounds} pairs of rounds, one client (main figure: redis / redis)\n"
     )
     print("\n".join(table("store / broker", "calls", rows)))
+    return 0
+
+
+def e2e_figures(args: argparse.Namespace) -> int:
+    if not services.answers("redis"):
+        print(f"e2e: skipped, {services.REDIS_URL} does not answer")
+        return 1
+    from tests.benchmarks import e2e
+
+    figures = e2e.run(args.e2e_tasks, args.rounds)
+    print(f"\nno-op tasks through one prefork worker (-c {e2e.CONCURRENCY}), "
+          f"{args.e2e_tasks:,} queued a round, {args.rounds} pairs of rounds, "
+          "on the Redis store and a Redis broker\n")  # fmt: skip
+    print("\n".join(table("worker", "tasks", [("prefork, queued first", figures)])))
     return 0
 
 
