@@ -7,9 +7,10 @@ Suites (``--suite all``, the default, runs every one):
   fresh namespace (no concurrency), so each figure is the cost of one
   operation including its round trips;
 * ``beat`` and ``delayed``: see ``beat.py`` and ``delayed.py``;
-* ``submit``, ``e2e``: ``.delay()`` per store and broker, and no-op tasks
-  through a real worker, each from alternating plain and gated rounds of one
-  run (``submit.py``, ``e2e.py``, ``rounds.py``).
+* ``submit``, ``e2e``, ``group``: ``.delay()`` per store and broker, no-op
+  tasks through a real worker, and groups of 100 signatures, each from
+  alternating plain and gated rounds of one run (``submit.py``, ``e2e.py``,
+  ``group.py``, ``rounds.py``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ from tests import services
 from tests.benchmarks import submit
 from tests.benchmarks.rounds import Rounds, table
 from tests.contract.backends import BACKENDS, StoreFactory
+
+#: Signatures in a group of the group suite.
+GROUP_SIZE = 100
 
 
 def _rate(n: int, fn: Callable[[int], object]) -> float:
@@ -71,7 +75,7 @@ def bench_store(store: StateStore, n: int) -> dict[str, float]:
     return figures
 
 
-SUITES = ("stores", "beat", "delayed", "submit", "e2e")
+SUITES = ("stores", "beat", "delayed", "submit", "e2e", "group")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--entries", type=int, default=10_000, help="beat entries (beat suite)")
     parser.add_argument(
         "--rounds", type=int, default=3,
-        help="plain/ours pairs of rounds (beat, submit, e2e suites)",
+        help="plain/ours pairs of rounds (beat, submit, e2e, group suites)",
     )  # fmt: skip
     parser.add_argument("--delayed", type=int, default=100_000, help="due delayed jobs to sweep")
     parser.add_argument(
@@ -96,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--submits", type=int, default=3000, help=".delay() calls per round")
     parser.add_argument("--brokers", default=",".join(submit.BROKERS), help="submit suite")
     parser.add_argument("--e2e-tasks", type=int, default=3000, help="tasks per e2e round")
+    parser.add_argument("--groups", type=int, default=20, help="groups of 100 per group round")
     args = parser.parse_args(argv)
     # SIGINT unwinds the run (the e2e worker stopped, queues and keys removed), even when
     # the run was started with it ignored (a background job of a non-interactive shell).
@@ -103,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     suites = SUITES if args.suite == "all" else (args.suite,)
     figures = {
         "stores": stores, "beat": beat_figures, "delayed": delayed_figures,
-        "submit": submit_figures, "e2e": e2e_figures,
+        "submit": submit_figures, "e2e": e2e_figures, "group": group_figures,
     }  # fmt: skip
     status = 0
     for suite in suites:
@@ -148,6 +153,22 @@ def e2e_figures(args: argparse.Namespace) -> int:
           f"{args.e2e_tasks:,} queued a round, {args.rounds} pairs of rounds, "
           "on the Redis store and a Redis broker\n")  # fmt: skip
     print("\n".join(table("worker", "tasks", [("prefork, queued first", figures)])))
+    return 0
+
+
+def group_figures(args: argparse.Namespace) -> int:
+    if not services.answers("redis"):
+        print(f"group: skipped, {services.REDIS_URL} does not answer")
+        return 1
+    from tests.benchmarks import group
+
+    figures = group.run(args.groups, GROUP_SIZE, args.rounds)
+    print(f"\ngroup(task.s(i) for i in range({GROUP_SIZE})).apply_async(), {args.groups} "
+          f"groups a round, {args.rounds} pairs of rounds, on the Redis store and a Redis "
+          "broker\n")  # fmt: skip
+    print("\n".join(table("group", "groups", [(f"{GROUP_SIZE} signatures", figures)])))
+    print(f"{'(signatures/s)':<34}{figures.plain_rate * GROUP_SIZE:>16,.0f}"
+          f"{figures.ours_rate * GROUP_SIZE:>16,.0f}")  # fmt: skip
     return 0
 
 
