@@ -1,6 +1,6 @@
 """Benchmarks: store operations per second, and celery-exactonce against plain Celery.
 
-Run with ``tox -e bench`` or ``python -m tests.benchmarks [--suite S]``.
+Run with ``tox -e bench`` or ``python -m tests.benchmarks [--suite S] [--small]``.
 Suites (``--suite all``, the default, runs every one):
 
 * ``stores``: create, CAS and claim per backend, one client looping against a
@@ -11,6 +11,9 @@ Suites (``--suite all``, the default, runs every one):
   tasks through a real worker, and groups of 100 signatures, each from
   alternating plain and gated rounds of one run (``submit.py``, ``e2e.py``,
   ``group.py``, ``rounds.py``).
+
+``--small`` makes every suite tiny (a smoke run of a minute or less): sizes
+given on the command line still win.
 """
 
 from __future__ import annotations
@@ -75,6 +78,15 @@ def bench_store(store: StateStore, n: int) -> dict[str, float]:
     return figures
 
 
+#: What ``--small`` sets, unless the command line gives it.
+SMALL = {
+    "ops": 100, "entries": 200, "rounds": 2, "delayed": 500, "reconcile_jobs": "1000,2000",
+    "submits": 50, "e2e_tasks": 100, "groups": 2,
+}  # fmt: skip
+#: Seconds of the beat suite's slot and of the reconcile suite's stale/fresh gap, small runs.
+SMALL_SLOT_SECONDS = 2
+SMALL_SETTLE = 2.0
+
 SUITES = ("stores", "beat", "delayed", "submit", "e2e", "group")
 
 
@@ -88,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         "--backends", default=",".join(BACKENDS), help="stores (submit: all but memory)"
     )
     parser.add_argument("--suite", choices=(*SUITES, "all"), default="all", help="which figures")
+    parser.add_argument("--small", action="store_true", help="tiny sizes: a quick smoke run")
     parser.add_argument("--entries", type=int, default=10_000, help="beat entries (beat suite)")
     parser.add_argument(
         "--rounds", type=int, default=3,
@@ -102,6 +115,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--e2e-tasks", type=int, default=3000, help="tasks per e2e round")
     parser.add_argument("--groups", type=int, default=20, help="groups of 100 per group round")
     args = parser.parse_args(argv)
+    if args.small:
+        parser.set_defaults(**SMALL)
+        args = parser.parse_args(argv)
     # SIGINT unwinds the run (the e2e worker stopped, queues and keys removed), even when
     # the run was started with it ignored (a background job of a non-interactive shell).
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -179,8 +195,9 @@ def delayed_figures(args: argparse.Namespace) -> int:
     from tests.benchmarks import delayed
 
     small, large = (int(n) for n in args.reconcile_jobs.split(","))
+    settle = SMALL_SETTLE if args.small else 5.0
     print("\ndelayed jobs and the reconciler on the Redis store and a Redis broker\n")
-    for name, value in delayed.run(args.delayed, small, large):
+    for name, value in delayed.run(args.delayed, small, large, settle):
         print(f"{name:<45}{value:>30}")
     return 0
 
@@ -192,7 +209,8 @@ def beat_figures(args: argparse.Namespace) -> int:
     from tests.benchmarks import beat
 
     print("\nbeat on the Redis store and a Redis broker\n")
-    for name, value in beat.run(args.entries, args.rounds):
+    slot = SMALL_SLOT_SECONDS if args.small else beat.SLOT_SECONDS
+    for name, value in beat.run(args.entries, args.rounds, slot):
         print(f"{name:<45}{value:>30}")
     return 0
 

@@ -143,8 +143,12 @@ def sweep(count: int, nodes: int) -> float:
         return elapsed
 
 
-def reconcile_pass(total: int) -> float:
-    """Seconds of one pass over ``total`` RUNNING jobs of which :data:`STALE` are stale."""
+def reconcile_pass(total: int, settle: float = 5.0) -> float:
+    """Seconds of one pass over ``total`` RUNNING jobs of which :data:`STALE` are stale.
+
+    The stale jobs are ``settle`` seconds older than the others; the running
+    timeout falls halfway.
+    """
     with _namespace(f"bench-rec-{uuid.uuid4().hex}") as (namespace, store):
 
         def running(prefix: str, n: int) -> list[NewJob]:
@@ -152,12 +156,12 @@ def reconcile_pass(total: int) -> float:
                            run_id=uuid.uuid4().hex) for i in range(n)]  # fmt: skip
 
         _create(store, running("stale", STALE))
-        time.sleep(5)
+        time.sleep(settle)
         began = time.perf_counter()
         _create(store, running("fresh", total - STALE))
         creating = time.perf_counter() - began
         # Older than every fresh job, younger than every stale one.
-        timeout = creating + 2.5
+        timeout = creating + settle / 2
         conf = _conf(namespace, "unused", exactonce_running_timeout=timeout,
                      exactonce_heartbeat_interval=0.1, exactonce_max_skew=0)  # fmt: skip
         app = _make_app(conf)
@@ -173,11 +177,13 @@ def reconcile_pass(total: int) -> float:
         return elapsed
 
 
-def run(count: int = 100_000, small: int = 10_000, large: int = 1_000_000) -> list[tuple[str, str]]:
+def run(
+    count: int = 100_000, small: int = 10_000, large: int = 1_000_000, settle: float = 5.0
+) -> list[tuple[str, str]]:
     logging.getLogger("celery_exactonce").setLevel(logging.ERROR)  # 1,000 timeouts
     plain = plain_publish(count)
     one, three = sweep(count, 1), sweep(count, 3)
-    rec_small, rec_large = reconcile_pass(small), reconcile_pass(large)
+    rec_small, rec_large = reconcile_pass(small, settle), reconcile_pass(large, settle)
     return [
         (f"plain apply_async x {count:,}", f"{plain:.1f} s ({count / plain:,.0f}/s)"),
         (f"sweep {count:,} due, 1 beat node", f"{one:.1f} s ({count / one:,.0f}/s)"),

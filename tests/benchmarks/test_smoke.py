@@ -1,0 +1,65 @@
+"""``python -m tests.benchmarks --suite all --small`` runs every suite to the end.
+
+The benchmarks' own smoke test, so that they cannot rot between the runs that
+take their figures: the run must exit 0 and print every suite's table. No
+timing is asserted (a shared CI machine's figures mean nothing). It needs
+Redis, which every suite but ``stores`` runs on: skipped locally without it,
+failed under ``EXACTONCE_REQUIRE_SERVICES=1``. The other services' rows are
+skipped by the run itself, the reason printed, where they do not answer; under
+``EXACTONCE_REQUIRE_SERVICES=1`` such a skip fails the test too.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from tests import services
+
+ROOT = Path(__file__).resolve().parents[2]
+#: About 30 s on a 2-core machine; generous for a loaded CI machine.
+TIMEOUT = 240
+#: A line that only the end of each suite's table prints.
+TABLES = {
+    "stores": "store operations per second",
+    "beat": "beat / plain, median of",
+    "delayed": "reconcile large / small",
+    "submit": "redis / redis",
+    "e2e": "prefork, queued first",
+    "group": "(signatures/s)",
+}
+
+
+def test_every_suite_runs_small() -> None:
+    # Given Redis (and whichever other services answer)
+    services.need("redis")
+    # When every suite runs at its small size
+    argv = [sys.executable, "-m", "tests.benchmarks", "--suite", "all", "--small"]
+    pythonpath = [str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    proc = subprocess.Popen(
+        argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(pythonpath)},
+    )  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGINT)  # unwinds: the e2e worker is stopped, keys removed
+        try:
+            out, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        raise AssertionError(f"ran over {TIMEOUT} s; output:\n{out}\nstderr:\n{err}") from None
+    print(out)
+    print(err, file=sys.stderr)
+    # Then it ends well, having printed every suite's table
+    assert proc.returncode == 0, f"exit status {proc.returncode}; stderr:\n{err}"
+    missing = [suite for suite, line in TABLES.items() if line not in out]
+    assert not missing, f"no table of {missing}"
+    # And with the services required, no row was skipped for want of one
+    if services.required():
+        skipped = [line for line in out.splitlines() if "skipped" in line]
+        assert not skipped, skipped
