@@ -39,7 +39,7 @@ from typing import Any
 from celery import Celery
 from kombu.connection import Connection
 
-from celery_exactonce import dispatch
+from celery_exactonce import messages
 from celery_exactonce.task import ExactOnceTask
 
 ENV_WORKDIR = "EXACTONCE_DEMO_WORKDIR"
@@ -190,8 +190,8 @@ def make_app(layout: Layout, node: str | None = None) -> Celery:
         """Write down one run of ``entry``'s occurrence: entry, fire time, idempotency key."""
         request = self.request
         headers = request.headers if isinstance(request.headers, dict) else {}
-        fire_time = getattr(request, dispatch.HEADER_FIRE_TIME, None) or headers.get(
-            dispatch.HEADER_FIRE_TIME
+        fire_time = getattr(request, messages.HEADER_FIRE_TIME, None) or headers.get(
+            messages.HEADER_FIRE_TIME
         )
         append_ledger(
             ledger,

@@ -41,8 +41,8 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
-from celery_exactonce import exceptions, jobs, keys, metrics, signing
-from celery_exactonce.jobs import Job, JobRef, Lease, Space, Transition, TransitionStatus
+from celery_exactonce import exceptions, jobs, messages, metrics, signing
+from celery_exactonce.jobs import Job, JobRef, Lease, Transition, TransitionStatus
 from celery_exactonce.states import State
 from celery_exactonce.stores.base import StateStore
 
@@ -58,14 +58,8 @@ GATED_OPTION = "exactonce_gated"
 #: so a process that does not import the task still applies it.
 POLICY_OPTION = "exactonce_policy"
 
-#: Job option (stored, never published as an option): the Celery ``task_id`` of
-#: the job's messages when it differs from the job id. A task's replacement
-#: (``Task.replace``) takes the replaced task's id, whose job already exists: its
-#: job gets an id of its own (:func:`replacement_job_id`), its messages that id.
-MESSAGE_ID_OPTION = "exactonce_message_id"
-
 #: Stored job options that are ours and never go to ``send_task``.
-INTERNAL_OPTIONS = frozenset({GATED_OPTION, POLICY_OPTION, MESSAGE_ID_OPTION})
+INTERNAL_OPTIONS = frozenset({GATED_OPTION, POLICY_OPTION, messages.MESSAGE_ID_OPTION})
 
 #: ``send_task`` keywords that belong to one call (the caller's), never stored:
 #: ``result_cls`` builds the result it returns, ``add_to_parent`` adds that result to
@@ -78,12 +72,6 @@ RESERVED_OPTIONS = frozenset(
     {"args", "kwargs", "task_id", "producer", "retries", "retry", "name", "connection",
      "router", "result_cls", "publisher"}
 )  # fmt: skip
-
-HEADER_JOB_ID = "exactonce_job_id"
-HEADER_ATTEMPT = "exactonce_attempt"
-HEADER_IDEMPOTENCY_KEY = "idempotency_key"
-HEADER_KEY = "exactonce_key"
-HEADER_FIRE_TIME = "exactonce_fire_time"
 
 #: Jobs per ``DISPATCHED`` write in :meth:`Dispatcher.dispatch_many`: at most this
 #: many are left ``DISPATCHED`` without a message if the process dies mid-chunk.
@@ -145,53 +133,6 @@ class Publisher(Protocol):
     """
 
     def __call__(self, job: Job, headers: Mapping[str, Any], extra: Mapping[str, Any]) -> Any: ...
-
-
-def job_idempotency_key(job: Job, namespace: str) -> str:
-    """The ``idempotency_key`` header of ``job``.
-
-    For a beat occurrence: :func:`~celery_exactonce.keys.idempotency_key` of
-    its entry and slot. For any other job: that of ``"job:" + task_id`` at the
-    UNIX epoch, so it is the same across retries and re-submissions of the id.
-    """
-    if job.entry is not None and job.fire_time is not None:
-        return keys.idempotency_key(job.entry, job.fire_time, namespace)
-    return keys.idempotency_key(f"job:{job.ref.id}", jobs.EPOCH, namespace)
-
-
-def message_headers(job: Job, namespace: str) -> dict[str, Any]:
-    """The headers every dispatch of ``job`` carries (docs/design/protocol.md, "Dispatch")."""
-    headers: dict[str, Any] = {
-        HEADER_JOB_ID: job.ref.id,
-        HEADER_ATTEMPT: job.attempt,
-        HEADER_IDEMPOTENCY_KEY: job_idempotency_key(job, namespace),
-    }
-    if job.ref.space is Space.OCCURRENCE and job.fire_time is not None:
-        headers[HEADER_KEY] = job.entry
-        headers[HEADER_FIRE_TIME] = keys.canonical_instant(job.fire_time)
-    return headers
-
-
-def replacement_job_id(task_id: str, nesting: int) -> str:
-    """The job id of the task that replaces ``task_id`` at ``replaced_task_nesting`` ``nesting``.
-
-    Deterministic, so a replacement submitted again (a re-run of the replaced
-    body) finds its job instead of creating a second one.
-    """
-    return f"{task_id}~replaced~{nesting}"
-
-
-def message_task_id(job: Job) -> str:
-    """The Celery ``task_id`` every message of ``job`` carries."""
-    return str(job.options.get(MESSAGE_ID_OPTION) or job.ref.id)
-
-
-def ref_from_headers(headers: Mapping[str, Any], task_id: str) -> JobRef:
-    """The job a message belongs to: an occurrence if it carries ``exactonce_key``."""
-    job_id = str(headers.get(HEADER_JOB_ID) or task_id)
-    if headers.get(HEADER_KEY) is not None:
-        return JobRef.occurrence(job_id)
-    return JobRef.task(job_id)
 
 
 def check_options(options: Mapping[str, Any], *, context: str) -> None:
@@ -372,7 +313,7 @@ class CeleryPublisher:
         try:
             return self.app.send_task(
                 job.task, args=jobs.decode_payload(job.args),
-                kwargs=jobs.decode_payload(job.kwargs), task_id=message_task_id(job),
+                kwargs=jobs.decode_payload(job.kwargs), task_id=messages.message_task_id(job),
                 producer=local.producer, retries=job.attempt, retry=False, **options,
             )  # fmt: skip
         except EncodeError as exc:
@@ -402,7 +343,7 @@ class CeleryPublisher:
         if job.options.get("ignore_result"):
             return
         try:
-            self.app.backend.mark_as_revoked(message_task_id(job), "expired")
+            self.app.backend.mark_as_revoked(messages.message_task_id(job), "expired")
         except Exception as exc:
             logger.warning(
                 "could not record the expiry of %s in the result backend: %s", job.ref, exc,
@@ -678,7 +619,7 @@ class Dispatcher:
             if expired is not None:
                 expired(job)
             return DispatchResult(Outcome.EXPIRED, job)
-        headers = message_headers(job, self.store.namespace)
+        headers = messages.message_headers(job, self.store.namespace)
         try:
             sent = self.publisher(job, headers, extra)
         except PublishFailed as exc:

@@ -42,16 +42,12 @@ from typing import Any, NoReturn
 from celery import Task, signals
 from celery.exceptions import Ignore, Reject, Retry
 
-from celery_exactonce import dispatch, exceptions, jobs, metrics
+from celery_exactonce import dispatch, exceptions, jobs, messages, metrics
 from celery_exactonce.jobs import CreateStatus, Job, JobRef, NewJob, Transition
 from celery_exactonce.runtime import Runtime, config_for, runtime_for
 from celery_exactonce.states import State
 
 logger = logging.getLogger(__name__)
-
-#: Header carrying the run ids that earlier deliveries of this message wrote
-#: (or may have written) at the gate before a store error sent them back.
-HEADER_GATE_RUNS = "exactonce_gate_runs"
 
 #: Options of ``apply_async`` that belong to this call and are not stored:
 #: process-local objects, kombu's publish retry (always off for us), and the
@@ -170,8 +166,8 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
         ref = JobRef.task(task_id)
         nesting = int(options.get("replaced_task_nesting") or 0)
         if nesting:  # a replacement (Task.replace) takes the id of the job it replaces
-            ref = JobRef.task(dispatch.replacement_job_id(task_id, nesting))
-            stored[dispatch.MESSAGE_ID_OPTION] = task_id
+            ref = JobRef.task(messages.replacement_job_id(task_id, nesting))
+            stored[messages.MESSAGE_ID_OPTION] = task_id
         eta = _eta(options)
         delayed = eta is not None and eta > datetime.now(timezone.utc)
         stored[dispatch.GATED_OPTION] = True
@@ -340,7 +336,7 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
 
         Celery gives the replacement this task's id, so the caller's result is
         the replacement's. Its job cannot have that id (this run's job holds it):
-        it gets :func:`~celery_exactonce.dispatch.replacement_job_id` of it,
+        it gets :func:`~celery_exactonce.messages.replacement_job_id` of it,
         deterministic, so submitting it again finds it. This job ends
         ``SUCCEEDED``, its reason naming the replacement.
         """
@@ -348,7 +344,7 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
         if run is None or self.request.is_eager:
             return super().on_replace(sig)
         nesting = int(self.request.get("replaced_task_nesting") or 0) + 1
-        run.replaced_by = JobRef.task(dispatch.replacement_job_id(self.request.id, nesting))
+        run.replaced_by = JobRef.task(messages.replacement_job_id(self.request.id, nesting))
         return super().on_replace(sig)  # submits it, then raises Ignore
 
     def _requeue(self, run: _Run, exc: Reject) -> NoReturn:
@@ -374,15 +370,15 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
             return self.run(*args, **kwargs)
         validate_gated_task(self)
         runtime = runtime_for(self.app, setup=False)
-        headers = _headers(request)
-        ref = dispatch.ref_from_headers(headers, request.id)
-        attempt = int(headers.get(dispatch.HEADER_ATTEMPT, request.retries or 0))
+        headers = messages.headers_of(request)
+        ref = messages.ref_from_headers(headers, request.id)
+        attempt = int(headers.get(messages.HEADER_ATTEMPT, request.retries or 0))
         run_id = jobs.new_token()
         job = self._gate(
             runtime, ref, attempt, run_id, headers, args, kwargs, request.delivery_info or {}
         )
-        request.idempotency_key = headers.get(dispatch.HEADER_IDEMPOTENCY_KEY) or (
-            dispatch.job_idempotency_key(job, runtime.store.namespace)
+        request.idempotency_key = headers.get(messages.HEADER_IDEMPOTENCY_KEY) or (
+            messages.job_idempotency_key(job, runtime.store.namespace)
         )
         run = _Run(ref, run_id, attempt, headers)
         token = _current.set(run)
@@ -438,7 +434,7 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
         it must *take over* the run with a CAS from that run id to its own,
         which only one copy of a message can win.
         """
-        tickets = frozenset(str(t) for t in headers.get(HEADER_GATE_RUNS) or ())
+        tickets = frozenset(str(t) for t in headers.get(messages.HEADER_GATE_RUNS) or ())
         gate = Transition(
             State.RUNNING, frozenset({State.SCHEDULED, State.DISPATCHED}), node=runtime.node,
             reason="gate", attempt=attempt, task=self.name, new_run_id=run_id,
@@ -457,7 +453,7 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
                         return result.job
                     job = result.job
                 if job is None:
-                    if adoption_lost or dispatch.HEADER_JOB_ID in headers:
+                    if adoption_lost or messages.HEADER_JOB_ID in headers:
                         self._refuse(ref, None, attempt, headers, delivery_info)
                     adopted = self._adopt(runtime, ref, run_id, args, kwargs)
                     if adopted is not None:
@@ -544,7 +540,7 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
         which an operator should see (warning).
         """
         if job is None:
-            if dispatch.HEADER_JOB_ID in headers:
+            if messages.HEADER_JOB_ID in headers:
                 metrics.event(
                     "record_lost", f"no record for {ref}, whose message carries our "
                     "headers: not run (the store lost it)",
@@ -566,7 +562,7 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
         where = str(job.state)
         if job.attempt != attempt and not job.terminal:
             where = "stale_attempt"
-        first = not delivery_info.get("redelivered") and HEADER_GATE_RUNS not in headers
+        first = not delivery_info.get("redelivered") and messages.HEADER_GATE_RUNS not in headers
         why = " (a first delivery: the job will not run through this message)" if first else ""
         metrics.event(
             "suppressed_duplicate",
@@ -589,8 +585,8 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
         which gives the message back to the broker where ``acks_late`` holds it.
         """
         request = self.request
-        headers = {**dict(request.headers or {}), **_headers(request)}
-        headers[HEADER_GATE_RUNS] = sorted(tickets)
+        headers = {**dict(request.headers or {}), **messages.headers_of(request)}
+        headers[messages.HEADER_GATE_RUNS] = sorted(tickets)
         signature = self.signature_from_request(
             request, countdown=delay, retries=attempt, headers=headers
         )
@@ -735,27 +731,6 @@ def validate_gated_task(task: Task) -> None:
     task._exactonce_validated = True
 
 
-def _headers(request: Any) -> dict[str, Any]:
-    names = (
-        dispatch.HEADER_JOB_ID, dispatch.HEADER_ATTEMPT, dispatch.HEADER_IDEMPOTENCY_KEY,
-        dispatch.HEADER_KEY, dispatch.HEADER_FIRE_TIME, HEADER_GATE_RUNS,
-    )  # fmt: skip
-    if isinstance(request, Mapping):
-        nested = request.get("headers") or {}
-        top: Mapping[str, Any] = request
-    else:
-        nested = getattr(request, "headers", None) or {}
-        top = vars(request) if hasattr(request, "__dict__") else {}
-    found = {}
-    for name in names:
-        value = top.get(name)
-        if value is None and isinstance(nested, Mapping):
-            value = nested.get(name)
-        if value is not None:
-            found[name] = value
-    return found
-
-
 #: Options that place a job in a canvas: the group or chord it is a part of, and
 #: the rest of its chain.
 _CANVAS_OPTIONS = ("group_id", "chord", "chain")
@@ -808,9 +783,12 @@ def _on_revoked(
     if not isinstance(sender, ExactOnceTask) or request is None:
         return
     runtime = runtime_for(sender.app)
-    headers = {**_headers(getattr(request, "request_dict", None) or {}), **_headers(request)}
-    ref = dispatch.ref_from_headers(headers, request.id)
-    attempt = int(headers.get(dispatch.HEADER_ATTEMPT, getattr(request, "retries", 0) or 0))
+    headers = {
+        **messages.headers_of(getattr(request, "request_dict", None) or {}),
+        **messages.headers_of(request),
+    }
+    ref = messages.ref_from_headers(headers, request.id)
+    attempt = int(headers.get(messages.HEADER_ATTEMPT, getattr(request, "retries", 0) or 0))
     try:
         job = runtime.store.get(ref)
         if job is None or job.terminal or job.task != sender.name or job.attempt != attempt:

@@ -20,9 +20,9 @@ from celery_exactonce.dispatch import (
     PublishFailed,
     Retrier,
     connection_refused,
-    message_headers,
 )
 from celery_exactonce.jobs import Job, JobRef, NewJob
+from celery_exactonce.messages import message_headers
 from celery_exactonce.states import State
 from celery_exactonce.testing import InMemoryStore
 from tests.contract.helpers import poll

@@ -18,8 +18,8 @@ from celery import Celery, signals
 from celery.exceptions import Ignore, Reject, TaskRevokedError
 
 from celery_exactonce import JobConflict, metrics, runtime
-from celery_exactonce.dispatch import MESSAGE_ID_OPTION, message_headers, replacement_job_id
 from celery_exactonce.jobs import Job, JobRef
+from celery_exactonce.messages import MESSAGE_ID_OPTION, message_headers, replacement_job_id
 from celery_exactonce.states import State
 from celery_exactonce.task import ExactOnceTask
 from celery_exactonce.testing import FrozenClock, InMemoryStore
