@@ -213,13 +213,11 @@ class CeleryPublisher:
         self._local = threading.local()
 
     @contextlib.contextmanager
-    def batch(self, *, buffered: bool = True) -> Iterator[None]:
+    def batch(self) -> Iterator[None]:
         """Publish the calls made inside on one producer from the pool.
 
         Messages still buffered at the end are flushed (:class:`PublishFailed`
         if that fails), or discarded, never half-sent, if the block raised.
-        Without ``buffered`` (one message: a buffer would only add its own
-        round trips), each publish is sent at once.
         """
         local = self._local
         if getattr(local, "producer", None) is not None:
@@ -227,7 +225,7 @@ class CeleryPublisher:
             return
         with self.app.producer_or_acquire(None) as producer:
             local.producer, local.checked, local.connect_error = producer, False, None
-            local.buffer, local.buffered = None, buffered
+            local.buffer = None
             try:
                 yield
                 self.flush()
@@ -269,7 +267,7 @@ class CeleryPublisher:
         options.update(call)
         options.setdefault("add_to_parent", False)  # only a submitting worker task has a parent
         if getattr(self._local, "producer", None) is None:
-            with self.batch(buffered=False):
+            with self.batch():
                 return self._publish(job, options)
         return self._publish(job, options)
 
@@ -306,7 +304,7 @@ class CeleryPublisher:
         if local.connect_error is not None:
             error = local.connect_error
             raise PublishFailed(f"connect failed: {error}", definite=True) from error
-        if local.buffer is None and local.buffered and hasattr(local.producer, "batch"):
+        if local.buffer is None and hasattr(local.producer, "batch"):  # kombu >= 5.7
             buffer = local.producer.batch(max_size=PUBLISH_BUFFER_MAX)
             buffer.__enter__()
             local.buffer = buffer
@@ -497,7 +495,7 @@ class Dispatcher:
         """
         results: list[DispatchResult] = []
         batch = getattr(self.publisher, "batch", None)  # CeleryPublisher: one producer
-        with batch(buffered=len(listed) > 1) if batch is not None else contextlib.nullcontext():
+        with batch() if batch is not None else contextlib.nullcontext():
             for start in range(0, len(listed), DISPATCH_CHUNK):
                 done, published = self._dispatch_chunk(
                     listed[start : start + DISPATCH_CHUNK], reason, lease, call or {}

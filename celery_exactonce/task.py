@@ -229,23 +229,8 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
         return result
 
     def _create(self, runtime: Runtime, new: NewJob) -> Job:
-        """Create ``new`` if absent: the record to go on with (ours, or the one that exists).
-
-        Brief where it can be: a record this call created is ``new`` as written,
-        so the store need not send it back. Signed records come back from the
-        store, which signs them.
-        """
         try:
-            if runtime.dispatcher.signer is None:
-                (result,) = runtime.store.create_many([new], brief=True)
-                if result.created and result.job is None:
-                    result = jobs.CreateResult(
-                        result.status, jobs.job_from_new(new, datetime.now(timezone.utc))
-                    )
-                elif result.job is None:
-                    result = jobs.CreateResult(result.status, runtime.store.get(new.ref))
-            else:
-                result = runtime.store.create(new)
+            result = runtime.store.create(new)
         except exceptions.StoreError as exc:
             try:
                 existing = runtime.store.get(new.ref)
