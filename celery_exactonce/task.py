@@ -31,7 +31,9 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import itertools
 import logging
+import os
 import threading
 import time
 import uuid
@@ -367,7 +369,7 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
         )
         run = _Run(ref, run_id, attempt, headers)
         token = _current.set(run)
-        beat = _Heartbeat(runtime, ref, run_id)
+        beat = _heartbeats.start(runtime, ref, run_id)
         try:
             result = self.run(*args, **kwargs)
         except Retry:
@@ -391,7 +393,7 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
             self._finish(runtime, ref, run_id, State.SUCCEEDED, "body returned")
             return result
         finally:
-            beat.stop()
+            _heartbeats.stop(beat)
             _current.reset(token)
 
     def _gate(
@@ -635,30 +637,75 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
             runtime.store.annotate(ref, node=runtime.node, reason=note, op_id=jobs.new_token())
 
 
-class _Heartbeat:
-    """Touches the running job every ``heartbeat_interval`` from the child process."""
+@dataclasses.dataclass
+class _Beating:
+    """One run the heartbeat thread touches."""
 
-    def __init__(self, runtime: Runtime, ref: JobRef, run_id: str) -> None:
-        self._stop = threading.Event()
-        self._thread = threading.Thread(
-            target=self._run, args=(runtime, ref, run_id), name=f"exactonce-heartbeat-{ref.id}",
-            daemon=True,
-        )  # fmt: skip
-        self._thread.start()
+    runtime: Runtime
+    ref: JobRef
+    run_id: str
+    due: float  # monotonic
 
-    def _run(self, runtime: Runtime, ref: JobRef, run_id: str) -> None:
-        while not self._stop.wait(runtime.config.heartbeat_interval):
-            try:
-                if not runtime.store.heartbeat(ref, run_id):
-                    return  # no longer ours (timed out, cancelled)
-            except exceptions.StoreError as exc:
-                runtime.note_store_error()
-                logger.warning("heartbeat of %s failed: %s", ref, exc,
-                               extra={"action": "heartbeat_failed", "job_id": ref.id})  # fmt: skip
 
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
+class _Heartbeats:
+    """One thread per process touches every running job of it every ``heartbeat_interval``.
+
+    A run registers when its body starts and leaves when it ends: a body shorter
+    than the interval costs two dictionary operations and no store call (a
+    thread per run cost a thread start and a join each). The thread starts with
+    the first run of a process, again in a forked child (a prefork pool process).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Condition()
+        self._runs: dict[int, _Beating] = {}
+        self._tokens = itertools.count()
+        self._pid: int | None = None
+
+    def start(self, runtime: Runtime, ref: JobRef, run_id: str) -> int:
+        """Touch ``ref`` under ``run_id`` every interval from now on; the token to stop it."""
+        due = time.monotonic() + runtime.config.heartbeat_interval
+        with self._lock:
+            if self._pid != os.getpid():  # first run here, or a forked child: no thread yet
+                self._pid, self._runs = os.getpid(), {}
+                threading.Thread(target=self._loop, name="exactonce-heartbeat", daemon=True).start()
+            token = next(self._tokens)
+            self._runs[token] = _Beating(runtime, ref, run_id, due)
+            self._lock.notify()
+        return token
+
+    def stop(self, token: int) -> None:
+        with self._lock:
+            self._runs.pop(token, None)
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                now = time.monotonic()
+                due = [(token, run) for token, run in self._runs.items() if run.due <= now]
+                if not due:
+                    nearest = min((run.due for run in self._runs.values()), default=now + 60.0)
+                    self._lock.wait(timeout=nearest - now)
+                    continue
+                for _, run in due:
+                    run.due = now + run.runtime.config.heartbeat_interval
+            for token, run in due:
+                if not self._beat(run):
+                    self.stop(token)
+
+    @staticmethod
+    def _beat(run: _Beating) -> bool:
+        """Touch one run; whether it is still ours (a store error keeps it)."""
+        try:
+            return run.runtime.store.heartbeat(run.ref, run.run_id)
+        except exceptions.StoreError as exc:
+            run.runtime.note_store_error()
+            logger.warning("heartbeat of %s failed: %s", run.ref, exc,
+                           extra={"action": "heartbeat_failed", "job_id": run.ref.id})  # fmt: skip
+            return True
+
+
+_heartbeats = _Heartbeats()
 
 
 #: Settings a gated task may override as ``exactonce_<name>`` attributes (the reconciler's).

@@ -18,11 +18,13 @@ from celery import Celery, signals
 from celery.exceptions import Ignore, Reject, TaskRevokedError
 
 from celery_exactonce import JobConflict, metrics, runtime
-from celery_exactonce.jobs import Job, JobRef
+from celery_exactonce.jobs import Job, JobRef, NewJob
 from celery_exactonce.messages import MESSAGE_ID_OPTION, message_headers, replacement_job_id
 from celery_exactonce.states import State
-from celery_exactonce.task import ExactOnceTask
+from celery_exactonce.task import ExactOnceTask, _heartbeats
 from celery_exactonce.testing import FrozenClock, InMemoryStore
+from tests.acceptance.harness import holds
+from tests.contract.helpers import poll
 
 NAMESPACE = "semantics-unit"
 
@@ -266,3 +268,38 @@ def test_a_job_expired_before_its_publish_is_revoked_as_a_worker_would_say(world
     assert result.state == "REVOKED"
     with pytest.raises(TaskRevokedError, match="expired"):
         result.get(timeout=1)
+
+
+class _CountingStore(InMemoryStore):
+    """Counts the heartbeats it is sent, per job."""
+
+    def __init__(self, namespace: str) -> None:
+        super().__init__(namespace)
+        self.beats: dict[str, int] = {}
+
+    def heartbeat(self, ref: JobRef, run_id: str) -> bool:
+        self.beats[ref.id] = self.beats.get(ref.id, 0) + 1
+        return super().heartbeat(ref, run_id)
+
+
+def test_one_heartbeat_thread_touches_each_running_job_until_it_ends() -> None:
+    app = Celery("heartbeats-unit", broker="memory://", set_as_current=False)
+    app.conf.update(
+        exactonce_store_url="memory://", exactonce_namespace=NAMESPACE,
+        exactonce_heartbeat_interval=0.02,
+    )  # fmt: skip
+    store = _CountingStore(NAMESPACE)
+    rt = runtime.install(app, store)
+    try:
+        long_run, short_run = JobRef.task("long"), JobRef.task("short")
+        for ref, run_id in ((long_run, "r1"), (short_run, "r2")):
+            store.create(NewJob(ref, "t.add", State.RUNNING, node="n", run_id=run_id))
+        beating = _heartbeats.start(rt, long_run, "r1")
+        _heartbeats.stop(_heartbeats.start(rt, short_run, "r2"))  # a body shorter than a beat
+        poll(lambda: store.beats.get("long", 0) >= 3, timeout=5.0)
+        _heartbeats.stop(beating)
+        stopped = store.beats["long"]
+        holds(lambda: store.beats["long"] <= stopped + 1, seconds=0.2)  # one may be in flight
+        assert "short" not in store.beats
+    finally:
+        runtime.reset(app)
