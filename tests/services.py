@@ -46,6 +46,19 @@ def answers(service: str) -> bool:
     return _answers[service]
 
 
+def delete_redis_keys(url: str, pattern: str) -> None:
+    """Delete every key matching ``pattern`` on the Redis at ``url`` (a test's own keys)."""
+    import redis
+
+    client = redis.Redis.from_url(url)
+    try:
+        keys = list(client.scan_iter(match=pattern, count=500))
+        if keys:
+            client.delete(*keys)
+    finally:
+        client.close()
+
+
 def need(service: str) -> None:
     """Skip (locally) or fail (CI) unless ``service`` answers."""
     if answers(service):

@@ -561,6 +561,15 @@ def _redis_broker_url(db: int) -> str:
 SKIPPED_MARK = "duplicate delivery of"
 
 
+def process_env(**settings: str) -> dict[str, str]:
+    """The environment of a test's ``celery`` process: this one's, without any
+    ``EXACTONCE_ACC_*`` of it, the repository first on ``PYTHONPATH``, and ``settings``."""
+    env = {key: value for key, value in os.environ.items() if not key.startswith("EXACTONCE_ACC_")}
+    pythonpath = [str(REPO_ROOT), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
+    env.update(PYTHONPATH=os.pathsep.join(pythonpath), PYTHONUNBUFFERED="1", **settings)
+    return env
+
+
 class Deployment:
     """One test's broker queue, store namespace and ledger, and the workers it started.
 
@@ -626,13 +635,7 @@ class Deployment:
     @property
     def env(self) -> dict[str, str]:
         """The environment of a worker (and of :meth:`app`): ``EXACTONCE_ACC_*``."""
-        env = {
-            key: value for key, value in os.environ.items() if not key.startswith("EXACTONCE_ACC_")
-        }
-        pythonpath = [str(REPO_ROOT), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
-        env.update(
-            PYTHONPATH=os.pathsep.join(pythonpath),
-            PYTHONUNBUFFERED="1",
+        env = process_env(
             EXACTONCE_ACC_BROKER_URL=self.broker_url,
             EXACTONCE_ACC_QUEUE=self.queue,
             EXACTONCE_ACC_STORE_URL=self.store_url,
@@ -777,15 +780,7 @@ class Deployment:
 
     def _drop_broker_state(self) -> None:
         if self.broker == "redis":
-            import redis
-
-            client = redis.Redis.from_url(self.broker_url)
-            try:
-                keys = list(client.scan_iter(match=f"{self.redis_prefix}*", count=500))
-                if keys:
-                    client.delete(*keys)
-            finally:
-                client.close()
+            services.delete_redis_keys(self.broker_url, f"{self.redis_prefix}*")
         else:
             with self.app().connection_for_write() as conn:
                 channel = conn.default_channel

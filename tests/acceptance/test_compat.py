@@ -43,11 +43,11 @@ from tests import services
 from tests.acceptance.apps import compat_app
 from tests.acceptance.harness import (
     REDIS_BROKER_DB,
-    REPO_ROOT,
     BeatProcess,
     WorkerProcess,
     holds,
     poll,
+    process_env,
 )
 
 APP_MODULE = "tests.acceptance.apps.compat_app"
@@ -117,13 +117,7 @@ class Variant:
     @property
     def env(self) -> dict[str, str]:
         """The environment of its worker and beat (and of its in-process app)."""
-        env = {
-            key: value for key, value in os.environ.items() if not key.startswith("EXACTONCE_ACC_")
-        }
-        pythonpath = [str(REPO_ROOT), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
-        env.update(
-            PYTHONPATH=os.pathsep.join(pythonpath),
-            PYTHONUNBUFFERED="1",
+        return process_env(
             EXACTONCE_ACC_TASK_CLS=self.kind,
             EXACTONCE_ACC_BROKER_URL=self.broker_url,
             EXACTONCE_ACC_QUEUE=self.queue,
@@ -132,7 +126,6 @@ class Variant:
             EXACTONCE_ACC_STORE_URL=self.store_url,
             EXACTONCE_ACC_NAMESPACE=self.namespace,
         )
-        return env
 
     def start(self) -> None:
         """Start the worker (and the beat) without waiting: :meth:`wait_ready` waits."""
@@ -198,17 +191,9 @@ class Variant:
         with contextlib.suppress(Exception):  # a scenario still running: its own deadlines
             self.executor.submit(self._release_backend).result(timeout=SCENARIO_TIMEOUT)
         self.executor.shutdown(wait=False, cancel_futures=True)
-        import redis
-
         urls = [self.result_url] + ([self.broker_url] if self.broker == "redis" else [])
         for url in urls:
-            client = redis.Redis.from_url(url)
-            try:
-                keys = list(client.scan_iter(match=f"{self.prefix}*", count=500))
-                if keys:
-                    client.delete(*keys)
-            finally:
-                client.close()
+            services.delete_redis_keys(url, f"{self.prefix}*")
         if self.broker != "redis":
             with self.app.connection_for_write() as conn:
                 conn.default_channel.queue_delete(self.queue)

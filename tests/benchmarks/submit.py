@@ -29,7 +29,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-import redis
 from celery import Celery, Task
 from kombu.exceptions import ChannelError
 
@@ -98,13 +97,7 @@ class Bench:
         """Remove the queues and their exchanges (on Redis: every key naming the bench)."""
         if self.app.conf.broker_url.startswith("redis"):
             # kombu's Redis queue_delete forgets only bindings this connection made.
-            client = redis.Redis.from_url(self.app.conf.broker_url)
-            try:
-                keys = list(client.scan_iter(match=f"*{self.uid}*", count=500))
-                if keys:
-                    client.delete(*keys)
-            finally:
-                client.close()
+            services.delete_redis_keys(self.app.conf.broker_url, f"*{self.uid}*")
             return
         with self.app.connection_for_write() as conn:
             for task in (self.plain, self.gated):
