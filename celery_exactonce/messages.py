@@ -5,7 +5,9 @@ Every message of a job carries ``exactonce_job_id``, ``exactonce_attempt`` and
 and ``exactonce_fire_time``; a delivery the gate sent back also
 ``exactonce_gate_runs`` (docs/design/protocol.md, "Dispatch" and "The worker
 gate"). The dispatcher writes them (:func:`message_headers`), the gate reads
-them (:func:`headers_of`, :func:`ref_from_headers`).
+them (:func:`headers_of`, :func:`ref_from_headers`). The job options that are
+ours and never published (:data:`INTERNAL_OPTIONS`) and the ``send_task``
+options a job may not set (:func:`check_options`) live here too.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from celery_exactonce import jobs, keys
+from celery_exactonce import exceptions, jobs, keys
 from celery_exactonce.jobs import Job, JobRef, Space
 
 HEADER_JOB_ID = "exactonce_job_id"
@@ -30,6 +32,55 @@ HEADER_GATE_RUNS = "exactonce_gate_runs"
 #: (``Task.replace``) takes the replaced task's id, whose job already exists: its
 #: job gets an id of its own (:func:`replacement_job_id`), its messages that id.
 MESSAGE_ID_OPTION = "exactonce_message_id"
+
+#: Job option (stored with the job, never published) telling that the consumer
+#: runs the gate for this task. Written by whoever creates the job, from what it
+#: knows of the task; every later reader (a beat sweeping delayed jobs, the
+#: reconciler) goes by the record, never by its own task registry.
+GATED_OPTION = "exactonce_gated"
+#: Job option (stored, never published): the task's own reconciler policy as its
+#: creator saw it (``exactonce_dispatch_deadline``, ``exactonce_redispatch``...),
+#: so a process that does not import the task still applies it.
+POLICY_OPTION = "exactonce_policy"
+
+#: Stored job options that are ours and never go to ``send_task``.
+INTERNAL_OPTIONS = frozenset({GATED_OPTION, POLICY_OPTION, MESSAGE_ID_OPTION})
+
+#: ``send_task`` keywords that belong to one call (the caller's), never stored:
+#: ``result_cls`` builds the result it returns, ``add_to_parent`` adds that result to
+#: the worker task that submits (only the submitting process has one).
+CALL_OPTIONS = frozenset({"result_cls", "add_to_parent"})
+
+#: Options the dispatch path passes to ``send_task`` itself (or that name a
+#: process-local object): a job or beat entry that sets one is refused.
+RESERVED_OPTIONS = frozenset(
+    {"args", "kwargs", "task_id", "producer", "retries", "retry", "name", "connection",
+     "router", "result_cls", "publisher"}
+)  # fmt: skip
+
+
+def check_options(options: Mapping[str, Any], *, context: str) -> None:
+    """Refuse publish options the dispatch path cannot pass on; ``InvalidPayload`` naming it.
+
+    ``send_task`` keywords the dispatch sets itself (``retry``: kombu's publish
+    retry is always off; ``retries``: the job's attempt; ``task_id``...) and a
+    ``headers`` that is not a dict of string keys. Whether each value can be
+    stored as JSON is checked when the job is built (:class:`~celery_exactonce.jobs.NewJob`).
+    """
+    reserved = sorted(RESERVED_OPTIONS.intersection(options))
+    if reserved:
+        raise exceptions.InvalidPayload(
+            f"{context}: option {reserved[0]!r} cannot be set: the dispatch path sets it itself "
+            f"(options it refuses: {', '.join(sorted(RESERVED_OPTIONS))})"
+        )
+    headers = options.get("headers")
+    if headers is not None and (
+        not isinstance(headers, Mapping) or not all(isinstance(k, str) for k in headers)
+    ):
+        raise exceptions.InvalidPayload(
+            f"{context}: option 'headers' must be a dict with string keys, "
+            f"got {type(headers).__name__}"
+        )
 
 
 def job_idempotency_key(job: Job, namespace: str) -> str:

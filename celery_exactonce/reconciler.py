@@ -57,8 +57,9 @@ from datetime import datetime
 from typing import Any
 
 from celery_exactonce import exceptions, jobs, metrics
-from celery_exactonce.dispatch import GATED_OPTION, POLICY_OPTION, Outcome
+from celery_exactonce.dispatch import Outcome
 from celery_exactonce.jobs import Job, JobRef, Lease, Transition
+from celery_exactonce.messages import GATED_OPTION, POLICY_OPTION
 from celery_exactonce.runtime import Runtime, runtime_for
 from celery_exactonce.states import State
 from celery_exactonce.task import ExactOnceTask

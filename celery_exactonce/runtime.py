@@ -14,7 +14,7 @@ import time
 import weakref
 from typing import Any
 
-from celery_exactonce import dispatch, signing
+from celery_exactonce import dispatch, publisher, signing
 from celery_exactonce.config import ExactOnceConfig
 from celery_exactonce.stores import open_store
 from celery_exactonce.stores.base import StateStore
@@ -44,7 +44,7 @@ class Runtime:
             self.store = signing.SigningStore(self.store, self.signer)
         self.dispatcher = dispatch.Dispatcher(
             self.store,
-            dispatch.CeleryPublisher(app, timeout=config.publish_timeout),
+            publisher.CeleryPublisher(app, timeout=config.publish_timeout),
             node=self.node,
             retrier=dispatch.Retrier(
                 first_delay=config.retry_delay_store, give_up_after=config.replay_age

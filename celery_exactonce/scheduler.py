@@ -94,8 +94,8 @@ from celery import beat
 
 from celery_exactonce import config as config_module
 from celery_exactonce import exceptions, jobs, keys, metrics, reconciler, slots, startup
-from celery_exactonce.dispatch import GATED_OPTION, POLICY_OPTION, check_options
 from celery_exactonce.jobs import CreateStatus, JobRef, NewJob
+from celery_exactonce.messages import GATED_OPTION, POLICY_OPTION, check_options
 from celery_exactonce.reconciler import RECONCILE_TASK, BeatRunner
 from celery_exactonce.runtime import Runtime
 from celery_exactonce.states import State

@@ -44,7 +44,7 @@ from typing import Any, NoReturn
 from celery import Task, signals
 from celery.exceptions import Ignore, Reject, Retry
 
-from celery_exactonce import dispatch, exceptions, jobs, messages, metrics
+from celery_exactonce import exceptions, jobs, messages, metrics
 from celery_exactonce.jobs import CreateStatus, Job, JobRef, NewJob, Transition
 from celery_exactonce.runtime import Runtime, config_for, runtime_for
 from celery_exactonce.states import State
@@ -58,7 +58,7 @@ logger = logging.getLogger(__name__)
 #: JSON with the job and published with every dispatch of it.
 _LOCAL_OPTIONS = frozenset(
     {"producer", "connection", "router", "publisher", "retry", "retry_policy", "countdown",
-     "eta", "expires", "task_id", "retries", *dispatch.CALL_OPTIONS}
+     "eta", "expires", "task_id", "retries", *messages.CALL_OPTIONS}
 )  # fmt: skip
 
 
@@ -156,7 +156,7 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
             "add_to_parent": options.get("add_to_parent", True),
         }
         stored = _storable_options(options)
-        dispatch.check_options(stored, context=f"{self.name}.apply_async")
+        messages.check_options(stored, context=f"{self.name}.apply_async")
         for name, value in (("link", link), ("link_error", link_error)):
             if value is not None:
                 stored[name] = [dict(s) for s in (value if isinstance(value, list) else [value])]
@@ -172,8 +172,8 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
             stored[messages.MESSAGE_ID_OPTION] = task_id
         eta = _eta(options)
         delayed = eta is not None and eta > datetime.now(timezone.utc)
-        stored[dispatch.GATED_OPTION] = True
-        stored[dispatch.POLICY_OPTION] = task_policy(self)
+        stored[messages.GATED_OPTION] = True
+        stored[messages.POLICY_OPTION] = task_policy(self)
         new = NewJob(
             ref, self.name, State.PENDING if delayed else State.SCHEDULED,
             node=runtime.node, args=list(args or ()), kwargs=dict(kwargs or {}), options=stored,
@@ -502,7 +502,7 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
         new = NewJob(
             ref, self.name, State.RUNNING, node=runtime.node, args=list(args),
             kwargs=dict(kwargs), run_id=run_id,
-            options={dispatch.GATED_OPTION: True, dispatch.POLICY_OPTION: task_policy(self)},
+            options={messages.GATED_OPTION: True, messages.POLICY_OPTION: task_policy(self)},
             reason="adopted at the gate",
         )  # fmt: skip
         result = runtime.store.create(new)
@@ -718,7 +718,7 @@ def task_policy(task: Any) -> dict[str, Any]:
     """The reconciler policy ``task`` overrides, as its jobs store it.
 
     Written into every job of a gated task by whoever creates it (under
-    :data:`~celery_exactonce.dispatch.POLICY_OPTION`), so that a process that
+    :data:`~celery_exactonce.messages.POLICY_OPTION`), so that a process that
     does not import the task, a slim beat, still applies the task's own
     timeouts and opt-ins.
     """

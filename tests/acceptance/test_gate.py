@@ -13,10 +13,11 @@ from typing import Any
 import pytest
 
 from celery_exactonce import metrics, runtime
-from celery_exactonce.dispatch import CeleryPublisher, Dispatcher, PublishFailed
+from celery_exactonce.dispatch import Dispatcher
 from celery_exactonce.exceptions import StoreUnavailable
 from celery_exactonce.jobs import Job, JobRef
 from celery_exactonce.messages import message_headers
+from celery_exactonce.publisher import CeleryPublisher, PublishFailed
 from celery_exactonce.states import State
 from tests.acceptance.harness import Deployment, Ledger, holds, poll
 from tests.acceptance.proxy import proxy_to

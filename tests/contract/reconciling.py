@@ -18,9 +18,10 @@ from typing import Any
 from celery import Celery
 
 from celery_exactonce import exceptions, runtime
-from celery_exactonce.dispatch import GATED_OPTION, Dispatcher, PublishFailed
+from celery_exactonce.dispatch import Dispatcher
 from celery_exactonce.jobs import Job, JobRef, NewJob, Transition
-from celery_exactonce.messages import HEADER_ATTEMPT
+from celery_exactonce.messages import GATED_OPTION, HEADER_ATTEMPT
+from celery_exactonce.publisher import PublishFailed
 from celery_exactonce.reconciler import Reconciler
 from celery_exactonce.states import State
 from celery_exactonce.stores.base import StateStore

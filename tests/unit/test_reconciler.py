@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 
 from celery_exactonce import exceptions, metrics, reconciler
-from celery_exactonce.dispatch import PublishFailed
 from celery_exactonce.jobs import Job, JobRef, NewJob, Transition
+from celery_exactonce.publisher import PublishFailed
 from celery_exactonce.reconciler import LEASE_NAME, MAX_REPLAYS, PassReport
 from celery_exactonce.states import State
 from celery_exactonce.testing import FrozenClock, InMemoryStore

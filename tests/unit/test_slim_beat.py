@@ -16,8 +16,8 @@ import pytest
 from celery import Celery
 
 from celery_exactonce import ExactOnceTask, runtime
-from celery_exactonce.dispatch import GATED_OPTION, POLICY_OPTION
 from celery_exactonce.jobs import JobRef, NewJob
+from celery_exactonce.messages import GATED_OPTION, POLICY_OPTION
 from celery_exactonce.reconciler import Reconciler
 from celery_exactonce.states import State
 from celery_exactonce.task import task_policy

@@ -1,0 +1,248 @@
+"""Publishing a job's message through Celery, and telling a failed publish definite or not.
+
+:class:`CeleryPublisher` is what :class:`~celery_exactonce.dispatch.Dispatcher`
+publishes through: Celery's ``send_task`` on a producer of the app's pool, with
+kombu's publish retry off, batched where the transport batches. A failure is
+:class:`PublishFailed`, *definite* only when nothing can have been sent
+(:func:`connection_refused`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import socket
+import threading
+from collections.abc import Iterator, Mapping
+from typing import Any, Protocol
+
+from celery_exactonce import jobs, messages
+from celery_exactonce.jobs import Job
+from celery_exactonce.messages import CALL_OPTIONS, INTERNAL_OPTIONS, check_options
+
+logger = logging.getLogger(__name__)
+
+#: Transport commands a publish batch may buffer before kombu flushes it by itself:
+#: far above a chunk's (a message is one to a few), so only :meth:`CeleryPublisher.flush`
+#: sends, and a failure is known to concern exactly the chunk.
+PUBLISH_BUFFER_MAX = 100_000
+
+
+class PublishFailed(Exception):
+    """A publish that did not (certainly) reach the broker."""
+
+    def __init__(self, message: str, *, definite: bool, permanent: bool = False) -> None:
+        super().__init__(message)
+        self.definite = definite
+        self.permanent = permanent
+
+
+class Publisher(Protocol):
+    """Sends one job's message; returns what the caller may hand on (``send_task``'s result).
+
+    ``extra`` holds options of this publish only (:data:`CALL_OPTIONS` among them).
+    Raises :class:`PublishFailed` on failure.
+    """
+
+    def __call__(self, job: Job, headers: Mapping[str, Any], extra: Mapping[str, Any]) -> Any: ...
+
+
+def _reached_the_transport(exc: BaseException) -> bool:
+    """Whether ``exc`` was raised once kombu was handing the message over (``Producer._publish``).
+
+    An error raised before that (Celery building the message, a keyword
+    ``send_task`` refuses) cannot have sent anything.
+    """
+    messaging = os.path.join("kombu", "messaging.py")
+    tb = exc.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if code.co_name == "_publish" and code.co_filename.endswith(messaging):
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def connection_refused(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what caused it) is a refused or unresolvable connect.
+
+    Only such a failure proves that nothing was sent; every other publish
+    error may have left a message on the broker.
+    """
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, (ConnectionRefusedError, socket.gaierror)):
+            return True
+        if isinstance(current, OSError) and current.errno == errno.ECONNREFUSED:
+            return True
+        if "Connection refused" in str(current) and "connecting to" in str(current):
+            return True  # redis-py's connect error, which keeps no errno
+        current = current.__cause__ or current.__context__
+    return False
+
+
+class CeleryPublisher:
+    """Publishes through the Celery app's producer pool, kombu's retry off.
+
+    Inside :meth:`batch`, every publish of this thread goes through one
+    producer, acquired and connection-checked once for the whole batch; where
+    the transport batches publishes (kombu's ``Producer.batch``: the Redis
+    transport pipelines them), messages are buffered until :meth:`flush`,
+    which sends them in one round trip and says whether they landed.
+    ``timeout`` (``exactonce_publish_timeout``) bounds each publish where the
+    transport supports it; one that times out counts as ambiguous.
+    """
+
+    def __init__(self, app: Any, *, timeout: float | None = None) -> None:
+        self.app = app
+        self.timeout = timeout
+        self._local = threading.local()
+
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        """Publish the calls made inside on one producer from the pool.
+
+        Messages still buffered at the end are flushed (:class:`PublishFailed`
+        if that fails), or discarded, never half-sent, if the block raised.
+        """
+        local = self._local
+        if getattr(local, "producer", None) is not None:
+            yield  # nested: the outer batch's producer serves
+            return
+        with self.app.producer_or_acquire(None) as producer:
+            local.producer, local.checked, local.connect_error = producer, False, None
+            local.buffer = None
+            try:
+                yield
+                self.flush()
+            finally:
+                buffer, local.buffer = local.buffer, None
+                local.producer = local.connect_error = None
+                if buffer is not None:
+                    error = RuntimeError("publish batch abandoned")
+                    buffer.__exit__(RuntimeError, error, None)  # discards
+
+    def flush(self) -> None:
+        """Send the messages this thread's batch buffered; :class:`PublishFailed` if not all did.
+
+        Nothing buffered (no batch, or a transport that publishes at once): nothing to do.
+        """
+        local = self._local
+        buffer = getattr(local, "buffer", None)
+        if buffer is None:
+            return
+        local.buffer = None
+        try:
+            buffer.__exit__(None, None, None)  # kombu flushes on a clean exit
+        except Exception as exc:
+            local.checked = False
+            raise PublishFailed(
+                f"batched publish failed: {exc}", definite=connection_refused(exc)
+            ) from exc
+
+    def __call__(self, job: Job, headers: Mapping[str, Any], extra: Mapping[str, Any]) -> Any:
+        call = {name: extra[name] for name in CALL_OPTIONS.intersection(extra)}
+        try:
+            options = self._options(
+                job, headers, {k: v for k, v in extra.items() if k not in CALL_OPTIONS}
+            )
+        except (TypeError, ValueError) as exc:  # before anything is sent
+            raise PublishFailed(
+                f"cannot build the message: {exc}", definite=True, permanent=True
+            ) from exc
+        options.update(call)
+        options.setdefault("add_to_parent", False)  # only a submitting worker task has a parent
+        if getattr(self._local, "producer", None) is None:
+            with self.batch():
+                return self._publish(job, options)
+        return self._publish(job, options)
+
+    def _options(
+        self, job: Job, headers: Mapping[str, Any], extra: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        """The ``send_task`` options of one publish: stored ones decoded, ours added."""
+        options = {k: v for k, v in {**job.options, **extra}.items() if k not in INTERNAL_OPTIONS}
+        check_options(options, context=f"job {job.ref}")
+        options = dict(jobs.decode_payload(options))
+        options["headers"] = {**dict(options.get("headers") or {}), **headers}
+        if job.deadline is not None:
+            options["expires"] = job.deadline
+        if job.run_at is not None:
+            # The ``eta`` the job waited for in the store (it is due now): the worker
+            # shows it as ``request.eta``, as it would the ETA of a plain message.
+            options.setdefault("eta", job.run_at)
+        if self.timeout is not None:
+            options.setdefault("timeout", self.timeout)
+        return options
+
+    def _publish(self, job: Job, options: dict[str, Any]) -> Any:
+        """Send (or buffer) on the batch's producer; connect first if nothing was sent on it yet.
+
+        The connect is checked (kombu's retries off) before the first publish
+        and again after any failed one, so a refused connection is told apart
+        from a publish that may have landed.
+        """
+        from kombu.exceptions import EncodeError
+
+        local = self._local
+        if not local.checked:
+            local.connect_error, local.checked = self._connect(local.producer), True
+        if local.connect_error is not None:
+            error = local.connect_error
+            raise PublishFailed(f"connect failed: {error}", definite=True) from error
+        if local.buffer is None and hasattr(local.producer, "batch"):  # kombu >= 5.7
+            buffer = local.producer.batch(max_size=PUBLISH_BUFFER_MAX)
+            buffer.__enter__()
+            local.buffer = buffer
+        try:
+            return self.app.send_task(
+                job.task, args=jobs.decode_payload(job.args),
+                kwargs=jobs.decode_payload(job.kwargs), task_id=messages.message_task_id(job),
+                producer=local.producer, retries=job.attempt, retry=False, **options,
+            )  # fmt: skip
+        except EncodeError as exc:
+            raise PublishFailed(f"cannot encode: {exc}", definite=True, permanent=True) from exc
+        except (TypeError, ValueError) as exc:
+            if _reached_the_transport(exc):
+                local.checked = False
+                raise PublishFailed(str(exc), definite=connection_refused(exc)) from exc
+            # Celery could not build the message from the stored job: nothing was sent,
+            # and no later try would build it either.
+            raise PublishFailed(
+                f"cannot build the message: {type(exc).__name__}: {exc}",
+                definite=True,
+                permanent=True,
+            ) from exc
+        except Exception as exc:
+            local.checked = False
+            raise PublishFailed(str(exc), definite=connection_refused(exc)) from exc
+
+    def expired(self, job: Job) -> None:
+        """Record ``job``, past its deadline and never sent, as a worker records an expired message.
+
+        The result becomes ``REVOKED`` (``TaskRevokedError('expired')``), so a
+        caller waiting on it is answered as plain Celery answers it. Best
+        effort: a result backend that fails is logged, the job is ``CANCELLED``.
+        """
+        if job.options.get("ignore_result"):
+            return
+        try:
+            self.app.backend.mark_as_revoked(messages.message_task_id(job), "expired")
+        except Exception as exc:
+            logger.warning(
+                "could not record the expiry of %s in the result backend: %s", job.ref, exc,
+                extra={"action": "result_write_failed", "job_id": job.ref.id},
+            )  # fmt: skip
+
+    @staticmethod
+    def _connect(producer: Any) -> Exception | None:
+        """Connect ``producer`` without kombu's retries; the error if that failed."""
+        try:
+            producer.connection.ensure_connection(max_retries=0)
+        except Exception as exc:
+            return exc
+        return None
