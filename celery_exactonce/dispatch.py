@@ -36,10 +36,11 @@ import logging
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from datetime import datetime, timezone
 from typing import Any
 
 from celery_exactonce import exceptions, jobs, messages, metrics, signing
-from celery_exactonce.jobs import Job, JobRef, Lease, Transition, TransitionStatus
+from celery_exactonce.jobs import Job, JobRef, Lease, NewJob, Transition, TransitionStatus
 from celery_exactonce.messages import GATED_OPTION
 from celery_exactonce.publisher import Publisher, PublishFailed
 from celery_exactonce.states import State
@@ -82,6 +83,20 @@ class DispatchResult:
     job: Job | None = None
     error: BaseException | None = None
     #: What the publisher returned for a ``PUBLISHED`` job (``send_task``'s ``AsyncResult``).
+    sent: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Enqueued:
+    """What :meth:`Dispatcher.enqueue` did."""
+
+    #: The record: the one written (``DISPATCHED``, its times this process's
+    #: estimate), or the one that already existed.
+    job: Job
+    #: Whether the record and its message were created; ``False``: the job
+    #: existed, nothing was written or pushed.
+    created: bool
+    #: What ``send_task`` returned for the message built (``AsyncResult``).
     sent: Any = None
 
 
@@ -183,6 +198,8 @@ class Dispatcher:
         self.signer = signer
         if retrier is not None:
             retrier.bind(self)
+        #: Set once the store's Redis refused an :meth:`enqueue` push (an ACL, say).
+        self._no_enqueue = False
 
     def dispatch(
         self,
@@ -319,6 +336,77 @@ class Dispatcher:
             )
             out.append((i, DispatchResult(Outcome.LOST, reply.job, error)))
         return out
+
+    def enqueue(
+        self, new: NewJob, *, reason: str = "dispatch", call: Mapping[str, Any] | None = None
+    ) -> Enqueued | None:
+        """Create ``new`` (``SCHEDULED``) already ``DISPATCHED``, with its message, in one call.
+
+        Where the broker is a Redis on the store's own server (a
+        :class:`~celery_exactonce.stores.redis.RedisStore`, and a publisher that
+        can :meth:`~celery_exactonce.publisher.CeleryPublisher.capture` the
+        message kombu would push), one script writes the record and pushes the
+        message: both exist or neither does, so no publish is ambiguous and
+        none needs a rollback. ``None`` where this cannot be done (another
+        broker, a signing key, a deadline already past, a push Redis refused):
+        the caller takes the general path, :meth:`dispatch` after a create.
+
+        Raises :class:`~celery_exactonce.exceptions.StoreError` when the
+        outcome is unknown (the answer was lost and the record could not be
+        read back, or was not there yet).
+        """
+        enqueue = getattr(self.store, "enqueue", None)
+        shares_server = getattr(self.store, "shares_server", None)
+        capture = getattr(self.publisher, "capture", None)
+        if enqueue is None or shares_server is None or capture is None or self._no_enqueue:
+            return None
+        if new.state is not State.SCHEDULED or self.signer is not None:
+            return None
+        request = Transition(
+            State.DISPATCHED, frozenset({State.SCHEDULED}), node=self.node, reason=reason,
+            rev=new.rev,
+        )  # fmt: skip
+        now = datetime.now(timezone.utc)
+        job = jobs.apply_transition(jobs.job_from_new(new, now), request, now)
+        if job.deadline is not None and job.deadline <= now:
+            return None  # the general path records the expiry
+        headers = messages.message_headers(job, self.store.namespace)
+        try:
+            captured = capture(job, headers, call or {}, shares_server)
+        except PublishFailed:
+            return None  # the general path fails the job, with the reason
+        if captured is None:
+            return None
+        from celery_exactonce.stores.redis import Push, PushRefused
+
+        try:
+            result = enqueue(new, request, Push(captured.db, captured.commands))
+        except PushRefused as exc:
+            self._no_enqueue = True
+            logger.warning(
+                "the store's Redis refused to push a message to the broker's database (%s): "
+                "this process publishes through the broker connection from now on", exc,
+                extra={"action": "enqueue_refused", "job_id": new.ref.id},
+            )  # fmt: skip
+            return None
+        except exceptions.StoreError:
+            current = self.store.get(new.ref)  # a StoreError here leaves it unknown
+            if current is None:
+                raise
+            if current.rev != request.new_rev:
+                return Enqueued(current, created=False, sent=captured.sent)
+            result = jobs.CreateResult(jobs.CreateStatus.CREATED, current)
+        if not result.created:
+            assert result.job is not None  # noqa: S101 (an existing record comes back)
+            return Enqueued(result.job, created=False, sent=captured.sent)
+        metrics.COUNTERS.incr("dispatched")
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug(
+                "job %s created and published in one step", job.ref,
+                extra={"action": "dispatched", "job_id": job.ref.id, "task": job.task,
+                       "attempt": 0},
+            )  # fmt: skip
+        return Enqueued(result.job or job, created=True, sent=captured.sent)
 
     def publish(self, job: Job, *, extra: Mapping[str, Any] | None = None) -> DispatchResult:
         """Publish ``job``, which this caller just wrote ``DISPATCHED`` (its ``rev`` is ours).

@@ -10,13 +10,14 @@ kombu's publish retry off, batched where the transport batches. A failure is
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import logging
 import os
 import socket
 import threading
-from collections.abc import Iterator, Mapping
-from typing import Any, Protocol
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, Protocol, cast
 
 from celery_exactonce import jobs, messages
 from celery_exactonce.jobs import Job
@@ -145,6 +146,19 @@ class CeleryPublisher:
             ) from exc
 
     def __call__(self, job: Job, headers: Mapping[str, Any], extra: Mapping[str, Any]) -> Any:
+        options = self.message_options(job, headers, extra)
+        if getattr(self._local, "producer", None) is None:
+            with self.batch():
+                return self._publish(job, options)
+        return self._publish(job, options)
+
+    def message_options(
+        self, job: Job, headers: Mapping[str, Any], extra: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        """The ``send_task`` keywords of one publish of ``job`` (but those naming the job itself).
+
+        :class:`PublishFailed` (definite, permanent) if the stored options cannot make one.
+        """
         call = {name: extra[name] for name in CALL_OPTIONS.intersection(extra)}
         try:
             options = self._options(
@@ -156,10 +170,53 @@ class CeleryPublisher:
             ) from exc
         options.update(call)
         options.setdefault("add_to_parent", False)  # only a submitting worker task has a parent
-        if getattr(self._local, "producer", None) is None:
-            with self.batch():
-                return self._publish(job, options)
-        return self._publish(job, options)
+        return options
+
+    def capture(
+        self,
+        job: Job,
+        headers: Mapping[str, Any],
+        extra: Mapping[str, Any],
+        shares_server: Callable[[Mapping[str, Any]], int | None],
+    ) -> Captured | None:
+        """Build ``job``'s message as Celery and kombu would publish it, and send nothing.
+
+        For a Redis broker that ``shares_server`` says is the store's own server
+        (the store's database, or ``None``): Celery's ``send_task`` runs on a
+        producer whose channel hands kombu's final Redis commands (``LPUSH`` of
+        the encoded message to its routed, prioritised queue, and whatever else
+        kombu's Redis transport would run for it) to a collector instead of
+        Redis, so routing, priorities, encoding and headers are kombu's own.
+        Queues and exchanges are declared as a publish declares them.
+
+        ``None`` when the broker is not a plain Redis on that server (another
+        transport, Sentinel, a ``global_keyprefix``, another host), when kombu
+        cannot batch publishes, or when the message could not be built: the
+        caller takes the general path, which reports any error.
+        :class:`PublishFailed` (permanent) as :meth:`message_options`.
+        """
+        options = self.message_options(job, headers, extra)
+        with self.app.producer_or_acquire(None) as pooled:
+            real = pooled.channel
+            db = _redis_broker_db(real)
+            if db is None or shares_server(real.pool.connection_kwargs) is None:
+                return None
+            channel, producer = _capturing(pooled, real)
+            try:
+                with producer.batch(max_size=PUBLISH_BUFFER_MAX):
+                    sent = self._send_task(job, producer, options)
+            except Exception as exc:
+                logger.debug(
+                    "message of %s not built for an atomic enqueue (%s): general path", job.ref,
+                    exc, extra={"action": "enqueue_skipped", "job_id": job.ref.id},
+                )  # fmt: skip
+                return None
+        commands, channel.commands = channel.commands, []
+        if not commands or any(
+            len(args) != 2 or name not in _PUSH_COMMANDS for name, *args in commands
+        ):
+            return None
+        return Captured(sent, db, tuple((name, str(key), value) for name, key, value in commands))
 
     def _options(
         self, job: Job, headers: Mapping[str, Any], extra: Mapping[str, Any]
@@ -199,11 +256,7 @@ class CeleryPublisher:
             buffer.__enter__()
             local.buffer = buffer
         try:
-            return self.app.send_task(
-                job.task, args=jobs.decode_payload(job.args),
-                kwargs=jobs.decode_payload(job.kwargs), task_id=messages.message_task_id(job),
-                producer=local.producer, retries=job.attempt, retry=False, **options,
-            )  # fmt: skip
+            return self._send_task(job, local.producer, options)
         except EncodeError as exc:
             raise PublishFailed(f"cannot encode: {exc}", definite=True, permanent=True) from exc
         except (TypeError, ValueError) as exc:
@@ -220,6 +273,14 @@ class CeleryPublisher:
         except Exception as exc:
             local.checked = False
             raise PublishFailed(str(exc), definite=connection_refused(exc)) from exc
+
+    def _send_task(self, job: Job, producer: Any, options: Mapping[str, Any]) -> Any:
+        """Celery's ``send_task`` of ``job`` on ``producer``, kombu's publish retry off."""
+        return self.app.send_task(
+            job.task, args=jobs.decode_payload(job.args), kwargs=jobs.decode_payload(job.kwargs),
+            task_id=messages.message_task_id(job), producer=producer, retries=job.attempt,
+            retry=False, **options,
+        )  # fmt: skip
 
     def expired(self, job: Job) -> None:
         """Record ``job``, past its deadline and never sent, as a worker records an expired message.
@@ -246,3 +307,105 @@ class CeleryPublisher:
         except Exception as exc:
             return exc
         return None
+
+
+#: kombu's Redis commands of a publish that an atomic enqueue runs (``PublishBatch.add``).
+_PUSH_COMMANDS = frozenset({"lpush", "pexpire", "publish"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Captured:
+    """A message built by :meth:`CeleryPublisher.capture`, not sent."""
+
+    #: What ``send_task`` returned (its ``AsyncResult``).
+    sent: Any
+    #: The broker's Redis database.
+    db: int
+    #: kombu's Redis commands for it, ``(name, key, value)``, in order.
+    commands: tuple[tuple[str, str, Any], ...]
+
+
+def _redis_broker_db(channel: Any) -> int | None:
+    """The database of a kombu Redis channel whose commands can be captured, else ``None``.
+
+    Only kombu's plain Redis transport (not Sentinel's), without a
+    ``global_keyprefix`` (its client prefixes keys as it sends them), in a
+    kombu whose publish batches route a message into commands
+    (``PublishBatch``, kombu 5.7).
+    """
+    try:
+        from kombu.transport import redis as kombu_redis
+    except ImportError:  # pragma: no cover - redis-py is a dependency
+        return None
+    if type(channel) is not kombu_redis.Channel or not hasattr(kombu_redis, "PublishBatch"):
+        return None
+    if getattr(channel, "global_keyprefix", ""):
+        return None
+    return int(channel.pool.connection_kwargs.get("db") or 0)
+
+
+def _capturing(pooled: Any, channel: Any) -> tuple[_CaptureChannel, Any]:
+    """The capturing channel and producer that go with producer ``pooled`` of channel ``channel``.
+
+    Made once per pooled producer (whoever holds it holds them), and again
+    when its channel changed (a reconnect): building a producer, and binding
+    each declared queue to its new channel, would cost a good share of a publish.
+    """
+    cached = getattr(pooled, "_exactonce_capture", None)
+    if cached is not None and cached[0].real is channel:
+        return cast("tuple[_CaptureChannel, Any]", cached)
+    capture = _CaptureChannel(channel)
+    producer = type(pooled)(
+        capture, exchange=pooled.exchange, routing_key=pooled.routing_key,
+        serializer=pooled.serializer, compression=pooled.compression,
+        auto_declare=pooled.auto_declare,
+    )  # fmt: skip
+    pooled._exactonce_capture = (capture, producer)
+    return capture, producer
+
+
+class _CaptureChannel:
+    """A kombu Redis channel that routes a publish into commands and sends none.
+
+    Everything but the publish is the real channel's (declaring a queue,
+    looking an exchange's bindings up). A publish can only go through the
+    batch it creates (kombu's ``Producer.batch``), whose ``add`` collects the
+    commands kombu's Redis transport would run.
+    """
+
+    supports_batch_publish = True
+
+    def __init__(self, channel: Any) -> None:
+        self.real = channel
+        self.commands: list[tuple[Any, ...]] = []
+
+    def create_publish_batch(self, max_size: int) -> _CaptureBatch:
+        return _CaptureBatch(self)
+
+    def basic_publish(self, *args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("a capturing channel publishes only through its batch")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+
+class _CaptureBatch:
+    """kombu's publish batch protocol (``PublishBatch``), collecting instead of sending."""
+
+    def __init__(self, channel: _CaptureChannel) -> None:
+        self.channel = channel
+
+    def publish(self, message: Any, **kwargs: Any) -> Any:
+        return self.channel.real.basic_publish(message, _publish_batch=self, **kwargs)
+
+    def add(self, name: str, *args: Any) -> None:
+        self.channel.commands.append((name, *args))
+
+    def flush(self) -> None:
+        """Nothing to send: the caller sends the commands."""
+
+    def discard(self) -> None:
+        self.channel.commands.clear()
+
+    def close(self) -> None:
+        """Nothing held."""

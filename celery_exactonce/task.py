@@ -45,6 +45,7 @@ from celery import Task, signals
 from celery.exceptions import Ignore, Reject, Retry
 
 from celery_exactonce import exceptions, jobs, messages, metrics
+from celery_exactonce.dispatch import Enqueued
 from celery_exactonce.jobs import CreateStatus, Job, JobRef, NewJob, Transition
 from celery_exactonce.runtime import Runtime, config_for, runtime_for
 from celery_exactonce.states import State
@@ -180,7 +181,15 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
             run_at=eta if delayed else None, deadline=_deadline(options.get("expires"), eta),
             reason="apply_async (delayed)" if delayed else "apply_async",
         )  # fmt: skip
-        job = self._create(runtime, new)
+        enqueued = None if delayed else self._enqueue(runtime, new, call)
+        if enqueued is not None and enqueued.created:
+            return enqueued.sent  # one store call wrote the record and pushed the message
+        if enqueued is not None:  # the job existed: nothing was pushed
+            job = enqueued.job
+            self._resubmitted(job, new)
+            call = {**call, "add_to_parent": False}  # building the message added it already
+        else:
+            job = self._create(runtime, new)
         sent = None
         if job.state is State.SCHEDULED:
             # Ours, or a resubmission of a job whose first submit was ambiguous or
@@ -188,6 +197,8 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
             sent = runtime.dispatcher.dispatch(job, reason="apply_async", call=call).sent
         if sent is not None:
             return sent  # send_task's own result: subscribed, ``ignored`` and parent set
+        if enqueued is not None:
+            return enqueued.sent
         return self._result(task_id, call, ignore_result=bool(options.get("ignore_result")))
 
     def _before_send(
@@ -229,6 +240,14 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
         if parent is not None:
             parent.add_trail(result)
         return result
+
+    @staticmethod
+    def _enqueue(runtime: Runtime, new: NewJob, call: Mapping[str, Any]) -> Enqueued | None:
+        """The one-call submit where the broker shares the store's Redis, or ``None``."""
+        try:
+            return runtime.dispatcher.enqueue(new, reason="apply_async", call=call)
+        except exceptions.StoreError as exc:
+            raise exceptions.SubmitAmbiguous(new.ref.id) from exc
 
     def _create(self, runtime: Runtime, new: NewJob) -> Job:
         try:

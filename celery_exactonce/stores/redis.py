@@ -31,10 +31,11 @@ Redis must run with ``maxmemory-policy noeviction`` (:meth:`RedisStore.check_con
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from datetime import datetime, timedelta
 from importlib import resources
 from typing import Any
@@ -89,7 +90,25 @@ SCRIPT_BATCH = 64
 _SCRIPTS = (
     "create", "transition", "heartbeat", "annotate", "list_stale", "claim_due",
     "purge_expired", "epoch", "lease_acquire", "lease_renew", "lease_release", "setup",
+    "enqueue",
 )  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class Push:
+    """The broker commands of one publish, for a broker on the store's own Redis server.
+
+    ``commands`` are ``(name, key, value)`` as kombu's Redis transport would run
+    them (``lpush``, ``pexpire`` or ``publish``: the script refuses any other);
+    ``db`` is the broker's database.
+    """
+
+    db: int
+    commands: tuple[tuple[str, str, Any], ...]
+
+
+class PushRefused(exceptions.StoreError):
+    """Redis refused a broker command of :meth:`RedisStore.enqueue`: nothing was written."""
 
 
 def _lua_header() -> str:
@@ -336,15 +355,7 @@ class RedisStore:
 
     def _create_item(self, new: NewJob) -> tuple[list[str], list[Any]]:
         member = str(new.ref)
-        fields: list[Any] = [
-            "ref", member, "task", new.task, "state", new.state.value, "rev", new.rev,
-            "node", new.node, "reason", new.reason, "args", _json(new.args),
-            "kwargs", _json(new.kwargs), "options", _json(new.options),
-        ]  # fmt: skip
-        for name in ("run_id", "entry", "fire_time", "run_at", "deadline", "signature"):
-            value = getattr(new, name)
-            if value is not None:
-                fields += [name, jobs.to_micros(value) if isinstance(value, datetime) else value]
+        fields = self._record_fields(new, new.state.value, new.rev, new.node, new.reason)
         fire_time = jobs.to_micros_opt(new.fire_time)
         run_at = jobs.to_micros_opt(new.run_at)
         args = [
@@ -352,6 +363,75 @@ class RedisStore:
             "" if run_at is None else run_at, new.node, new.reason, new.rev, len(fields), *fields,
         ]  # fmt: skip
         return [self._job_key(new.ref)], args
+
+    @staticmethod
+    def _record_fields(new: NewJob, state: str, rev: str, node: str, reason: str) -> list[Any]:
+        """The fields of the record a create of ``new`` writes, but its times and history."""
+        fields: list[Any] = [
+            "ref", str(new.ref), "task", new.task, "state", state, "rev", rev,
+            "node", node, "reason", reason, "args", _json(new.args),
+            "kwargs", _json(new.kwargs), "options", _json(new.options),
+        ]  # fmt: skip
+        for name in ("run_id", "entry", "fire_time", "run_at", "deadline", "signature"):
+            value = getattr(new, name)
+            if value is not None:
+                fields += [name, jobs.to_micros(value) if isinstance(value, datetime) else value]
+        return fields
+
+    # -- create and enqueue (a broker on this server) ------------------------------------
+
+    def shares_server(self, connection_kwargs: Mapping[str, Any]) -> int | None:
+        """This store's database if ``connection_kwargs`` (redis-py's) reach its server; else None.
+
+        The same host and port (or unix socket) as this store's client, which
+        must be a plain client (a cluster has no databases, and a script there
+        may only touch its own slot): then :meth:`enqueue` can push to that
+        server's broker database.
+        """
+        if type(self._client) is not redis.Redis:
+            return None
+        mine = self._client.connection_pool.connection_kwargs
+        where = ("path", "host", "port")
+        if any(mine.get(name) != connection_kwargs.get(name) for name in where):
+            return None
+        return int(mine.get("db") or 0)
+
+    def enqueue(self, new: NewJob, dispatch: Transition, push: Push) -> CreateResult:
+        """Create ``new`` straight into ``DISPATCHED`` and run ``push``, atomically.
+
+        ``new`` (``SCHEDULED``) is written with ``dispatch`` (``SCHEDULED →
+        DISPATCHED``) already applied, both in its history, in the same script
+        that runs the broker commands: the record and the message exist together
+        or not at all. ``CREATED`` (``job`` unset: the caller knows the record),
+        or ``EXISTS`` with the record and nothing pushed. :class:`PushRefused`
+        when Redis refused a broker command (nothing written). Any other error
+        leaves the outcome unknown: read back ``dispatch.new_rev``.
+        """
+        if not push.commands:
+            raise PushRefused(f"enqueue of {new.ref}: no broker command")
+        db = int(self._client.connection_pool.connection_kwargs.get("db") or 0)
+        fields = self._record_fields(
+            new, State.DISPATCHED.value, dispatch.new_rev, dispatch.node, dispatch.reason
+        )
+        keys = [self._job_key(new.ref), self._state_key(State.DISPATCHED)]
+        args: list[Any] = [
+            str(new.ref), db, push.db, new.node, new.reason, new.rev,
+            dispatch.node, dispatch.reason, dispatch.new_rev, len(fields) // 2, *fields,
+        ]  # fmt: skip
+        for name, key, value in push.commands:
+            keys.append(key)
+            args += [name, value]
+        with self._wrap("enqueue"):
+            reply = self._run("enqueue", keys, args)
+        status = _text(reply[0])
+        if status == "push_failed":
+            raise PushRefused(
+                redact_secrets(f"Redis store {self._where}: broker push refused: "
+                               f"{_text(reply[1])}", self._secrets)
+            )  # fmt: skip
+        if status == "exists":
+            return CreateResult(CreateStatus.EXISTS, _decode_job(reply[1]))
+        return CreateResult(CreateStatus.CREATED, None)
 
     def get(self, ref: JobRef) -> Job | None:
         with self._wrap("get"):
