@@ -196,27 +196,58 @@ class CeleryPublisher:
         :class:`PublishFailed` (permanent) as :meth:`message_options`.
         """
         options = self.message_options(job, headers, extra)
-        with self.app.producer_or_acquire(None) as pooled:
-            real = pooled.channel
-            db = _redis_broker_db(real)
-            if db is None or shares_server(real.pool.connection_kwargs) is None:
-                return None
-            channel, producer = _capturing(pooled, real)
-            try:
-                with producer.batch(max_size=PUBLISH_BUFFER_MAX):
-                    sent = self._send_task(job, producer, options)
-            except Exception as exc:
-                logger.debug(
-                    "message of %s not built for an atomic enqueue (%s): general path", job.ref,
-                    exc, extra={"action": "enqueue_skipped", "job_id": job.ref.id},
-                )  # fmt: skip
-                return None
+        target = self._capture_target(shares_server)
+        if target is None:
+            return None
+        channel, producer, db = target
+        try:
+            with producer.batch(max_size=PUBLISH_BUFFER_MAX):
+                sent = self._send_task(job, producer, options)
+        except Exception as exc:
+            channel.commands = []
+            logger.debug(
+                "message of %s not built for an atomic enqueue (%s): general path", job.ref,
+                exc, extra={"action": "enqueue_skipped", "job_id": job.ref.id},
+            )  # fmt: skip
+            return None
         commands, channel.commands = channel.commands, []
         if not commands or any(
             len(args) != 2 or name not in _PUSH_COMMANDS for name, *args in commands
         ):
             return None
         return Captured(sent, db, tuple((name, str(key), value) for name, key, value in commands))
+
+    def _capture_target(
+        self, shares_server: Callable[[Mapping[str, Any]], int | None]
+    ) -> tuple[_CaptureChannel, Any, int] | None:
+        """This thread's capturing channel and producer, and the broker's database; or ``None``.
+
+        Made once per thread and process, on a connection of its own (used to
+        declare queues and look bindings up, never to publish): acquiring a
+        producer from the pool and binding it anew would cost a good share
+        of a publish. ``None``, remembered, when the broker cannot be captured.
+        """
+        local = self._local
+        cached = getattr(local, "capture", None)
+        if cached is not None and cached[0] == os.getpid():
+            return cast("tuple[_CaptureChannel, Any, int] | None", cached[1])
+        target: tuple[_CaptureChannel, Any, int] | None = None
+        connection = self.app.connection_for_write()
+        where = {"host": connection.hostname, "port": connection.port, "path": None}
+        if connection.transport.driver_type == "redis" and shares_server(where) is not None:
+            try:  # connects: a broker that is down is left to the general path, this time
+                real = connection.default_channel
+            except Exception:
+                connection.release()
+                return None
+            db = _redis_broker_db(real)
+            if db is not None and shares_server(real.pool.connection_kwargs) is not None:
+                capture = _CaptureChannel(real)
+                target = (capture, self.app.amqp.Producer(capture), db)
+        if target is None:
+            connection.release()
+        local.capture = (os.getpid(), target)
+        return target
 
     def _options(
         self, job: Job, headers: Mapping[str, Any], extra: Mapping[str, Any]
@@ -342,26 +373,6 @@ def _redis_broker_db(channel: Any) -> int | None:
     if getattr(channel, "global_keyprefix", ""):
         return None
     return int(channel.pool.connection_kwargs.get("db") or 0)
-
-
-def _capturing(pooled: Any, channel: Any) -> tuple[_CaptureChannel, Any]:
-    """The capturing channel and producer that go with producer ``pooled`` of channel ``channel``.
-
-    Made once per pooled producer (whoever holds it holds them), and again
-    when its channel changed (a reconnect): building a producer, and binding
-    each declared queue to its new channel, would cost a good share of a publish.
-    """
-    cached = getattr(pooled, "_exactonce_capture", None)
-    if cached is not None and cached[0].real is channel:
-        return cast("tuple[_CaptureChannel, Any]", cached)
-    capture = _CaptureChannel(channel)
-    producer = type(pooled)(
-        capture, exchange=pooled.exchange, routing_key=pooled.routing_key,
-        serializer=pooled.serializer, compression=pooled.compression,
-        auto_declare=pooled.auto_declare,
-    )  # fmt: skip
-    pooled._exactonce_capture = (capture, producer)
-    return capture, producer
 
 
 class _CaptureChannel:

@@ -141,6 +141,18 @@ def _json(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"), allow_nan=False)
 
 
+def _history_entry(src: str | None, dst: str, node: str, reason: str, rev: str) -> str:
+    """A history entry as JSON text, open at the end for its time: ``…,"at":"``.
+
+    The text the scripts' ``history_append`` writes (one ``"rev"`` key, ``at``
+    a decimal string), for a script that only has to add the store time.
+    """
+    return (
+        f'{{"from":{_json(src)},"to":{_json(dst)},"node":{_json(node)},'
+        f'"reason":{_json(reason)},"rev":{_json(rev)},"at":"'
+    )
+
+
 def _create_result(reply: Sequence[Any]) -> CreateResult:
     status = CreateStatus(_text(reply[0]))
     current = None if reply[1] is None else _text(reply[1])
@@ -414,9 +426,14 @@ class RedisStore:
             new, State.DISPATCHED.value, dispatch.new_rev, dispatch.node, dispatch.reason
         )
         keys = [self._job_key(new.ref), self._state_key(State.DISPATCHED)]
+        created = _history_entry(None, new.state.value, new.node, new.reason, new.rev)
+        dispatched = _history_entry(
+            new.state.value, State.DISPATCHED.value, dispatch.node, dispatch.reason,
+            dispatch.new_rev,
+        )  # fmt: skip
         args: list[Any] = [
-            str(new.ref), db, push.db, new.node, new.reason, new.rev,
-            dispatch.node, dispatch.reason, dispatch.new_rev, len(fields) // 2, *fields,
+            str(new.ref), db, push.db, "[" + created, '"},' + dispatched, '"}]',
+            len(fields) // 2, *fields,
         ]  # fmt: skip
         for name, key, value in push.commands:
             keys.append(key)
