@@ -48,6 +48,8 @@ from celery_exactonce.stores.base import StateStore
 
 logger = logging.getLogger(__name__)
 
+#: How a history tells a dispatch written with its message (:meth:`Dispatcher.enqueue`).
+ENQUEUED = "(record and message in one step)"
 #: Jobs per ``DISPATCHED`` write in :meth:`Dispatcher.dispatch_many`: at most this
 #: many are left ``DISPATCHED`` without a message if the process dies mid-chunk.
 DISPATCH_CHUNK = 32
@@ -363,8 +365,8 @@ class Dispatcher:
         if new.state is not State.SCHEDULED or self.signer is not None:
             return None
         request = Transition(
-            State.DISPATCHED, frozenset({State.SCHEDULED}), node=self.node, reason=reason,
-            rev=new.rev,
+            State.DISPATCHED, frozenset({State.SCHEDULED}), node=self.node,
+            reason=f"{reason} {ENQUEUED}", rev=new.rev,
         )  # fmt: skip
         now = datetime.now(timezone.utc)
         job = jobs.apply_transition(jobs.job_from_new(new, now), request, now)

@@ -190,7 +190,7 @@ class CeleryPublisher:
         Queues and exchanges are declared as a publish declares them.
 
         ``None`` when the broker is not a plain Redis on that server (another
-        transport, Sentinel, a ``global_keyprefix``, another host), when kombu
+        transport, Sentinel, another host or a unix socket), when kombu
         cannot batch publishes, or when the message could not be built: the
         caller takes the general path, which reports any error.
         :class:`PublishFailed` (permanent) as :meth:`message_options`.
@@ -199,7 +199,7 @@ class CeleryPublisher:
         target = self._capture_target(shares_server)
         if target is None:
             return None
-        channel, producer, db = target
+        channel, producer, db, prefix = target
         try:
             with producer.batch(max_size=PUBLISH_BUFFER_MAX):
                 sent = self._send_task(job, producer, options)
@@ -215,12 +215,13 @@ class CeleryPublisher:
             len(args) != 2 or name not in _PUSH_COMMANDS for name, *args in commands
         ):
             return None
-        return Captured(sent, db, tuple((name, str(key), value) for name, key, value in commands))
+        pushed = tuple((name, prefix + str(key), value) for name, key, value in commands)
+        return Captured(sent, db, pushed)
 
     def _capture_target(
         self, shares_server: Callable[[Mapping[str, Any]], int | None]
-    ) -> tuple[_CaptureChannel, Any, int] | None:
-        """This thread's capturing channel and producer, and the broker's database; or ``None``.
+    ) -> tuple[_CaptureChannel, Any, int, str] | None:
+        """This thread's capturing channel and producer, the broker's database and key prefix.
 
         Made once per thread and process, on a connection of its own (used to
         declare queues and look bindings up, never to publish): acquiring a
@@ -230,8 +231,8 @@ class CeleryPublisher:
         local = self._local
         cached = getattr(local, "capture", None)
         if cached is not None and cached[0] == os.getpid():
-            return cast("tuple[_CaptureChannel, Any, int] | None", cached[1])
-        target: tuple[_CaptureChannel, Any, int] | None = None
+            return cast("tuple[_CaptureChannel, Any, int, str] | None", cached[1])
+        target: tuple[_CaptureChannel, Any, int, str] | None = None
         connection = self.app.connection_for_write()
         where = {"host": connection.hostname, "port": connection.port, "path": None}
         if connection.transport.driver_type == "redis" and shares_server(where) is not None:
@@ -240,10 +241,10 @@ class CeleryPublisher:
             except Exception:
                 connection.release()
                 return None
-            db = _redis_broker_db(real)
-            if db is not None and shares_server(real.pool.connection_kwargs) is not None:
+            broker = _redis_broker(real)
+            if broker is not None and shares_server(real.pool.connection_kwargs) is not None:
                 capture = _CaptureChannel(real)
-                target = (capture, self.app.amqp.Producer(capture), db)
+                target = (capture, self.app.amqp.Producer(capture), *broker)
         if target is None:
             connection.release()
         local.capture = (os.getpid(), target)
@@ -352,17 +353,19 @@ class Captured:
     sent: Any
     #: The broker's Redis database.
     db: int
-    #: kombu's Redis commands for it, ``(name, key, value)``, in order.
+    #: kombu's Redis commands for it, ``(name, key, value)``, in order, each key
+    #: with the broker's ``global_keyprefix`` as kombu's client would send it.
     commands: tuple[tuple[str, str, Any], ...]
 
 
-def _redis_broker_db(channel: Any) -> int | None:
-    """The database of a kombu Redis channel whose commands can be captured, else ``None``.
+def _redis_broker(channel: Any) -> tuple[int, str] | None:
+    """The database and key prefix of a kombu Redis channel whose commands can be captured.
 
-    Only kombu's plain Redis transport (not Sentinel's), without a
-    ``global_keyprefix`` (its client prefixes keys as it sends them), in a
-    kombu whose publish batches route a message into commands
-    (``PublishBatch``, kombu 5.7).
+    Only kombu's plain Redis transport (not Sentinel's), in a kombu whose
+    publish batches route a message into commands (``PublishBatch``, kombu
+    5.7). A ``global_keyprefix`` is what kombu's client would put before the
+    key of each command as it sends it: the capture puts it there itself, for
+    the commands kombu's client prefixes that way (else ``None``).
     """
     try:
         from kombu.transport import redis as kombu_redis
@@ -370,9 +373,13 @@ def _redis_broker_db(channel: Any) -> int | None:
         return None
     if type(channel) is not kombu_redis.Channel or not hasattr(kombu_redis, "PublishBatch"):
         return None
-    if getattr(channel, "global_keyprefix", ""):
-        return None
-    return int(channel.pool.connection_kwargs.get("db") or 0)
+    prefix = str(getattr(channel, "global_keyprefix", "") or "")
+    if prefix:
+        prefixed = getattr(kombu_redis, "GlobalKeyPrefixMixin", None)
+        simple = {name.lower() for name in getattr(prefixed, "PREFIXED_SIMPLE_COMMANDS", ())}
+        if not simple >= _PUSH_COMMANDS:
+            return None
+    return int(channel.pool.connection_kwargs.get("db") or 0), prefix
 
 
 class _CaptureChannel:

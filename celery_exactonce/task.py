@@ -733,6 +733,10 @@ TASK_TIMEOUTS = ("dispatch_timeout", "dispatch_deadline", "running_timeout")
 TASK_FLAGS = ("redispatch", "rerun")
 
 
+_TIMEOUT_ATTRIBUTES = tuple((name, f"exactonce_{name}") for name in TASK_TIMEOUTS)
+_FLAG_ATTRIBUTES = tuple((name, f"exactonce_{name}") for name in TASK_FLAGS)
+
+
 def task_policy(task: Any) -> dict[str, Any]:
     """The reconciler policy ``task`` overrides, as its jobs store it.
 
@@ -742,12 +746,12 @@ def task_policy(task: Any) -> dict[str, Any]:
     timeouts and opt-ins.
     """
     policy: dict[str, Any] = {}
-    for name in TASK_TIMEOUTS:
-        value = getattr(task, f"exactonce_{name}", None)
+    for name, attribute in _TIMEOUT_ATTRIBUTES:
+        value = getattr(task, attribute, None)
         if value is not None:
             policy[name] = float(value)
-    for name in TASK_FLAGS:
-        if getattr(task, f"exactonce_{name}", False):
+    for name, attribute in _FLAG_ATTRIBUTES:
+        if getattr(task, attribute, False):
             policy[name] = True
     return policy
 

@@ -147,10 +147,8 @@ def _history_entry(src: str | None, dst: str, node: str, reason: str, rev: str) 
     The text the scripts' ``history_append`` writes (one ``"rev"`` key, ``at``
     a decimal string), for a script that only has to add the store time.
     """
-    return (
-        f'{{"from":{_json(src)},"to":{_json(dst)},"node":{_json(node)},'
-        f'"reason":{_json(reason)},"rev":{_json(rev)},"at":"'
-    )
+    entry = {"from": src, "to": dst, "node": node, "reason": reason, "rev": rev, "at": ""}
+    return _json(entry)[:-2]  # without the closing '"}'
 
 
 def _create_result(reply: Sequence[Any]) -> CreateResult:
@@ -439,7 +437,13 @@ class RedisStore:
             keys.append(key)
             args += [name, value]
         with self._wrap("enqueue"):
-            reply = self._run("enqueue", keys, args)
+            try:
+                reply = self._run("enqueue", keys, args)
+            except rexc.NoPermissionError as exc:  # an ACL refused the call: it did not run
+                raise PushRefused(
+                    redact_secrets(f"Redis store {self._where}: enqueue refused: {exc}",
+                                   self._secrets)
+                ) from exc  # fmt: skip
         status = _text(reply[0])
         if status == "push_failed":
             raise PushRefused(

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from celery_exactonce import metrics, runtime
-from celery_exactonce.dispatch import Dispatcher
+from celery_exactonce.dispatch import ENQUEUED, Dispatcher
 from celery_exactonce.exceptions import StoreUnavailable
 from celery_exactonce.jobs import Job, JobRef
 from celery_exactonce.messages import message_headers
@@ -36,6 +36,15 @@ def send_copy(deployment: Deployment, task_id: str, **header_overrides: Any) -> 
     )  # fmt: skip
 
 
+def assert_dispatch_path(deployment: Deployment, task_id: str) -> None:
+    """A Redis broker on the store's Redis got the job with its record, in one step."""
+    job = deployment.job(task_id)
+    assert job is not None
+    dispatched = [entry for entry in job.history if entry.dst is State.DISPATCHED]
+    one_step = deployment.broker == "redis" and deployment.store_kind == "redis"
+    assert dispatched and (ENQUEUED in dispatched[0].reason) is one_step, job.history
+
+
 @pytest.mark.acceptance_matrix(brokers=("redis",))
 def test_redelivery_while_running_and_after_runs_once(
     deployment: Deployment, ledger: Ledger
@@ -53,6 +62,7 @@ def test_redelivery_while_running_and_after_runs_once(
     # Then the body ran once and every delivery was acked
     assert ledger.count(task_id=result.id) == 1
     poll(lambda: deployment.unacked() == 0, timeout=30)
+    assert_dispatch_path(deployment, result.id)
 
 
 def test_two_workers_receiving_the_same_job_run_it_once(
@@ -66,6 +76,7 @@ def test_two_workers_receiving_the_same_job_run_it_once(
     poll(lambda: deployment.job_state(result.id) is State.SUCCEEDED, timeout=30)
     poll(lambda: deployment.skipped_deliveries() == 1, timeout=30)
     holds(lambda: ledger.count(task_id=result.id) == 1, seconds=1.0)
+    assert_dispatch_path(deployment, result.id)
 
 
 def test_worker_killed_mid_body_is_not_run_again(deployment: Deployment, ledger: Ledger) -> None:
@@ -81,6 +92,7 @@ def test_worker_killed_mid_body_is_not_run_again(deployment: Deployment, ledger:
     # Then the body does not run again; the job stays RUNNING for the reconciler
     assert ledger.count(task_id=result.id) == 1
     assert deployment.job_state(result.id) is State.RUNNING
+    assert_dispatch_path(deployment, result.id)
 
 
 def test_same_task_id_twice_is_one_job_one_run(deployment: Deployment, ledger: Ledger) -> None:

@@ -1,0 +1,253 @@
+"""The atomic enqueue: a broker on the store's own Redis server gets the record and its message
+in one script (``Dispatcher.enqueue``).
+
+On a private redis-server (store in database 1, broker in database 2): what
+the script pushes is byte for byte what kombu publishes (but kombu's random
+delivery tag), a push Redis refuses writes nothing, an existing job is not
+pushed again, a lost answer is settled by reading back, and every broker the
+capture cannot reproduce takes the general path.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from datetime import datetime, timezone
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+from kombu import Exchange, Queue
+
+from celery_exactonce import exceptions, jobs, messages
+from celery_exactonce.dispatch import ENQUEUED, Dispatcher
+from celery_exactonce.jobs import Job, JobRef, NewJob, Transition
+from celery_exactonce.messages import GATED_OPTION
+from celery_exactonce.publisher import CeleryPublisher
+from celery_exactonce.states import State
+from celery_exactonce.stores.redis import Push, PushRefused, RedisStore
+from tests.integration.redis_server import RedisServer, redis_server
+
+NAMESPACE = "enq"
+
+
+@pytest.fixture
+def server() -> Iterator[RedisServer]:
+    with redis_server() as server:
+        yield server
+
+
+def _url(server: RedisServer, db: int, user: str = "") -> str:
+    auth = f"{user}:secret@" if user else ""
+    return f"redis://{auth}127.0.0.1:{server.port}/{db}"
+
+
+def _app(broker: str, **conf: Any) -> Celery:
+    app = Celery("enq", broker=broker, set_as_current=False)
+    app.conf.update(task_default_queue="enq", broker_connection_retry=False, **conf)
+    return app
+
+
+def _store(server: RedisServer, user: str = "") -> RedisStore:
+    return RedisStore.from_url(_url(server, 1, user), namespace=NAMESPACE, retention=3600)
+
+
+DEADLINE = datetime(2100, 1, 1, tzinfo=timezone.utc)
+
+
+def _new(job_id: str = "j1", **options: Any) -> NewJob:
+    return NewJob(
+        JobRef.task(job_id), "t.add", State.SCHEDULED, node="n", args=[1, 2],
+        kwargs={"k": "v"}, options={GATED_OPTION: True, **options}, reason="apply_async",
+        deadline=DEADLINE,  # the message's expires
+    )  # fmt: skip
+
+
+def _dispatched(new: NewJob) -> Job:
+    """The record an enqueue of ``new`` writes (times aside)."""
+    now = datetime.now(timezone.utc)
+    request = Transition(State.DISPATCHED, frozenset({State.SCHEDULED}), node="n", reason="x")
+    return jobs.apply_transition(jobs.job_from_new(new, now), request, now)
+
+
+def _broker_keys(server: RedisServer) -> dict[str, list[dict[str, Any]]]:
+    """Every list of the broker's database, emptied: its messages, decoded.
+
+    But kombu's random delivery tag, and the TTL (checked) that counts down.
+    """
+    client = redis.Redis.from_url(_url(server, 2))
+    out = {}
+    for key in client.keys("*"):
+        if client.type(key) != b"list":
+            continue
+        messages_ = [json.loads(raw) for raw in client.lrange(key, 0, -1)]
+        for message in messages_:
+            message["properties"].pop("delivery_tag")
+            # The TTL left until the job's deadline, in ms, as of when the message was built.
+            ttl = int(message["properties"].pop("expiration"))
+            left = (DEADLINE - datetime.now(timezone.utc)).total_seconds() * 1000
+            assert abs(left - ttl) < 60_000
+        out[key.decode()] = messages_
+    client.flushdb()
+    return out
+
+
+CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    # name: (app settings, job options)
+    "default": ({}, {}),
+    "priority": ({}, {"priority": 7}),
+    "queue": ({}, {"queue": "other"}),
+    "headers": ({}, {"headers": {"tenant": "a"}, "shadow": "s", "time_limit": 30}),
+    "link": ({}, {"link": [{"task": "t.cb", "args": [], "kwargs": {}, "options": {},
+                            "subtask_type": None, "immutable": False}]}),
+    "routed-topic": (
+        {"task_queues": [Queue("topical", Exchange("tx", type="topic"), routing_key="t.#")],
+         "task_routes": {"t.add": {"queue": "topical", "routing_key": "t.add"}}},
+        {},
+    ),
+    "global-keyprefix": ({"broker_transport_options": {"global_keyprefix": "pfx:"}}, {}),
+    "queue-expires": (
+        {"task_queues": [Queue("short", queue_arguments={"x-expires": 60_000})]},
+        {"queue": "short"},
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_the_message_pushed_is_the_message_kombu_publishes(server: RedisServer, case: str) -> None:
+    conf, options = CASES[case]
+    store = _store(server)
+    job = _dispatched(_new(**options))
+    headers = messages.message_headers(job, NAMESPACE)
+    publisher = CeleryPublisher(_app(_url(server, 2), **conf))
+    publisher(job, headers, {})
+    published = _broker_keys(server)
+    assert published, "kombu published nothing"
+
+    captured = publisher.capture(job, headers, {}, store.shares_server)
+    assert captured is not None
+    assert _broker_keys(server) == {}  # capturing sends nothing
+    assert captured.sent.id == job.ref.id
+    new = _new(**options)
+    request = Transition(
+        State.DISPATCHED, frozenset({State.SCHEDULED}), node="n", reason="x", rev=new.rev
+    )
+    assert store.enqueue(new, request, Push(captured.db, captured.commands)).created
+    assert _broker_keys(server) == published
+
+
+def _dispatcher(server: RedisServer, store: RedisStore, broker: str | None = None) -> Dispatcher:
+    publisher = CeleryPublisher(_app(broker or _url(server, 2)))
+    return Dispatcher(store, publisher, node="n")
+
+
+def _queued(server: RedisServer) -> int:
+    return int(redis.Redis.from_url(_url(server, 2)).llen("enq"))
+
+
+def test_a_job_is_written_dispatched_with_its_message_in_one_step(server: RedisServer) -> None:
+    store = _store(server)
+    enqueued = _dispatcher(server, store).enqueue(_new(), reason="apply_async")
+    assert enqueued is not None and enqueued.created
+    record = store.get(JobRef.task("j1"))
+    assert record is not None and record.state is State.DISPATCHED and record.dispatches == 1
+    assert [(h.src, h.dst) for h in record.history] == [
+        (None, State.SCHEDULED), (State.SCHEDULED, State.DISPATCHED)
+    ]  # fmt: skip
+    assert record.history[-1].reason == f"apply_async {ENQUEUED}"
+    assert record.rev == record.history[-1].rev
+    assert _queued(server) == 1
+
+
+def test_an_existing_job_is_returned_and_nothing_is_pushed_again(server: RedisServer) -> None:
+    store = _store(server)
+    dispatcher = _dispatcher(server, store)
+    first = dispatcher.enqueue(_new())
+    again = dispatcher.enqueue(_new())
+    assert first is not None and first.created
+    assert again is not None and not again.created and again.job.rev == first.job.rev
+    assert _queued(server) == 1
+
+
+def test_a_push_redis_refuses_writes_nothing(server: RedisServer) -> None:
+    admin = redis.Redis.from_url(_url(server, 0))
+    admin.execute_command("ACL", "SETUSER", "nolpush", "on", ">secret", "~*", "&*", "+@all",
+                          "-lpush")  # fmt: skip
+    store = _store(server, user="nolpush")
+    dispatcher = _dispatcher(server, store)
+    assert dispatcher.enqueue(_new()) is None  # the caller takes the general path
+    assert store.get(JobRef.task("j1")) is None
+    assert _queued(server) == 0
+    assert dispatcher.enqueue(_new("j2")) is None  # not tried again by this process
+    assert store.get(JobRef.task("j2")) is None
+
+
+def test_a_push_refused_midway_is_undone_and_writes_nothing(server: RedisServer) -> None:
+    """The message pushed, then a later command refused: the push is taken back."""
+    admin = redis.Redis.from_url(_url(server, 0))
+    admin.execute_command("ACL", "SETUSER", "nopublish", "on", ">secret", "~*", "&*", "+@all",
+                          "-publish")  # fmt: skip
+    store = _store(server, user="nopublish")
+    new = _new()
+    request = Transition(
+        State.DISPATCHED, frozenset({State.SCHEDULED}), node="n", reason="x", rev=new.rev
+    )
+    push = Push(2, (("lpush", "enq", "m1"), ("publish", "fanout", "m2")))
+    with pytest.raises(PushRefused):
+        store.enqueue(new, request, push)
+    assert store.get(new.ref) is None
+    assert _queued(server) == 0
+
+
+def test_keys_redis_refuses_write_nothing(server: RedisServer) -> None:
+    """A user that may not touch the broker's keys: the script does not run; nothing written."""
+    admin = redis.Redis.from_url(_url(server, 0))
+    admin.execute_command("ACL", "SETUSER", "storeonly", "on", ">secret", "&*", "+@all",
+                          "~exactonce:*")  # fmt: skip
+    store = _store(server, user="storeonly")
+    assert _dispatcher(server, store).enqueue(_new()) is None
+    assert store.get(JobRef.task("j1")) is None
+    assert _queued(server) == 0
+
+
+class LoseAnswer(RedisStore):
+    """Runs the enqueue script (or not), then fails as a connection lost mid-call would."""
+
+    apply = True
+
+    def _run(self, name: str, keys: list[str], args: list[Any]) -> Any:
+        if name == "enqueue":
+            if self.apply:
+                super()._run(name, keys, args)
+            raise redis.ConnectionError("connection lost")
+        return super()._run(name, keys, args)
+
+
+@pytest.mark.parametrize("applied", [True, False])
+def test_a_lost_answer_is_settled_by_reading_back(server: RedisServer, applied: bool) -> None:
+    store = LoseAnswer.from_url(_url(server, 1), namespace=NAMESPACE, retention=3600)
+    store.apply = applied
+    dispatcher = _dispatcher(server, store)
+    if not applied:
+        with pytest.raises(exceptions.StoreError):  # unknown: the caller says SubmitAmbiguous
+            dispatcher.enqueue(_new())
+        assert _queued(server) == 0
+        return
+    enqueued = dispatcher.enqueue(_new())
+    assert enqueued is not None and enqueued.created and enqueued.sent is not None
+    assert _queued(server) == 1
+
+
+@pytest.mark.parametrize(
+    "broker",
+    ["amqp://guest:guest@127.0.0.1:1//", "redis://localhost:{port}/2", "redis://127.0.0.1:1/2"],
+    ids=["another-transport", "another-host-name", "another-server"],
+)
+def test_a_broker_the_capture_cannot_reach_takes_the_general_path(
+    server: RedisServer, broker: str
+) -> None:
+    store = _store(server)
+    dispatcher = _dispatcher(server, store, broker.format(port=server.port))
+    assert dispatcher.enqueue(_new()) is None
+    assert store.get(JobRef.task("j1")) is None
