@@ -135,7 +135,13 @@ def test_autoretry_runs_once_per_attempt(deployment: Deployment, ledger: Ledger)
 
 class FailFirstTransition:
     """The store, with its first transition write (single or batched) failing before it
-    reaches the store."""
+    reaches the store.
+
+    Without the one-step enqueue (where the broker shares a Redis store's
+    server), whose single write has no ``DISPATCHED`` write of its own to fail.
+    """
+
+    enqueue = None
 
     def __init__(self, store: Any) -> None:
         self._store = store
