@@ -17,7 +17,7 @@ import os
 import socket
 import threading
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, Protocol, cast
+from typing import Any, Protocol
 
 from celery_exactonce import jobs, messages
 from celery_exactonce.jobs import Job
@@ -102,6 +102,10 @@ class CeleryPublisher:
         self.app = app
         self.timeout = timeout
         self._local = threading.local()
+        self._capture_lock = threading.Lock()
+        self._captures: list[_Capturing] = []
+        self._capture_pid = os.getpid()
+        self._capturable: bool | None = None
 
     @contextlib.contextmanager
     def batch(self) -> Iterator[None]:
@@ -199,42 +203,49 @@ class CeleryPublisher:
         target = self._capture_target(shares_server)
         if target is None:
             return None
-        channel, producer, db, prefix = target
         try:
-            with producer.batch(max_size=PUBLISH_BUFFER_MAX):
-                sent = self._send_task(job, producer, options)
+            with target.producer.batch(max_size=PUBLISH_BUFFER_MAX):
+                sent = self._send_task(job, target.producer, options)
         except Exception as exc:
-            channel.commands = []
             logger.debug(
                 "message of %s not built for an atomic enqueue (%s): general path", job.ref,
                 exc, extra={"action": "enqueue_skipped", "job_id": job.ref.id},
             )  # fmt: skip
             return None
-        commands, channel.commands = channel.commands, []
+        finally:
+            commands, target.channel.commands = target.channel.commands, []
+            self._release(target)
         if not commands or any(
             len(args) != 2 or name not in _PUSH_COMMANDS for name, *args in commands
         ):
             return None
-        pushed = tuple((name, prefix + str(key), value) for name, key, value in commands)
-        return Captured(sent, db, pushed)
+        pushed = tuple((name, target.prefix + str(key), value) for name, key, value in commands)
+        return Captured(sent, target.db, pushed)
 
     def _capture_target(
         self, shares_server: Callable[[Mapping[str, Any]], int | None]
-    ) -> tuple[_CaptureChannel, Any, int, str] | None:
-        """This thread's capturing channel and producer, the broker's database and key prefix.
+    ) -> _Capturing | None:
+        """A capturing channel and producer for this call, or ``None``: not capturable.
 
-        Made once per thread and process, on a connection of its own (used to
-        declare queues and look bindings up, never to publish): acquiring a
-        producer from the pool and binding it anew would cost a good share
-        of a publish. ``None``, remembered, when the broker cannot be captured.
+        Kept in a free list for the process (:meth:`_release` gives one back),
+        each on a connection of its own used to declare queues and look
+        bindings up, never to publish: acquiring a producer from the pool and
+        binding it anew would cost a good share of a publish. There are as
+        many as calls were ever capturing at once, which send nothing and
+        so hardly ever wait. Whether the broker is capturable is decided once
+        per process, but for a broker that is down (the general path, this time).
         """
-        local = self._local
-        cached = getattr(local, "capture", None)
-        if cached is not None and cached[0] == os.getpid():
-            return cast("tuple[_CaptureChannel, Any, int, str] | None", cached[1])
-        target: tuple[_CaptureChannel, Any, int, str] | None = None
+        pid = os.getpid()
+        with self._capture_lock:
+            if self._capture_pid != pid:  # a forked child: its parent's connections are not its own
+                self._captures, self._capture_pid, self._capturable = [], pid, None
+            if self._capturable is False:
+                return None
+            if self._captures:
+                return self._captures.pop()
         connection = self.app.connection_for_write()
         where = {"host": connection.hostname, "port": connection.port, "path": None}
+        target: _Capturing | None = None
         if connection.transport.driver_type == "redis" and shares_server(where) is not None:
             try:  # connects: a broker that is down is left to the general path, this time
                 real = connection.default_channel
@@ -244,11 +255,16 @@ class CeleryPublisher:
             broker = _redis_broker(real)
             if broker is not None and shares_server(real.pool.connection_kwargs) is not None:
                 capture = _CaptureChannel(real)
-                target = (capture, self.app.amqp.Producer(capture), *broker)
+                target = _Capturing(capture, self.app.amqp.Producer(capture), *broker)
         if target is None:
             connection.release()
-        local.capture = (os.getpid(), target)
+            self._capturable = False
         return target
+
+    def _release(self, target: _Capturing) -> None:
+        with self._capture_lock:
+            if self._capture_pid == os.getpid():
+                self._captures.append(target)
 
     def _options(
         self, job: Job, headers: Mapping[str, Any], extra: Mapping[str, Any]
@@ -356,6 +372,16 @@ class Captured:
     #: kombu's Redis commands for it, ``(name, key, value)``, in order, each key
     #: with the broker's ``global_keyprefix`` as kombu's client would send it.
     commands: tuple[tuple[str, str, Any], ...]
+
+
+@dataclasses.dataclass
+class _Capturing:
+    """A capturing channel, its producer, and the broker's database and key prefix."""
+
+    channel: _CaptureChannel
+    producer: Any
+    db: int
+    prefix: str
 
 
 def _redis_broker(channel: Any) -> tuple[int, str] | None:

@@ -251,3 +251,14 @@ def test_a_broker_the_capture_cannot_reach_takes_the_general_path(
     dispatcher = _dispatcher(server, store, broker.format(port=server.port))
     assert dispatcher.enqueue(_new()) is None
     assert store.get(JobRef.task("j1")) is None
+
+
+def test_one_capturing_connection_serves_calls_one_after_another(server: RedisServer) -> None:
+    store = _store(server)
+    publisher = CeleryPublisher(_app(_url(server, 2)))
+    dispatcher = Dispatcher(store, publisher, node="n")
+    for i in range(5):
+        enqueued = dispatcher.enqueue(_new(f"j{i}"))
+        assert enqueued is not None and enqueued.created
+    assert len(publisher._captures) == 1
+    assert _queued(server) == 5
