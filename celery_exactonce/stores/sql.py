@@ -24,6 +24,11 @@ purges); SQLite runs every write transaction under ``BEGIN IMMEDIATE`` (which
 serialises writers across threads and processes) in WAL mode with a busy
 timeout.
 
+Pooled connections (of an engine :meth:`SqlStore.from_url` builds) are checked
+at checkout without a round trip (no ``pool_pre_ping``): a connection the
+server closed has input waiting on its socket, and only such a one is pinged,
+and replaced if dead, before anything is sent on it.
+
 A store must not be shared across ``fork()``: each process builds its own. As
 a safety net (SQLAlchemy's documented recipe), a forked child drops the pool
 it inherited (``engine.dispose(close=False)``) before its first query, so a
@@ -37,6 +42,7 @@ import dataclasses
 import os
 import random
 import re
+import select
 import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -175,6 +181,74 @@ def _sqlite_begin(conn: sa.Connection) -> None:
     conn.exec_driver_sql("BEGIN" if read else "BEGIN IMMEDIATE")
 
 
+def _socket(dbapi_conn: Any) -> int | None:
+    """The socket of a psycopg 3 or PyMySQL connection (``-1``: closed); ``None``: other drivers."""
+    pgconn = getattr(dbapi_conn, "pgconn", None)
+    if pgconn is not None:  # psycopg 3
+        try:
+            return int(pgconn.socket)
+        except Exception:  # psycopg raises once the connection is lost
+            return -1
+    if hasattr(dbapi_conn, "_sock"):  # PyMySQL: None once closed
+        sock = dbapi_conn._sock
+        return -1 if sock is None else int(sock.fileno())
+    return None
+
+
+def _has_input(fd: int) -> bool:
+    """Whether ``fd`` can be read (or is closed or in error) right now, without waiting."""
+    if hasattr(select, "poll"):
+        poller = select.poll()
+        poller.register(fd, select.POLLIN | select.POLLPRI)
+        return bool(poller.poll(0))
+    return bool(select.select([fd], [], [], 0)[0])  # pragma: no cover - no poll (Windows)
+
+
+def _check_on_checkout(dialect: sa.Dialect) -> Callable[[Any, Any, Any], None]:
+    """A pool ``checkout`` listener that finds a dead pooled connection without a round trip.
+
+    Stands in for ``pool_pre_ping`` (a round trip before every operation). An
+    idle connection has nothing to read: a server that closed it (restart,
+    ``wait_timeout``, a killed session) left its goodbye or the end of the
+    stream on the socket. So only a connection with input is pinged, and one
+    that fails is replaced before any statement is sent on it
+    (``DisconnectionError``: the pool connects anew). A connection that dies
+    after the check fails its statement, whose outcome is then unknown, as the
+    store contract says; nothing is sent again.
+    """
+
+    def check(dbapi_conn: Any, _record: Any, _proxy: Any) -> None:
+        fd = _socket(dbapi_conn)
+        if fd is None or (fd >= 0 and not _has_input(fd)):
+            return
+        try:
+            if fd >= 0 and dialect.do_ping(dbapi_conn):  # input on an idle connection: ask
+                return
+        except Exception as exc:
+            raise sa_exc.DisconnectionError(f"dead pooled connection: {exc}") from exc
+        raise sa_exc.DisconnectionError("dead pooled connection")
+
+    return check
+
+
+_MYSQL_IN_TRANS = 1  # SERVER_STATUS_IN_TRANS, from the status of the server's last reply
+
+
+def _reset_mysql(dbapi_conn: Any, _record: Any, state: Any) -> None:
+    """The pool's reset of a returned MySQL connection: roll back only an open transaction.
+
+    SQLAlchemy's default reset sends ``ROLLBACK`` on every return, a round
+    trip per operation: the store ends each transaction itself (committed, or
+    rolled back on error), and PyMySQL knows from the server's last reply
+    whether one is still open.
+    """
+    if getattr(state, "terminate_only", False):
+        return
+    status = getattr(dbapi_conn, "server_status", None)
+    if not isinstance(status, int) or status & _MYSQL_IN_TRANS:
+        dbapi_conn.rollback()
+
+
 _LIVE: weakref.WeakSet[SqlStore] = weakref.WeakSet()
 
 
@@ -270,8 +344,14 @@ class SqlStore:
         """Build the engine for ``url`` (a SQLAlchemy URL naming its driver) and the store.
 
         ``engine_kwargs`` go to :func:`sqlalchemy.create_engine` over the
-        defaults of the dialect (``pool_pre_ping``, ``READ COMMITTED``, connect
-        timeouts; SQLite: ``check_same_thread=False`` and a 30 s busy timeout).
+        defaults of the dialect (``READ COMMITTED``, connect timeouts; SQLite:
+        ``check_same_thread=False`` and a 30 s busy timeout). Instead of
+        ``pool_pre_ping`` (a round trip per operation), a pooled PostgreSQL or
+        MySQL connection is checked at checkout without one (its socket must
+        have nothing to read) and pinged only when that check fails; passing
+        ``pool_pre_ping=True`` pings every checkout as well. A MySQL connection
+        returned to the pool is rolled back only when a transaction is open
+        (not on every return).
         """
         shown = redact_url(url)
         try:
@@ -282,13 +362,22 @@ class SqlStore:
                     f"exactonce_store_url={shown!r}: not a PostgreSQL, MySQL or SQLite URL",
                     setting="exactonce_store_url",
                 )
-            kwargs: dict[str, Any] = {"pool_pre_ping": True, **dialect.engine}
+            kwargs: dict[str, Any] = dict(dialect.engine)
             connect_args = {
                 **kwargs.get("connect_args", {}),
                 **engine_kwargs.pop("connect_args", {}),
             }
             kwargs.update(engine_kwargs, connect_args=connect_args)
+            own_reset = (
+                sa_url.get_backend_name() == "mysql" and "pool_reset_on_return" not in kwargs
+            )
+            if own_reset:
+                kwargs["pool_reset_on_return"] = None
             engine = sa.create_engine(sa_url, **kwargs)
+            if own_reset:
+                event.listen(engine, "reset", _reset_mysql)
+            if engine.dialect.name in ("postgresql", "mysql"):
+                event.listen(engine, "checkout", _check_on_checkout(engine.dialect))
         except (sa_exc.ArgumentError, ImportError, TypeError, ValueError) as exc:
             detail = redact_message(str(exc), url)
             raise exceptions.ConfigurationError(
