@@ -5,12 +5,22 @@ One class serves the three dialects; what differs between them is the small
 a whole, bounded and with jittered backoff, after a deadlock, a serialization
 failure, a lock-wait timeout or SQLite's "database is locked": such a
 transaction was rolled back, so running it again is safe). The guards and
-effects of a transition are those of :mod:`celery_exactonce.jobs`; this module
-only reads a record under a lock, asks :func:`~celery_exactonce.jobs.check_transition`
-and writes what :func:`~celery_exactonce.jobs.apply_transition` returns.
+effects of a transition are those of :mod:`celery_exactonce.jobs`.
 
-Store time is the database server's clock, read once per transaction (in SQL,
-as integer microseconds since the UNIX epoch):
+The hot writes are one statement each (:mod:`~celery_exactonce.stores.sql_statements`):
+a transition is an ``UPDATE`` whose ``WHERE`` holds every guard and whose
+``SET`` restates :func:`~celery_exactonce.jobs.apply_transition`; a heartbeat
+is one ``UPDATE``. On PostgreSQL such a statement runs on its own
+(autocommit: one round trip); MySQL and SQLite commit it. What one statement
+cannot decide (a conflict, a lost lease, a missing record, a transition that
+rewrites the payload) and every create go the locking way: read the record under a lock, ask
+:func:`~celery_exactonce.jobs.check_transition`, write what
+:func:`~celery_exactonce.jobs.apply_transition` returns. A statement that
+changed nothing is decided again so; one that changed something is never sent
+again.
+
+Store time is the database server's clock, read once per statement or
+transaction (in SQL, as integer microseconds since the UNIX epoch):
 
 * PostgreSQL: ``clock_timestamp()`` (µs);
 * MySQL/MariaDB: ``TIMESTAMPDIFF(MICROSECOND, '1970-01-01', UTC_TIMESTAMP(6))``
@@ -19,10 +29,11 @@ as integer microseconds since the UNIX epoch):
   (SQLite's own clock has millisecond resolution).
 
 Locking: PostgreSQL and MySQL run at ``READ COMMITTED`` and lock the rows a
-decision depends on (``SELECT … FOR UPDATE``, ``SKIP LOCKED`` for claims and
-purges); SQLite runs every write transaction under ``BEGIN IMMEDIATE`` (which
-serialises writers across threads and processes) in WAL mode with a busy
-timeout.
+decision depends on (an ``UPDATE`` locks its row; ``SELECT … FOR UPDATE``
+on the locking way, ``SKIP LOCKED`` for claims and purges; a lease a
+transition checks is locked shared); SQLite runs every write transaction under
+``BEGIN IMMEDIATE`` (which serialises writers across threads and processes) in
+WAL mode with a busy timeout.
 
 Pooled connections (of an engine :meth:`SqlStore.from_url` builds) are checked
 at checkout without a round trip (no ``pool_pre_ping``): a connection the
@@ -65,12 +76,13 @@ from celery_exactonce.jobs import (
     TransitionResult,
     TransitionStatus,
 )
-from celery_exactonce.states import State
+from celery_exactonce.states import TERMINAL, State
 from celery_exactonce.stores import (
     redact_message,
     redact_secrets,
     redact_url,
     sql_schema,
+    sql_statements,
     url_secrets,
     validate_namespace,
 )
@@ -307,11 +319,26 @@ class SqlStore:
             )
         self._engine = engine
         self._d = dialect
+        self._postgresql = engine.dialect.name == "postgresql"
+        # PostgreSQL runs a one-statement write outside a transaction (autocommit: no
+        # BEGIN and COMMIT round trips; psycopg switches it locally). PyMySQL would
+        # pay a round trip to switch, so MySQL commits (no BEGIN is sent there).
+        self._autocommit = self._postgresql
         self._namespace = namespace
         self._retention = float(retention)
         self._t = sql_schema.build(table_prefix)
         self._now_col = sa.literal_column(dialect.now, sa.BigInteger)
         self._inserts: dict[str, Any] = {}  # per table, see _insert_absent
+        self._sql = sql_statements.Statements(engine.dialect, self._t, dialect.now, retention)
+        # Reading a record by its key: built once (building and keying a select per read
+        # cost more than the read), the key bound at execute time.
+        c = self._t.jobs.c
+        self._read = sa.select(self._t.jobs).where(
+            c.namespace == sa.bindparam("k_ns"),
+            c.space == sa.bindparam("k_space"),
+            c.id == sa.bindparam("k_id"),
+        )
+        self._read_locked = self._read.with_for_update()
         # The URL may carry credentials in its query too (``?password=``): redact
         # the whole of it, and remember every secret to blank from driver errors.
         full_url = engine.url.render_as_string(hide_password=False)
@@ -559,7 +586,17 @@ class SqlStore:
     # -- transitions -----------------------------------------------------------------
 
     def transition(self, ref: JobRef, request: Transition) -> TransitionResult:
-        return self._run("transition", lambda conn: self._transition(conn, ref, request))
+        if self._autocommit and self._fast_transition(request):
+            result = self._run(
+                "transition",
+                lambda conn: self._transition_fast(conn, ref, request, brief=False),
+                autocommit=True,
+            )
+            if result is not None:
+                return result
+        return self._run(
+            "transition", lambda conn: self._transition_one(conn, ref, request, brief=False)
+        )
 
     def transition_many(
         self, requests: Sequence[tuple[JobRef, Transition]], *, brief: bool = False
@@ -573,14 +610,62 @@ class SqlStore:
         def op(conn: sa.Connection) -> list[TransitionResult]:
             results: dict[int, TransitionResult] = {}
             for i in order:
-                results[i] = self._transition(conn, *requests[i])
+                ref, request = requests[i]
+                results[i] = self._transition_one(conn, ref, request, brief=brief)
             return [results[i] for i in range(len(requests))]
 
         return self._run("transition_many", op)
 
+    @staticmethod
+    def _fast_transition(request: Transition) -> bool:
+        """Whether one statement can apply ``request`` (not one that rewrites the payload)."""
+        return (
+            request.args is None
+            and request.kwargs is None
+            and request.signature is None
+            and bool(request.expect - TERMINAL)  # (a terminal state is never expected)
+        )
+
+    def _transition_one(
+        self, conn: sa.Connection, ref: JobRef, request: Transition, *, brief: bool
+    ) -> TransitionResult:
+        """:meth:`transition` in a transaction: one statement, else the locking decision."""
+        if self._fast_transition(request):
+            result = self._transition_fast(conn, ref, request, brief=brief)
+            if result is not None:
+                return result
+        return self._transition(conn, ref, request)
+
+    def _transition_fast(
+        self, conn: sa.Connection, ref: JobRef, request: Transition, *, brief: bool
+    ) -> TransitionResult | None:
+        """The guarded ``UPDATE``; ``None`` when it changed nothing (the store decides again).
+
+        Nothing changed means a guard failed, the lease is lost, there is no
+        record, or a history the statement cannot extend: which one, and the
+        record to answer with, the locking :meth:`_transition` tells.
+        """
+        stmt, params = self._sql.transition(self._namespace, ref, request, brief=brief)
+        result = conn.execute(stmt, params)
+        if self._postgresql:  # RETURNING: the record as written
+            row = result.first()
+            if row is None:
+                return None
+            return TransitionResult(TransitionStatus.APPLIED, None if brief else self._job(row))
+        if result.rowcount != 1:
+            return None
+        if brief:
+            return TransitionResult(TransitionStatus.APPLIED)
+        # Read in the same transaction, under the row lock the update took: the record as written.
+        job = self._select_job(conn, ref)
+        if job is None:  # pragma: no cover - the row lock forbids this
+            raise _Rerun
+        return TransitionResult(TransitionStatus.APPLIED, job)
+
     def _transition(
         self, conn: sa.Connection, ref: JobRef, request: Transition
     ) -> TransitionResult:
+        """The locking transition: lock the row, decide in Python, write what it returns."""
         job = self._select_job(conn, ref, lock=True)
         if job is None:
             return TransitionResult(TransitionStatus.NOT_FOUND)
@@ -603,18 +688,12 @@ class SqlStore:
         return TransitionResult(TransitionStatus.APPLIED, updated)
 
     def heartbeat(self, ref: JobRef, run_id: str) -> bool:
-        c = self._t.jobs.c
-
-        def op(conn: sa.Connection) -> bool:
-            now = self._now(conn)
-            result = conn.execute(
-                self._t.jobs.update()
-                .where(self._pk(ref), c.state == State.RUNNING.value, c.run_id == run_id)
-                .values(touched_at=now, heartbeat_at=now)
-            )
-            return bool(result.rowcount == 1)
-
-        return self._run("heartbeat", op)
+        stmt, params = self._sql.heartbeat(self._namespace, ref, run_id)
+        return self._run(
+            "heartbeat",
+            lambda conn: bool(conn.execute(stmt, params).rowcount == 1),
+            autocommit=self._autocommit,
+        )
 
     def annotate(self, ref: JobRef, *, node: str, reason: str, op_id: str) -> bool:
         reason = jobs.check_note(node, reason, op_id)
@@ -820,10 +899,9 @@ class SqlStore:
         return sa.and_(c.namespace == self._namespace, c.space == ref.space.value, c.id == ref.id)
 
     def _select_job(self, conn: sa.Connection, ref: JobRef, *, lock: bool = False) -> Job | None:
-        query = sa.select(self._t.jobs).where(self._pk(ref))
-        if lock and self._d.locks:
-            query = query.with_for_update()
-        row = conn.execute(query).first()
+        query = self._read_locked if lock and self._d.locks else self._read
+        params = {"k_ns": self._namespace, "k_space": ref.space.value, "k_id": ref.id}
+        row = conn.execute(query, params).first()
         return None if row is None else self._job(row)
 
     def _locked(
@@ -881,14 +959,27 @@ class SqlStore:
 
     # -- internals: transactions and errors --------------------------------------------
 
-    def _run(self, op: str, fn: Callable[[sa.Connection], _T], *, write: bool = True) -> _T:
-        """Run ``fn`` in one transaction, rerun after a rolled-back conflict, errors wrapped."""
+    def _run(
+        self,
+        op: str,
+        fn: Callable[[sa.Connection], _T],
+        *,
+        write: bool = True,
+        autocommit: bool = False,
+    ) -> _T:
+        """Run ``fn`` in one transaction, rerun after a rolled-back conflict, errors wrapped.
+
+        With ``autocommit`` (PostgreSQL, ``fn`` running one statement), the
+        statement is its own transaction: no ``BEGIN`` or ``COMMIT`` is sent.
+        """
         with self._guard(op):
             self._check_usable()
             for attempt in range(_ATTEMPTS):
                 try:
                     with self._engine.connect() as conn:
-                        if not write:
+                        if autocommit:
+                            conn.execution_options(isolation_level="AUTOCOMMIT")
+                        elif not write:
                             conn.execution_options(**{_READ: True})
                         with conn.begin():
                             return fn(conn)

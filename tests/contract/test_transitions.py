@@ -21,7 +21,7 @@ from celery_exactonce.jobs import (
 from celery_exactonce.states import TERMINAL, State
 from celery_exactonce.stores.base import StateStore
 from tests.contract.backends import StoreFactory
-from tests.contract.helpers import NODE, poll, task_job, to
+from tests.contract.helpers import NODE, occurrence, poll, task_job, to
 
 
 def _dispatched(store: StateStore, job_id: str | None = None) -> tuple[JobRef, str]:
@@ -436,3 +436,49 @@ def test_notes_are_capped_with_the_history(store: StateStore) -> None:
     job = store.get(ref)
     assert job is not None and len(job.history) == HISTORY_LIMIT
     assert job.history[-1].reason == f"note {HISTORY_LIMIT + 2}"
+
+
+def test_every_effect_is_apply_transitions(store: StateStore) -> None:
+    """A job's whole life, each written record what ``apply_transition`` makes of the last.
+
+    Stores that write the effects themselves (the SQL store's one-statement
+    ``UPDATE``, the Redis scripts) are held to the shared rule, field by field,
+    at the store time the write took (``touched_at``), the answer included.
+    """
+    fire = store.now() + timedelta(days=1)  # an occurrence's expiry counts from its slot
+    new = occurrence("effects", fire)
+    assert store.create(new).created
+    assert store.acquire_lease("effects", "tok", 60)
+    run_at = store.now() + timedelta(hours=1)
+    steps = [
+        to(State.DISPATCHED, State.SCHEDULED, rev=new.rev, task="tasks.tick"),
+        to(State.RUNNING, State.DISPATCHED, attempt=0, new_run_id="run-1"),
+        to(State.RUNNING, State.RUNNING, run_id="run-1", new_run_id="run-2"),
+        to(State.PENDING, State.RUNNING, next_attempt=True, run_at=run_at, run_id="run-2"),
+        to(State.SCHEDULED, State.PENDING, stale_for=0),
+        to(State.DISPATCHED, State.SCHEDULED, State.DISPATCHED, lease=Lease("effects", "tok")),
+        to(State.RUNNING, State.DISPATCHED, attempt=1, new_run_id="run-3"),
+        to(State.DISPATCHED, State.RUNNING, next_attempt=True, run_id="run-3"),
+        to(State.RUNNING, State.DISPATCHED, attempt=2, new_run_id="run-4"),
+        to(State.SUCCEEDED, State.RUNNING, run_id="run-4"),
+    ]
+    for request in steps:
+        before = store.get(new.ref)
+        assert before is not None
+        result = store.transition(new.ref, request)
+        after = store.get(new.ref)
+        assert result.applied and after is not None, request
+        assert result.job == after
+        assert after == apply_transition(before, request, after.touched_at), request
+    # and a terminal record refuses, whatever its guards
+    assert not store.transition(new.ref, to(State.CANCELLED, State.RUNNING)).applied
+
+
+def test_a_brief_transition_writes_what_a_full_one_does(store: StateStore) -> None:
+    ref, rev = _dispatched(store)
+    before = store.get(ref)
+    request = to(State.RUNNING, State.DISPATCHED, rev=rev, attempt=0, new_run_id="r")
+    [result] = store.transition_many([(ref, request)], brief=True)
+    after = store.get(ref)
+    assert result.applied and after is not None and before is not None
+    assert after == apply_transition(before, request, after.touched_at)

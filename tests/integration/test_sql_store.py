@@ -1,23 +1,30 @@
-"""SqlStore against real servers: what only the SQL store has.
+"""SqlStore against real servers: its connections, and the ways its one-statement writes fall back.
 
-Pooled connections checked without a round trip, and MySQL's pool reset.
+The contract suite holds every store to the same answers; these tests look
+at what only the SQL store has: pooled connections checked without a round
+trip, MySQL's pool reset, and the locking transaction a one-statement write
+hands over to (a history the statement cannot extend).
 """
 
 from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
 
+from celery_exactonce import jobs
+from celery_exactonce.jobs import JobRef, Transition, TransitionStatus
 from celery_exactonce.states import State
+from celery_exactonce.stores import sql_statements
 from celery_exactonce.stores.sql import SqlStore
 from tests import services
 from tests.contract.backends import store_url
-from tests.contract.helpers import poll, task_job, to
+from tests.contract.helpers import occurrence, poll, task_job, to
 
 SERVERS = ("postgres", "mysql")
 
@@ -39,6 +46,14 @@ def _url(backend: str, tmp_path: Path) -> str:
     return url.replace("postgresql://", "postgresql+psycopg://").replace(
         "mysql://", "mysql+pymysql://"
     )
+
+
+@pytest.fixture(params=(*SERVERS, "sqlite"))
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[SqlStore]:
+    store = _store(request.param, tmp_path)
+    yield store
+    store.drop_namespace()
+    store.close()
 
 
 @pytest.fixture(params=SERVERS)
@@ -135,6 +150,110 @@ def test_a_mysql_connection_returned_inside_a_transaction_is_rolled_back(
         finally:
             raw.close()  # back to the pool, its transaction open: the reset rolls it back
         assert store.acquire_lease("left-open", "other", 60)  # no row was left behind
+    finally:
+        store.drop_namespace()
+        store.close()
+
+
+def test_a_history_the_statement_cannot_extend_is_written_the_locking_way(
+    store: SqlStore,
+) -> None:
+    new = task_job()
+    assert store.create(new).created
+    with store.engine.begin() as conn:
+        conn.execute(
+            sa.text("UPDATE exactonce_jobs SET history = '[]' WHERE namespace = :ns"),
+            {"ns": store.namespace},
+        )
+    before = store.get(new.ref)
+    assert before is not None and before.history == ()
+    request = to(State.DISPATCHED, State.SCHEDULED, rev=new.rev)
+    result = store.transition(new.ref, request)
+    assert result.applied and result.job is not None
+    assert result.job == jobs.apply_transition(before, request, result.job.touched_at)
+    assert store.get(new.ref) == result.job
+
+
+def test_a_terminal_record_expires_from_its_slot_or_its_end(store: SqlStore) -> None:
+    later = store.now() + timedelta(days=2)
+    for new in (task_job(), occurrence("expiry", later)):
+        store.create(new)
+        result = store.transition(new.ref, to(State.CANCELLED, State.SCHEDULED))
+        assert result.applied and result.job is not None
+        with store.engine.connect() as conn:
+            stored = conn.execute(
+                sa.text(
+                    "SELECT expires_at FROM exactonce_jobs"
+                    " WHERE namespace = :ns AND space = :space AND id = :id"
+                ),
+                {"ns": store.namespace, "space": new.ref.space.value, "id": new.ref.id},
+            ).scalar_one()
+        expected = result.job.expires_at(store.retention)
+        assert expected is not None and stored == jobs.to_micros(expected)
+
+
+def test_a_heartbeat_reads_the_clock_once(store: SqlStore) -> None:
+    new = task_job(state=State.RUNNING)
+    store.create(new)
+    assert new.run_id is not None and store.heartbeat(new.ref, new.run_id)
+    job = store.get(new.ref)
+    assert job is not None and job.touched_at == job.heartbeat_at
+
+
+def test_a_conflict_answers_the_record_as_it_is(store: SqlStore) -> None:
+    new = task_job()
+    store.create(new)
+    request = to(State.DISPATCHED, State.SCHEDULED, rev="not-the-rev")
+    result = store.transition(new.ref, request)
+    assert result.status is TransitionStatus.CONFLICT and result.job == store.get(new.ref)
+    missing = store.transition(JobRef.task("ghost"), request)
+    assert missing.status is TransitionStatus.NOT_FOUND and missing.job is None
+
+
+@pytest.mark.parametrize("seconds", [0.0, 1e-6, 0.05, 0.1, 0.3, 1 / 3, 2.5, 3600.000001, 1e-7])
+def test_the_stale_threshold_is_check_transitions(seconds: float) -> None:
+    threshold = sql_statements.stale_micros(seconds)
+    assert threshold / 1_000_000 >= seconds
+    assert (threshold - 1) / 1_000_000 < seconds
+    now = jobs.from_micros(10**15)
+    for age in (threshold - 1, threshold):
+        job = jobs.job_from_new(task_job(), jobs.from_micros(10**15 - age))
+        request = Transition(
+            State.DISPATCHED, frozenset({State.SCHEDULED}), node="n", reason="r",
+            stale_for=seconds,
+        )  # fmt: skip
+        assert jobs.check_transition(job, request, now) is (age >= threshold)
+
+
+def test_a_write_finds_its_row_by_the_key_not_by_its_state(tmp_path: Path) -> None:
+    """PostgreSQL: with many jobs in one state, the guarded UPDATE still reads one row.
+
+    ``namespace AND state`` is a prefix of the due and stale indexes; a guard
+    on the state the planner could use would scan every job in that state
+    (it did, before the guards were kept out of the index conditions).
+    """
+    store = _store("postgres", tmp_path)
+    try:
+        news = [task_job(f"plan-{i}") for i in range(500)]
+        store.create_many(news, brief=True)
+        running = task_job(state=State.RUNNING)
+        store.create(running)
+        with store.engine.connect() as conn:
+            conn.exec_driver_sql("ANALYZE exactonce_jobs")
+            request = to(State.DISPATCHED, State.SCHEDULED, rev=news[7].rev)
+            for stmt, params in (
+                store._sql.transition(store.namespace, news[7].ref, request, brief=False),
+                store._sql.heartbeat(store.namespace, running.ref, "r"),
+            ):
+                compiled = stmt.compile(dialect=store.engine.dialect)
+                plan = "\n".join(
+                    row[0]
+                    for row in conn.exec_driver_sql(
+                        f"EXPLAIN {compiled}", compiled.construct_params(params)
+                    )
+                )
+                assert "exactonce_jobs_pkey" in plan, plan
+                assert "jobs_due" not in plan and "jobs_stale" not in plan, plan
     finally:
         store.drop_namespace()
         store.close()
