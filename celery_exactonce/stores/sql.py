@@ -9,11 +9,15 @@ effects of a transition are those of :mod:`celery_exactonce.jobs`.
 
 The hot writes are one statement each (:mod:`~celery_exactonce.stores.sql_statements`):
 a transition is an ``UPDATE`` whose ``WHERE`` holds every guard and whose
-``SET`` restates :func:`~celery_exactonce.jobs.apply_transition`; a heartbeat
-is one ``UPDATE``. On PostgreSQL such a statement runs on its own
-(autocommit: one round trip); MySQL and SQLite commit it. What one statement
-cannot decide (a conflict, a lost lease, a missing record, a transition that
-rewrites the payload) and every create go the locking way: read the record under a lock, ask
+``SET`` restates :func:`~celery_exactonce.jobs.apply_transition`; a create is
+an ``INSERT … SELECT`` checking the epoch (and, on PostgreSQL, advancing an
+occurrence's watermark in the same statement); a heartbeat is one ``UPDATE``.
+On PostgreSQL such a statement runs on its own (autocommit: one round trip);
+MySQL and SQLite commit it. What one statement cannot decide (a conflict, a
+lost lease, a record a competing create committed after the statement began,
+an occurrence on MySQL/SQLite, a create on SQLite or on a MySQL without
+``INSERT … RETURNING``, a transition that rewrites the payload) goes the
+locking way: read the record under a lock, ask
 :func:`~celery_exactonce.jobs.check_transition`, write what
 :func:`~celery_exactonce.jobs.apply_transition` returns. A statement that
 changed nothing is decided again so; one that changed something is never sent
@@ -145,6 +149,7 @@ _DIALECTS: dict[str, _Dialect] = {
     ),
 }
 _DUPLICATE_KEY = 1062  # MySQL: does not abort the transaction, only the statement
+_UNIQUE_VIOLATION = "23505"  # PostgreSQL: aborts the statement (and its transaction)
 
 
 #: Identifiers per ``IN (...)`` list: below every dialect's bound-parameter limit.
@@ -162,6 +167,10 @@ def _lock_order(new: NewJob) -> tuple[str, str]:
 
 class _Rerun(Exception):
     """Raised inside a transaction to roll it back and run it again."""
+
+
+class _Slow(Exception):
+    """A one-statement write failed whole (nothing written): run the locking transaction."""
 
 
 def _code(exc: BaseException | None) -> object:
@@ -501,7 +510,19 @@ class SqlStore:
         return self._run("epoch", op)
 
     def create(self, new: NewJob, *, epoch: str | None = None) -> CreateResult:
-        return self._run("create", lambda conn: self._create(conn, new, epoch))
+        if self._autocommit and self._fast_create(new):
+            try:
+                result = self._run(
+                    "create",
+                    lambda conn: self._create_fast(conn, new, epoch, brief=False),
+                    autocommit=True,
+                )
+            except _Slow:
+                result = None  # the statement failed whole: nothing was written
+            if result is not None:
+                return result
+            return self._run("create", lambda conn: self._create(conn, new, epoch))
+        return self._run("create", lambda conn: self._create_one(conn, new, epoch))
 
     def create_many(
         self, news: Sequence[NewJob], *, epoch: str | None = None, brief: bool = False
@@ -515,15 +536,98 @@ class SqlStore:
             self._check_usable()
             return []
         order = sorted(range(len(news)), key=lambda i: _lock_order(news[i]))
+        fast = True  # until a statement fails in a way that aborts the transaction
 
         def op(conn: sa.Connection) -> list[CreateResult]:
-            clock = self._clock_and_epoch(conn)  # once: the batch is one transaction
+            nonlocal fast
             results: dict[int, CreateResult] = {}
+            clock: tuple[int, str | None] | None = None  # once for the locking creates
             for i in order:
-                results[i] = self._create(conn, news[i], epoch, clock)
+                result = None
+                if fast and self._fast_create(news[i]):
+                    try:
+                        result = self._create_fast(conn, news[i], epoch, brief=brief)
+                    except _Slow:
+                        fast = False  # the transaction is aborted: run the batch again, locking
+                        raise _Rerun from None
+                if result is None:
+                    clock = clock or self._clock_and_epoch(conn)
+                    result = self._create(conn, news[i], epoch, clock)
+                results[i] = result
             return [results[i] for i in range(len(news))]
 
         return self._run("create_many", op)
+
+    def _create_one(self, conn: sa.Connection, new: NewJob, epoch: str | None) -> CreateResult:
+        """:meth:`create` in a transaction that goes on after a failed statement (MySQL)."""
+        result = (
+            self._create_fast(conn, new, epoch, brief=False) if self._fast_create(new) else None
+        )
+        return result if result is not None else self._create(conn, new, epoch)
+
+    def _fast_create(self, new: NewJob) -> bool:
+        """Whether ``new`` is created by one statement (else by the locking transaction)."""
+        if self._postgresql:
+            return True
+        return new.entry is None and self._insert_returning()
+
+    def _insert_returning(self) -> bool:
+        """MariaDB 10.5 and later (``INSERT … RETURNING``); MySQL has none."""
+        dialect = self._engine.dialect
+        version = getattr(dialect, "server_version_info", None) or (0,)
+        return bool(getattr(dialect, "is_mariadb", False)) and version >= (10, 5)
+
+    def _create_fast(
+        self, conn: sa.Connection, new: NewJob, epoch: str | None, *, brief: bool
+    ) -> CreateResult | None:
+        """:meth:`create` in one statement; ``None`` when it cannot tell (nothing was written).
+
+        Raises :class:`_Slow` when the statement failed whole on PostgreSQL (an
+        occurrence whose record another entry's create made): the transaction
+        it ran in is aborted.
+        """
+        if not self._postgresql:
+            stmt, params = self._sql.create_returning(self._namespace, new, epoch)
+            try:
+                row = conn.execute(stmt, params).first()
+            except sa_exc.IntegrityError as exc:
+                if _code(exc.orig) != _DUPLICATE_KEY:
+                    raise
+                if brief and epoch is not None:  # the row was selected, so the epoch matched
+                    return CreateResult(CreateStatus.EXISTS, epoch=epoch)
+                return None  # the record as it is, and the epoch: the transaction reads them
+            if row is None:  # the epoch differs: the transaction reads the one stored
+                return None
+            job = jobs.job_from_new(new, jobs.from_micros(row.now_))
+            return CreateResult(CreateStatus.CREATED, job, epoch=row.stored_)
+        stmt, params = self._sql.create_postgresql(self._namespace, new, epoch)
+        try:
+            row = conn.execute(stmt, params).one()
+        except sa_exc.IntegrityError as exc:
+            if _code(exc.orig) != _UNIQUE_VIOLATION:
+                raise
+            raise _Slow from None
+        stored = row.stored_
+        if epoch is not None and stored != epoch:
+            return CreateResult(CreateStatus.EPOCH_MISMATCH, epoch=stored)
+        if row.created_:
+            job = jobs.job_from_new(new, jobs.from_micros(row.now_))
+            return CreateResult(CreateStatus.CREATED, job, epoch=stored)
+        if row.id is not None:  # the record existed when the statement began
+            if brief:
+                return CreateResult(CreateStatus.EXISTS, epoch=stored)
+            existing = self._select_job(conn, new.ref)  # the record as it is
+            if existing is None:  # purged since: decide again
+                return None
+            return CreateResult(CreateStatus.EXISTS, existing, epoch=stored)
+        # Marks only rise, and a record is created only above the mark: with the slot
+        # at or below the mark the statement began with, no record can have appeared since.
+        fire = jobs.to_micros_opt(new.fire_time)
+        if fire is not None and row.mark_ is not None and fire <= row.mark_:
+            return CreateResult(CreateStatus.BELOW_WATERMARK, epoch=stored)
+        # A create that committed after this statement began (and so is not in its
+        # snapshot) made the record or moved the mark: the transaction reads them.
+        return None
 
     def _clock_and_epoch(self, conn: sa.Connection) -> tuple[int, str | None]:
         """The store's time (microseconds) and the namespace's epoch, in one statement."""

@@ -229,3 +229,33 @@ def test_create_many_with_a_stale_epoch_writes_nothing(store: StateStore) -> Non
     assert all(r.epoch == epoch for r in results)
     assert all(store.get(new.ref) is None for new in batch)
     assert store.watermark("cm-e") is None
+
+
+def test_an_occurrence_id_taken_under_another_entry_exists_and_moves_no_mark(
+    store: StateStore,
+) -> None:
+    # Given an occurrence record made by one entry's claim
+    fire = store.now().replace(microsecond=0)
+    first = occurrence("entry-one", fire)
+    assert store.create(first).created
+    # When another entry claims a slot under the same id
+    other = NewJob(
+        first.ref, "tasks.tick", State.SCHEDULED, node=NODE, entry="entry-two", fire_time=fire
+    )
+    result = store.create(other)
+    # Then the record exists, unchanged, and the other entry's watermark did not move
+    assert result.status is CreateStatus.EXISTS
+    assert result.job is not None and result.job.rev == first.rev
+    assert store.watermark("entry-two") is None
+    assert store.watermarks(["entry-one", "entry-two"]) == {"entry-one": fire}
+    [batched] = store.create_many([other], brief=True)
+    assert batched.status is CreateStatus.EXISTS and store.watermark("entry-two") is None
+
+
+def test_a_created_record_is_the_one_answered(store: StateStore) -> None:
+    epoch = store.epoch()
+    for new in (task_job(), task_job(state=State.RUNNING), occurrence("answered", store.now())):
+        result = store.create(new, epoch=epoch)
+        assert result.created and result.epoch == epoch
+        assert result.job == store.get(new.ref)
+        assert result.job is not None and result.job.created_at == result.job.touched_at

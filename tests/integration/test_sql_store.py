@@ -3,11 +3,13 @@
 The contract suite holds every store to the same answers; these tests look
 at what only the SQL store has: pooled connections checked without a round
 trip, MySQL's pool reset, and the locking transaction a one-statement write
-hands over to (a history the statement cannot extend).
+hands over to (a snapshot that began before a competing create committed, a
+history the statement cannot extend, a MySQL without ``INSERT … RETURNING``).
 """
 
 from __future__ import annotations
 
+import threading
 import uuid
 from collections.abc import Iterator
 from datetime import timedelta
@@ -18,7 +20,7 @@ import pytest
 import sqlalchemy as sa
 
 from celery_exactonce import jobs
-from celery_exactonce.jobs import JobRef, Transition, TransitionStatus
+from celery_exactonce.jobs import CreateStatus, JobRef, Transition, TransitionStatus
 from celery_exactonce.states import State
 from celery_exactonce.stores import sql_statements
 from celery_exactonce.stores.sql import SqlStore
@@ -198,6 +200,106 @@ def test_a_heartbeat_reads_the_clock_once(store: SqlStore) -> None:
     assert new.run_id is not None and store.heartbeat(new.ref, new.run_id)
     job = store.get(new.ref)
     assert job is not None and job.touched_at == job.heartbeat_at
+
+
+def test_without_insert_returning_mysql_creates_the_locking_way(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = _store("mysql", tmp_path)
+    try:
+        monkeypatch.setattr(store, "_insert_returning", lambda: False)
+        epoch = store.epoch()
+        new = task_job()
+        created = store.create(new, epoch=epoch)
+        assert created.created and created.job == store.get(new.ref)
+        again = store.create(new)
+        assert again.status is CreateStatus.EXISTS and again.job == created.job
+        stale = store.create(task_job(), epoch="not-the-epoch")
+        assert stale.status is CreateStatus.EPOCH_MISMATCH and stale.epoch == epoch
+    finally:
+        store.drop_namespace()
+        store.close()
+
+
+def _spy(store: SqlStore, name: str, monkeypatch: pytest.MonkeyPatch) -> list[object]:
+    """Record the calls of one of the store's methods (the locking paths)."""
+    calls: list[object] = []
+    real = getattr(store, name)
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        calls.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(store, name, spy)
+    return calls
+
+
+@pytest.mark.parametrize("kind", ["task", "occurrence"])
+def test_a_create_that_commits_after_the_statement_began_is_found(
+    tmp_path: Path, kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PostgreSQL: a competing create commits while ours waits on its lock, after our snapshot.
+
+    Our statement cannot see the record (its snapshot is older) and did not
+    insert (the key or the mark was taken): the locking transaction reads the
+    record and answers EXISTS with it.
+    """
+    store = _store("postgres", tmp_path)
+    rival = _store("postgres", tmp_path, store.namespace)
+    try:
+        fire = store.now().replace(microsecond=0)
+        new = task_job() if kind == "task" else occurrence("raced", fire)
+        theirs = task_job(new.ref.id) if kind == "task" else occurrence("raced", fire)
+        results: list[Any] = []
+        locking = _spy(store, "_create", monkeypatch)
+        with rival.engine.connect() as conn, conn.begin():
+            # Their create, by the locking path, left uncommitted (it holds the key and the mark)
+            rival._create(conn, theirs, None)
+            thread = threading.Thread(target=lambda: results.append(store.create(new)))
+            thread.start()
+            poll(lambda: _waiting_on_a_lock(rival.engine))
+        thread.join(timeout=30)
+        assert len(results) == 1
+        result = results[0]
+        assert result.status is CreateStatus.EXISTS
+        assert result.job is not None and result.job.rev == theirs.rev
+        assert len(locking) == 1  # the statement could not tell; the transaction did
+        if kind == "occurrence":
+            assert store.watermark("raced") == fire
+    finally:
+        store.drop_namespace()
+        for each in (store, rival):
+            each.close()
+
+
+def _waiting_on_a_lock(engine: sa.Engine) -> bool:
+    with engine.connect() as conn:
+        waiting = conn.exec_driver_sql(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+            " AND datname = current_database() AND query LIKE 'WITH clock%%'"
+        ).scalar_one()
+    return bool(waiting)
+
+
+def test_an_occurrence_id_of_another_entry_fails_the_statement_and_writes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PostgreSQL: the mark of the second entry would move, so the whole statement fails."""
+    store = _store("postgres", tmp_path)
+    try:
+        fire = store.now()
+        first = occurrence("entry-one", fire)
+        assert store.create(first).created
+        locking = _spy(store, "_create", monkeypatch)
+        other = jobs.NewJob(
+            first.ref, "tasks.tick", State.SCHEDULED, node="n", entry="entry-two", fire_time=fire
+        )
+        result = store.create(other)
+        assert result.status is CreateStatus.EXISTS and len(locking) == 1
+        assert store.watermark("entry-two") is None
+    finally:
+        store.drop_namespace()
+        store.close()
 
 
 def test_a_conflict_answers_the_record_as_it_is(store: SqlStore) -> None:
