@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from celery_exactonce import exceptions
 from celery_exactonce.jobs import JobRef, Transition
 from celery_exactonce.runtime import runtime_for
 from celery_exactonce.states import State
+from celery_exactonce.stores import settle
 
 #: The states a job can be cancelled from: not dispatched yet.
 CANCELLABLE = frozenset({State.PENDING, State.SCHEDULED})
@@ -36,10 +36,7 @@ def cancel(task_id: str, app: Any = None) -> bool:
     request = Transition(
         State.CANCELLED, CANCELLABLE, node=runtime.node, reason="cancelled by cancel()"
     )
-    try:
-        result = runtime.store.transition(ref, request)
-    except exceptions.StoreError:
-        if runtime.dispatcher.read_back(ref, request.new_rev) is not None:
-            return True
-        raise
+    result = settle.transition(runtime.store, ref, request)
+    if result.error is not None and not result.applied:
+        raise result.error
     return result.applied

@@ -44,6 +44,7 @@ from celery_exactonce.jobs import Job, JobRef, Lease, NewJob, Transition, Transi
 from celery_exactonce.messages import GATED_OPTION
 from celery_exactonce.publisher import Publisher, PublishFailed
 from celery_exactonce.states import State
+from celery_exactonce.stores import settle
 from celery_exactonce.stores.base import StateStore
 
 logger = logging.getLogger(__name__)
@@ -53,9 +54,6 @@ ENQUEUED = "(record and message in one step)"
 #: Jobs per ``DISPATCHED`` write in :meth:`Dispatcher.dispatch_many`: at most this
 #: many are left ``DISPATCHED`` without a message if the process dies mid-chunk.
 DISPATCH_CHUNK = 32
-#: How long a writer keeps trying to read back a write whose answer was lost.
-READ_BACK_TRIES = 3
-READ_BACK_DELAY = 0.05
 
 
 class Outcome(str, enum.Enum):
@@ -309,27 +307,20 @@ class Dispatcher:
         """
         if not writes:
             return []
-        try:
-            replies = self.store.transition_many(
-                [(job.ref, req) for _, job, req in writes], brief=True
-            )
-        except exceptions.StoreError as exc:
-            settled: list[tuple[int, Job | DispatchResult]] = []
-            for i, job, request in writes:
-                dispatched = self.read_back(job.ref, request.new_rev)
-                if dispatched is None:
-                    self._fail_closed("dispatched_write", job, exc)
-                    settled.append((i, DispatchResult(Outcome.FAIL_CLOSED, job, exc)))
-                else:
-                    settled.append((i, dispatched))
-            return settled
+        written = settle.transition_many(
+            self.store, [(job.ref, req) for _, job, req in writes], brief=True
+        )
         out: list[tuple[int, Job | DispatchResult]] = []
-        for (i, job, request), reply in zip(writes, replies, strict=True):
+        for (i, job, request), reply in zip(writes, written, strict=True):
             if reply.applied:
                 out.append((i, reply.job or jobs.apply_transition(job, request, job.touched_at)))
                 continue
+            if reply.error is not None:
+                self._fail_closed("dispatched_write", job, reply.error)
+                out.append((i, DispatchResult(Outcome.FAIL_CLOSED, job, reply.error)))
+                continue
             logger.debug(
-                "job %s already taken (%s)", job.ref, reply.status.value,
+                "job %s already taken (%s)", job.ref, reply.status and reply.status.value,
                 extra={"action": "dispatch_lost", "job_id": job.ref.id},
             )  # fmt: skip
             lost = reply.status is TransitionStatus.LEASE_LOST
@@ -449,21 +440,6 @@ class Dispatcher:
             )  # fmt: skip
         return DispatchResult(Outcome.PUBLISHED, job, sent=sent)
 
-    def read_back(self, ref: JobRef, op_id: str) -> Job | None:
-        """The record if the write ``op_id`` applied and is still the latest; else ``None``.
-
-        ``None`` also when the record cannot be read (bounded tries): the caller
-        then publishes nothing, and the reconciler settles the job visibly.
-        """
-        for attempt in range(READ_BACK_TRIES):
-            try:
-                job = self.store.get(ref)
-            except exceptions.StoreError:
-                time.sleep(READ_BACK_DELAY * (2**attempt))
-                continue
-            return job if job is not None and job.rev == op_id else None
-        return None
-
     # -- internals ------------------------------------------------------------------
 
     def _rollback(self, job: Job, exc: BaseException) -> Job | None:
@@ -472,13 +448,11 @@ class Dispatcher:
             State.SCHEDULED, frozenset({State.DISPATCHED}), node=self.node,
             reason=f"publish failed: {exc}", rev=job.rev,
         )  # fmt: skip
-        try:
-            result = self.store.transition(job.ref, request)
-        except exceptions.StoreError as error:
-            result_job = self.read_back(job.ref, request.new_rev)
-            if result_job is not None:
-                return result_job
-            self._rollback_failed(job, error)
+        result = settle.transition(self.store, job.ref, request)
+        if result.error is not None:  # the answer was lost: applied, as read back, or failed
+            if result.applied:
+                return result.job
+            self._rollback_failed(job, result.error)
             return None
         if not result.applied or result.job is None:
             # Someone (the gate: the message did land after all) moved it on.

@@ -218,7 +218,8 @@ class Job:
         """Whether the write whose op id (new ``rev``) is ``op_id`` applied to this record.
 
         This is how a writer settles a write that timed out: read the record
-        back and ask it.
+        back and ask it (:mod:`celery_exactonce.stores.settle` does, for every
+        writer). True too when a later write has moved the record on since.
         """
         return self.rev == op_id or any(h.rev == op_id for h in self.history)
 

@@ -62,6 +62,7 @@ from celery_exactonce.jobs import Job, JobRef, Lease, Transition
 from celery_exactonce.messages import GATED_OPTION, POLICY_OPTION
 from celery_exactonce.runtime import Runtime, runtime_for
 from celery_exactonce.states import State
+from celery_exactonce.stores import settle
 from celery_exactonce.task import ExactOnceTask
 
 logger = logging.getLogger(__name__)
@@ -400,13 +401,9 @@ class Reconciler:
 
     def _write(self, ref: JobRef, request: Transition) -> Job | None:
         """The CAS; the new record if it applied. A lost lease stops the pass."""
-        try:
-            result = self.runtime.store.transition(ref, request)
-        except exceptions.StoreError:
-            job = self.runtime.dispatcher.read_back(ref, request.new_rev)
-            if job is None:
-                raise
-            return job
+        result = settle.transition(self.runtime.store, ref, request)
+        if result.error is not None and not result.applied:
+            raise result.error
         if result.status is jobs.TransitionStatus.LEASE_LOST:
             raise _LeaseLost
         return result.job if result.applied else None

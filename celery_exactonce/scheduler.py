@@ -99,7 +99,7 @@ from celery_exactonce.messages import GATED_OPTION, POLICY_OPTION, check_options
 from celery_exactonce.reconciler import RECONCILE_TASK, BeatRunner
 from celery_exactonce.runtime import Runtime
 from celery_exactonce.states import State
-from celery_exactonce.stores import redact_url
+from celery_exactonce.stores import redact_url, settle
 from celery_exactonce.task import TASK_FLAGS, TASK_TIMEOUTS, ExactOnceTask, task_policy
 
 logger = logging.getLogger(__name__)
@@ -535,32 +535,33 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
                 provable.append((plan, new))
         if not provable:
             return []
-        store = self._runtime.store
-        news = [new for _, new in provable]
-        results: list[jobs.CreateResult | None]
-        try:
-            results = list(store.create_many(news, epoch=self._epoch, brief=True))
-        except exceptions.StoreError as exc:
+        # One read back per claim whose answer was lost: a tick does not wait out an outage.
+        results = settle.create_many(
+            self._runtime.store, [new for _, new in provable], epoch=self._epoch, brief=True,
+            tries=1,
+        )  # fmt: skip
+        error = results[0].error
+        if error is not None:
             self._runtime.note_store_error()  # the reconciler's grace
-            results = [self._read_back_claim(new) for new in news]
-            if None in results:
+            failed = sum(1 for result in results if result.status is None)
+            if failed:
                 metrics.event(
-                    "fail_closed", f"{results.count(None)} claim(s) failed on a store error: "
+                    "fail_closed", f"{failed} claim(s) failed on a store error: "
                     "not dispatched, retried next tick", level=logging.WARNING,
-                    labels={"phase": "claim_write"}, exc_info=exc,
+                    labels={"phase": "claim_write"}, exc_info=error,
                 )  # fmt: skip
         won: list[jobs.Job] = []
         lost: list[tuple[_Plan, NewJob]] = []
         taken: list[tuple[NewJob, jobs.Job | None]] = []
         for (plan, new), result in zip(provable, results, strict=True):
-            if result is None:
+            if result.status is None:  # lost, and no record read back
                 plan.failed.append(_fire(new))
             elif result.status is CreateStatus.EPOCH_MISMATCH:
                 lost.append((plan, new))
             elif result.status is CreateStatus.CREATED:
                 won.append(result.job or jobs.job_from_new(new, now))
                 self._recent.append((new.ref, _fire(new)))
-            elif result.job is not None and result.job.rev == new.rev:  # read back: ours
+            elif result.applied and result.job is not None:  # our record, as the store holds it
                 if result.job.state is State.SCHEDULED:
                     won.append(result.job)
                     self._recent.append((new.ref, _fire(new)))
@@ -684,14 +685,6 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
             f"the store (e.g. {missing[0]}): slots up to {self._floor} "
             "are skipped", level=logging.ERROR, labels={"where": "recheck"}, sentry=True,
         )  # fmt: skip
-
-    def _read_back_claim(self, new: NewJob) -> jobs.CreateResult | None:
-        """After a claim write errored: ``EXISTS`` with the record if any, else ``None``."""
-        try:
-            job = self._runtime.store.get(new.ref)
-        except exceptions.StoreError:
-            return None
-        return None if job is None else jobs.CreateResult(CreateStatus.EXISTS, job)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -46,9 +46,10 @@ from celery.exceptions import Ignore, Reject, Retry
 
 from celery_exactonce import exceptions, jobs, messages, metrics
 from celery_exactonce.dispatch import Enqueued
-from celery_exactonce.jobs import CreateStatus, Job, JobRef, NewJob, Transition
+from celery_exactonce.jobs import Job, JobRef, NewJob, Transition
 from celery_exactonce.runtime import Runtime, config_for, runtime_for
 from celery_exactonce.states import State
+from celery_exactonce.stores import settle
 
 logger = logging.getLogger(__name__)
 
@@ -250,22 +251,12 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
             raise exceptions.SubmitAmbiguous(new.ref.id) from exc
 
     def _create(self, runtime: Runtime, new: NewJob) -> Job:
-        try:
-            result = runtime.store.create(new)
-        except exceptions.StoreError as exc:
-            try:
-                existing = runtime.store.get(new.ref)
-            except exceptions.StoreError:
-                raise exceptions.SubmitAmbiguous(new.ref.id) from exc
-            if existing is None:
-                raise exceptions.SubmitAmbiguous(new.ref.id) from exc
-            result = jobs.CreateResult(CreateStatus.EXISTS, existing)
+        result = settle.create(runtime.store, new, tries=1)  # one read back: the caller resubmits
         if result.job is None:
-            raise exceptions.SubmitAmbiguous(new.ref.id)
-        job = result.job
-        if result.status is CreateStatus.EXISTS and job.rev != new.rev:
-            self._resubmitted(job, new)
-        return job
+            raise exceptions.SubmitAmbiguous(new.ref.id) from result.error
+        if not result.applied:
+            self._resubmitted(result.job, new)
+        return result.job
 
     def _resubmitted(self, job: Job, new: NewJob) -> None:
         """A ``task_id`` submitted again: the same job (logged, counted), or a conflict.
@@ -315,18 +306,16 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
             args=list(args) if args is not None else None,
             kwargs=dict(kwargs) if kwargs is not None else None,
         )  # fmt: skip
-        try:
-            result = runtime.store.transition(run.ref, request)
-            job = result.job if result.applied else None
-        except exceptions.StoreError as exc:
-            job = runtime.dispatcher.read_back(run.ref, request.new_rev)
-            if job is None:
-                metrics.event(
-                    "fail_closed", f"retry of {run.ref} not written: nothing published",
-                    level=logging.WARNING, labels={"phase": "dispatched_write"}, sentry=True,
-                    job_id=run.ref.id, task=self.name, exc_info=exc,
-                )  # fmt: skip
-                raise Reject(exc, requeue=False) from exc
+        result = settle.transition(runtime.store, run.ref, request)
+        exc = result.error
+        if exc is not None and not result.applied:
+            metrics.event(
+                "fail_closed", f"retry of {run.ref} not written: nothing published",
+                level=logging.WARNING, labels={"phase": "dispatched_write"}, sentry=True,
+                job_id=run.ref.id, task=self.name, exc_info=exc,
+            )  # fmt: skip
+            raise Reject(exc, requeue=False) from exc
+        job = result.job if result.applied else None
         if job is None:
             logger.info(
                 "%s of %s refused: the job moved on", reason, run.ref,
@@ -621,13 +610,9 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
         delay = runtime.config.retry_delay_store
         error: BaseException | None = None
         for _ in range(3):
-            try:
-                result = runtime.store.transition(ref, request)
-            except exceptions.StoreError as exc:
-                job = runtime.dispatcher.read_back(ref, request.new_rev)
-                if job is not None:
-                    return
-                error = exc
+            result = settle.transition(runtime.store, ref, request)
+            if result.error is not None and not result.applied:
+                error = result.error
                 time.sleep(delay)
                 continue
             if not result.applied:

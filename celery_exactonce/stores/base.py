@@ -14,7 +14,8 @@ Conventions shared by every operation:
   when retrying may help (connection refused or reset, timeout, lock wait),
   :class:`~celery_exactonce.exceptions.StoreError` otherwise. An error raised
   after the request was sent leaves the outcome unknown: settle it by reading
-  the record back (:meth:`celery_exactonce.jobs.Job.applied`).
+  the record back and asking it (:meth:`celery_exactonce.jobs.Job.applied`);
+  :mod:`celery_exactonce.stores.settle` does both for every writer.
 * Lost races are return values (:class:`~celery_exactonce.jobs.CreateStatus`,
   :class:`~celery_exactonce.jobs.TransitionStatus`), never exceptions.
 """
