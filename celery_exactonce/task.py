@@ -369,12 +369,16 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
         ref = messages.ref_from_headers(headers, request.id)
         attempt = int(headers.get(messages.HEADER_ATTEMPT, request.retries or 0))
         run_id = jobs.new_token()
+        key = headers.get(messages.HEADER_IDEMPOTENCY_KEY)
+        # The record is wanted only for the idempotency key of a message without one:
+        # otherwise the gate's CAS is brief (no record sent back and decoded).
         job = self._gate(
-            runtime, ref, attempt, run_id, headers, args, kwargs, request.delivery_info or {}
-        )
-        request.idempotency_key = headers.get(messages.HEADER_IDEMPOTENCY_KEY) or (
-            messages.job_idempotency_key(job, runtime.store.namespace)
-        )
+            runtime, ref, attempt, run_id, headers, args, kwargs, request.delivery_info or {},
+            brief=bool(key),
+        )  # fmt: skip
+        if not key and job is not None:
+            key = messages.job_idempotency_key(job, runtime.store.namespace)
+        request.idempotency_key = key
         run = _Run(ref, run_id, attempt, headers)
         token = _current.set(run)
         beat = _heartbeats.start(runtime, ref, run_id)
@@ -414,13 +418,17 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
         args: Sequence[Any],
         kwargs: Mapping[str, Any],
         delivery_info: Mapping[str, Any],
-    ) -> Job:
+        *,
+        brief: bool = False,
+    ) -> Job | None:
         """Pass the gate (returning the ``RUNNING`` job this delivery owns) or raise.
 
         ``run_id`` is this delivery's own token, fresh for it: the body runs
         only once the store confirms the job ``RUNNING`` under it. Raises
         ``Ignore`` for a delivery the job does not wait for, and the exception
-        of :meth:`_send_back` when the store stays unreachable.
+        of :meth:`_send_back` when the store stays unreachable. With ``brief``
+        the CAS may answer without the record: ``None`` when it applied (a
+        refused CAS carries the record all the same, to decide on).
 
         A write whose answer is lost is settled by reading the record back
         (never by guessing). A delivery that could not settle in time is sent
@@ -442,9 +450,9 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
             try:
                 if write is None:
                     job = runtime.store.get(ref)
-                else:
-                    result = runtime.store.transition(ref, write)
-                    if result.applied and result.job is not None:
+                else:  # brief goes through transition_many: the store contract's brief CAS
+                    (result,) = runtime.store.transition_many([(ref, write)], brief=brief)
+                    if result.applied and (brief or result.job is not None):
                         return result.job
                     job = result.job
                 if job is None:
@@ -610,7 +618,8 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
         delay = runtime.config.retry_delay_store
         error: BaseException | None = None
         for _ in range(3):
-            result = settle.transition(runtime.store, ref, request)
+            # Brief: an applied completion needs no record back; a refused one carries it.
+            result = settle.transition(runtime.store, ref, request, brief=True)
             if result.error is not None and not result.applied:
                 error = result.error
                 time.sleep(delay)

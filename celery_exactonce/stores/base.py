@@ -131,7 +131,11 @@ class StateStore(Protocol):
 
         Each transition is atomic on its own; the batch is not. An error raised
         leaves every outcome unknown: settle each by reading back its ``new_rev``.
-        With ``brief`` the store may leave ``job`` unset in an applied result.
+        With ``brief`` the store may leave ``job`` unset in an applied result
+        (the caller needs no record back, and reading it back costs); a refused
+        one (``CONFLICT``, ``LEASE_LOST``) carries the record as it is all the
+        same, for the caller to decide on. The dispatcher's writes, the worker
+        gate's CAS and the completion write are brief.
         """
         ...
 

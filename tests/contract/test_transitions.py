@@ -404,6 +404,41 @@ def test_brief_batches_answer_statuses_and_write_the_same(store: StateStore) -> 
     )
 
 
+def test_a_brief_cas_that_is_refused_answers_the_record_as_it_is(store: StateStore) -> None:
+    """The worker gate's and the completion's CAS are brief: a refusal is decided on the record."""
+    ref, rev = _dispatched(store)
+    before = store.get(ref)
+    # When brief CASes are refused, on a guard and on a lease
+    conflict, lease_lost = store.transition_many(
+        [
+            (ref, to(State.RUNNING, State.SCHEDULED, attempt=0, new_run_id="r")),
+            (ref, to(State.TIMEOUT, State.DISPATCHED, rev=rev, lease=Lease("reconcile", "t"))),
+        ],
+        brief=True,
+    )
+    # Then each answer carries the record, unchanged
+    assert (conflict.status, lease_lost.status) == (
+        TransitionStatus.CONFLICT,
+        TransitionStatus.LEASE_LOST,
+    )
+    assert conflict.job == before and lease_lost.job == before and store.get(ref) == before
+    # and one that applies may answer with the status only; the record is as a full CAS writes it
+    gate = to(State.RUNNING, State.DISPATCHED, attempt=0, new_run_id="r")
+    (applied,) = store.transition_many([(ref, gate)], brief=True)
+    after = store.get(ref)
+    assert applied.applied and applied.job in (None, after)
+    assert after is not None and (after.state, after.rev, after.run_id) == (
+        State.RUNNING,
+        gate.new_rev,
+        "r",
+    )
+    # and one that finds no record answers NOT_FOUND, with none
+    (missing,) = store.transition_many(
+        [(JobRef.task("ghost"), to(State.DISPATCHED, State.SCHEDULED))], brief=True
+    )
+    assert (missing.status, missing.job) == (TransitionStatus.NOT_FOUND, None)
+
+
 def test_a_note_is_appended_to_the_history_and_nothing_else_moves(store: StateStore) -> None:
     """``annotate``: a claim conflict or a late outcome said in the record (SCENARIOS 57)."""
     ref, _ = _dispatched(store)
