@@ -33,6 +33,7 @@ import contextvars
 import dataclasses
 import itertools
 import logging
+import math
 import os
 import threading
 import time
@@ -667,6 +668,8 @@ class _Heartbeats:
     than the interval costs two dictionary operations and no store call (a
     thread per run cost a thread start and a join each). The thread starts with
     the first run of a process, again in a forked child (a prefork pool process).
+    The thread is woken only for a run due before it would wake anyway (the
+    first one after an idle spell), not at every start.
     """
 
     def __init__(self) -> None:
@@ -674,17 +677,20 @@ class _Heartbeats:
         self._runs: dict[int, _Beating] = {}
         self._tokens = itertools.count()
         self._pid: int | None = None
+        #: When the waiting thread wakes by itself (monotonic); -inf while it is not waiting.
+        self._wakes_at = -math.inf
 
     def start(self, runtime: Runtime, ref: JobRef, run_id: str) -> int:
         """Touch ``ref`` under ``run_id`` every interval from now on; the token to stop it."""
         due = time.monotonic() + runtime.config.heartbeat_interval
         with self._lock:
             if self._pid != os.getpid():  # first run here, or a forked child: no thread yet
-                self._pid, self._runs = os.getpid(), {}
+                self._pid, self._runs, self._wakes_at = os.getpid(), {}, -math.inf
                 threading.Thread(target=self._loop, name="exactonce-heartbeat", daemon=True).start()
             token = next(self._tokens)
             self._runs[token] = _Beating(runtime, ref, run_id, due)
-            self._lock.notify()
+            if due < self._wakes_at:
+                self._lock.notify()
         return token
 
     def stop(self, token: int) -> None:
@@ -698,7 +704,9 @@ class _Heartbeats:
                 due = [(token, run) for token, run in self._runs.items() if run.due <= now]
                 if not due:
                     nearest = min((run.due for run in self._runs.values()), default=now + 60.0)
+                    self._wakes_at = nearest
                     self._lock.wait(timeout=nearest - now)
+                    self._wakes_at = -math.inf  # not waiting: it looks at every run before it does
                     continue
                 for _, run in due:
                     run.due = now + run.runtime.config.heartbeat_interval
