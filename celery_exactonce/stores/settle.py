@@ -1,4 +1,4 @@
-"""Writes whose answer was lost: write, and if the answer is lost read back and decide.
+"""Settling writes: write, and if the answer is lost, read the record back and decide.
 
 A store error raised after a request was sent leaves its outcome unknown
 (:mod:`celery_exactonce.stores.base`). Every writer settles such a write the
