@@ -383,12 +383,13 @@ class Dispatcher:
             )  # fmt: skip
             return None
         except exceptions.StoreError:
-            current = self.store.get(new.ref)  # a StoreError here leaves it unknown
-            if current is None:
+            back = settle.read_back(self.store, new.ref, request.new_rev)
+            if back.job is None:  # none yet, or unreadable: the script may still run
                 raise
-            if current.rev != request.new_rev:
-                return Enqueued(current, created=False, sent=captured.sent)
-            result = jobs.CreateResult(jobs.CreateStatus.CREATED, current)
+            if back.decision is settle.Decision.NOT_APPLIED:
+                return Enqueued(back.job, created=False, sent=captured.sent)
+            # Ours, perhaps already moved on by a worker's gate (superseded).
+            result = jobs.CreateResult(jobs.CreateStatus.CREATED, back.job)
         if not result.created:
             assert result.job is not None  # noqa: S101 (an existing record comes back)
             return Enqueued(result.job, created=False, sent=captured.sent)

@@ -234,27 +234,38 @@ class LoseAnswer(RedisStore):
     """Runs the enqueue script (or not), then fails as a connection lost mid-call would."""
 
     apply = True
+    #: A worker's gate takes the job before the writer reads it back.
+    taken = False
 
     def _run(self, name: str, keys: list[str], args: list[Any]) -> Any:
         if name == "enqueue":
             if self.apply:
                 super()._run(name, keys, args)
+            if self.taken:
+                gate = Transition(
+                    State.RUNNING, frozenset({State.DISPATCHED}), node="w", reason="gate",
+                    new_run_id="r1",
+                )  # fmt: skip
+                assert self.transition(JobRef.task("j1"), gate).applied
             raise redis.ConnectionError("connection lost")
         return super()._run(name, keys, args)
 
 
-@pytest.mark.parametrize("applied", [True, False])
-def test_a_lost_answer_is_settled_by_reading_back(server: RedisServer, applied: bool) -> None:
+@pytest.mark.parametrize("outcome", ["applied", "applied-then-taken", "not-applied"])
+def test_a_lost_answer_is_settled_by_reading_back(server: RedisServer, outcome: str) -> None:
     store = LoseAnswer.from_url(_url(server, 1), namespace=NAMESPACE, retention=3600)
-    store.apply = applied
+    store.apply = outcome != "not-applied"
+    store.taken = outcome == "applied-then-taken"
     dispatcher = _dispatcher(server, store)
-    if not applied:
+    if outcome == "not-applied":
         with pytest.raises(exceptions.StoreError):  # unknown: the caller says SubmitAmbiguous
             dispatcher.enqueue(_new())
         assert _queued(server) == 0
         return
     enqueued = dispatcher.enqueue(_new())
+    # Ours (not a resubmission), even when a gate moved the job on before the read back
     assert enqueued is not None and enqueued.created and enqueued.sent is not None
+    assert enqueued.job.state is (State.RUNNING if store.taken else State.DISPATCHED)
     assert _queued(server) == 1
 
 
