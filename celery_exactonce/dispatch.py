@@ -46,6 +46,7 @@ from celery_exactonce.publisher import Publisher, PublishFailed
 from celery_exactonce.states import State
 from celery_exactonce.stores import settle
 from celery_exactonce.stores.base import StateStore
+from celery_exactonce.stores.redis import Push, PushRefused
 
 logger = logging.getLogger(__name__)
 
@@ -370,8 +371,6 @@ class Dispatcher:
             return None  # the general path fails the job, with the reason
         if captured is None:
             return None
-        from celery_exactonce.stores.redis import Push, PushRefused
-
         try:
             result = enqueue(new, request, Push(captured.db, captured.commands))
         except PushRefused as exc:
