@@ -24,8 +24,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import os
 import re
-import uuid
 from collections.abc import Mapping, Sequence
 from datetime import datetime, timezone
 from typing import Any
@@ -60,8 +60,8 @@ EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 
 
 def new_token() -> str:
-    """A globally unique token (revs, run ids, lease tokens, op ids)."""
-    return uuid.uuid4().hex
+    """A globally unique token (revs, run ids, lease tokens, op ids): 128 random bits, in hex."""
+    return os.urandom(16).hex()
 
 
 #: Separates an epoch's random part from its birth time (store clock, microseconds).

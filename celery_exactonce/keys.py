@@ -54,6 +54,13 @@ def canonical_instant(fire_time: datetime) -> str:
         raise exceptions.InvalidPayload(
             f"fire_time must be timezone-aware, got naive {fire_time.isoformat()}"
         )
+    return _utc_text(fire_time)
+
+
+@functools.lru_cache(maxsize=16_384)
+def _utc_text(fire_time: datetime) -> str:
+    """The canonical text of a checked ``fire_time``, remembered (an ad-hoc job's is always
+    the epoch's; beat derives a slot's more than once)."""
     utc = fire_time.astimezone(timezone.utc)
     if utc.year < 1000:  # strftime's %Y does not pad such a year everywhere; keep its form
         return utc.strftime("%Y-%m-%dT%H:%M:%S.%fZ")

@@ -35,8 +35,11 @@ class Counters:
 
     def incr(self, action: str, labels: Mapping[str, str] | None = None, amount: int = 1) -> None:
         """Add ``amount`` to ``action`` under ``labels`` (only names in :data:`LABELS` count)."""
-        pairs = (labels or {}).items()
-        key = (action, tuple(sorted((k, str(v)) for k, v in pairs if k in LABELS)))
+        if labels:
+            pairs = sorted((k, str(v)) for k, v in labels.items() if k in LABELS)
+            key = (action, tuple(pairs))
+        else:
+            key = (action, ())
         with self._lock:
             self._counts[key] += amount
         _prometheus_incr(action, dict(key[1]), amount)
@@ -116,6 +119,8 @@ def report_to_sentry(
 _prometheus_lock = threading.Lock()
 _prometheus_counter: Any = None
 _prometheus_checked = False
+#: The counter's child per label values, remembered (label values are bounded).
+_prometheus_children: dict[tuple[str, ...], Any] = {}
 
 
 def _prometheus_incr(action: str, labels: dict[str, str], amount: int) -> None:
@@ -135,5 +140,9 @@ def _prometheus_incr(action: str, labels: dict[str, str], amount: int) -> None:
                     _prometheus_counter = None
                 _prometheus_checked = True
     if _prometheus_counter is not None:
-        values = {name: labels.get(name, "") for name in LABELS}
-        _prometheus_counter.labels(action=action, **values).inc(amount)
+        key = (action, *(labels.get(name, "") for name in LABELS))
+        child = _prometheus_children.get(key)
+        if child is None:  # prometheus_client's labels() looks the child up under a lock
+            child = _prometheus_counter.labels(*key)
+            _prometheus_children[key] = child
+        child.inc(amount)

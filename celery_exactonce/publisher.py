@@ -255,7 +255,9 @@ class CeleryPublisher:
             broker = _redis_broker(real)
             if broker is not None and shares_server(real.pool.connection_kwargs) is not None:
                 capture = _CaptureChannel(real)
-                target = _Capturing(capture, self.app.amqp.Producer(capture), *broker)
+                producer = self.app.amqp.Producer(capture)
+                producer.maybe_declare = _declared_once(producer)
+                target = _Capturing(capture, producer, *broker)
         if target is None:
             connection.release()
             self._capturable = False
@@ -406,6 +408,30 @@ def _redis_broker(channel: Any) -> tuple[int, str] | None:
         if not simple >= _PUSH_COMMANDS:
             return None
     return int(channel.pool.connection_kwargs.get("db") or 0), prefix
+
+
+def _declared_once(producer: Any) -> Callable[..., Any]:
+    """``producer.maybe_declare``, answering an entity already declared on its connection at once.
+
+    kombu's own answers the same (``False``, nothing declared) after binding a
+    copy of the entity to the channel, which it throws away: for a queue and
+    its exchange, a tenth of building a message. Anything not declared yet
+    goes to kombu's.
+    """
+    declare = producer.maybe_declare
+
+    def maybe_declare(entity: Any, retry: bool = False, **retry_policy: Any) -> Any:
+        connection = producer.channel.connection
+        if (
+            entity
+            and connection is not None
+            and entity.can_cache_declaration
+            and hash(entity) in connection.client.declared_entities
+        ):
+            return False
+        return declare(entity, retry, **retry_policy)
+
+    return maybe_declare
 
 
 class _CaptureChannel:

@@ -136,9 +136,13 @@ def _opt(value: object | None) -> str:
     return "" if value is None else f"={value}"
 
 
+#: ASCII-escaped: a lone surrogate in a string round-trips instead of failing to encode.
+#: One encoder for the process (``json.dumps`` with options builds one per call).
+_JSON = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
+
+
 def _json(value: Any) -> str:
-    # ASCII-escaped: a lone surrogate in a string round-trips instead of failing to encode.
-    return json.dumps(value, separators=(",", ":"), allow_nan=False)
+    return _JSON.encode(value)
 
 
 def _history_entry(src: str | None, dst: str, node: str, reason: str, rev: str) -> str:
