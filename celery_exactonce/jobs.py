@@ -224,6 +224,9 @@ class Job:
         return self.rev == op_id or any(h.rev == op_id for h in self.history)
 
 
+_JOB_FIELDS = frozenset(field.name for field in dataclasses.fields(Job))
+
+
 @dataclasses.dataclass(frozen=True)
 class NewJob:
     """A request to create a job if no record with its ``ref`` exists.
@@ -463,12 +466,28 @@ def check_transition(job: Job, t: Transition, now: datetime) -> bool:
     return True
 
 
+def _replaced(job: Job, **changes: Any) -> Job:
+    """``dataclasses.replace(job, **changes)``, without its walk over every field.
+
+    A :class:`Job` has no ``__post_init__`` and every field is in ``__init__``,
+    so a copy of its fields is what ``replace`` would build; a write builds
+    one per record (the gate, every dispatch).
+    """
+    unknown = changes.keys() - _JOB_FIELDS
+    if unknown:
+        raise TypeError(f"Job has no field {sorted(unknown)[0]!r}")
+    out = object.__new__(Job)
+    out.__dict__.update(job.__dict__)
+    out.__dict__.update(changes)
+    return out
+
+
 def apply_transition(job: Job, t: Transition, now: datetime) -> Job:
     """The record after ``t`` applied to ``job`` at store time ``now`` (guards not checked)."""
     entry = HistoryEntry(job.state, t.to, now, t.node, t.reason, t.new_rev)
     running = t.to is State.RUNNING
     resigned = t.args is not None or t.kwargs is not None or t.signature is not None
-    return dataclasses.replace(
+    return _replaced(
         job,
         state=t.to,
         rev=t.new_rev,
@@ -509,7 +528,7 @@ def annotate_job(job: Job, *, node: str, reason: str, op_id: str, now: datetime)
     if any(entry.rev == op_id for entry in job.history):
         return job
     entry = HistoryEntry(job.state, job.state, now, node, reason, op_id)
-    return dataclasses.replace(job, history=(*job.history, entry)[-HISTORY_LIMIT:])
+    return _replaced(job, history=(*job.history, entry)[-HISTORY_LIMIT:])
 
 
 def job_from_new(new: NewJob, now: datetime) -> Job:
@@ -620,6 +639,8 @@ def decode_payload(value: Any) -> Any:
     decode from the same JSON. A value with nothing to decode is returned as is.
     """
     if isinstance(value, dict):
+        if value.keys() != _TYPE_KEYS and all(type(v) in _SCALARS for v in value.values()):
+            return value  # the common case, a flat mapping: nothing can be typed inside
         decoded = {key: decode_payload(item) for key, item in value.items()}
         if decoded.keys() == _TYPE_KEYS:
             return kombu_json.object_hook(decoded)
@@ -627,6 +648,8 @@ def decode_payload(value: Any) -> Any:
             return value
         return decoded
     if isinstance(value, (list, tuple)):
+        if all(type(v) in _SCALARS for v in value):
+            return value
         items = [decode_payload(item) for item in value]
         if all(new is old for new, old in zip(items, value, strict=True)):
             return value
@@ -635,6 +658,8 @@ def decode_payload(value: Any) -> Any:
 
 
 _TYPE_KEYS = frozenset({"__type__", "__value__"})
+#: The JSON values kombu never types (a typed value is a mapping).
+_SCALARS = frozenset({str, int, float, bool, type(None)})
 
 
 def job_to_json(job: Job) -> dict[str, Any]:

@@ -607,7 +607,17 @@ class RedisStore:
         return list(self._index_keys)
 
     def _run(self, name: str, keys: list[str], args: list[Any]) -> Any:
-        return self._scripts[name](keys=keys, args=args)
+        """Run script ``name``: EVALSHA, and on a server that lacks it, load it and run it again.
+
+        What redis-py's ``Script.__call__`` does, without the import and tuple
+        copies it makes per call (a submit runs one script).
+        """
+        script, execute = self._scripts[name], self._client.execute_command
+        try:
+            return execute("EVALSHA", script.sha, len(keys), *keys, *args)  # type: ignore[no-untyped-call]
+        except rexc.NoScriptError:  # a restarted or flushed server: the call did not run
+            script.sha = self._client.script_load(script.script)
+            return execute("EVALSHA", script.sha, len(keys), *keys, *args)  # type: ignore[no-untyped-call]
 
     def _run_batched(
         self,
