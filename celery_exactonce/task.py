@@ -47,7 +47,7 @@ from celery.exceptions import Ignore, Reject, Retry
 
 from celery_exactonce import exceptions, jobs, messages, metrics
 from celery_exactonce.dispatch import Enqueued
-from celery_exactonce.jobs import Job, JobRef, NewJob, Transition
+from celery_exactonce.jobs import CreateStatus, Job, JobRef, NewJob, Transition
 from celery_exactonce.runtime import Runtime, config_for, runtime_for
 from celery_exactonce.states import State
 from celery_exactonce.stores import settle
@@ -252,12 +252,26 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
             raise exceptions.SubmitAmbiguous(new.ref.id) from exc
 
     def _create(self, runtime: Runtime, new: NewJob) -> Job:
-        result = settle.create(runtime.store, new, tries=1)  # one read back: the caller resubmits
-        if result.job is None:
+        """Create ``new`` (one read back if the answer is lost: the caller resubmits).
+
+        Brief: a created record is not sent back, it is ``new`` as created, on
+        this process's clock (as a brief ``DISPATCHED`` write computes its
+        record), but where a signing key is set (the store signs the record).
+        A job that exists is read.
+        """
+        brief = runtime.dispatcher.signer is None
+        (result,) = settle.create_many(runtime.store, [new], brief=brief, tries=1)
+        if result.applied and result.job is None:
+            return jobs.job_from_new(new, datetime.now(timezone.utc))
+        job, decision = result.job, result.decision
+        if job is None and result.error is None and result.status is CreateStatus.EXISTS:
+            back = settle.read_back(runtime.store, new.ref, new.rev, tries=1)
+            job, decision = back.job, back.decision
+        if job is None:
             raise exceptions.SubmitAmbiguous(new.ref.id) from result.error
-        if not result.applied:
-            self._resubmitted(result.job, new)
-        return result.job
+        if decision is not settle.Decision.APPLIED:
+            self._resubmitted(job, new)
+        return job
 
     def _resubmitted(self, job: Job, new: NewJob) -> None:
         """A ``task_id`` submitted again: the same job (logged, counted), or a conflict.
