@@ -103,8 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--small", action="store_true", help="tiny sizes: a quick smoke run")
     parser.add_argument("--entries", type=int, default=10_000, help="beat entries (beat suite)")
     parser.add_argument(
-        "--rounds", type=int, default=3,
-        help="plain/ours pairs of rounds (beat, submit, e2e, group suites)",
+        "--rounds", type=int, default=5,
+        help="plain/ours pairs of rounds (beat, submit, e2e, group suites); the ratio is the "
+        "median of the pairs', so one pair a neighbour slowed does not decide it",
     )  # fmt: skip
     parser.add_argument("--delayed", type=int, default=100_000, help="due delayed jobs to sweep")
     parser.add_argument(
