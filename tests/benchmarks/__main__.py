@@ -5,7 +5,10 @@ Suites (``--suite all``, the default, runs every one):
 
 * ``stores``: create, CAS and claim per backend, one client looping against a
   fresh namespace (no concurrency), so each figure is the cost of one
-  operation including its round trips;
+  operation including its round trips. A create or CAS answers with the
+  record; a *brief* one (``create_many``/``transition_many`` with ``brief``:
+  beat's claims, a submit's create on the general path, the ``DISPATCHED``
+  write, the worker gate and the completion write) may answer without it;
 * ``beat`` and ``delayed``: see ``beat.py`` and ``delayed.py``;
 * ``submit``, ``e2e``, ``group``: ``.delay()`` per store and broker, no-op
   tasks through a real worker, and groups of 100 signatures, each from
@@ -50,16 +53,28 @@ def bench_store(store: StateStore, n: int) -> dict[str, float]:
                         args=[i], kwargs={"k": "v"}) for i in range(n)]  # fmt: skip
     pending = [NewJob(JobRef.task(f"p{i}"), "bench.task", State.PENDING, node="bench",
                       run_at=past + timedelta(microseconds=i)) for i in range(n)]  # fmt: skip
-    figures = {"create": _rate(n, lambda i: store.create(scheduled[i]))}
+    brief = [NewJob(JobRef.task(f"b{i}"), "bench.task", State.SCHEDULED, node="bench",
+                    args=[i], kwargs={"k": "v"}) for i in range(n)]  # fmt: skip
+    figures = {
+        "create": _rate(n, lambda i: store.create(scheduled[i])),
+        "create (brief)": _rate(n, lambda i: store.create_many([brief[i]], brief=True)),
+    }
+
+    def dispatched(new: NewJob) -> Transition:
+        return Transition(
+            State.DISPATCHED, frozenset({State.SCHEDULED}), node="bench", reason="bench",
+            rev=new.rev,
+        )  # fmt: skip
 
     def cas(i: int) -> None:
-        request = Transition(
-            State.DISPATCHED, frozenset({State.SCHEDULED}), node="bench", reason="bench",
-            rev=scheduled[i].rev,
-        )  # fmt: skip
-        assert store.transition(scheduled[i].ref, request).applied
+        assert store.transition(scheduled[i].ref, dispatched(scheduled[i])).applied
+
+    def cas_brief(i: int) -> None:
+        (result,) = store.transition_many([(brief[i].ref, dispatched(brief[i]))], brief=True)
+        assert result.applied
 
     figures["cas"] = _rate(n, cas)
+    figures["cas (brief)"] = _rate(n, cas_brief)
     for new in pending:
         store.create(new)
     batch = 100
