@@ -202,6 +202,41 @@ def test_a_heartbeat_reads_the_clock_once(store: SqlStore) -> None:
     assert job is not None and job.touched_at == job.heartbeat_at
 
 
+def _statements(store: SqlStore) -> list[str]:
+    """The first word of every statement the store sends from now on."""
+    sent: list[str] = []
+
+    def record(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        sent.append(statement.split(None, 1)[0].upper())
+
+    sa.event.listen(store.engine, "before_cursor_execute", record)
+    return sent
+
+
+def test_each_write_of_a_submit_and_a_gate_is_one_statement(server_store: SqlStore) -> None:
+    # The brief create (beat, a submit), the brief CAS (DISPATCHED, the gate, the
+    # completion), and on PostgreSQL the create and CAS that answer with the record:
+    # one statement each, the clock read inside it, no ping.
+    sent = _statements(server_store)
+    new, other = task_job(), task_job()
+    dispatched = to(State.DISPATCHED, State.SCHEDULED)
+    writes = {
+        "brief create": lambda: server_store.create_many([new], brief=True),
+        "brief CAS": lambda: server_store.transition_many([(new.ref, dispatched)], brief=True),
+        "create": lambda: server_store.create(other),
+        "CAS": lambda: server_store.transition(other.ref, to(State.DISPATCHED, State.SCHEDULED)),
+    }  # fmt: skip
+    counts = {}
+    for name, write in writes.items():
+        sent.clear()
+        write()
+        counts[name] = len(sent)
+    mariadb = server_store.engine.dialect.name == "mysql"
+    # MariaDB has no UPDATE … RETURNING: a CAS that answers with the record reads it after.
+    assert counts == {"brief create": 1, "brief CAS": 1, "create": 1, "CAS": 2 if mariadb else 1}
+    assert server_store.get(new.ref).state is State.DISPATCHED  # type: ignore[union-attr]
+
+
 def test_without_insert_returning_mysql_creates_the_locking_way(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
