@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import json
 import os
 import re
@@ -380,18 +381,13 @@ class Transition:
     signature: str | None = None
 
     def __post_init__(self) -> None:
-        expect = frozenset(State(s) for s in self.expect)
-        object.__setattr__(self, "expect", expect)
-        if not expect:
-            raise exceptions.InvalidPayload("a transition needs at least one expected state")
-        for src in expect:
-            if self.to not in ALLOWED[src]:
-                raise exceptions.InvalidPayload(f"transition {src} → {self.to} is not allowed")
-            if ((src, self.to) in NEXT_ATTEMPT_EDGES) != self.next_attempt:
-                raise exceptions.InvalidPayload(
-                    f"transition {src} → {self.to}: next_attempt must be "
-                    f"{(src, self.to) in NEXT_ATTEMPT_EDGES}"
-                )
+        expect = self.expect
+        if type(expect) is not frozenset or not all(type(s) is State for s in expect):
+            expect = frozenset(State(s) for s in expect)
+            object.__setattr__(self, "expect", expect)
+        problem = _edges_problem(expect, self.to, self.next_attempt)
+        if problem is not None:
+            raise exceptions.InvalidPayload(problem)
         if (self.to is State.RUNNING) != (self.new_run_id is not None):
             raise exceptions.InvalidPayload("new_run_id is set exactly for transitions to RUNNING")
         if (self.to is State.PENDING) != (self.run_at is not None):
@@ -423,6 +419,23 @@ class Transition:
         validate_identifier(self.new_rev, "rev", MAX_NAME_LENGTH)
         validate_reason(self.reason)
         object.__setattr__(self, "reason", sanitize_text(self.reason))
+
+
+@functools.lru_cache(maxsize=256)
+def _edges_problem(expect: frozenset[State], to: State, next_attempt: bool) -> str | None:
+    """What is wrong with the edges ``expect → to`` (``None``: nothing), remembered:
+    a process asks about few, for every write."""
+    if not expect:
+        return "a transition needs at least one expected state"
+    for src in sorted(expect):
+        if to not in ALLOWED[src]:
+            return f"transition {src} → {to} is not allowed"
+        if ((src, to) in NEXT_ATTEMPT_EDGES) != next_attempt:
+            return (
+                f"transition {src} → {to}: next_attempt must be "
+                f"{(src, to) in NEXT_ATTEMPT_EDGES}"
+            )
+    return None
 
 
 class TransitionStatus(str, enum.Enum):

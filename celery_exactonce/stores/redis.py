@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import re
@@ -151,8 +152,13 @@ def _history_entry(src: str | None, dst: str, node: str, reason: str, rev: str) 
     The text the scripts' ``history_append`` writes (one ``"rev"`` key, ``at``
     a decimal string), for a script that only has to add the store time.
     """
-    entry = {"from": src, "to": dst, "node": node, "reason": reason, "rev": rev, "at": ""}
-    return _json(entry)[:-2]  # without the closing '"}'
+    return f'{_history_head(src, dst, node, reason)}{_json(rev)},"at":"'
+
+
+@functools.lru_cache(maxsize=1024)
+def _history_head(src: str | None, dst: str, node: str, reason: str) -> str:
+    """An entry's text up to its rev (``…,"rev":``), remembered: a process writes few."""
+    return _json({"from": src, "to": dst, "node": node, "reason": reason, "rev": ""})[:-3]
 
 
 def _create_result(reply: Sequence[Any]) -> CreateResult:
@@ -216,9 +222,11 @@ class RedisStore:
         # The namespace's fixed keys, built once: every script call passes several.
         self._index_keys = [self._state_key(state) for state in State]
         self._due_key, self._expire_key = self._key("due"), self._key("expire")
+        self._dispatched_key = self._state_key(State.DISPATCHED)
         self._owns_client = False
         self._closed = False
         kwargs = client.connection_pool.connection_kwargs
+        self._db = int(kwargs.get("db") or 0)
         self._where = (
             f"unix://{kwargs['path']}"
             if kwargs.get("path")
@@ -423,19 +431,17 @@ class RedisStore:
         """
         if not push.commands:
             raise PushRefused(f"enqueue of {new.ref}: no broker command")
-        db = int(self._client.connection_pool.connection_kwargs.get("db") or 0)
         fields = self._record_fields(
             new, State.DISPATCHED.value, dispatch.new_rev, dispatch.node, dispatch.reason
         )
-        keys = [self._job_key(new.ref), self._state_key(State.DISPATCHED)]
+        keys = [self._job_key(new.ref), self._dispatched_key]
         created = _history_entry(None, new.state.value, new.node, new.reason, new.rev)
         dispatched = _history_entry(
             new.state.value, State.DISPATCHED.value, dispatch.node, dispatch.reason,
             dispatch.new_rev,
         )  # fmt: skip
         args: list[Any] = [
-            str(new.ref), db, push.db, "[" + created, '"},' + dispatched, '"}]',
-            len(fields) // 2, *fields,
+            self._db, push.db, "[" + created, '"},' + dispatched, len(fields) // 2, *fields,
         ]  # fmt: skip
         for name, key, value in push.commands:
             keys.append(key)

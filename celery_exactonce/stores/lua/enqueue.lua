@@ -2,19 +2,19 @@
 -- step: for a broker on the same Redis server as the store, the record and
 -- the message exist together or not at all.
 -- KEYS: 1 job record, 2 the DISPATCHED index, then one key per broker command
--- ARGV: 1 member, 2 store db, 3 broker db, 4..6 the record's history as JSON
---       text in three pieces, joined with the store time (the same in both
---       entries: the create and the dispatch), 7 n, then n field/value items
---       of the record, then per broker command: its name (lpush, pexpire or
---       publish) and its value
+-- ARGV: 1 store db, 2 broker db, 3..4 the record's two history entries as JSON
+--       text, each open at its time (the store time, the same in both: the
+--       create and the dispatch), 5 n, then n field/value items of the
+--       record, the first 'ref' (its value is the index member), then per
+--       broker command: its name (lpush, pexpire or publish) and its value
 -- Answer: {'created'}, {'exists', HGETALL of the record}, or
 --         {'push_failed', error}: nothing was written.
-local key, member = KEYS[1], ARGV[1]
+local key, member = KEYS[1], ARGV[7]
 if redis.call('EXISTS', key) == 1 then
   return {'exists', redis.call('HGETALL', key)}
 end
-local store_db, broker_db = ARGV[2], ARGV[3]
-local n = tonumber(ARGV[7])
+local store_db, broker_db = ARGV[1], ARGV[2]
+local n = tonumber(ARGV[5])
 
 -- The message first, in the broker's database: a push that fails is undone
 -- (nothing else ran in between, so each LPUSH is still at its list's head)
@@ -22,7 +22,7 @@ local n = tonumber(ARGV[7])
 local commands = {lpush = 'LPUSH', pexpire = 'PEXPIRE', publish = 'PUBLISH'}
 if broker_db ~= store_db then redis.call('SELECT', broker_db) end
 local pushed = {}
-local a = 8 + 2 * n
+local a = 6 + 2 * n
 for k = 3, #KEYS do
   local name = commands[ARGV[a]]
   local reply
@@ -43,10 +43,9 @@ if broker_db ~= store_db then redis.call('SELECT', store_db) end
 
 local at = clock()
 local now = us(at)
-local history = table.concat({ARGV[4], now, ARGV[5], now, ARGV[6]})
-local fields = {'attempt', '0', 'dispatches', '1', 'created_at', now, 'touched_at', now,
-                'history', history}
-for i = 8, 7 + 2 * n do fields[#fields + 1] = ARGV[i] end
-redis.call('HSET', key, unpack(fields))
+local history = table.concat({ARGV[3], now, ARGV[4], now, '"}]'})
+redis.call('HSET', key, unpack(ARGV, 6, 5 + 2 * n))
+redis.call('HSET', key, 'attempt', '0', 'dispatches', '1', 'created_at', now,
+           'touched_at', now, 'history', history)
 redis.call('ZADD', KEYS[2], now, member)
 return {'created'}
