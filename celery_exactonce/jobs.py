@@ -432,8 +432,7 @@ def _edges_problem(expect: frozenset[State], to: State, next_attempt: bool) -> s
             return f"transition {src} → {to} is not allowed"
         if ((src, to) in NEXT_ATTEMPT_EDGES) != next_attempt:
             return (
-                f"transition {src} → {to}: next_attempt must be "
-                f"{(src, to) in NEXT_ATTEMPT_EDGES}"
+                f"transition {src} → {to}: next_attempt must be {(src, to) in NEXT_ATTEMPT_EDGES}"
             )
     return None
 

@@ -187,16 +187,17 @@ class CeleryPublisher:
 
         For a Redis broker that ``shares_server`` says is the store's own server
         (the store's database, or ``None``): Celery's ``send_task`` runs on a
-        producer whose channel hands kombu's final Redis commands (``LPUSH`` of
-        the encoded message to its routed, prioritised queue, and whatever else
-        kombu's Redis transport would run for it) to a collector instead of
-        Redis, so routing, priorities, encoding and headers are kombu's own.
+        producer whose channel collects kombu's final Redis commands (``LPUSH``
+        of the encoded message to its routed, prioritised queue, and whatever
+        else kombu's Redis transport would run for it) instead of sending them,
+        so routing, priorities, encoding and headers are kombu's own.
         Queues and exchanges are declared as a publish declares them.
 
         ``None`` when the broker is not a plain Redis on that server (another
-        transport, Sentinel, another host or a unix socket), when kombu
-        cannot batch publishes, or when the message could not be built: the
-        caller takes the general path, which reports any error.
+        transport, Sentinel, another host or a unix socket), when kombu's
+        Redis transport cannot hand its commands over (before kombu 5.7), or
+        when the message could not be built: the caller takes the general
+        path, which reports any error.
         :class:`PublishFailed` (permanent) as :meth:`message_options`.
         """
         options = self.message_options(job, headers, extra)
@@ -204,8 +205,7 @@ class CeleryPublisher:
         if target is None:
             return None
         try:
-            with target.producer.batch(max_size=PUBLISH_BUFFER_MAX):
-                sent = self._send_task(job, target.producer, options)
+            sent = self._send_task(job, target.producer, options)
         except Exception as exc:
             logger.debug(
                 "message of %s not built for an atomic enqueue (%s): general path", job.ref,
@@ -435,47 +435,28 @@ def _declared_once(producer: Any) -> Callable[..., Any]:
 
 
 class _CaptureChannel:
-    """A kombu Redis channel that routes a publish into commands and sends none.
+    """A kombu Redis channel that turns a publish into commands and sends none.
 
     Everything but the publish is the real channel's (declaring a queue,
-    looking an exchange's bindings up). A publish can only go through the
-    batch it creates (kombu's ``Producer.batch``), whose ``add`` collects the
-    commands kombu's Redis transport would run.
+    looking an exchange's bindings up). A publish goes to the real channel's
+    ``basic_publish`` with this channel as its ``_publish_batch`` (kombu
+    5.7's ``PublishBatch`` protocol): kombu's Redis transport then hands the
+    commands it would run to :meth:`add` instead of running them. A
+    producer's own batches are off (``supports_batch_publish``), so every
+    publish comes here.
     """
 
-    supports_batch_publish = True
+    supports_batch_publish = False
 
     def __init__(self, channel: Any) -> None:
         self.real = channel
         self.commands: list[tuple[Any, ...]] = []
 
-    def create_publish_batch(self, max_size: int) -> _CaptureBatch:
-        return _CaptureBatch(self)
+    def basic_publish(self, message: Any, **kwargs: Any) -> Any:
+        return self.real.basic_publish(message, _publish_batch=self, **kwargs)
 
-    def basic_publish(self, *args: Any, **kwargs: Any) -> None:
-        raise RuntimeError("a capturing channel publishes only through its batch")
+    def add(self, name: str, *args: Any) -> None:
+        self.commands.append((name, *args))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.real, name)
-
-
-class _CaptureBatch:
-    """kombu's publish batch protocol (``PublishBatch``), collecting instead of sending."""
-
-    def __init__(self, channel: _CaptureChannel) -> None:
-        self.channel = channel
-
-    def publish(self, message: Any, **kwargs: Any) -> Any:
-        return self.channel.real.basic_publish(message, _publish_batch=self, **kwargs)
-
-    def add(self, name: str, *args: Any) -> None:
-        self.channel.commands.append((name, *args))
-
-    def flush(self) -> None:
-        """Nothing to send: the caller sends the commands."""
-
-    def discard(self) -> None:
-        self.channel.commands.clear()
-
-    def close(self) -> None:
-        """Nothing held."""
