@@ -14,11 +14,12 @@ import pytest
 
 from celery_exactonce import metrics, runtime
 from celery_exactonce.dispatch import ENQUEUED, Dispatcher
-from celery_exactonce.exceptions import StoreUnavailable
+from celery_exactonce.exceptions import StoreUnavailable, SubmitAmbiguous
 from celery_exactonce.jobs import Job, JobRef
 from celery_exactonce.messages import message_headers
 from celery_exactonce.publisher import CeleryPublisher, PublishFailed
 from celery_exactonce.states import State
+from celery_exactonce.stores.redis import RedisStore
 from tests.acceptance.harness import Deployment, Ledger, holds, poll
 from tests.acceptance.proxy import proxy_to
 
@@ -205,6 +206,41 @@ def test_broker_down_rolls_back_then_runs_once(deployment: Deployment, ledger: L
         finally:
             runtime.reset(app)
             app.close()
+
+
+@pytest.mark.acceptance_matrix(brokers=("redis",), stores=("redis",))
+def test_shared_redis_down_at_submit_then_resubmitted_runs_once(
+    deployment: Deployment, ledger: Ledger
+) -> None:
+    # Given one Redis server as the store and the broker (the one-step submit), behind a proxy
+    deployment.start_worker(concurrency=1)
+    from tests.acceptance.apps.ledger_app import make_app
+
+    with proxy_to(deployment.broker_url) as proxy:
+        env = {**deployment.env, "EXACTONCE_ACC_BROKER_URL": proxy.url_for(deployment.broker_url)}
+        app = make_app(env, set_as_current=False)
+        store = RedisStore.from_url(
+            proxy.url_for(deployment.store_url), namespace=deployment.namespace, retention=3600
+        )
+        runtime.install(app, store)
+        try:
+            app.tasks["gated_record"].apply_async(("up",), task_id="shared-up")
+            poll(lambda: deployment.job_state("shared-up") is State.SUCCEEDED, timeout=60)
+            # When the server is down at the submit: the caller is told to submit again
+            proxy.down()
+            with pytest.raises(SubmitAmbiguous):
+                app.tasks["gated_record"].apply_async(("down",), task_id="shared-down")
+            assert deployment.job_state("shared-down") is None  # nothing was written
+            # Then, the server back, the same id submitted again runs once, in one step
+            proxy.up()
+            app.tasks["gated_record"].apply_async(("down",), task_id="shared-down")
+            poll(lambda: deployment.job_state("shared-down") is State.SUCCEEDED, timeout=60)
+            holds(lambda: ledger.count(task_id="shared-down") == 1, seconds=1.0)
+            assert_dispatch_path(deployment, "shared-down")
+        finally:
+            runtime.reset(app)
+            app.close()
+            store.close()
 
 
 class LandThenFail:
