@@ -354,6 +354,9 @@ class Dispatcher:
         capture = getattr(self.publisher, "capture", None)
         if enqueue is None or shares_server is None or capture is None or self._no_enqueue:
             return None
+        capturable = getattr(self.publisher, "capturable", None)
+        if capturable is not None and not capturable():  # known before building anything
+            return None
         if new.state is not State.SCHEDULED or self.signer is not None:
             return None
         request = Transition(

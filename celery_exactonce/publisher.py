@@ -176,6 +176,11 @@ class CeleryPublisher:
         options.setdefault("add_to_parent", False)  # only a submitting worker task has a parent
         return options
 
+    def capturable(self) -> bool:
+        """Whether :meth:`capture` may build a message here: ``False`` once this process
+        found the broker is not a Redis it can capture for (decided at the first capture)."""
+        return self._capturable is not False or self._capture_pid != os.getpid()
+
     def capture(
         self,
         job: Job,
