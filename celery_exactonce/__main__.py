@@ -18,7 +18,9 @@ from pathlib import Path
 from types import FrameType
 from typing import IO
 
-from celery_exactonce import demo, demo_report, exceptions
+from celery_exactonce import exceptions
+from celery_exactonce.demo import report as demo_report
+from celery_exactonce.demo import run as demo
 
 #: Exit status when the demo could not run (1 means "an occurrence ran twice").
 CANNOT_RUN = 2

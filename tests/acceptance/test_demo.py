@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from celery_exactonce import demo_app
+from celery_exactonce.demo import app as demo_app
 from tests.acceptance.apps import demo_broker
 from tests.acceptance.harness import REPO_ROOT, poll
 

@@ -13,8 +13,9 @@ from typing import ClassVar
 import pytest
 
 from celery_exactonce import __main__ as cli
-from celery_exactonce import demo, demo_app
-from celery_exactonce.demo_report import (
+from celery_exactonce.demo import app as demo_app
+from celery_exactonce.demo import run as demo
+from celery_exactonce.demo.report import (
     DemoResult,
     Execution,
     Kill,

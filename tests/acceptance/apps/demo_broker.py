@@ -2,7 +2,7 @@
 
 ``python -m tests.acceptance.apps.demo_broker put WORKDIR`` publishes one
 ``demo.record`` message with the demo app of ``WORKDIR``
-(:func:`celery_exactonce.demo_app.make_app`), and holds at the last step
+(:func:`celery_exactonce.demo.app.make_app`), and holds at the last step
 before the message is complete: for kombu's ``filesystem`` transport, once the
 message file exists and before its bytes are written; for the ``sqlalchemy``
 transport, once the row is inserted and before the commit. At the hold it
@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from celery_exactonce import demo_app
+from celery_exactonce.demo import app as demo_app
 
 HELD = "held"
 RELEASE = "release"

@@ -1,6 +1,6 @@
 """``python -m celery_exactonce demo``: the whole thing on one machine, with no servers.
 
-It runs :mod:`celery_exactonce.demo_app` (SQLite store, SQLite broker, four
+It runs :mod:`celery_exactonce.demo.app` (SQLite store, SQLite broker, four
 beat entries every 1, 2, 3 and 5 s, each a gated task that writes one ledger
 line per body run) as real processes, each in its own session with its log in
 the work folder:
@@ -48,9 +48,10 @@ from pathlib import Path
 from typing import TypeVar
 
 import celery_exactonce
-from celery_exactonce import demo_app, exceptions, jobs, keys, slots
+from celery_exactonce import exceptions, jobs, keys, slots
 from celery_exactonce.config import ExactOnceConfig
-from celery_exactonce.demo_report import DemoResult, Execution, Kill, Slot, build_report
+from celery_exactonce.demo import app as demo_app
+from celery_exactonce.demo.report import DemoResult, Execution, Kill, Slot, build_report
 from celery_exactonce.jobs import Job, JobRef
 from celery_exactonce.scheduler import occurrence_id
 from celery_exactonce.stores import open_store
@@ -88,7 +89,7 @@ class Child:
     def __init__(self, name: str, command: list[str], layout: demo_app.Layout) -> None:
         self.name = name
         self.log_path = layout.workdir / f"{name}.log"
-        argv = [sys.executable, "-m", "celery", "-A", "celery_exactonce.demo_app", *command]
+        argv = [sys.executable, "-m", "celery", "-A", "celery_exactonce.demo.app", *command]
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(  # noqa: S603 (argv: this interpreter, fixed words)
                 argv, cwd=layout.workdir, env=_child_env(layout, name), stdin=subprocess.DEVNULL,

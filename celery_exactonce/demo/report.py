@@ -4,7 +4,7 @@
 slot ``(entry, fire_time)``:
 
 * **due**: the nominal slots of every entry inside the measured window (the
-  caller picks the window, see :mod:`celery_exactonce.demo`);
+  caller picks the window, see :mod:`celery_exactonce.demo.run`);
 * **dispatched**: the slots with an occurrence record in the store (claimed by
   a beat node); only those inside the window are counted;
 * **executed**: one :class:`Execution` per task body run, from the ledger.

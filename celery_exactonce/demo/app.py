@@ -1,7 +1,7 @@
 """The Celery app of ``python -m celery_exactonce demo``, configured from the environment.
 
-``celery -A celery_exactonce.demo_app beat -S exactonce`` and
-``celery -A celery_exactonce.demo_app worker`` run it; :mod:`celery_exactonce.demo`
+``celery -A celery_exactonce.demo.app beat -S exactonce`` and
+``celery -A celery_exactonce.demo.app worker`` run it; :mod:`celery_exactonce.demo.run`
 starts them and sets:
 
 ``EXACTONCE_DEMO_WORKDIR``   the demo's folder: SQLite store, broker folders, ledger
@@ -157,7 +157,7 @@ def append_ledger(path: Path, line: dict[str, Any]) -> None:
 
 def make_app(layout: Layout, node: str | None = None) -> Celery:
     """The demo app: SQLite store, SQLite broker, the beat entries of :data:`ENTRIES`."""
-    app = Celery("celery_exactonce.demo_app", set_as_current=False)
+    app = Celery("celery_exactonce.demo.app", set_as_current=False)
     app.conf.update(
         broker_url=layout.broker_url,
         broker_transport_options=BROKER_OPTIONS,
@@ -219,7 +219,7 @@ def app_from_env(env: Mapping[str, str] = os.environ) -> Celery:
     workdir = env.get(ENV_WORKDIR)
     if not workdir:
         raise RuntimeError(
-            f"{ENV_WORKDIR} is not set: celery_exactonce.demo_app is run by "
+            f"{ENV_WORKDIR} is not set: celery_exactonce.demo.app is run by "
             "`python -m celery_exactonce demo`, which sets it"
         )
     return make_app(Layout(Path(workdir)), env.get(ENV_NODE) or None)
@@ -229,7 +229,7 @@ _app: Celery | None = None
 
 
 def __getattr__(name: str) -> Any:
-    """``app``, built on first access: ``celery -A celery_exactonce.demo_app`` looks it up.
+    """``app``, built on first access: ``celery -A celery_exactonce.demo.app`` looks it up.
 
     Importing the module for :class:`Layout` or :func:`make_app` needs no environment.
     """
