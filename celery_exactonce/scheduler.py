@@ -93,10 +93,10 @@ from zoneinfo import ZoneInfo
 from celery import beat
 
 from celery_exactonce import config as config_module
-from celery_exactonce import exceptions, jobs, keys, metrics, reconciler, slots, startup
+from celery_exactonce import exceptions, jobs, keys, metrics, reconcile_task, slots, startup
 from celery_exactonce.jobs import CreateStatus, JobRef, NewJob
 from celery_exactonce.messages import GATED_OPTION, POLICY_OPTION, check_options
-from celery_exactonce.reconciler import RECONCILE_TASK, BeatRunner
+from celery_exactonce.reconcile_task import RECONCILE_TASK, BeatRunner
 from celery_exactonce.runtime import Runtime
 from celery_exactonce.states import State
 from celery_exactonce.stores import redact_url, settle
@@ -168,7 +168,7 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
     # -- celery.beat.Scheduler interface ---------------------------------------------
 
     def setup_schedule(self) -> None:
-        reconciler.register_task(self.app)
+        reconcile_task.register_task(self.app)
         self.merge_inplace({**self.app.conf.beat_schedule, **self._internal_entries()})
         now = self._runtime.store.now()
         for name, entry in self.schedule.items():

@@ -27,7 +27,7 @@ from typing import Any, NoReturn
 
 from celery import signals
 
-from celery_exactonce import config, exceptions, metrics, reconciler, runtime
+from celery_exactonce import config, exceptions, metrics, reconcile_task, runtime
 from celery_exactonce.task import ExactOnceTask, validate_gated_task
 
 #: Broker schemes that speak AMQP, where publisher confirms must be on.
@@ -146,7 +146,7 @@ def check_worker(app: Any) -> None:
         The store cannot be opened (unreachable, or of a newer format).
     """
     if config.settings_of(app).get("exactonce_store_url"):
-        reconciler.register_task(app)
+        reconcile_task.register_task(app)
     tasks = gated_tasks(app)
     if not tasks:
         return

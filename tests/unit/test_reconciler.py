@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from celery_exactonce import exceptions, metrics, reconciler
+from celery_exactonce import exceptions, metrics, reconcile_task, reconciler
 from celery_exactonce.jobs import Job, JobRef, NewJob, Transition
 from celery_exactonce.publisher import PublishFailed
 from celery_exactonce.reconciler import LEASE_NAME, MAX_REPLAYS, PassReport
@@ -995,7 +995,7 @@ def test_a_timeout_is_reported_to_sentry_with_its_job(
 
 
 def test_a_pass_end_the_store_refused_is_recorded_before_the_next_pass(world: World) -> None:
-    runner = reconciler.BeatRunner(world.reconciler.runtime, threaded=False)
+    runner = reconcile_task.BeatRunner(world.reconciler.runtime, threaded=False)
     refusing = True
 
     def refuse_ends(ref: JobRef, request: Transition) -> None:
