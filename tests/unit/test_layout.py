@@ -1,0 +1,99 @@
+"""The package's import graph: no cycle, and the layers below the task never import it.
+
+Read from the source (every ``import`` a module runs, at its top or inside a
+function; those under ``if TYPE_CHECKING:`` run only for the type checker), so
+a new import that breaks the layering fails here, not in a confusing
+partially-initialised module at start-up.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import celery_exactonce
+
+PACKAGE = Path(celery_exactonce.__file__).parent
+#: The modules above the dispatcher: the Celery task, the scheduler, what runs
+#: the reconcile task, the start-up checks, the package's front (``__init__``,
+#: ``__main__``, ``control``) and the demo. Every other module is below them.
+ABOVE = {
+    "celery_exactonce", "celery_exactonce.__main__", "celery_exactonce.task",
+    "celery_exactonce.scheduler", "celery_exactonce.reconcile_task",
+    "celery_exactonce.startup", "celery_exactonce.control",
+}  # fmt: skip
+
+
+def _name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path, modules: set[str]) -> set[str]:
+    """The package's modules ``path`` imports when it runs."""
+    name = _name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(_runtime_tree(ast.parse(path.read_text(encoding="utf-8")))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, *([base] if base else [])])
+            for alias in node.names:
+                full = f"{base}.{alias.name}"
+                found.add(full if full in modules else base)
+    return {module for module in found if module in modules and module != name}
+
+
+def _runtime_tree(tree: ast.Module) -> ast.Module:
+    """``tree`` without its ``if TYPE_CHECKING:`` blocks."""
+
+    class Strip(ast.NodeTransformer):
+        def visit_If(self, node: ast.If) -> ast.AST | None:
+            if "TYPE_CHECKING" in ast.unparse(node.test):
+                return None
+            return self.generic_visit(node)
+
+    return Strip().visit(tree)  # type: ignore[no-any-return]
+
+
+def _graph() -> dict[str, set[str]]:
+    paths = {_name(path): path for path in PACKAGE.rglob("*.py")}
+    return {name: _imports(path, set(paths)) for name, path in paths.items()}
+
+
+def _reach(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen: set[str] = set()
+    todo = [start]
+    while todo:
+        for module in graph[todo.pop()] - seen:
+            seen.add(module)
+            todo.append(module)
+    return seen
+
+
+def test_the_graph_holds_the_imports_the_modules_make() -> None:
+    graph = _graph()
+    assert {"celery_exactonce.dispatch", "celery_exactonce.stores"} <= graph[
+        "celery_exactonce.runtime"
+    ]  # ``from celery_exactonce import dispatch``, ``from celery_exactonce.stores import …``
+    assert "celery_exactonce.task" in graph["celery_exactonce.reconcile_task"]
+    assert "celery_exactonce.jobs" in graph["celery_exactonce.stores.redis"]
+
+
+def test_no_module_imports_itself_through_others() -> None:
+    graph = _graph()
+    cycles = sorted(name for name in graph if name in _reach(graph, name))
+    assert cycles == []
+
+
+def test_no_module_below_the_task_imports_the_task_or_the_scheduler() -> None:
+    graph = _graph()
+    above = {"celery_exactonce.task", "celery_exactonce.scheduler"}
+    below = [name for name in graph if name not in ABOVE and not name.startswith(
+        "celery_exactonce.demo")]  # fmt: skip
+    reaching = {name: sorted(_reach(graph, name) & above) for name in below}
+    assert {name: found for name, found in reaching.items() if found} == {}
