@@ -23,15 +23,12 @@ from __future__ import annotations
 import importlib
 import re
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 from urllib.parse import quote, quote_plus, unquote, unquote_plus, urlsplit
 
 from celery_exactonce import exceptions
 from celery_exactonce.stores.base import FORMAT_VERSION, StateStore
 from celery_exactonce.stores.memory import InMemoryStore
-
-if TYPE_CHECKING:
-    from celery_exactonce.config import ExactOnceConfig
 
 __all__ = [
     "FORMAT_VERSION",
@@ -39,6 +36,7 @@ __all__ = [
     "REDACTED",
     "InMemoryStore",
     "StateStore",
+    "StoreSettings",
     "open_store",
     "redact_message",
     "redact_secrets",
@@ -304,7 +302,31 @@ def store_from_url(
     )
 
 
-def open_store(config: ExactOnceConfig, *, setup: bool = True) -> StateStore:
+class StoreSettings(Protocol):
+    """What :func:`open_store` reads of a configuration: an
+    :class:`~celery_exactonce.config.ExactOnceConfig` has it all (this package
+    does not import the configuration, which imports it)."""
+
+    @property
+    def store_url(self) -> str: ...
+
+    @property
+    def namespace(self) -> str: ...
+
+    @property
+    def retention(self) -> float: ...
+
+    @property
+    def key_prefix(self) -> str: ...
+
+    @property
+    def store_timeout(self) -> float: ...
+
+    @property
+    def table_prefix(self) -> str: ...
+
+
+def open_store(config: StoreSettings, *, setup: bool = True) -> StateStore:
     """Build, set up and check the store of ``config``: what every node does at start-up.
 
     Runs :meth:`StateStore.setup` (schema and format version) and the

@@ -1,9 +1,10 @@
 """The package's import graph: no cycle, and the layers below the task never import it.
 
-Read from the source (every ``import`` a module runs, at its top or inside a
-function; those under ``if TYPE_CHECKING:`` run only for the type checker), so
-a new import that breaks the layering fails here, not in a confusing
-partially-initialised module at start-up.
+Read from the source: every ``import`` a module makes, at its top, inside a
+function, or for the type checker only (``if TYPE_CHECKING:``: a cycle there
+is still two modules that each need the other). So a new import that breaks
+the layering fails here, not in a confusing partially-initialised module at
+start-up.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def _imports(path: Path, modules: set[str]) -> set[str]:
     name = _name(path)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
-    for node in ast.walk(_runtime_tree(ast.parse(path.read_text(encoding="utf-8")))):
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -46,18 +47,6 @@ def _imports(path: Path, modules: set[str]) -> set[str]:
                 full = f"{base}.{alias.name}"
                 found.add(full if full in modules else base)
     return {module for module in found if module in modules and module != name}
-
-
-def _runtime_tree(tree: ast.Module) -> ast.Module:
-    """``tree`` without its ``if TYPE_CHECKING:`` blocks."""
-
-    class Strip(ast.NodeTransformer):
-        def visit_If(self, node: ast.If) -> ast.AST | None:
-            if "TYPE_CHECKING" in ast.unparse(node.test):
-                return None
-            return self.generic_visit(node)
-
-    return Strip().visit(tree)  # type: ignore[no-any-return]
 
 
 def _graph() -> dict[str, set[str]]:
