@@ -54,7 +54,12 @@ class SchemaMismatch(StoreError):
 
 
 class LeaseLost(ExactOnceError):
-    """We no longer hold a lease we were working under."""
+    """We no longer hold a lease we were working under.
+
+    Raised inside a reconcile pass, which stops there (another reconciler
+    owns the work now); a dispatch made under a lease that was lost answers
+    ``LOST`` with this error.
+    """
 
 
 class SubmitAmbiguous(ExactOnceError):
@@ -78,7 +83,3 @@ class SubmitAmbiguous(ExactOnceError):
 
 class JobConflict(ExactOnceError):
     """A ``task_id`` that exists already, for another task or another payload."""
-
-
-class SchedulingError(ExactOnceError):
-    """An occurrence or job could not be published."""

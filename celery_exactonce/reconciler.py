@@ -159,10 +159,6 @@ def _count(job: Job, reason: str) -> int:
     return sum(1 for entry in job.history if entry.reason.startswith(reason))
 
 
-class _LeaseLost(Exception):
-    """The pass lost its lease: stop at once, another reconciler owns the work now."""
-
-
 class Reconciler:
     """Runs reconcile passes for one app's namespace (see the module docs)."""
 
@@ -197,7 +193,7 @@ class Reconciler:
         report.ran = True
         try:
             self._pass(report, lease)
-        except _LeaseLost:
+        except exceptions.LeaseLost:
             report.lease_lost = True
             metrics.event("reconcile_lease_lost", "the reconciler lost its lease mid-pass: stopped",
                           level=logging.WARNING)  # fmt: skip
@@ -304,7 +300,7 @@ class Reconciler:
             job, reason=REPLAY_REASON, retry=False, lease=lease
         )
         if isinstance(result.error, exceptions.LeaseLost):
-            raise _LeaseLost
+            raise result.error
         if result.outcome is Outcome.FAIL_CLOSED:
             raise exceptions.StoreUnavailable(f"replay of {job.ref} failed closed")
         if result.outcome in (Outcome.PUBLISHED, Outcome.AMBIGUOUS):
@@ -398,7 +394,7 @@ class Reconciler:
         if result.error is not None and not result.applied:
             raise result.error
         if result.status is jobs.TransitionStatus.LEASE_LOST:
-            raise _LeaseLost
+            raise exceptions.LeaseLost(f"lease lost before writing {ref}")
         return result.job if result.applied else None
 
     # -- helpers -----------------------------------------------------------------------
@@ -431,7 +427,7 @@ class Reconciler:
         except exceptions.StoreError:
             return  # the next write's lease guard decides
         if not held:
-            raise _LeaseLost
+            raise exceptions.LeaseLost("lease not renewed: another reconciler holds it")
 
     def _back_off(self, ref: JobRef) -> None:
         _, tries = self._retry_at.get(ref, (0.0, 0))
