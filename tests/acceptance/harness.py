@@ -42,7 +42,7 @@ from celery.result import AsyncResult
 
 from tests import services
 from tests.acceptance.apps import ledger as ledger_db
-from tests.contract.helpers import poll
+from tests.support.helpers import poll
 
 __all__ = [
     "APP_MODULE",

@@ -23,7 +23,7 @@ import pytest
 from celery_exactonce.jobs import JobRef
 from celery_exactonce.states import State
 from tests.acceptance.harness import Deployment, Ledger
-from tests.contract.helpers import poll, tamper
+from tests.support.helpers import poll, tamper
 
 STORE_SECRET = "St0reS3cretInQuery"
 SIGNING_KEYS = ["NewS1gningKey-0123456789", "OldS1gningKey-9876543210"]

@@ -34,7 +34,7 @@ from celery_exactonce.stores.base import StateStore
 from tests import services
 from tests.benchmarks import submit
 from tests.benchmarks.rounds import Rounds, table
-from tests.contract.backends import BACKENDS, StoreFactory
+from tests.support.backends import BACKENDS, StoreFactory
 
 #: Signatures in a group of the group suite.
 GROUP_SIZE = 100

@@ -4,7 +4,7 @@ One process calls ``.delay(i)`` ``count`` times on a plain task, then ``count``
 times on the same function as a gated task (``base=ExactOnceTask``: each call
 creates the job in the store, CASes it ``DISPATCHED`` and publishes it), in
 alternating rounds (``tests/benchmarks/rounds.py``). Per store (Redis,
-PostgreSQL, MariaDB, SQLite: the URLs of ``tests/contract/backends.py``) and
+PostgreSQL, MariaDB, SQLite: the URLs of ``tests/support/backends.py``) and
 per broker: Redis, and RabbitMQ with publisher confirms (``confirm_publish``,
 which a gated app must set on AMQP). Both tasks belong to one app, so the
 plain one publishes with the same broker settings, confirms included. The
@@ -36,7 +36,7 @@ from celery_exactonce import ExactOnceTask, runtime
 from tests import services
 from tests.benchmarks.beat import BROKER_DB
 from tests.benchmarks.rounds import Rounds, alternate
-from tests.contract.backends import SHARED_BACKENDS, store_url
+from tests.support.backends import SHARED_BACKENDS, store_url
 
 #: Stores a gated app can run on (the in-process memory store is no deployment).
 STORES = SHARED_BACKENDS

@@ -6,7 +6,7 @@ import pytest
 
 from celery_exactonce.stores.base import StateStore
 from tests import services
-from tests.contract.backends import BACKENDS, StoreFactory
+from tests.support.backends import BACKENDS, StoreFactory
 
 
 def _need(backend: str) -> None:

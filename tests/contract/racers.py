@@ -13,8 +13,8 @@ from typing import Any
 
 from celery_exactonce.jobs import CreateStatus
 from celery_exactonce.stores.base import StateStore
-from tests.contract.backends import make_store
-from tests.contract.helpers import occurrence, task_job
+from tests.support.backends import make_store
+from tests.support.helpers import occurrence, task_job
 
 Racer = Callable[..., list[str]]
 

@@ -18,9 +18,9 @@ import pytest
 
 from celery_exactonce.states import State
 from celery_exactonce.stores.base import StateStore
-from tests.contract.backends import StoreFactory
-from tests.contract.helpers import task_job
 from tests.contract.racers import run_threads
+from tests.support.backends import StoreFactory
+from tests.support.helpers import task_job
 
 pytestmark = pytest.mark.race
 

@@ -12,8 +12,8 @@ from celery_exactonce import exceptions, jobs
 from celery_exactonce.jobs import CreateStatus, JobRef, NewJob, Space, epoch_born
 from celery_exactonce.states import State
 from celery_exactonce.stores.base import StateStore
-from tests.contract.backends import StoreFactory, lose_data
-from tests.contract.helpers import NODE, occurrence, poll, task_job, to
+from tests.support.backends import StoreFactory, lose_data
+from tests.support.helpers import NODE, occurrence, poll, task_job, to
 
 
 def test_create_then_read_back(store: StateStore) -> None:

@@ -24,8 +24,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_stat
 from celery_exactonce.exceptions import StoreUnavailable
 from celery_exactonce.jobs import JobRef, NewJob, Transition
 from celery_exactonce.states import ALLOWED, NEXT_ATTEMPT_EDGES, TERMINAL, State
-from tests.contract.backends import StoreFactory
-from tests.contract.helpers import NODE
+from tests.support.backends import StoreFactory
+from tests.support.helpers import NODE
 
 EDGES = sorted(
     ((src, dst) for src, dsts in ALLOWED.items() for dst in dsts), key=lambda e: (e[0], e[1])

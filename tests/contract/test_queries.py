@@ -7,8 +7,8 @@ from datetime import timedelta
 from celery_exactonce.jobs import Job, JobRef
 from celery_exactonce.states import State
 from celery_exactonce.stores.base import StateStore
-from tests.contract.backends import StoreFactory
-from tests.contract.helpers import NODE, occurrence, poll, task_job, to, wait_store_past
+from tests.support.backends import StoreFactory
+from tests.support.helpers import NODE, occurrence, poll, task_job, to, wait_store_past
 
 
 def test_list_stale_oldest_first_bounded_by_state_and_age(store: StateStore) -> None:

@@ -22,9 +22,9 @@ from celery_exactonce.publisher import PublishFailed
 from celery_exactonce.reconciler import LEASE_NAME, PassReport, Reconciler
 from celery_exactonce.states import State
 from celery_exactonce.stores.base import StateStore
-from tests.contract.backends import StoreFactory
-from tests.contract.helpers import poll, wait_store_past
-from tests.contract.reconciling import (
+from tests.support.backends import StoreFactory
+from tests.support.helpers import poll, wait_store_past
+from tests.support.reconciling import (
     GATED,
     NODE,
     PLAIN,

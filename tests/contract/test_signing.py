@@ -22,7 +22,7 @@ from celery_exactonce.jobs import Job, JobRef, Transition
 from celery_exactonce.signing import Signer, SigningStore
 from celery_exactonce.states import State
 from celery_exactonce.stores.base import StateStore
-from tests.contract.helpers import NODE, tamper, task_job
+from tests.support.helpers import NODE, tamper, task_job
 
 OLD_KEY = "old-signing-key-0123456789abcdef"
 NEW_KEY = "new-signing-key-fedcba9876543210"

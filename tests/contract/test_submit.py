@@ -17,7 +17,7 @@ from celery import Celery
 from celery_exactonce import ExactOnceTask, JobConflict, metrics, runtime
 from celery_exactonce.jobs import JobRef
 from celery_exactonce.states import State
-from tests.contract.backends import StoreFactory
+from tests.support.backends import StoreFactory
 
 
 @pytest.fixture

@@ -20,8 +20,8 @@ from celery_exactonce.jobs import (
 )
 from celery_exactonce.states import TERMINAL, State
 from celery_exactonce.stores.base import StateStore
-from tests.contract.backends import StoreFactory
-from tests.contract.helpers import NODE, occurrence, poll, task_job, to
+from tests.support.backends import StoreFactory
+from tests.support.helpers import NODE, occurrence, poll, task_job, to
 
 
 def _dispatched(store: StateStore, job_id: str | None = None) -> tuple[JobRef, str]:

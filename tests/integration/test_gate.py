@@ -37,8 +37,8 @@ from celery_exactonce.messages import GATED_OPTION, message_headers, replacement
 from celery_exactonce.scheduler import ExactOnceScheduler
 from celery_exactonce.states import State
 from celery_exactonce.testing import InMemoryStore
-from tests.contract.helpers import poll
-from tests.contract.reconciling import put
+from tests.support.helpers import poll
+from tests.support.reconciling import put
 
 LEDGER: list[tuple[str, str, int, Any]] = []
 #: A file name that is not UTF-8, as ``os.listdir`` decodes it (lone surrogates).

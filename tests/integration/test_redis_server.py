@@ -10,8 +10,8 @@ from celery import Celery
 
 from celery_exactonce import ConfigurationError, ExactOnceConfig, StoreUnavailable, open_store
 from celery_exactonce.jobs import CreateStatus
-from tests.contract.helpers import occurrence, poll
 from tests.integration.redis_server import redis_server
+from tests.support.helpers import occurrence, poll
 
 
 def _config(url: str) -> ExactOnceConfig:

@@ -25,8 +25,8 @@ from celery_exactonce.states import State
 from celery_exactonce.stores import sql_statements
 from celery_exactonce.stores.sql import SqlStore
 from tests import services
-from tests.contract.backends import store_url
-from tests.contract.helpers import occurrence, poll, task_job, to
+from tests.support.backends import store_url
+from tests.support.helpers import occurrence, poll, task_job, to
 
 SERVERS = ("postgres", "mysql")
 

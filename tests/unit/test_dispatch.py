@@ -17,7 +17,7 @@ from celery_exactonce.messages import GATED_OPTION, message_headers
 from celery_exactonce.publisher import CeleryPublisher, PublishFailed, connection_refused
 from celery_exactonce.states import State
 from celery_exactonce.testing import InMemoryStore
-from tests.contract.helpers import poll
+from tests.support.helpers import poll
 
 
 class Broker:

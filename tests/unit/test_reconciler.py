@@ -23,7 +23,7 @@ from celery_exactonce.publisher import PublishFailed
 from celery_exactonce.reconciler import LEASE_NAME, MAX_REPLAYS, PassReport
 from celery_exactonce.states import State
 from celery_exactonce.testing import FrozenClock, InMemoryStore
-from tests.contract.reconciling import (
+from tests.support.reconciling import (
     GATED,
     NODE,
     PLAIN,

@@ -24,7 +24,7 @@ from celery_exactonce.reconciler import Reconciler
 from celery_exactonce.signing import Signer, SigningStore, signed_content
 from celery_exactonce.states import State
 from celery_exactonce.testing import FrozenClock, InMemoryStore
-from tests.contract.reconciling import GATED, Broker, make_app
+from tests.support.reconciling import GATED, Broker, make_app
 
 KEY = "signing-key-0123456789abcdef"
 OLD = "older-signing-key-0123456789"

@@ -22,7 +22,7 @@ from celery_exactonce.reconciler import Reconciler
 from celery_exactonce.states import State
 from celery_exactonce.task import task_policy
 from celery_exactonce.testing import FrozenClock, InMemoryStore
-from tests.contract.reconciling import move
+from tests.support.reconciling import move
 from tests.unit.beat_cluster import Cluster, every, isolated, refused_at_start
 
 START = datetime(2026, 3, 1, 12, 0, 0, tzinfo=timezone.utc)

@@ -24,7 +24,7 @@ from celery_exactonce.states import State
 from celery_exactonce.task import ExactOnceTask, _heartbeats
 from celery_exactonce.testing import FrozenClock, InMemoryStore
 from tests.acceptance.harness import holds
-from tests.contract.helpers import poll
+from tests.support.helpers import poll
 
 NAMESPACE = "semantics-unit"
 
