@@ -222,7 +222,6 @@ class RedisStore:
         # The namespace's fixed keys, built once: every script call passes several.
         self._index_keys = [self._state_key(state) for state in State]
         self._due_key, self._expire_key = self._key("due"), self._key("expire")
-        self._dispatched_key = self._state_key(State.DISPATCHED)
         self._owns_client = False
         self._closed = False
         kwargs = client.connection_pool.connection_kwargs
@@ -416,7 +415,7 @@ class RedisStore:
         where = ("path", "host", "port")
         if any(mine.get(name) != connection_kwargs.get(name) for name in where):
             return None
-        return int(mine.get("db") or 0)
+        return self._db
 
     def enqueue(self, new: NewJob, dispatch: Transition, push: Push) -> CreateResult:
         """Create ``new`` straight into ``DISPATCHED`` and run ``push``, atomically.
@@ -434,7 +433,7 @@ class RedisStore:
         fields = self._record_fields(
             new, State.DISPATCHED.value, dispatch.new_rev, dispatch.node, dispatch.reason
         )
-        keys = [self._job_key(new.ref), self._dispatched_key]
+        keys = [self._job_key(new.ref), self._state_key(State.DISPATCHED)]
         created = _history_entry(None, new.state.value, new.node, new.reason, new.rev)
         dispatched = _history_entry(
             new.state.value, State.DISPATCHED.value, dispatch.node, dispatch.reason,
