@@ -260,7 +260,7 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
         A job that exists is read.
         """
         brief = runtime.dispatcher.signer is None
-        (result,) = settle.create_many(runtime.store, [new], brief=brief, tries=1)
+        result = settle.create(runtime.store, new, brief=brief, tries=1)
         if result.applied and result.job is None:
             return jobs.job_from_new(new, datetime.now(timezone.utc))
         job, decision = result.job, result.decision

@@ -190,14 +190,26 @@ def transition_many(
 
 
 def create(
-    store: StateStore, new: NewJob, *, epoch: str | None = None, tries: int = READ_BACK_TRIES
+    store: StateStore,
+    new: NewJob,
+    *,
+    epoch: str | None = None,
+    brief: bool = False,
+    tries: int = READ_BACK_TRIES,
 ) -> Written[CreateStatus]:
     """Create ``new`` if absent; if the answer is lost, read back and decide.
 
     A record read back answers as the create repeated would: ``EXISTS`` with it.
+    With ``brief`` the store may leave ``job`` unset (an applied create, or an
+    existing record): a brief create goes through
+    :meth:`~celery_exactonce.stores.base.StateStore.create_many`, which takes
+    ``brief`` on every store.
     """
     try:
-        answer = store.create(new, epoch=epoch)
+        if brief:
+            (answer,) = store.create_many([new], epoch=epoch, brief=True)
+        else:
+            answer = store.create(new, epoch=epoch)
     except exceptions.StoreError as exc:
         return _lost_create(store, new, exc, tries)
     return _answered_create(new, answer)
