@@ -57,7 +57,8 @@ from typing import Any
 from celery_exactonce import exceptions, jobs, metrics
 from celery_exactonce.dispatch import Outcome
 from celery_exactonce.jobs import Job, JobRef, Lease, Transition
-from celery_exactonce.messages import GATED_OPTION, POLICY_OPTION
+from celery_exactonce.messages import GATED_OPTION
+from celery_exactonce.policy import Timeouts, youngest_ages
 from celery_exactonce.runtime import Runtime
 from celery_exactonce.states import State
 from celery_exactonce.stores import settle
@@ -87,46 +88,6 @@ PURGE_LIMIT = 1000
 #: How long (seconds) a job whose action failed waits before this reconciler retries it.
 RETRY_BACKOFF = 5.0
 RETRY_BACKOFF_MAX = 300.0
-
-
-@dataclasses.dataclass(frozen=True)
-class Timeouts:
-    """The reconciler's limits for one task: the settings, overridden by task attributes."""
-
-    dispatch_timeout: float
-    dispatch_deadline: float
-    running_timeout: float
-    redispatch: bool
-    rerun: bool
-
-    @classmethod
-    def of(cls, runtime: Runtime, task: Any, job: Job | None = None) -> Timeouts:
-        """The limits for ``job``: the policy its record stores, else ``task``'s attributes.
-
-        The record is written by the job's creator, which knows the task; this
-        process (a beat that does not import the task's module) may not.
-        A stored value of the wrong type is ignored (the setting applies).
-        """
-        config = runtime.config
-        stored = job.options.get(POLICY_OPTION) if job is not None else None
-
-        def value(name: str) -> Any:
-            if isinstance(stored, dict):
-                return stored.get(name)
-            return getattr(task, f"exactonce_{name}", None)
-
-        def pick(name: str, default: float) -> float:
-            found = value(name)
-            number = isinstance(found, (int, float)) and not isinstance(found, bool)
-            return float(found) if number and found > 0 else float(default)
-
-        return cls(
-            dispatch_timeout=pick("dispatch_timeout", config.dispatch_timeout),
-            dispatch_deadline=pick("dispatch_deadline", config.dispatch_deadline),
-            running_timeout=pick("running_timeout", config.running_timeout),
-            redispatch=bool(value("redispatch")),
-            rerun=bool(value("rerun")),
-        )
 
 
 @dataclasses.dataclass
@@ -401,23 +362,10 @@ class Reconciler:
 
     def _ages(self) -> tuple[float, float]:
         """The youngest ``DISPATCHED`` and ``RUNNING`` ages any task's limits act on."""
-        config = self.runtime.config
-        dispatch, running = (
-            min(config.dispatch_timeout, config.dispatch_deadline),
-            config.running_timeout,
-        )
-        for task in list(self._tasks.values()):
-            for name in ("dispatch_timeout", "dispatch_deadline"):
-                value = getattr(task, f"exactonce_{name}", None)
-                if value is not None:
-                    dispatch = min(dispatch, float(value))
-            value = getattr(task, "exactonce_running_timeout", None)
-            if value is not None:
-                running = min(running, float(value))
-        return dispatch, running
+        return youngest_ages(self.runtime.config, list(self._tasks.values()))
 
     def _timeouts(self, job: Job) -> Timeouts:
-        return Timeouts.of(self.runtime, self._tasks.get(job.task), job)
+        return Timeouts.of(self.runtime.config, self._tasks.get(job.task), job)
 
     def _renew(self, lease: Lease) -> None:
         try:

@@ -48,6 +48,7 @@ from celery.exceptions import Ignore, Reject, Retry
 from celery_exactonce import exceptions, jobs, messages, metrics
 from celery_exactonce.dispatch import Enqueued
 from celery_exactonce.jobs import CreateStatus, Job, JobRef, NewJob, Transition
+from celery_exactonce.policy import check_timeouts, task_policy, task_timeouts
 from celery_exactonce.runtime import Runtime, config_for, runtime_for
 from celery_exactonce.states import State
 from celery_exactonce.stores import settle
@@ -743,35 +744,6 @@ class _Heartbeats:
 _heartbeats = _Heartbeats()
 
 
-#: Settings a gated task may override as ``exactonce_<name>`` attributes (the reconciler's).
-TASK_TIMEOUTS = ("dispatch_timeout", "dispatch_deadline", "running_timeout")
-#: Opt-ins a gated task may set as ``exactonce_<name> = True`` (the reconciler's).
-TASK_FLAGS = ("redispatch", "rerun")
-
-
-_TIMEOUT_ATTRIBUTES = tuple((name, f"exactonce_{name}") for name in TASK_TIMEOUTS)
-_FLAG_ATTRIBUTES = tuple((name, f"exactonce_{name}") for name in TASK_FLAGS)
-
-
-def task_policy(task: Any) -> dict[str, Any]:
-    """The reconciler policy ``task`` overrides, as its jobs store it.
-
-    Written into every job of a gated task by whoever creates it (under
-    :data:`~celery_exactonce.messages.POLICY_OPTION`), so that a process that
-    does not import the task, a slim beat, still applies the task's own
-    timeouts and opt-ins.
-    """
-    policy: dict[str, Any] = {}
-    for name, attribute in _TIMEOUT_ATTRIBUTES:
-        value = getattr(task, attribute, None)
-        if value is not None:
-            policy[name] = float(value)
-    for name, attribute in _FLAG_ATTRIBUTES:
-        if getattr(task, attribute, False):
-            policy[name] = True
-    return policy
-
-
 def validate_gated_task(task: Task) -> None:
     """Refuse settings that would let a gated body run twice (start-up validation).
 
@@ -787,18 +759,9 @@ def validate_gated_task(task: Task) -> None:
             "it is refused on an ExactOnceTask unless exactonce_rerun=True",
             setting="reject_on_worker_lost",
         )
-    overrides = {
-        name: getattr(task, f"exactonce_{name}")
-        for name in TASK_TIMEOUTS
-        if getattr(task, f"exactonce_{name}", None) is not None
-    }
-    if overrides:
-        try:
-            dataclasses.replace(config_for(task.app), **overrides)
-        except (exceptions.ConfigurationError, TypeError) as exc:
-            raise exceptions.ConfigurationError(
-                f"{task.name}: task attribute {exc}", setting=getattr(exc, "setting", None)
-            ) from exc
+    check_timeouts(
+        config_for(task.app), task_timeouts(task), prefix=f"{task.name}: task attribute "
+    )
     task._exactonce_validated = True
 
 

@@ -52,8 +52,8 @@ from celery_exactonce import exceptions, jobs, keys, slots
 from celery_exactonce.config import ExactOnceConfig
 from celery_exactonce.demo import app as demo_app
 from celery_exactonce.demo.report import DemoResult, Execution, Kill, Slot, build_report
+from celery_exactonce.entries import occurrence_id
 from celery_exactonce.jobs import Job, JobRef
-from celery_exactonce.scheduler import occurrence_id
 from celery_exactonce.stores import open_store
 from celery_exactonce.stores.base import StateStore
 

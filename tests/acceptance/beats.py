@@ -14,8 +14,8 @@ from collections.abc import Iterable, Mapping
 from datetime import datetime, timedelta, timezone
 
 from celery_exactonce import ExactOnceConfig, keys
+from celery_exactonce.entries import occurrence_id
 from celery_exactonce.jobs import Job, JobRef, epoch_born
-from celery_exactonce.scheduler import occurrence_id
 from celery_exactonce.states import State
 from tests.acceptance.harness import BeatProcess, Deployment, Ledger, poll
 

@@ -18,9 +18,9 @@ from celery import Celery
 from celery_exactonce import ExactOnceTask, runtime
 from celery_exactonce.jobs import JobRef, NewJob
 from celery_exactonce.messages import GATED_OPTION, POLICY_OPTION
+from celery_exactonce.policy import task_policy
 from celery_exactonce.reconciler import Reconciler
 from celery_exactonce.states import State
-from celery_exactonce.task import task_policy
 from celery_exactonce.testing import FrozenClock, InMemoryStore
 from tests.support.reconciling import move
 from tests.unit.beat_cluster import Cluster, every, isolated, refused_at_start
@@ -151,7 +151,7 @@ def test_reconciler_reads_the_tasks_attributes_for_a_record_without_a_policy() -
     @app.task(base=ExactOnceTask, shared=False, name="t.old", exactonce_redispatch=True)
     def old() -> None: ...
 
-    from celery_exactonce.reconciler import Timeouts
+    from celery_exactonce.policy import Timeouts
 
     rt = runtime.install(app, InMemoryStore("old"))
     try:
@@ -160,12 +160,12 @@ def test_reconciler_reads_the_tasks_attributes_for_a_record_without_a_policy() -
                      options={GATED_OPTION: True})  # fmt: skip
         job = store.create(new).job
         assert job is not None
-        assert Timeouts.of(rt, app.tasks["t.old"], job).redispatch is True
-        assert Timeouts.of(rt, None, job).redispatch is False
+        assert Timeouts.of(rt.config, app.tasks["t.old"], job).redispatch is True
+        assert Timeouts.of(rt.config, None, job).redispatch is False
         stored = NewJob(JobRef.task("p"), "t.old", State.SCHEDULED, node="n",
                         options={GATED_OPTION: True, POLICY_OPTION: {}})  # fmt: skip
         with_policy = store.create(stored).job
         assert with_policy is not None
-        assert Timeouts.of(rt, app.tasks["t.old"], with_policy).redispatch is False
+        assert Timeouts.of(rt.config, app.tasks["t.old"], with_policy).redispatch is False
     finally:
         runtime.reset(app)

@@ -1,0 +1,174 @@
+"""The plan of a tick for one entry: which due slots to claim, which to skip, and why.
+
+Pure: it reads a schedule, the entry's policy and what this node knows (how
+far it has settled the entry, the store-loss floor) and returns a
+:class:`Plan`. It neither reads the store nor calls back into the scheduler.
+
+* slots in ``(last settled, store time]`` and within ``window_lookback`` are
+  due. Due-ness is judged on the store's clock, never this node's, so a node
+  never claims a slot before ``store time >= fire_time``;
+* slots that left the window unclaimed while this node held the entry are
+  skipped (``window``);
+* slots at or before the store-loss floor are skipped (``unprovable`` or
+  ``store_loss``, :mod:`~celery_exactonce.loss`);
+* after downtime, the entry's catch-up policy picks which missed slots to
+  claim (``latest`` by default, the newest ``catchup_limit`` with ``all``,
+  ``none``); ``max_lateness`` skips slots that are too late (``catchup``).
+
+Every skipped slot is counted, once per tick and reason (:class:`SkipTally`).
+
+Not here: the claims (:mod:`~celery_exactonce.scheduler`), the job of a slot
+(:mod:`~celery_exactonce.entries`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from datetime import datetime, timedelta, tzinfo
+from typing import Any
+
+from celery_exactonce import slots
+from celery_exactonce.config import ExactOnceConfig
+from celery_exactonce.entries import EntryPolicy
+from celery_exactonce.jobs import NewJob
+
+#: Why slots were skipped, by the ``where`` label of ``slot_skipped``.
+WHY = {
+    "catchup": "the catch-up policy",
+    "window": "they left window_lookback unclaimed",
+    "unprovable": "at or before the store epoch's birth + max_skew: a new (or wiped) store",
+    "store_loss": "store loss: unprovable",
+}
+
+
+@dataclasses.dataclass
+class Plan:
+    """One entry's work in a tick: its due slots, those to claim, and how far it settles.
+
+    ``start`` is where the entry stood before the tick (moved up to the window
+    if it had fallen out of it). Every due slot is decided (claimed, found
+    claimed, or skipped and counted) except those whose claim failed on a store
+    error: the entry settles up to the last slot before the first failure, so
+    the next tick tries that one again (fail closed) and nothing decided is
+    counted twice.
+    """
+
+    name: str
+    start: datetime
+    due: list[datetime] = dataclasses.field(default_factory=list)
+    #: Fire times to claim, and the jobs the scheduler builds for them.
+    claim: list[datetime] = dataclasses.field(default_factory=list)
+    claims: list[NewJob] = dataclasses.field(default_factory=list)
+    #: ``(where, fire times)`` skipped by the plan (see :data:`WHY`).
+    skipped: list[tuple[str, list[datetime]]] = dataclasses.field(default_factory=list)
+    failed: list[datetime] = dataclasses.field(default_factory=list)
+
+    def settle_to(self) -> datetime:
+        if not self.due:
+            return self.start
+        if not self.failed:
+            return self.due[-1]
+        first = min(self.failed)
+        return max([self.start, *(f for f in self.due if f < first)])
+
+
+def plan(
+    name: str,
+    schedule: Any,
+    policy: EntryPolicy,
+    *,
+    tz: tzinfo,
+    config: ExactOnceConfig,
+    settled: datetime | None,
+    now: datetime,
+    floor: datetime | None,
+    floor_reason: str,
+) -> Plan:
+    """The plan of ``name`` at store time ``now``, settled so far up to ``settled``.
+
+    No slot at or before ``floor`` is claimed (skipped as ``floor_reason``).
+    """
+    lookback = now - timedelta(seconds=config.window_lookback)
+    result = Plan(name, start=lookback if settled is None else settled)
+    if settled is not None and settled < lookback:
+        fallen = slots.slots_between(schedule, settled, lookback, tz=tz, entry=name)
+        if fallen:  # a lower bound when there were more than slots.DEFAULT_LIMIT
+            result.skipped.append(("window", fallen))
+        result.start = lookback
+    due = slots.slots_between(schedule, result.start, now, tz=tz, entry=name)
+    if not due:
+        return result
+    if len(due) == slots.DEFAULT_LIMIT:  # truncated: the latest slot is further on
+        latest = slots.latest_slot(schedule, now, tz=tz, entry=name)
+        if latest is not None and latest > due[-1]:
+            due.append(latest)
+    result.due = due
+    unprovable = [f for f in due if floor is not None and f <= floor]
+    if unprovable:
+        result.skipped.append((floor_reason, unprovable))
+    provable = due[len(unprovable) :]
+    if provable:
+        result.claim, late = select(policy, provable, now, config)
+        if late:
+            result.skipped.append(("catchup", late))
+    return result
+
+
+def select(
+    policy: EntryPolicy, due: list[datetime], now: datetime, config: ExactOnceConfig
+) -> tuple[list[datetime], list[datetime]]:
+    """The slots of ``due`` to claim under the entry's catch-up policy, and those it skips."""
+    # "none": only what fell due since the previous tick; nothing missed is caught up.
+    on_time = now - timedelta(seconds=config.tick_interval)
+    if policy.max_lateness is not None:
+        too_late = [f for f in due if (now - f).total_seconds() > policy.max_lateness]
+        due = [f for f in due if f not in too_late]
+    else:
+        too_late = []
+    if policy.catchup == "all":  # the newest ones, as "latest" is the newest one
+        keep = len(due) - config.catchup_limit
+        return due[max(0, keep) :], too_late + due[: max(0, keep)]
+    if policy.catchup == "none":
+        claim = [f for f in due if f >= on_time]
+        return claim, too_late + [f for f in due if f < on_time]
+    return due[-1:], too_late + due[:-1]
+
+
+@dataclasses.dataclass(frozen=True)
+class SkipReport:
+    """Every slot skipped for one reason in a tick: the ``slot_skipped`` event's content."""
+
+    where: str
+    total: int
+    entries: int
+    #: The first entry noted, and its first and last skipped slot.
+    entry: str
+    first: datetime
+    last: datetime
+
+    @property
+    def message(self) -> str:
+        more = f" and {self.entries - 1} more entries" if self.entries > 1 else ""
+        return (
+            f"{self.total} slot(s) skipped ({WHY[self.where]}): {self.entry} from "
+            f"{self.first.isoformat()} to {self.last.isoformat()}{more}"
+        )
+
+
+class SkipTally:
+    """The slots skipped in a tick, by reason, until :meth:`reports` drains them."""
+
+    def __init__(self) -> None:
+        self._skips: dict[str, list[tuple[str, datetime, datetime, int]]] = {}
+
+    def add(self, name: str, fires: list[datetime], where: str) -> None:
+        self._skips.setdefault(where, []).append((name, fires[0], fires[-1], len(fires)))
+
+    def reports(self) -> Iterator[SkipReport]:
+        """One report per reason, in the order first noted; the tally is empty after."""
+        skips, self._skips = self._skips, {}
+        for where, noted in skips.items():
+            name, first, last, _ = noted[0]
+            total = sum(n for *_, n in noted)
+            yield SkipReport(where, total, len(noted), name, first, last)
