@@ -163,6 +163,12 @@ def test_unknown_schedule_type_is_refused_at_start_naming_the_entry() -> None:
         Cluster({"weird": {"task": "plain.t", "schedule": Weird()}}, nodes=1)
 
 
+def test_an_entry_of_the_app_that_claims_to_be_beats_own_is_refused_at_start() -> None:
+    entry = {**every(1), "options": {"exactonce_internal": True}}
+    with refused_at_start("'a'.*'exactonce_internal' is beat's own"):
+        Cluster({"a": entry}, nodes=1)
+
+
 def test_sigterm_during_a_tick_is_held_until_the_tick_ends() -> None:
     # Given a node whose publish receives SIGTERM in the middle of a tick
     cluster = Cluster({"a": every(1), "b": every(1)}, nodes=1)
