@@ -40,7 +40,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from celery_exactonce import exceptions, jobs, messages, metrics, signing
-from celery_exactonce.jobs import Job, JobRef, Lease, NewJob, Transition, TransitionStatus
+from celery_exactonce.jobs import Action, Job, JobRef, Lease, NewJob, Transition, TransitionStatus
 from celery_exactonce.messages import GATED_OPTION
 from celery_exactonce.publisher import Publisher, PublishFailed
 from celery_exactonce.states import State
@@ -210,6 +210,7 @@ class Dispatcher:
         retry: bool = True,
         lease: Lease | None = None,
         call: Mapping[str, Any] | None = None,
+        action: Action | None = None,
     ) -> DispatchResult:
         """CAS ``job`` (as listed, ``SCHEDULED``) to ``DISPATCHED`` and publish it.
 
@@ -217,9 +218,12 @@ class Dispatcher:
         or was rolled back is retried later in the background. With ``lease``
         (the reconciler), the CAS also requires that lease: a lost lease is
         ``LOST`` with a :class:`~celery_exactonce.exceptions.LeaseLost` error.
-        ``call`` holds the submitting caller's :data:`CALL_OPTIONS`.
+        ``call`` holds the submitting caller's :data:`CALL_OPTIONS`; ``action``
+        the reconciler's action the dispatch is (recorded in the history).
         """
-        return self.dispatch_many([job], reason=reason, retry=retry, lease=lease, call=call)[0]
+        return self.dispatch_many(
+            [job], reason=reason, retry=retry, lease=lease, call=call, action=action
+        )[0]
 
     def dispatch_many(
         self,
@@ -229,6 +233,7 @@ class Dispatcher:
         retry: bool = True,
         lease: Lease | None = None,
         call: Mapping[str, Any] | None = None,
+        action: Action | None = None,
     ) -> list[DispatchResult]:
         """:meth:`dispatch` for each job, its store writes batched; results in order.
 
@@ -243,7 +248,7 @@ class Dispatcher:
         with batch() if batch is not None else contextlib.nullcontext():
             for start in range(0, len(listed), DISPATCH_CHUNK):
                 done, published = self._dispatch_chunk(
-                    listed[start : start + DISPATCH_CHUNK], reason, lease, call or {}
+                    listed[start : start + DISPATCH_CHUNK], reason, lease, call or {}, action
                 )
                 results += done
                 self._write_many(published, State.PUBLISHED, "publish returned")
@@ -254,7 +259,12 @@ class Dispatcher:
         return results
 
     def _dispatch_chunk(
-        self, listed: Sequence[Job], reason: str, lease: Lease | None, call: Mapping[str, Any]
+        self,
+        listed: Sequence[Job],
+        reason: str,
+        lease: Lease | None,
+        call: Mapping[str, Any],
+        action: Action | None,
     ) -> tuple[list[DispatchResult], list[Job]]:
         """Write ``DISPATCHED`` and publish one chunk; the results, and the plain jobs sent."""
         results: list[DispatchResult | None] = [None] * len(listed)
@@ -267,7 +277,7 @@ class Dispatcher:
             else:
                 request = Transition(
                     State.DISPATCHED, frozenset({State.SCHEDULED}), node=self.node,
-                    reason=reason, rev=job.rev, lease=lease,
+                    reason=reason, rev=job.rev, lease=lease, action=action,
                 )  # fmt: skip
                 writes.append((i, job, request))
         sent: list[tuple[int, Job]] = []

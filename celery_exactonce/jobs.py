@@ -130,9 +130,32 @@ class JobRef:
         return cls(Space(space), job_id)
 
 
+class Action(str, enum.Enum):
+    """The reconciler's actions on a job, recorded in its history; its caps count them."""
+
+    REPLAY = "replay"
+    """A ``SCHEDULED`` job nobody dispatched, dispatched."""
+    REDISPATCH = "redispatch"
+    """An opted-in ``DISPATCHED`` job that never ran, published again."""
+    RERUN = "rerun"
+    """An opted-in ``RUNNING`` job whose worker vanished, dispatched as its next attempt."""
+
+    @classmethod
+    def of(cls, value: object) -> Action | None:
+        """The action ``value`` names; ``None`` for none, or one this version does not know."""
+        try:
+            return None if value is None else cls(value)
+        except ValueError:
+            return None
+
+
 @dataclasses.dataclass(frozen=True)
 class HistoryEntry:
-    """One transition in a job's capped history."""
+    """One transition in a job's capped history.
+
+    ``reason`` is for people; ``action`` says, for the code that counts them,
+    which of the reconciler's actions wrote the entry (``None``: none of them).
+    """
 
     src: State | None
     dst: State
@@ -140,9 +163,10 @@ class HistoryEntry:
     node: str
     reason: str
     rev: str
+    action: Action | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        data = {
             "from": self.src.value if self.src else None,
             "to": self.dst.value,
             "at": to_micros(self.at),
@@ -150,6 +174,9 @@ class HistoryEntry:
             "reason": self.reason,
             "rev": self.rev,
         }
+        if self.action is not None:
+            data["action"] = self.action.value
+        return data
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> HistoryEntry:
@@ -161,6 +188,7 @@ class HistoryEntry:
             node=str(data["node"]),
             reason=str(data["reason"]),
             rev=str(data["rev"]),
+            action=Action.of(data.get("action")),
         )
 
 
@@ -379,6 +407,8 @@ class Transition:
     kwargs: Mapping[str, Any] | None = None
     new_rev: str = dataclasses.field(default_factory=new_token)
     signature: str | None = None
+    #: The reconciler's action this transition is, recorded in the history entry.
+    action: Action | None = None
 
     def __post_init__(self) -> None:
         expect = self.expect
@@ -496,7 +526,7 @@ def _replaced(job: Job, **changes: Any) -> Job:
 
 def apply_transition(job: Job, t: Transition, now: datetime) -> Job:
     """The record after ``t`` applied to ``job`` at store time ``now`` (guards not checked)."""
-    entry = HistoryEntry(job.state, t.to, now, t.node, t.reason, t.new_rev)
+    entry = HistoryEntry(job.state, t.to, now, t.node, t.reason, t.new_rev, t.action)
     running = t.to is State.RUNNING
     resigned = t.args is not None or t.kwargs is not None or t.signature is not None
     return _replaced(

@@ -56,7 +56,7 @@ from typing import Any
 
 from celery_exactonce import exceptions, jobs, metrics
 from celery_exactonce.dispatch import Outcome
-from celery_exactonce.jobs import Job, JobRef, Lease, Transition
+from celery_exactonce.jobs import Action, Job, JobRef, Lease, Transition
 from celery_exactonce.messages import GATED_OPTION
 from celery_exactonce.policy import Timeouts, youngest_ages
 from celery_exactonce.runtime import Runtime
@@ -74,7 +74,8 @@ BATCH = 100
 #: Dispatches after which a ``SCHEDULED`` job that never ran is ``FAILED``.
 MAX_REPLAYS = 5
 
-#: History reasons of the reconciler's replays and redispatches: what the caps count.
+#: History reasons of the reconciler's replays, redispatches and re-runs (for people;
+#: the caps count the entries' :class:`~celery_exactonce.jobs.Action`).
 REPLAY_REASON = "reconciler replay"
 REDISPATCH_REASON = "reconciler redispatch"
 RERUN_REASON = "reconciler rerun"
@@ -111,13 +112,29 @@ class PassReport:
         return dataclasses.asdict(self)
 
 
-def _count(job: Job, reason: str) -> int:
-    """How many of the job's (capped) history entries the reconciler wrote with ``reason``.
+@dataclasses.dataclass
+class _Pass:
+    """The state of one pass, handed to every handler."""
+
+    report: PassReport
+    lease: Lease
+    #: Whether timeouts may act (not within the grace period after a store error).
+    timeouts_ok: bool
+    #: The store's time when the page being acted on was listed.
+    now: datetime = jobs.EPOCH
+
+
+#: What acts on one stale job of a state, in a pass.
+Handler = Callable[[_Pass, Job], None]
+
+
+def _count(job: Job, action: Action) -> int:
+    """How many of the job's (capped) history entries record ``action``.
 
     Replays and redispatches each add entries far below the history cap
     before their own cap is reached, so the count is exact where it matters.
     """
-    return sum(1 for entry in job.history if entry.reason.startswith(reason))
+    return sum(1 for entry in job.history if entry.action is action)
 
 
 class Reconciler:
@@ -153,11 +170,14 @@ class Reconciler:
             return report
         report.ran = True
         try:
-            self._pass(report, lease)
+            self._pass(_Pass(report, lease, timeouts_ok=self._monotonic() >= self._grace_end()))
         except exceptions.LeaseLost:
             report.lease_lost = True
-            metrics.event("reconcile_lease_lost", "the reconciler lost its lease mid-pass: stopped",
-                          level=logging.WARNING)  # fmt: skip
+            metrics.event(
+                "reconcile_lease_lost",
+                "the reconciler lost its lease mid-pass: stopped",
+                level=logging.WARNING,
+            )
         finally:
             try:
                 store.release_lease(lease.name, lease.token)
@@ -166,28 +186,18 @@ class Reconciler:
         self._report(report)
         return report
 
-    def _pass(self, report: PassReport, lease: Lease) -> None:
-        config = self.runtime.config
-        timeouts_ok = self._monotonic() >= self._grace_end()
+    def _pass(self, run: _Pass) -> None:
         dispatch_age, running_age = self._ages()
-        self._each(report, lease, State.SCHEDULED, config.replay_age, self._scheduled)
-        self._each(report, lease, State.DISPATCHED, dispatch_age, self._dispatched, timeouts_ok)
-        if timeouts_ok:
-            self._each(report, lease, State.RUNNING, running_age, self._running)
+        self._each(run, State.SCHEDULED, self.runtime.config.replay_age, self._scheduled)
+        self._each(run, State.DISPATCHED, dispatch_age, self._dispatched)
+        if run.timeouts_ok:
+            self._each(run, State.RUNNING, running_age, self._running)
         try:
-            report.expired = self.runtime.store.purge_expired(PURGE_LIMIT)
+            run.report.expired = self.runtime.store.purge_expired(PURGE_LIMIT)
         except exceptions.StoreError as exc:
-            self._store_error(report, exc, "purge")
+            self._store_error(run.report, exc, "purge")
 
-    def _each(
-        self,
-        report: PassReport,
-        lease: Lease,
-        state: State,
-        older_than: float,
-        act: Callable[..., None],
-        *extra: Any,
-    ) -> None:
+    def _each(self, run: _Pass, state: State, older_than: float, act: Handler) -> None:
         """Act on up to :data:`LIST_PAGES` pages of stale ``state`` jobs, from its cursor.
 
         The listing is in ``(touched_at, ref)`` order, not by what is due: jobs
@@ -196,69 +206,68 @@ class Reconciler:
         behind them anyway. The cursor moves only past a page acted on to its
         end, so a pass cut short (a lost lease, a bug) skips nothing.
         """
-        store = self.runtime.store
+        store, report = self.runtime.store, run.report
         for _ in range(LIST_PAGES):
-            self._renew(lease)
+            self._renew(run.lease)
             try:
                 stale = store.list_stale(
                     state, older_than, LIST_LIMIT, after=self._cursors.get(state)
                 )
-                store_now = store.now()  # ages below err young: nothing is acted on early
+                run.now = store.now()  # ages below err young: nothing is acted on early
             except exceptions.StoreError as exc:
                 self._store_error(report, exc, f"list {state}")
                 return
             report.stale[state.value] = report.stale.get(state.value, 0) + len(stale)
-            self._act_on(report, lease, stale, act, store_now, *extra)
+            self._act_on(run, stale, act)
             if len(stale) < LIST_LIMIT:
                 self._cursors.pop(state, None)  # the end: the next pass starts from the oldest
                 return
             self._cursors[state] = (stale[-1].touched_at, stale[-1].ref)
 
-    def _act_on(
-        self,
-        report: PassReport,
-        lease: Lease,
-        stale: list[Job],
-        act: Callable[..., None],
-        *args: Any,
-    ) -> None:
-        """``act(report, lease, job, *args)`` on each listed job not backing off."""
+    def _act_on(self, run: _Pass, stale: list[Job], act: Handler) -> None:
+        """``act(run, job)`` on each listed job not backing off."""
         now = self._monotonic()
         for i, job in enumerate(stale):
             if i and i % BATCH == 0:
-                self._renew(lease)
+                self._renew(run.lease)
             retry = self._retry_at.get(job.ref)
             if retry is not None and retry[0] > now:
-                report.skipped += 1
+                run.report.skipped += 1
                 continue
             try:
-                act(report, lease, job, *args)
+                act(run, job)
             except exceptions.StoreError as exc:
                 # One job's failure is no outage: it backs off, the grace stays as it is.
-                self._store_error(report, exc, f"act on {job.ref}", outage=False)
+                self._store_error(run.report, exc, f"act on {job.ref}", outage=False)
                 self._back_off(job.ref)
             else:
                 self._retry_at.pop(job.ref, None)
 
     # -- per state -----------------------------------------------------------------------
 
-    def _scheduled(self, report: PassReport, lease: Lease, job: Job, now: datetime) -> None:
+    def _scheduled(self, run: _Pass, job: Job) -> None:
         """Replay a ``SCHEDULED`` job that nobody dispatched (crash between claim and publish)."""
-        if job.deadline is not None and now >= job.deadline:
-            if self._settle(lease, job, State.CANCELLED, "deadline passed before replay"):
+        report = run.report
+        if job.deadline is not None and run.now >= job.deadline:
+            if self._settle(run, job, State.CANCELLED, "deadline passed before replay"):
                 report.cancelled += 1
             return
-        replays = _count(job, REPLAY_REASON)
+        replays = _count(job, Action.REPLAY)
         if replays >= MAX_REPLAYS:
             reason = f"replayed {replays} times without running"
-            if self._settle(lease, job, State.FAILED, reason):
+            if self._settle(run, job, State.FAILED, reason):
                 report.failed += 1
-                metrics.event("replay_gave_up", f"job {job.ref}: {reason}: FAILED",
-                              level=logging.ERROR, sentry=True, job_id=job.ref.id,
-                              task=job.task)  # fmt: skip
+                metrics.event(
+                    "replay_gave_up",
+                    f"job {job.ref}: {reason}: FAILED",
+                    level=logging.ERROR,
+                    sentry=True,
+                    job_id=job.ref.id,
+                    task=job.task,
+                )
             return
         result = self.runtime.dispatcher.dispatch(
-            job, reason=REPLAY_REASON, retry=False, lease=lease
+            job, reason=REPLAY_REASON, retry=False, lease=run.lease, action=Action.REPLAY
         )
         if isinstance(result.error, exceptions.LeaseLost):
             raise result.error
@@ -266,60 +275,73 @@ class Reconciler:
             raise exceptions.StoreUnavailable(f"replay of {job.ref} failed closed")
         if result.outcome in (Outcome.PUBLISHED, Outcome.AMBIGUOUS):
             report.replayed += 1
-            metrics.event("replayed", f"job {job.ref} replayed ({result.outcome.value})",
-                          job_id=job.ref.id, task=job.task)  # fmt: skip
+            metrics.event(
+                "replayed",
+                f"job {job.ref} replayed ({result.outcome.value})",
+                job_id=job.ref.id,
+                task=job.task,
+            )
         elif result.outcome is Outcome.FAILED:
             report.failed += 1
         elif result.outcome is Outcome.EXPIRED:
             report.cancelled += 1
 
-    def _dispatched(
-        self, report: PassReport, lease: Lease, job: Job, now: datetime, timeouts_ok: bool
-    ) -> None:
+    def _dispatched(self, run: _Pass, job: Job) -> None:
         limits = self._timeouts(job)
-        age = (now - job.touched_at).total_seconds()
+        age = (run.now - job.touched_at).total_seconds()
         if not job.options.get(GATED_OPTION):
-            if timeouts_ok and age >= limits.dispatch_timeout:
-                self._time_out(report, lease, job, "unconfirmed", limits.dispatch_timeout)
+            if run.timeouts_ok and age >= limits.dispatch_timeout:
+                self._time_out(run, job, "unconfirmed", limits.dispatch_timeout)
             return
-        if timeouts_ok and age >= limits.dispatch_deadline:
+        if run.timeouts_ok and age >= limits.dispatch_deadline:
             reason = f"not run within dispatch_deadline ({limits.dispatch_deadline:g} s)"
-            self._time_out(report, lease, job, reason, limits.dispatch_deadline)
+            self._time_out(run, job, reason, limits.dispatch_deadline)
             return
-        if not limits.redispatch or report.redispatched >= REDISPATCH_BUDGET:
+        if not limits.redispatch or run.report.redispatched >= REDISPATCH_BUDGET:
             return
-        redispatches = _count(job, REDISPATCH_REASON)
+        redispatches = _count(job, Action.REDISPATCH)
         backoff = limits.dispatch_timeout * 2 ** min(redispatches, 16)
         if redispatches >= MAX_REDISPATCHES or age < backoff:
             return
         request = Transition(
-            State.DISPATCHED, frozenset({State.DISPATCHED}), node=self.runtime.node,
-            reason=f"{REDISPATCH_REASON} {redispatches + 1}", rev=job.rev, lease=lease,
+            State.DISPATCHED,
+            frozenset({State.DISPATCHED}),
+            node=self.runtime.node,
+            reason=f"{REDISPATCH_REASON} {redispatches + 1}",
+            rev=job.rev,
+            lease=run.lease,
             stale_for=backoff,
-        )  # fmt: skip
-        if self._publish_after(report, job, request):
-            report.redispatched += 1
+            action=Action.REDISPATCH,
+        )
+        if self._publish_after(job, request):
+            run.report.redispatched += 1
 
-    def _running(self, report: PassReport, lease: Lease, job: Job, now: datetime) -> None:
+    def _running(self, run: _Pass, job: Job) -> None:
         limits = self._timeouts(job)
-        if (now - job.touched_at).total_seconds() < limits.running_timeout:
+        if (run.now - job.touched_at).total_seconds() < limits.running_timeout:
             return
-        reruns = _count(job, RERUN_REASON)
+        reruns = _count(job, Action.RERUN)
         if limits.rerun and job.options.get(GATED_OPTION) and reruns < MAX_RERUNS:
             request = Transition(
-                State.DISPATCHED, frozenset({State.RUNNING}), node=self.runtime.node,
-                reason=f"{RERUN_REASON} {reruns + 1}: no heartbeat", rev=job.rev, lease=lease,
-                stale_for=limits.running_timeout, next_attempt=True,
-            )  # fmt: skip
-            if self._publish_after(report, job, request):
-                report.rerun += 1
+                State.DISPATCHED,
+                frozenset({State.RUNNING}),
+                node=self.runtime.node,
+                reason=f"{RERUN_REASON} {reruns + 1}: no heartbeat",
+                rev=job.rev,
+                lease=run.lease,
+                stale_for=limits.running_timeout,
+                next_attempt=True,
+                action=Action.RERUN,
+            )
+            if self._publish_after(job, request):
+                run.report.rerun += 1
             return
         reason = f"no heartbeat for {limits.running_timeout:g} s"
-        self._time_out(report, lease, job, reason, limits.running_timeout)
+        self._time_out(run, job, reason, limits.running_timeout)
 
     # -- writes ------------------------------------------------------------------------
 
-    def _publish_after(self, report: PassReport, job: Job, request: Transition) -> bool:
+    def _publish_after(self, job: Job, request: Transition) -> bool:
         """CAS ``request`` (to ``DISPATCHED``), then publish what it returned."""
         result = self._write(job.ref, request)
         if result is None:
@@ -327,26 +349,32 @@ class Reconciler:
         self.runtime.dispatcher.publish(result)
         return True
 
-    def _time_out(
-        self, report: PassReport, lease: Lease, job: Job, reason: str, stale_for: float
-    ) -> None:
-        request = Transition(
-            State.TIMEOUT, frozenset({job.state}), node=self.runtime.node, reason=reason,
-            rev=job.rev, lease=lease, stale_for=stale_for,
-        )  # fmt: skip
-        if self._write(job.ref, request) is not None:
-            report.timed_out += 1
+    def _time_out(self, run: _Pass, job: Job, reason: str, stale_for: float) -> None:
+        if self._settle(run, job, State.TIMEOUT, reason, stale_for=stale_for):
+            run.report.timed_out += 1
             metrics.event(
-                "timed_out", f"job {job.ref} ({job.task}) {job.state} → TIMEOUT: {reason}",
-                level=logging.WARNING, labels={"state": job.state.value}, sentry=True,
-                job_id=job.ref.id, task=job.task,
-            )  # fmt: skip
+                "timed_out",
+                f"job {job.ref} ({job.task}) {job.state} → TIMEOUT: {reason}",
+                level=logging.WARNING,
+                labels={"state": job.state.value},
+                sentry=True,
+                job_id=job.ref.id,
+                task=job.task,
+            )
 
-    def _settle(self, lease: Lease, job: Job, state: State, reason: str) -> bool:
+    def _settle(
+        self, run: _Pass, job: Job, state: State, reason: str, *, stale_for: float | None = None
+    ) -> bool:
+        """CAS ``job`` from the state and rev it was listed with to ``state``; whether it did."""
         request = Transition(
-            state, frozenset({job.state}), node=self.runtime.node, reason=reason,
-            rev=job.rev, lease=lease,
-        )  # fmt: skip
+            state,
+            frozenset({job.state}),
+            node=self.runtime.node,
+            reason=reason,
+            rev=job.rev,
+            lease=run.lease,
+            stale_for=stale_for,
+        )
         return self._write(job.ref, request) is not None
 
     def _write(self, ref: JobRef, request: Transition) -> Job | None:
@@ -404,9 +432,11 @@ class Reconciler:
         if outage:
             self.runtime.note_store_error(self._monotonic())
         metrics.event(
-            "reconcile_store_error", f"reconciler: store error ({where}): {exc}",
-            level=logging.WARNING, detail=where,
-        )  # fmt: skip
+            "reconcile_store_error",
+            f"reconciler: store error ({where}): {exc}",
+            level=logging.WARNING,
+            detail=where,
+        )
 
     def _report(self, report: PassReport) -> None:
         for state, count in report.stale.items():

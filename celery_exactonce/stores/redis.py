@@ -523,6 +523,7 @@ class RedisStore:
             _opt(None if request.kwargs is None else _json(request.kwargs)),
             _opt(request.task),
             _opt(request.signature),
+            _opt(None if request.action is None else request.action.value),
         ]  # fmt: skip
         return keys, args
 

@@ -172,7 +172,8 @@ class Statements:
         running, terminal = t.to is State.RUNNING, t.to in TERMINAL
         lease = t.lease
         head, mid, tail = _entry_parts(
-            HistoryEntry(State.PENDING, t.to, jobs.EPOCH, t.node, t.reason, t.new_rev), src=True
+            HistoryEntry(State.PENDING, t.to, jobs.EPOCH, t.node, t.reason, t.new_rev, t.action),
+            src=True,
         )
         params: dict[str, Any] = {
             "k_ns": namespace, "k_space": ref.space.value, "k_id": ref.id,

@@ -35,7 +35,7 @@ from typing import Any
 import pytest
 
 from celery_exactonce import reconciler
-from celery_exactonce.jobs import Job, JobRef, NewJob, Transition
+from celery_exactonce.jobs import Action, Job, JobRef, NewJob, Transition
 from celery_exactonce.messages import GATED_OPTION
 from celery_exactonce.states import State
 from tests.acceptance.apps.ledger_app import CLOCK_MARK
@@ -182,7 +182,7 @@ def consume(deployment: Deployment, worker: WorkerProcess) -> None:
 
 def redispatches(job: Job) -> list[datetime]:
     """When the reconciler redispatched ``job`` (its history)."""
-    return [e.at for e in job.history if e.reason.startswith(reconciler.REDISPATCH_REASON)]
+    return [e.at for e in job.history if e.action is Action.REDISPATCH]
 
 
 def check_backoff(job: Job, elapsed: float) -> int:

@@ -11,6 +11,7 @@ import pytest
 from celery_exactonce import exceptions
 from celery_exactonce.jobs import (
     HISTORY_LIMIT,
+    Action,
     CreateStatus,
     JobRef,
     Lease,
@@ -250,6 +251,21 @@ def test_history_is_capped(store: StateStore) -> None:
     job = store.get(ref)
     assert job is not None and len(job.history) == HISTORY_LIMIT
     assert job.history[-1].rev == rev and job.dispatches == HISTORY_LIMIT + 6
+
+
+def test_the_reconcilers_action_is_recorded_in_the_history_entry(store: StateStore) -> None:
+    ref, rev = _dispatched(store)
+    redispatch = to(State.DISPATCHED, State.DISPATCHED, rev=rev, action=Action.REDISPATCH)
+    result = store.transition(ref, redispatch)
+    assert result.applied
+    again = store.transition(ref, to(State.DISPATCHED, State.DISPATCHED, rev=redispatch.new_rev))
+    assert again.applied
+    job = store.get(ref)
+    assert job is not None
+    assert [entry.action for entry in job.history] == [None, None, Action.REDISPATCH, None]
+    rerun = to(State.DISPATCHED, State.DISPATCHED, rev=job.rev, action=Action.RERUN)
+    (batched,) = store.transition_many([(ref, rerun)])
+    assert batched.job is not None and batched.job.history[-1].action is Action.RERUN
 
 
 def test_op_id_reads_back_after_an_unknown_outcome(store: StateStore) -> None:

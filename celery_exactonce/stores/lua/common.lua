@@ -33,13 +33,14 @@ local function state_key(first, state)
 end
 
 -- The history JSON array with one entry appended, capped to HISTORY_LIMIT.
+-- `action` (the reconciler's, or nil: then the entry has no such key) is what its caps count.
 -- `at` is stored as a decimal string: cjson would round a 16-digit number.
 -- Below the cap the entry is appended to the text as it is (no decode): every
 -- entry has exactly one "rev" key, and a quote inside a string is escaped, so
 -- counting '"rev":' counts the entries.
-local function history_append(raw, src, dst, at, node, reason, rev)
+local function history_append(raw, src, dst, at, node, reason, rev, action)
   local entry = cjson.encode({['from'] = src or cjson.null, to = dst, at = us(at),
-                              node = node, reason = reason, rev = rev})
+                              node = node, reason = reason, rev = rev, action = action})
   if not raw then return '[' .. entry .. ']' end
   local _, count = string.gsub(raw, '"rev":', '')
   if count == 0 then return '[' .. entry .. ']' end

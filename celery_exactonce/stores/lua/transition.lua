@@ -6,11 +6,12 @@
 --       then per job (ARGS_PER_JOB): member, to, expected states (comma-separated),
 --       node, reason, rev (opt), attempt (opt), run_id (opt), lease token (opt),
 --       stale_for seconds (opt), new rev, new run_id (opt), next_attempt ('1' or '0'),
---       run_at (opt), args JSON (opt), kwargs JSON (opt), task name (opt), signature (opt)
+--       run_at (opt), args JSON (opt), kwargs JSON (opt), task name (opt), signature (opt),
+--       the reconciler's action (opt)
 -- Answer: per job {status[, HGETALL of the record]}
 -- The hot path (beat's DISPATCHED and PUBLISHED writes) is as few commands as it
 -- can be: one read, one write of the record, and the index moves it needs.
-local ARGS_PER_JOB = 18
+local ARGS_PER_JOB = 19
 local retention, brief = tonumber(ARGV[1]), ARGV[2] == '1'
 
 local function transition(key, lease_key, a)
@@ -50,7 +51,8 @@ local function transition(key, lease_key, a)
   local new_rev, next_attempt = ARGV[a + 10], ARGV[a + 12] == '1'
   local set = {'state', to, 'rev', new_rev, 'touched_at', us(now), 'node', node,
                'reason', reason,
-               'history', history_append(cur[7], state, to, now, node, reason, new_rev)}
+               'history', history_append(cur[7], state, to, now, node, reason, new_rev,
+                                           opt(ARGV[a + 18]))}
   local del = {}
   local function put(field, value) set[#set + 1] = field; set[#set + 1] = value end
   if next_attempt then put('attempt', us(tonumber(cur[3]) + 1)) end
