@@ -36,6 +36,16 @@ class InvalidPayload(ExactOnceError, ValueError):
     """
 
 
+class InvalidRequest(ExactOnceError, ValueError):
+    """A request the protocol does not allow, built by code rather than from data.
+
+    A transition the state table does not have, an effect set for the wrong
+    target state, a job created in a state it cannot start in: a bug in the
+    caller, raised before anything is written. What a user passes in (task
+    names, arguments, options, ids) is refused with :class:`InvalidPayload`.
+    """
+
+
 class StoreError(ExactOnceError):
     """The job store failed an operation.
 

@@ -291,23 +291,23 @@ class NewJob:
         validate_reason(self.reason)
         object.__setattr__(self, "reason", sanitize_text(self.reason))
         if self.state not in CREATABLE:
-            raise exceptions.InvalidPayload(
+            raise exceptions.InvalidRequest(
                 f"a job cannot be created in state {self.state}; "
                 f"only {', '.join(sorted(s.value for s in CREATABLE))}"
             )
         occurrence = self.ref.space is Space.OCCURRENCE
         if occurrence != (self.entry is not None) or occurrence != (self.fire_time is not None):
-            raise exceptions.InvalidPayload(
+            raise exceptions.InvalidRequest(
                 f"job {self.ref}: an occurrence needs entry and fire_time, other jobs take neither"
             )
         if self.entry is not None:
             validate_identifier(self.entry, "entry key", MAX_NAME_LENGTH)
         if (self.state is State.PENDING) != (self.run_at is not None):
-            raise exceptions.InvalidPayload(
+            raise exceptions.InvalidRequest(
                 f"job {self.ref}: run_at is set exactly for PENDING jobs"
             )
         if (self.state is State.RUNNING) != (self.run_id is not None):
-            raise exceptions.InvalidPayload(
+            raise exceptions.InvalidRequest(
                 f"job {self.ref}: run_id is set exactly for RUNNING jobs"
             )
         for name in ("fire_time", "run_at", "deadline"):
@@ -417,17 +417,17 @@ class Transition:
             object.__setattr__(self, "expect", expect)
         problem = _edges_problem(expect, self.to, self.next_attempt)
         if problem is not None:
-            raise exceptions.InvalidPayload(problem)
+            raise exceptions.InvalidRequest(problem)
         if (self.to is State.RUNNING) != (self.new_run_id is not None):
-            raise exceptions.InvalidPayload("new_run_id is set exactly for transitions to RUNNING")
+            raise exceptions.InvalidRequest("new_run_id is set exactly for transitions to RUNNING")
         if (self.to is State.PENDING) != (self.run_at is not None):
-            raise exceptions.InvalidPayload("run_at is set exactly for transitions to PENDING")
+            raise exceptions.InvalidRequest("run_at is set exactly for transitions to PENDING")
         if self.run_at is not None:
             object.__setattr__(self, "run_at", require_aware(self.run_at, "run_at"))
         if (
             self.args is not None or self.kwargs is not None or self.signature is not None
         ) and not self.next_attempt:
-            raise exceptions.InvalidPayload(
+            raise exceptions.InvalidRequest(
                 "args/kwargs/signature change only with the next attempt"
             )
         if self.signature is not None:
@@ -442,7 +442,7 @@ class Transition:
             if self.kwargs is not None:
                 object.__setattr__(self, "kwargs", dict(payload["kwargs"]))
         if self.stale_for is not None and self.stale_for < 0:
-            raise exceptions.InvalidPayload("stale_for must be >= 0 seconds")
+            raise exceptions.InvalidRequest("stale_for must be >= 0 seconds")
         if self.task is not None:
             validate_identifier(self.task, "task name", MAX_NAME_LENGTH)
         validate_identifier(self.node, "node id", MAX_NAME_LENGTH)

@@ -181,11 +181,11 @@ def test_invalid_new_jobs_are_refused_before_any_write(store: StateStore) -> Non
         task_job("bad", kwargs={"x": float("nan")})
     with pytest.raises(exceptions.InvalidPayload, match="job id"):
         task_job("bad\nid")
-    with pytest.raises(exceptions.InvalidPayload, match="run_at"):
+    with pytest.raises(exceptions.InvalidRequest, match="run_at"):
         task_job("bad", state=State.PENDING)
     with pytest.raises(exceptions.InvalidPayload, match="timezone-aware"):
         occurrence("e", store.now().replace(tzinfo=None))
-    with pytest.raises(exceptions.InvalidPayload, match="cannot be created"):
+    with pytest.raises(exceptions.InvalidRequest, match="cannot be created"):
         NewJob(JobRef.task("bad"), "t", State.DISPATCHED, node=NODE)
     assert store.get(JobRef.task("bad")) is None
 

@@ -157,7 +157,7 @@ def test_terminal_refuses_every_transition(store: StateStore, terminal: State) -
                     next_attempt=(src, dst)
                     in {(State.RUNNING, State.DISPATCHED), (State.RUNNING, State.PENDING)},
                 )
-            except exceptions.InvalidPayload:
+            except exceptions.InvalidRequest:
                 continue  # not an edge of the table at all
             assert store.transition(ref, request).status is TransitionStatus.CONFLICT
     assert store.get(ref) == final.job
@@ -165,9 +165,9 @@ def test_terminal_refuses_every_transition(store: StateStore, terminal: State) -
 
 def test_transitions_out_of_terminal_states_cannot_be_requested() -> None:
     for terminal in TERMINAL:
-        with pytest.raises(exceptions.InvalidPayload, match="not allowed"):
+        with pytest.raises(exceptions.InvalidRequest, match="not allowed"):
             to(State.RUNNING, terminal, new_run_id="r")
-    with pytest.raises(exceptions.InvalidPayload, match="next_attempt"):
+    with pytest.raises(exceptions.InvalidRequest, match="next_attempt"):
         to(State.DISPATCHED, State.RUNNING)
 
 
@@ -342,7 +342,7 @@ def test_lease_guards_reconciler_transitions(store: StateStore) -> None:
 
 
 def test_transition_to_running_requires_a_run_id() -> None:
-    with pytest.raises(exceptions.InvalidPayload, match="new_run_id"):
+    with pytest.raises(exceptions.InvalidRequest, match="new_run_id"):
         Transition(State.RUNNING, frozenset({State.DISPATCHED}), node=NODE, reason="x")
 
 

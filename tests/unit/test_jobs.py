@@ -42,7 +42,7 @@ def test_a_copy_naming_no_field_of_a_job_is_refused() -> None:
 
 def test_a_transition_refuses_an_edge_the_table_does_not_have_every_time() -> None:
     for _ in range(2):  # the second answer comes from the remembered check
-        with pytest.raises(exceptions.InvalidPayload, match="SUCCEEDED → PENDING"):
+        with pytest.raises(exceptions.InvalidRequest, match="SUCCEEDED → PENDING"):
             Transition(State.PENDING, [State.SUCCEEDED], node="n", reason="r")
     request = Transition(State.RUNNING, ["DISPATCHED"], node="n", reason="r", new_run_id="x")
     assert request.expect == frozenset({State.DISPATCHED})
