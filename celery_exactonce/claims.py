@@ -18,14 +18,12 @@ import logging
 from collections.abc import Sequence
 from datetime import datetime
 
-from celery_exactonce import exceptions, jobs
+from celery_exactonce import exceptions, jobs, metrics
 from celery_exactonce.entries import entry_of
 from celery_exactonce.jobs import CreateStatus, Job, NewJob
 from celery_exactonce.states import State
 from celery_exactonce.stores import settle
 from celery_exactonce.stores.base import StateStore
-
-logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -64,12 +62,11 @@ def claim(
             if result.job.state is State.SCHEDULED:
                 claimed.won.append((new, result.job))
         else:
-            logger.debug(
-                "%s at %s already claimed (%s)",
-                entry_of(new),
-                new.fire_time,
-                result.status.value,
-                extra={"action": "slot_already_claimed", "entry": entry_of(new)},
+            metrics.event(
+                "slot_already_claimed",
+                f"{entry_of(new)} at {new.fire_time} already claimed ({result.status.value})",
+                level=logging.DEBUG,
+                entry=entry_of(new),
             )
             if result.status is CreateStatus.EXISTS:
                 claimed.taken.append((new, result.job))

@@ -48,8 +48,6 @@ from celery_exactonce.stores import settle
 from celery_exactonce.stores.base import StateStore
 from celery_exactonce.stores.redis import Push, PushRefused
 
-logger = logging.getLogger(__name__)
-
 #: How a history tells a dispatch written with its message (:meth:`Dispatcher.enqueue`).
 ENQUEUED = "(record and message in one step)"
 #: Jobs per ``DISPATCHED`` write in :meth:`Dispatcher.dispatch_many`: at most this
@@ -173,10 +171,12 @@ class Retrier:
             if time.monotonic() - started + delay < self.give_up_after:
                 self.schedule(ref, min(delay * 2, self.max_delay), started=started)
             else:
-                logger.warning(
-                    "gave up retrying the dispatch of %s; the reconciler replays it", ref,
-                    extra={"action": "dispatch_retry_gave_up", "job_id": ref.id},
-                )  # fmt: skip
+                metrics.event(
+                    "dispatch_retry_gave_up",
+                    f"gave up retrying the dispatch of {ref}; the reconciler replays it",
+                    level=logging.WARNING,
+                    job_id=ref.id,
+                )
 
 
 class Dispatcher:
@@ -297,9 +297,6 @@ class Dispatcher:
         published = [job for _, job in sent if not job.options.get(GATED_OPTION)]
         done = [result for result in results if result is not None]
         assert len(done) == len(listed)  # noqa: S101 (every job has exactly one result)
-        count = sum(1 for result in done if result.outcome is Outcome.PUBLISHED)
-        if count:
-            metrics.COUNTERS.incr("dispatched", amount=count)
         return done, published
 
     def _write_dispatched(
@@ -330,10 +327,12 @@ class Dispatcher:
                 self._fail_closed("dispatched_write", job, reply.error)
                 out.append((i, DispatchResult(Outcome.FAIL_CLOSED, job, reply.error)))
                 continue
-            logger.debug(
-                "job %s already taken (%s)", job.ref, reply.status and reply.status.value,
-                extra={"action": "dispatch_lost", "job_id": job.ref.id},
-            )  # fmt: skip
+            metrics.event(
+                "dispatch_lost",
+                f"job {job.ref} already taken ({reply.status and reply.status.value})",
+                level=logging.DEBUG,
+                job_id=job.ref.id,
+            )
             lost = reply.status is TransitionStatus.LEASE_LOST
             error = (
                 exceptions.LeaseLost(f"lease lost before dispatching {job.ref}") if lost else None
@@ -388,11 +387,13 @@ class Dispatcher:
             result = enqueue(new, request, Push(captured.db, captured.commands))
         except PushRefused as exc:
             self._no_enqueue = True
-            logger.warning(
-                "the store's Redis refused to push a message to the broker's database (%s): "
-                "this process publishes through the broker connection from now on", exc,
-                extra={"action": "enqueue_refused", "job_id": new.ref.id},
-            )  # fmt: skip
+            metrics.event(
+                "enqueue_refused",
+                f"the store's Redis refused to push a message to the broker's database ({exc}): "
+                "this process publishes through the broker connection from now on",
+                level=logging.WARNING,
+                job_id=new.ref.id,
+            )
             return None
         except exceptions.StoreError:
             back = settle.read_back(self.store, new.ref, request.new_rev)
@@ -405,13 +406,14 @@ class Dispatcher:
         if not result.created:
             assert result.job is not None  # noqa: S101 (an existing record comes back)
             return Enqueued(result.job, created=False, sent=captured.sent)
-        metrics.COUNTERS.incr("dispatched")
-        if logger.isEnabledFor(logging.DEBUG):
-            logger.debug(
-                "job %s created and published in one step", job.ref,
-                extra={"action": "dispatched", "job_id": job.ref.id, "task": job.task,
-                       "attempt": 0},
-            )  # fmt: skip
+        metrics.event(
+            "dispatched",
+            f"job {job.ref} created and published in one step",
+            level=logging.DEBUG,
+            job_id=job.ref.id,
+            task=job.task,
+            attempt=0,
+        )
         return Enqueued(result.job or job, created=True, sent=captured.sent)
 
     def publish(self, job: Job, *, extra: Mapping[str, Any] | None = None) -> DispatchResult:
@@ -420,10 +422,8 @@ class Dispatcher:
         ``extra`` holds publish options for this publish only (a retry's ``eta``).
         """
         result = self._send(job, extra or {})
-        if result.outcome is Outcome.PUBLISHED:
-            metrics.COUNTERS.incr("dispatched")
-            if not job.options.get(GATED_OPTION):
-                self._write(job, State.PUBLISHED, "publish returned")
+        if result.outcome is Outcome.PUBLISHED and not job.options.get(GATED_OPTION):
+            self._write(job, State.PUBLISHED, "publish returned")
         return result
 
     def _send(self, job: Job, extra: Mapping[str, Any]) -> DispatchResult:
@@ -443,14 +443,14 @@ class Dispatcher:
             sent = self.publisher(job, headers, extra)
         except PublishFailed as exc:
             return self._publish_failed(job, exc)
-        # Counted by the callers, once per batch: a counter update per message would
-        # cost a good share of a publish (the Prometheus counter takes a lock too).
-        if logger.isEnabledFor(logging.DEBUG):
-            logger.debug(
-                "job %s published (attempt %s)", job.ref, job.attempt,
-                extra={"action": "dispatched", "job_id": job.ref.id, "task": job.task,
-                       "attempt": job.attempt},
-            )  # fmt: skip
+        metrics.event(
+            "dispatched",
+            f"job {job.ref} published (attempt {job.attempt})",
+            level=logging.DEBUG,
+            job_id=job.ref.id,
+            task=job.task,
+            attempt=job.attempt,
+        )
         return DispatchResult(Outcome.PUBLISHED, job, sent=sent)
 
     # -- internals ------------------------------------------------------------------
@@ -469,26 +469,29 @@ class Dispatcher:
             return None
         if not result.applied or result.job is None:
             # Someone (the gate: the message did land after all) moved it on.
-            logger.info(
-                "rollback of %s found %s", job.ref, result.job.state if result.job else "nothing",
-                extra={"action": "rollback_superseded", "job_id": job.ref.id},
-            )  # fmt: skip
+            found = result.job.state if result.job else "nothing"
+            metrics.event(
+                "rollback_superseded", f"rollback of {job.ref} found {found}", job_id=job.ref.id
+            )
             return result.job
-        metrics.COUNTERS.incr("fail_closed", {"phase": "publish"})
         metrics.event(
-            "publish_rolled_back", f"publish of {job.ref} refused ({exc}); back to SCHEDULED",
-            level=logging.WARNING, labels={"phase": "publish"}, job_id=job.ref.id, task=job.task,
-        )  # fmt: skip
+            "publish_rolled_back",
+            f"publish of {job.ref} refused ({exc}); back to SCHEDULED",
+            level=logging.WARNING,
+            labels={"phase": "publish"},
+            also=("fail_closed",),
+            job_id=job.ref.id,
+            task=job.task,
+        )
         return result.job
 
     def _rollback_failed(self, job: Job, exc: BaseException) -> None:
-        metrics.COUNTERS.incr("fail_closed", {"phase": "rollback_write"})
         metrics.event(
             "rollback_failed",
             f"publish of {job.ref} failed and the rollback write failed too: "
             "the job stays DISPATCHED for the reconciler",
             level=logging.ERROR, labels={"phase": "rollback_write"}, sentry=True,
-            job_id=job.ref.id, task=job.task, exc_info=exc,
+            also=("fail_closed",), job_id=job.ref.id, task=job.task, exc_info=exc,
         )  # fmt: skip
 
     def _fail_closed(self, phase: str, job: Job, exc: BaseException) -> None:
@@ -565,10 +568,12 @@ class Dispatcher:
             replies = self.store.transition_many(requests, brief=True)
         except exceptions.StoreError as exc:
             for job in listed:
-                logger.warning(
-                    "could not write %s for %s: %s", state, job.ref, exc,
-                    extra={"action": "state_write_failed", "job_id": job.ref.id,
-                           "state": str(state)},
-                )  # fmt: skip
+                metrics.event(
+                    "state_write_failed",
+                    f"could not write {state} for {job.ref}: {exc}",
+                    level=logging.WARNING,
+                    job_id=job.ref.id,
+                    state=str(state),
+                )
             return [False] * len(listed)
         return [reply.applied for reply in replies]

@@ -4,7 +4,11 @@ Every event the package wants an operator to see goes through :func:`event`:
 one log record whose ``extra`` carries a stable ``action`` key (grep and alert
 on it), one increment of a counter of the same name (with labels such as the
 phase of a fail-closed event), and, for the events that need a human, a Sentry
-event when, and only when, the host application initialised Sentry.
+event when, and only when, the host application initialised Sentry. It is the
+one path: every record with an ``action`` is counted, and every counter has
+its records. An event that is also an instance of a broader one (a publish
+rolled back is a ``fail_closed`` of phase ``publish``) names it in ``also``:
+one record, both counters.
 
 Counters are per process (:data:`COUNTERS`); when ``prometheus-client`` is
 installed they are mirrored into a Prometheus counter
@@ -78,18 +82,26 @@ def event(
     sentry: bool = False,
     exc_info: BaseException | None = None,
     count: int = 1,
+    also: tuple[str, ...] = (),
     **fields: Any,
 ) -> None:
     """Count ``action`` (``count`` times), log ``message`` once with ``extra={"action": …}``.
 
-    With ``sentry=True`` the event also goes to Sentry, tagged with the
-    action, the labels and the job id, if the host app initialised Sentry.
+    ``also`` names broader events this one counts as too (same labels; the
+    record lists them under ``also``). With ``sentry=True`` the event also goes
+    to Sentry, tagged with the action, the labels and the job id, if the host
+    app initialised Sentry.
     """
     COUNTERS.incr(action, labels, count)
-    extra = {"action": action, **dict(labels or {}), **fields}
-    if count != 1:
-        extra["count"] = count
-    logger.log(level, message, extra=extra, exc_info=exc_info)
+    for broader in also:
+        COUNTERS.incr(broader, labels, count)
+    if logger.isEnabledFor(level):
+        extra = {"action": action, **dict(labels or {}), **fields}
+        if count != 1:
+            extra["count"] = count
+        if also:
+            extra["also"] = list(also)
+        logger.log(level, message, extra=extra, exc_info=exc_info)
     if sentry:
         report_to_sentry(action, message, {**dict(labels or {}), **fields}, exc_info)
 

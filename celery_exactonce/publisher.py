@@ -19,11 +19,9 @@ import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol
 
-from celery_exactonce import jobs, messages
+from celery_exactonce import jobs, messages, metrics
 from celery_exactonce.jobs import Job
 from celery_exactonce.messages import CALL_OPTIONS, INTERNAL_OPTIONS, check_options
-
-logger = logging.getLogger(__name__)
 
 #: Transport commands a publish batch may buffer before kombu flushes it by itself:
 #: far above a chunk's (a message is one to a few), so only :meth:`CeleryPublisher.flush`
@@ -212,10 +210,12 @@ class CeleryPublisher:
         try:
             sent = self._send_task(job, target.producer, options)
         except Exception as exc:
-            logger.debug(
-                "message of %s not built for an atomic enqueue (%s): general path", job.ref,
-                exc, extra={"action": "enqueue_skipped", "job_id": job.ref.id},
-            )  # fmt: skip
+            metrics.event(
+                "enqueue_skipped",
+                f"message of {job.ref} not built for an atomic enqueue ({exc}): general path",
+                level=logging.DEBUG,
+                job_id=job.ref.id,
+            )
             return None
         finally:
             commands, target.channel.commands = target.channel.commands, []
@@ -349,10 +349,12 @@ class CeleryPublisher:
         try:
             self.app.backend.mark_as_revoked(messages.message_task_id(job), "expired")
         except Exception as exc:
-            logger.warning(
-                "could not record the expiry of %s in the result backend: %s", job.ref, exc,
-                extra={"action": "result_write_failed", "job_id": job.ref.id},
-            )  # fmt: skip
+            metrics.event(
+                "result_write_failed",
+                f"could not record the expiry of {job.ref} in the result backend: {exc}",
+                level=logging.WARNING,
+                job_id=job.ref.id,
+            )
 
     @staticmethod
     def _connect(producer: Any) -> Exception | None:

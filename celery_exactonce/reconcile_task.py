@@ -21,14 +21,12 @@ import threading
 import weakref
 from typing import Any
 
-from celery_exactonce import exceptions, jobs
+from celery_exactonce import exceptions, jobs, metrics
 from celery_exactonce.jobs import Job, JobRef, Transition
 from celery_exactonce.reconciler import Reconciler
 from celery_exactonce.runtime import Runtime, runtime_for
 from celery_exactonce.states import State
 from celery_exactonce.task import ExactOnceTask
-
-logger = logging.getLogger(__name__)
 
 #: The Celery task (and beat entry) that runs a pass.
 RECONCILE_TASK = "celery_exactonce.reconcile"
@@ -116,15 +114,21 @@ class BeatRunner:
         try:
             result = self.runtime.store.transition(job.ref, request)
         except exceptions.StoreError as exc:
-            logger.warning("reconcile occurrence %s not started: %s", job.ref, exc,
-                           extra={"action": "reconcile_store_error", "where": "start"})  # fmt: skip
+            metrics.event(
+                "reconcile_store_error",
+                f"reconcile occurrence {job.ref} not started: {exc}",
+                level=logging.WARNING,
+                detail="start",
+            )
             return  # left SCHEDULED: a later pass replays or fails it visibly
         if not result.applied or result.job is None:
             return
         try:
             reconciler_for(self.runtime).run_pass()
         except Exception as exc:  # a bug, not a store error: record it, keep beat alive
-            logger.exception("reconcile pass failed", extra={"action": "reconcile_failed"})
+            metrics.event(
+                "reconcile_failed", "reconcile pass failed", level=logging.ERROR, exc_info=exc
+            )
             self._end(result.job, State.FAILED, f"{type(exc).__name__}: {exc}", run_id=run_id)
             return
         self._end(result.job, State.SUCCEEDED, "pass done", run_id=run_id)
@@ -141,9 +145,14 @@ class BeatRunner:
         try:
             self.runtime.store.transition(job.ref, request)
         except exceptions.StoreError as exc:
-            logger.warning("reconcile occurrence %s: could not record %s (again before the next "
-                           "pass): %s", job.ref, state, exc,
-                           extra={"action": "state_write_failed"})  # fmt: skip
+            metrics.event(
+                "state_write_failed",
+                f"reconcile occurrence {job.ref}: could not record {state} "
+                f"(again before the next pass): {exc}",
+                level=logging.WARNING,
+                job_id=job.ref.id,
+                state=str(state),
+            )
             self._owe([(job.ref, request)])
 
     def _owe(self, ends: list[tuple[JobRef, Transition]]) -> None:

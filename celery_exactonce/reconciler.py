@@ -63,8 +63,6 @@ from celery_exactonce.runtime import Runtime
 from celery_exactonce.states import State
 from celery_exactonce.stores import settle
 
-logger = logging.getLogger(__name__)
-
 #: The lease every reconciler of a namespace takes for a pass.
 LEASE_NAME = "reconcile"
 #: Stale jobs listed per page, pages per state and pass; and the batch between lease renewals.
@@ -441,8 +439,12 @@ class Reconciler:
     def _report(self, report: PassReport) -> None:
         for state, count in report.stale.items():
             if count:
-                metrics.COUNTERS.incr("stale_jobs", {"state": state}, count)
+                metrics.event(
+                    "stale_jobs",
+                    f"reconcile pass: {count} stale {state} job(s) listed",
+                    level=logging.DEBUG,
+                    labels={"state": state},
+                    count=count,
+                )
         figures = {k: v for k, v in report.as_dict().items() if v}
-        logger.info(
-            "reconcile pass: %s", figures, extra={"action": "reconcile_pass", "figures": figures}
-        )
+        metrics.event("reconcile_pass", f"reconcile pass: {figures}", figures=figures)

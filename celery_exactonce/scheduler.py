@@ -72,8 +72,6 @@ from celery_exactonce.store_loss import StoreLossGuard
 from celery_exactonce.stores import redact_url
 from celery_exactonce.task import ExactOnceTask
 
-logger = logging.getLogger(__name__)
-
 #: Claims per ``create_many`` round trip.
 CLAIM_BATCH = 500
 #: Delayed jobs claimed per ``claim_due`` call, and at most this many calls per tick.
@@ -220,6 +218,10 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
         finally:
             self._in_tick = False
             if self._stop_requested:
+                metrics.event(
+                    "beat_stopping",
+                    "SIGTERM arrived during a tick: its claims are dispatched, beat stops",
+                )
                 raise SystemExit(0)
 
     def _install_sigterm(self) -> None:
@@ -229,9 +231,9 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
 
         def on_sigterm(_signum: int, _frame: Any) -> None:
             if self._in_tick:
-                self._stop_requested = True  # finish the tick first
-                logger.info("SIGTERM: stopping after the tick in flight",
-                            extra={"action": "beat_stopping"})  # fmt: skip
+                # Finish the tick first. Nothing else here: a counter's lock may be held
+                # by the code this handler interrupted (reported when the tick ends).
+                self._stop_requested = True
             else:
                 raise SystemExit(0)
 
@@ -389,21 +391,16 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
         policy = self._policies.get(name)
         if policy is not None and policy.internal:
             return
-        logger.debug(
-            "%s: %d slot(s) from %s to %s skipped (%s)",
-            name,
-            len(fires),
-            fires[0].isoformat(),
-            fires[-1].isoformat(),
-            where,
-            extra={
-                "action": "slot_skipped_entry",
-                "entry": name,
-                "where": where,
-                "count": len(fires),
-                "first": fires[0].isoformat(),
-                "last": fires[-1].isoformat(),
-            },
+        metrics.event(
+            "slot_skipped_entry",
+            f"{name}: {len(fires)} slot(s) from {fires[0].isoformat()} to "
+            f"{fires[-1].isoformat()} skipped ({where})",
+            level=logging.DEBUG,
+            entry=name,
+            where=where,
+            slots=len(fires),
+            first=fires[0].isoformat(),
+            last=fires[-1].isoformat(),
         )
         self._skips.add(name, fires, where)
 

@@ -53,8 +53,6 @@ from celery_exactonce.runtime import Runtime, config_for, runtime_for
 from celery_exactonce.states import State
 from celery_exactonce.stores import settle
 
-logger = logging.getLogger(__name__)
-
 #: Options of ``apply_async`` that belong to this call and are not stored:
 #: process-local objects, kombu's publish retry (always off for us), and the
 #: times that become the job's ``eta`` and ``deadline``. Everything else (queue,
@@ -333,10 +331,11 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
             raise Reject(exc, requeue=False) from exc
         job = result.job if result.applied else None
         if job is None:
-            logger.info(
-                "%s of %s refused: the job moved on", reason, run.ref,
-                extra={"action": "retry_refused", "job_id": run.ref.id},
-            )  # fmt: skip
+            metrics.event(
+                "retry_refused",
+                f"{reason} of {run.ref} refused: the job moved on",
+                job_id=run.ref.id,
+            )
             return self.AsyncResult(self.request.id)
         if job.state is State.DISPATCHED:  # a delayed retry waits PENDING for the sweep
             runtime.dispatcher.publish(job, extra={"eta": eta} if eta is not None else None)
@@ -366,10 +365,12 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
         does, then a copy is published for it, at the back of the queue. Only
         with ``acks_late``, as in Celery: a message acked on receipt cannot go back.
         """
-        logger.info(
-            "%s rejected %s with requeue: running it again as attempt %s", self.name, run.ref,
-            run.attempt + 1, extra={"action": "requeued", "job_id": run.ref.id},
-        )  # fmt: skip
+        metrics.event(
+            "requeued",
+            f"{self.name} rejected {run.ref} with requeue: running it again as attempt "
+            f"{run.attempt + 1}",
+            job_id=run.ref.id,
+        )
         self._retry_next_attempt(run, None, None, {}, reason=f"requeued: {exc.reason}")
         raise Ignore()
 
@@ -613,10 +614,12 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
         try:
             signature.apply_async(add_to_parent=False)
         except Exception as error:  # the broker refused too: hand the message back
-            logger.warning(
-                "gate of %s could not send the delivery back (%s): requeued", request.id, error,
-                extra={"action": "gate_send_back_failed", "job_id": request.id},
-            )  # fmt: skip
+            metrics.event(
+                "gate_send_back_failed",
+                f"gate of {request.id} could not send the delivery back ({error}): requeued",
+                level=logging.WARNING,
+                job_id=request.id,
+            )
             requeue: BaseException = Reject(exc, requeue=True)
             return requeue
         finally:
@@ -645,10 +648,13 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
                 # revoke cancelled it): the outcome is late and changes nothing,
                 # but the record says it (a note, never a change of state).
                 current = result.job.state if result.job else "no record"
-                logger.warning(
-                    "late outcome %s of %s ignored: the job is %s", state, ref, current,
-                    extra={"action": "late_outcome", "job_id": ref.id, "state": str(state)},
-                )  # fmt: skip
+                metrics.event(
+                    "late_outcome",
+                    f"late outcome {state} of {ref} ignored: the job is {current}",
+                    level=logging.WARNING,
+                    job_id=ref.id,
+                    state=str(state),
+                )
                 if result.job is not None:
                     self._note_late(runtime, ref, run_id, state, reason)
             return
@@ -736,8 +742,12 @@ class _Heartbeats:
             return run.runtime.store.heartbeat(run.ref, run.run_id)
         except exceptions.StoreError as exc:
             run.runtime.note_store_error()
-            logger.warning("heartbeat of %s failed: %s", run.ref, exc,
-                           extra={"action": "heartbeat_failed", "job_id": run.ref.id})  # fmt: skip
+            metrics.event(
+                "heartbeat_failed",
+                f"heartbeat of {run.ref} failed: {exc}",
+                level=logging.WARNING,
+                job_id=run.ref.id,
+            )
             return True
 
 
@@ -840,8 +850,12 @@ def _on_revoked(
                        attempt=attempt, task=sender.name, **guard),
         )  # fmt: skip
     except exceptions.StoreError as exc:
-        logger.warning("could not record the revoke of %s: %s", ref, exc,
-                       extra={"action": "revoke_write_failed", "job_id": ref.id})  # fmt: skip
+        metrics.event(
+            "revoke_write_failed",
+            f"could not record the revoke of {ref}: {exc}",
+            level=logging.WARNING,
+            job_id=ref.id,
+        )
 
 
 signals.task_revoked.connect(_on_revoked, weak=False)

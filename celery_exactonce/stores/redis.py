@@ -46,7 +46,7 @@ import redis.exceptions as rexc
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from celery_exactonce import exceptions, jobs
+from celery_exactonce import exceptions, jobs, metrics
 from celery_exactonce.jobs import (
     CreateResult,
     CreateStatus,
@@ -66,8 +66,6 @@ from celery_exactonce.stores import (
     validate_namespace,
 )
 from celery_exactonce.stores.base import FORMAT_VERSION
-
-logger = logging.getLogger(__name__)
 
 _PREFIX_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
@@ -312,10 +310,10 @@ class RedisStore:
         """
         policy = self._maxmemory_policy()
         if policy is None:
-            logger.warning(
-                "cannot read maxmemory-policy of Redis store %s; it must be noeviction",
-                self._where,
-                extra={"action": "store_config_unknown"},
+            metrics.event(
+                "store_config_unknown",
+                f"cannot read maxmemory-policy of Redis store {self._where}; it must be noeviction",
+                level=logging.WARNING,
             )
         elif policy != "noeviction":
             raise exceptions.ConfigurationError(

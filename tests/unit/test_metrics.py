@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import ast
+import logging
+from pathlib import Path
 from typing import Any
+
+import pytest
 
 from celery_exactonce import metrics
 
@@ -38,3 +43,47 @@ def test_failed_rollback_reaches_sentry_when_the_app_initialised_it() -> None:
     finally:
         sentry_sdk.init(dsn=None)
     assert len(events) == 1
+
+
+def test_an_event_that_is_also_a_broader_one_is_one_record_and_both_counters(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    metrics.COUNTERS.reset()
+    with caplog.at_level(logging.WARNING, logger="celery_exactonce"):
+        metrics.event(
+            "publish_rolled_back", "refused", level=logging.WARNING,
+            labels={"phase": "publish"}, also=("fail_closed",),
+        )  # fmt: skip
+    assert metrics.COUNTERS.get("publish_rolled_back", phase="publish") == 1
+    assert metrics.COUNTERS.get("fail_closed", phase="publish") == 1
+    (record,) = caplog.records
+    assert (record.action, record.also) == ("publish_rolled_back", ["fail_closed"])  # type: ignore[attr-defined]
+
+
+def test_an_event_below_the_log_level_is_still_counted(caplog: pytest.LogCaptureFixture) -> None:
+    metrics.COUNTERS.reset()
+    with caplog.at_level(logging.INFO, logger="celery_exactonce"):
+        metrics.event("dispatched", "sent", level=logging.DEBUG)
+    assert metrics.COUNTERS.get("dispatched") == 1 and caplog.records == []
+
+
+def _calls(tree: ast.AST) -> list[ast.Call]:
+    return [node for node in ast.walk(tree) if isinstance(node, ast.Call)]
+
+
+def test_every_counted_or_logged_event_goes_through_metrics_event() -> None:
+    """One path: no module but ``metrics`` logs an ``action`` or bumps a counter itself."""
+    package = Path(metrics.__file__).parent
+    offenders = []
+    for path in sorted(package.rglob("*.py")):
+        if path.name == "metrics.py" or "demo" in path.parts:
+            continue
+        for call in _calls(ast.parse(path.read_text(encoding="utf-8"))):
+            func = call.func
+            if not isinstance(func, ast.Attribute):
+                continue
+            bumps = func.attr == "incr" and ast.unparse(func.value).endswith("COUNTERS")
+            logs = isinstance(func.value, ast.Name) and func.value.id == "logger"
+            if bumps or logs:
+                offenders.append(f"{path.relative_to(package)}:{call.lineno} {ast.unparse(func)}")
+    assert offenders == []

@@ -203,7 +203,7 @@ def test_check_config_warns_when_unreadable(
 ) -> None:
     monkeypatch.setattr(client, "config_get", _refuse)
     monkeypatch.setattr(client, "info", _refuse)
-    with caplog.at_level(logging.WARNING, logger="celery_exactonce.stores.redis"):
+    with caplog.at_level(logging.WARNING, logger="celery_exactonce"):
         store.check_config()
     assert "maxmemory-policy" in caplog.text
 
