@@ -1,11 +1,12 @@
 """SqlStore: the job store in PostgreSQL, MySQL/MariaDB or SQLite (SQLAlchemy Core).
 
 One class serves the three dialects; what differs between them is the small
-:data:`_DIALECTS` table. Each operation is one database transaction (retried as
-a whole, bounded and with jittered backoff, after a deadlock, a serialization
-failure, a lock-wait timeout or SQLite's "database is locked": such a
-transaction was rolled back, so running it again is safe). The guards and
-effects of a transition are those of :mod:`celery_exactonce.jobs`.
+:data:`~celery_exactonce.stores.sql_engine.DIALECTS` table. Each operation is
+one database transaction (retried as a whole, bounded and with jittered
+backoff, after a deadlock, a serialization failure, a lock-wait timeout or
+SQLite's "database is locked": such a transaction was rolled back, so running
+it again is safe). The guards and effects of a transition are those of
+:mod:`celery_exactonce.jobs`.
 
 The hot writes are one statement each (:mod:`~celery_exactonce.stores.sql_statements`):
 a transition is an ``UPDATE`` whose ``WHERE`` holds every guard and whose
@@ -24,13 +25,7 @@ changed nothing is decided again so; one that changed something is never sent
 again.
 
 Store time is the database server's clock, read once per statement or
-transaction (in SQL, as integer microseconds since the UNIX epoch):
-
-* PostgreSQL: ``clock_timestamp()`` (µs);
-* MySQL/MariaDB: ``TIMESTAMPDIFF(MICROSECOND, '1970-01-01', UTC_TIMESTAMP(6))``
-  (µs, independent of the session time zone, DST folds included);
-* SQLite: ``strftime('%s')`` plus the milliseconds of ``strftime('%f')``
-  (SQLite's own clock has millisecond resolution).
+transaction (how, per dialect: :mod:`~celery_exactonce.stores.sql_engine`).
 
 Locking: PostgreSQL and MySQL run at ``READ COMMITTED`` and lock the rows a
 decision depends on (an ``UPDATE`` locks its row; ``SELECT … FOR UPDATE``
@@ -39,10 +34,8 @@ transition checks is locked shared); SQLite runs every write transaction under
 ``BEGIN IMMEDIATE`` (which serialises writers across threads and processes) in
 WAL mode with a busy timeout.
 
-Pooled connections (of an engine :meth:`SqlStore.from_url` builds) are checked
-at checkout without a round trip (no ``pool_pre_ping``): a connection the
-server closed has input waiting on its socket, and only such a one is pinged,
-and replaced if dead, before anything is sent on it.
+The dialects, the engine :meth:`SqlStore.from_url` builds and its pool
+checks are in :mod:`~celery_exactonce.stores.sql_engine`.
 
 A store must not be shared across ``fork()``: each process builds its own. As
 a safety net (SQLAlchemy's documented recipe), a forked child drops the pool
@@ -53,21 +46,17 @@ connection is never used by two processes.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import random
 import re
-import select
 import time
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import datetime
 from typing import Any, TypeVar
 
 import sqlalchemy as sa
-from sqlalchemy import event
 from sqlalchemy import exc as sa_exc
-from sqlalchemy.dialects import postgresql, sqlite
 
 from celery_exactonce import exceptions, jobs
 from celery_exactonce.jobs import (
@@ -82,9 +71,9 @@ from celery_exactonce.jobs import (
 )
 from celery_exactonce.states import TERMINAL, State
 from celery_exactonce.stores import (
-    redact_message,
     redact_secrets,
     redact_url,
+    sql_engine,
     sql_schema,
     sql_statements,
     url_secrets,
@@ -99,57 +88,6 @@ _ATTEMPTS = 8
 """Runs of one transaction at most (the first and the retries)."""
 _BACKOFF = 0.005
 """Seconds; the n-th retry sleeps up to ``_BACKOFF * 2**n`` (full jitter)."""
-_SQLITE_BUSY = 30.0
-"""Seconds a SQLite transaction waits for the write lock (``from_url`` default)."""
-_READ = "exactonce_read"
-"""Execution option of read-only transactions (SQLite: plain ``BEGIN``)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class _Dialect:
-    now: str
-    """SQL expression of the server clock in integer microseconds since the epoch."""
-    insert: Callable[[sa.Table], Any] | None
-    """An insert with ``on_conflict_do_nothing``; ``None``: catch the duplicate key."""
-    locks: bool
-    """``FOR UPDATE [SKIP LOCKED]`` exists (else ``BEGIN IMMEDIATE`` serialises)."""
-    retry: frozenset[object]
-    """Error codes after which the transaction was rolled back and may be rerun."""
-    unavailable: frozenset[object] | None
-    """Codes of an ``OperationalError`` worth retrying later; ``None``: every one."""
-    engine: Mapping[str, Any]
-    """Defaults for :func:`sqlalchemy.create_engine`."""
-
-
-_DIALECTS: dict[str, _Dialect] = {
-    "postgresql": _Dialect(
-        now="floor(extract(epoch from clock_timestamp()) * 1000000)::bigint",
-        insert=postgresql.insert,
-        locks=True,
-        retry=frozenset({"40001", "40P01", "55P03"}),
-        unavailable=None,
-        engine={"isolation_level": "READ COMMITTED", "connect_args": {"connect_timeout": 10}},
-    ),
-    "mysql": _Dialect(
-        now="TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6))",
-        insert=None,
-        locks=True,
-        retry=frozenset({1205, 1213}),
-        unavailable=None,
-        engine={"isolation_level": "READ COMMITTED", "connect_args": {"connect_timeout": 10}},
-    ),
-    "sqlite": _Dialect(
-        now="CAST(strftime('%s', 'now') AS INTEGER) * 1000000"
-        " + CAST(substr(strftime('%f', 'now'), 4, 3) AS INTEGER) * 1000",
-        insert=sqlite.insert,
-        locks=False,
-        retry=frozenset({5, 6}),  # SQLITE_BUSY, SQLITE_LOCKED
-        unavailable=frozenset({5, 6, 10, 13, 14}),  # … IOERR, FULL, CANTOPEN
-        engine={"connect_args": {"check_same_thread": False, "timeout": _SQLITE_BUSY}},
-    ),
-}
-_DUPLICATE_KEY = 1062  # MySQL: does not abort the transaction, only the statement
-_UNIQUE_VIOLATION = "23505"  # PostgreSQL: aborts the statement (and its transaction)
 
 
 #: Identifiers per ``IN (...)`` list: below every dialect's bound-parameter limit.
@@ -171,103 +109,6 @@ class _Rerun(Exception):
 
 class _Slow(Exception):
     """A one-statement write failed whole (nothing written): run the locking transaction."""
-
-
-def _code(exc: BaseException | None) -> object:
-    """The driver's error code: SQLSTATE (psycopg), errno (PyMySQL), primary code (sqlite3)."""
-    if exc is None:
-        return None
-    args = getattr(exc, "args", ())
-    if args and isinstance(args[0], int):  # PyMySQL: (errno, message); it has a sqlstate too
-        return args[0]
-    sqlite_code = getattr(exc, "sqlite_errorcode", None)
-    if isinstance(sqlite_code, int):
-        return sqlite_code & 0xFF
-    return getattr(exc, "sqlstate", None)
-
-
-def _sqlite_connect(dbapi_conn: Any, _record: Any) -> None:
-    # The pysqlite recipe of the SQLAlchemy docs: let SQLAlchemy emit BEGIN.
-    dbapi_conn.isolation_level = None
-    # The busy timeout is sqlite3's ``timeout`` (from_url: 30 s), so WAL waits for it too.
-    cursor = dbapi_conn.cursor()
-    try:
-        cursor.execute("PRAGMA journal_mode = WAL")
-    finally:
-        cursor.close()
-
-
-def _sqlite_begin(conn: sa.Connection) -> None:
-    read = conn.get_execution_options().get(_READ, False)
-    conn.exec_driver_sql("BEGIN" if read else "BEGIN IMMEDIATE")
-
-
-def _socket(dbapi_conn: Any) -> int | None:
-    """The socket of a psycopg 3 or PyMySQL connection (``-1``: closed); ``None``: other drivers."""
-    pgconn = getattr(dbapi_conn, "pgconn", None)
-    if pgconn is not None:  # psycopg 3
-        try:
-            return int(pgconn.socket)
-        except Exception:  # psycopg raises once the connection is lost
-            return -1
-    if hasattr(dbapi_conn, "_sock"):  # PyMySQL: None once closed
-        sock = dbapi_conn._sock
-        return -1 if sock is None else int(sock.fileno())
-    return None
-
-
-def _has_input(fd: int) -> bool:
-    """Whether ``fd`` can be read (or is closed or in error) right now, without waiting."""
-    if hasattr(select, "poll"):
-        poller = select.poll()
-        poller.register(fd, select.POLLIN | select.POLLPRI)
-        return bool(poller.poll(0))
-    return bool(select.select([fd], [], [], 0)[0])  # pragma: no cover - no poll (Windows)
-
-
-def _check_on_checkout(dialect: sa.Dialect) -> Callable[[Any, Any, Any], None]:
-    """A pool ``checkout`` listener that finds a dead pooled connection without a round trip.
-
-    Stands in for ``pool_pre_ping`` (a round trip before every operation). An
-    idle connection has nothing to read: a server that closed it (restart,
-    ``wait_timeout``, a killed session) left its goodbye or the end of the
-    stream on the socket. So only a connection with input is pinged, and one
-    that fails is replaced before any statement is sent on it
-    (``DisconnectionError``: the pool connects anew). A connection that dies
-    after the check fails its statement, whose outcome is then unknown, as the
-    store contract says; nothing is sent again.
-    """
-
-    def check(dbapi_conn: Any, _record: Any, _proxy: Any) -> None:
-        fd = _socket(dbapi_conn)
-        if fd is None or (fd >= 0 and not _has_input(fd)):
-            return
-        try:
-            if fd >= 0 and dialect.do_ping(dbapi_conn):  # input on an idle connection: ask
-                return
-        except Exception as exc:
-            raise sa_exc.DisconnectionError(f"dead pooled connection: {exc}") from exc
-        raise sa_exc.DisconnectionError("dead pooled connection")
-
-    return check
-
-
-_MYSQL_IN_TRANS = 1  # SERVER_STATUS_IN_TRANS, from the status of the server's last reply
-
-
-def _reset_mysql(dbapi_conn: Any, _record: Any, state: Any) -> None:
-    """The pool's reset of a returned MySQL connection: roll back only an open transaction.
-
-    SQLAlchemy's default reset sends ``ROLLBACK`` on every return, a round
-    trip per operation: the store ends each transaction itself (committed, or
-    rolled back on error), and PyMySQL knows from the server's last reply
-    whether one is still open.
-    """
-    if getattr(state, "terminate_only", False):
-        return
-    status = getattr(dbapi_conn, "server_status", None)
-    if not isinstance(status, int) or status & _MYSQL_IN_TRANS:
-        dbapi_conn.rollback()
 
 
 _LIVE: weakref.WeakSet[SqlStore] = weakref.WeakSet()
@@ -319,11 +160,11 @@ class SqlStore:
             raise exceptions.ConfigurationError(
                 "exactonce_retention must be > 0", setting="exactonce_retention"
             )
-        dialect = _DIALECTS.get(engine.dialect.name)
+        dialect = sql_engine.DIALECTS.get(engine.dialect.name)
         if dialect is None:
             raise exceptions.ConfigurationError(
                 f"no SQL store for the {engine.dialect.name!r} dialect "
-                f"(expected one of {', '.join(sorted(_DIALECTS))})",
+                f"(expected one of {', '.join(sorted(sql_engine.DIALECTS))})",
                 setting="exactonce_store_url",
             )
         self._engine = engine
@@ -362,9 +203,7 @@ class SqlStore:
         self._closed = False
         self._pid = os.getpid()
         if engine.dialect.name == "sqlite":
-            for name, listener in (("connect", _sqlite_connect), ("begin", _sqlite_begin)):
-                if not event.contains(engine, name, listener):
-                    event.listen(engine, name, listener)
+            sql_engine.install_sqlite_listeners(engine)
         _LIVE.add(self)
 
     @classmethod
@@ -389,37 +228,7 @@ class SqlStore:
         returned to the pool is rolled back only when a transaction is open
         (not on every return).
         """
-        shown = redact_url(url)
-        try:
-            sa_url = sa.engine.make_url(url)
-            dialect = _DIALECTS.get(sa_url.get_backend_name())
-            if dialect is None:
-                raise exceptions.ConfigurationError(
-                    f"exactonce_store_url={shown!r}: not a PostgreSQL, MySQL or SQLite URL",
-                    setting="exactonce_store_url",
-                )
-            kwargs: dict[str, Any] = dict(dialect.engine)
-            connect_args = {
-                **kwargs.get("connect_args", {}),
-                **engine_kwargs.pop("connect_args", {}),
-            }
-            kwargs.update(engine_kwargs, connect_args=connect_args)
-            own_reset = (
-                sa_url.get_backend_name() == "mysql" and "pool_reset_on_return" not in kwargs
-            )
-            if own_reset:
-                kwargs["pool_reset_on_return"] = None
-            engine = sa.create_engine(sa_url, **kwargs)
-            if own_reset:
-                event.listen(engine, "reset", _reset_mysql)
-            if engine.dialect.name in ("postgresql", "mysql"):
-                event.listen(engine, "checkout", _check_on_checkout(engine.dialect))
-        except (sa_exc.ArgumentError, ImportError, TypeError, ValueError) as exc:
-            detail = redact_message(str(exc), url)
-            raise exceptions.ConfigurationError(
-                f"exactonce_store_url={shown!r}: {type(exc).__name__}: {detail}",
-                setting="exactonce_store_url",
-            ) from None
+        engine = sql_engine.engine_from_url(url, engine_kwargs)
         store = cls(engine, namespace=namespace, retention=retention, table_prefix=table_prefix)
         store._owns_engine = True
         return store
@@ -591,7 +400,7 @@ class SqlStore:
             try:
                 row = conn.execute(stmt, params).first()
             except sa_exc.IntegrityError as exc:
-                if _code(exc.orig) != _DUPLICATE_KEY:
+                if sql_engine.error_code(exc.orig) != sql_engine.DUPLICATE_KEY:
                     raise
                 if brief and epoch is not None:  # the row was selected, so the epoch matched
                     return CreateResult(CreateStatus.EXISTS, epoch=epoch)
@@ -604,7 +413,7 @@ class SqlStore:
         try:
             row = conn.execute(stmt, params).one()
         except sa_exc.IntegrityError as exc:
-            if _code(exc.orig) != _UNIQUE_VIOLATION:
+            if sql_engine.error_code(exc.orig) != sql_engine.UNIQUE_VIOLATION:
                 raise
             raise _Slow from None
         stored = row.stored_
@@ -1035,7 +844,7 @@ class SqlStore:
         try:
             conn.execute(stmt, values)
         except sa_exc.IntegrityError as exc:
-            if _code(exc.orig) == _DUPLICATE_KEY:
+            if sql_engine.error_code(exc.orig) == sql_engine.DUPLICATE_KEY:
                 return False
             raise
         return True
@@ -1084,7 +893,7 @@ class SqlStore:
                         if autocommit:
                             conn.execution_options(isolation_level="AUTOCOMMIT")
                         elif not write:
-                            conn.execution_options(**{_READ: True})
+                            conn.execution_options(**{sql_engine.READ: True})
                         with conn.begin():
                             return fn(conn)
                 except _Rerun:
@@ -1093,7 +902,10 @@ class SqlStore:
                             f"{op} on {self._where}: kept racing with concurrent writers"
                         ) from None
                 except sa_exc.DBAPIError as exc:
-                    if attempt + 1 == _ATTEMPTS or _code(exc.orig) not in self._d.retry:
+                    if (
+                        attempt + 1 == _ATTEMPTS
+                        or sql_engine.error_code(exc.orig) not in self._d.retry
+                    ):
                         raise
                 # Full jitter: concurrent losers do not retry in lockstep.
                 time.sleep(random.uniform(0, _BACKOFF * 2**attempt))  # noqa: S311 (not crypto)
@@ -1113,7 +925,7 @@ class SqlStore:
             raise
         except wrapped as exc:
             orig = getattr(exc, "orig", None) or exc
-            code = _code(orig)
+            code = sql_engine.error_code(orig)
             transient = (
                 code in self._d.retry
                 or isinstance(exc, (sa_exc.TimeoutError, sa_exc.DisconnectionError, OSError))
