@@ -37,28 +37,21 @@ WAL mode with a busy timeout.
 The dialects, the engine :meth:`SqlStore.from_url` builds and its pool
 checks are in :mod:`~celery_exactonce.stores.sql_engine`.
 
-A store must not be shared across ``fork()``: each process builds its own. As
-a safety net (SQLAlchemy's documented recipe), a forked child drops the pool
-it inherited (``engine.dispose(close=False)``) before its first query, so a
-connection is never used by two processes.
+What every operation stands on (the store's state, running a transaction
+with its retries and errors, fork safety, the row helpers) is
+:class:`~celery_exactonce.stores.sql_core.SqlCore`, the base of the store.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-import random
-import re
-import time
-import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from datetime import datetime
-from typing import Any, TypeVar
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy import exc as sa_exc
 
-from celery_exactonce import exceptions, jobs
+from celery_exactonce import jobs
 from celery_exactonce.jobs import (
     CreateResult,
     CreateStatus,
@@ -70,25 +63,10 @@ from celery_exactonce.jobs import (
     TransitionStatus,
 )
 from celery_exactonce.states import TERMINAL, State
-from celery_exactonce.stores import (
-    redact_secrets,
-    redact_url,
-    sql_engine,
-    sql_schema,
-    sql_statements,
-    url_secrets,
-    validate_namespace,
-)
+from celery_exactonce.stores import sql_engine, sql_schema
+from celery_exactonce.stores.sql_core import Rerun, Slow, SqlCore
 
 __all__ = ["SqlStore"]
-
-_T = TypeVar("_T")
-_PREFIX_RE = re.compile(r"^[A-Za-z0-9_]{1,32}$")
-_ATTEMPTS = 8
-"""Runs of one transaction at most (the first and the retries)."""
-_BACKOFF = 0.005
-"""Seconds; the n-th retry sleeps up to ``_BACKOFF * 2**n`` (full jitter)."""
-
 
 #: Identifiers per ``IN (...)`` list: below every dialect's bound-parameter limit.
 _IN_CHUNK = 500
@@ -103,27 +81,7 @@ def _lock_order(new: NewJob) -> tuple[str, str]:
     return (new.entry or "", "" if new.entry else str(new.ref))
 
 
-class _Rerun(Exception):
-    """Raised inside a transaction to roll it back and run it again."""
-
-
-class _Slow(Exception):
-    """A one-statement write failed whole (nothing written): run the locking transaction."""
-
-
-_LIVE: weakref.WeakSet[SqlStore] = weakref.WeakSet()
-
-
-def _after_fork_in_child() -> None:
-    for store in list(_LIVE):
-        store._forget_pool()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-class SqlStore:
+class SqlStore(SqlCore):
     """A :class:`~celery_exactonce.stores.base.StateStore` in a SQL database.
 
     Parameters
@@ -141,70 +99,6 @@ class SqlStore:
         Prefix of the five tables (``{prefix}jobs``, ``watermarks``, ``leases``,
         ``meta``, ``schema``): 1-32 letters, digits or ``_``.
     """
-
-    def __init__(
-        self,
-        engine: sa.Engine,
-        *,
-        namespace: str,
-        retention: float,
-        table_prefix: str = "exactonce_",
-    ) -> None:
-        validate_namespace(namespace)
-        if not isinstance(table_prefix, str) or not _PREFIX_RE.match(table_prefix):
-            raise exceptions.ConfigurationError(
-                f"exactonce_table_prefix={table_prefix!r}: 1-32 letters, digits or '_'",
-                setting="exactonce_table_prefix",
-            )
-        if retention <= 0:
-            raise exceptions.ConfigurationError(
-                "exactonce_retention must be > 0", setting="exactonce_retention"
-            )
-        dialect = sql_engine.DIALECTS.get(engine.dialect.name)
-        if dialect is None:
-            raise exceptions.ConfigurationError(
-                f"no SQL store for the {engine.dialect.name!r} dialect "
-                f"(expected one of {', '.join(sorted(sql_engine.DIALECTS))})",
-                setting="exactonce_store_url",
-            )
-        self._engine = engine
-        self._d = dialect
-        self._postgresql = engine.dialect.name == "postgresql"
-        # PostgreSQL runs a one-statement write outside a transaction (autocommit: no
-        # BEGIN and COMMIT round trips; psycopg switches it locally). PyMySQL would
-        # pay a round trip to switch, so MySQL commits (no BEGIN is sent there).
-        self._autocommit = self._postgresql
-        self._namespace = namespace
-        self._retention = float(retention)
-        self._t = sql_schema.build(table_prefix)
-        self._now_col = sa.literal_column(dialect.now, sa.BigInteger)
-        self._inserts: dict[str, Any] = {}  # per table, see _insert_absent
-        self._sql = sql_statements.Statements(engine.dialect, self._t, dialect.now, retention)
-        # Reading a record by its key: built once (building and keying a select per read
-        # cost more than the read), the key bound at execute time.
-        c = self._t.jobs.c
-        self._read = sa.select(self._t.jobs).where(
-            c.namespace == sa.bindparam("k_ns"),
-            c.space == sa.bindparam("k_space"),
-            c.id == sa.bindparam("k_id"),
-        )
-        self._read_locked = self._read.with_for_update()
-        # The URL may carry credentials in its query too (``?password=``): redact
-        # the whole of it, and remember every secret to blank from driver errors.
-        full_url = engine.url.render_as_string(hide_password=False)
-        self._where = f"{engine.dialect.name} store {redact_url(full_url)}"
-        password = engine.url.password
-        self._secrets: list[str] = [*url_secrets(full_url), *([str(password)] if password else [])]
-        dbapi = getattr(engine.dialect, "dbapi", None)
-        self._driver_errors: tuple[type[BaseException], ...] = (
-            (dbapi.Error,) if dbapi is not None and hasattr(dbapi, "Error") else ()
-        )
-        self._owns_engine = False
-        self._closed = False
-        self._pid = os.getpid()
-        if engine.dialect.name == "sqlite":
-            sql_engine.install_sqlite_listeners(engine)
-        _LIVE.add(self)
 
     @classmethod
     def from_url(
@@ -264,16 +158,7 @@ class SqlStore:
         # Set-up is idempotent, so a transient failure (SQLite's "database is
         # locked" while another process switches the journal to WAL, a deadlock
         # between concurrent CREATEs) is simply retried.
-        for attempt in range(_ATTEMPTS):
-            try:
-                with self._guard("setup"):
-                    self._check_usable()
-                    sql_schema.create(self._engine, self._t, self._where)
-                return
-            except exceptions.StoreUnavailable:
-                if attempt + 1 == _ATTEMPTS:
-                    raise
-                time.sleep(random.uniform(0, _BACKOFF * 2**attempt))  # noqa: S311 (not crypto)
+        self._run_idempotent("setup", lambda: sql_schema.create(self._engine, self._t, self._where))
 
     def ping(self) -> None:
         """Run ``SELECT 1``; raise ``StoreUnavailable`` when the database does not answer."""
@@ -290,8 +175,7 @@ class SqlStore:
 
     def close(self) -> None:
         """Mark the store closed; dispose the engine's pool if :meth:`from_url` built it."""
-        self._closed = True
-        _LIVE.discard(self)
+        self._mark_closed()
         if self._owns_engine:
             self._engine.dispose()
 
@@ -326,7 +210,7 @@ class SqlStore:
                     lambda conn: self._create_fast(conn, new, epoch, brief=False),
                     autocommit=True,
                 )
-            except _Slow:
+            except Slow:
                 result = None  # the statement failed whole: nothing was written
             if result is not None:
                 return result
@@ -356,9 +240,9 @@ class SqlStore:
                 if fast and self._fast_create(news[i]):
                     try:
                         result = self._create_fast(conn, news[i], epoch, brief=brief)
-                    except _Slow:
+                    except Slow:
                         fast = False  # the transaction is aborted: run the batch again, locking
-                        raise _Rerun from None
+                        raise Rerun from None
                 if result is None:
                     clock = clock or self._clock_and_epoch(conn)
                     result = self._create(conn, news[i], epoch, clock)
@@ -391,7 +275,7 @@ class SqlStore:
     ) -> CreateResult | None:
         """:meth:`create` in one statement; ``None`` when it cannot tell (nothing was written).
 
-        Raises :class:`_Slow` when the statement failed whole on PostgreSQL (an
+        Raises :class:`Slow` when the statement failed whole on PostgreSQL (an
         occurrence whose record another entry's create made): the transaction
         it ran in is aborted.
         """
@@ -415,7 +299,7 @@ class SqlStore:
         except sa_exc.IntegrityError as exc:
             if sql_engine.error_code(exc.orig) != sql_engine.UNIQUE_VIOLATION:
                 raise
-            raise _Slow from None
+            raise Slow from None
         stored = row.stored_
         if epoch is not None and stored != epoch:
             return CreateResult(CreateStatus.EPOCH_MISMATCH, epoch=stored)
@@ -470,7 +354,7 @@ class SqlStore:
                 self._insert_absent(conn, wm, values)
                 row = self._locked(conn, wm, where)
                 if row is None:
-                    raise _Rerun
+                    raise Rerun
             mark = row.fire_time
         # An occurrence checks for its record before its watermark (an existing record
         # answers EXISTS even below the mark); any other job just tries the insert.
@@ -483,7 +367,7 @@ class SqlStore:
         if not self._insert_absent(conn, self._t.jobs, self._values(job)):
             existing = self._select_job(conn, new.ref)
             if existing is None:
-                raise _Rerun
+                raise Rerun
             return CreateResult(CreateStatus.EXISTS, existing, epoch=stored)
         if occurrence:
             conn.execute(
@@ -572,7 +456,7 @@ class SqlStore:
         # Read in the same transaction, under the row lock the update took: the record as written.
         job = self._select_job(conn, ref)
         if job is None:  # pragma: no cover - the row lock forbids this
-            raise _Rerun
+            raise Rerun
         return TransitionResult(TransitionStatus.APPLIED, job)
 
     def _transition(
@@ -597,7 +481,7 @@ class SqlStore:
             .values(self._values(updated, key=False))
         )
         if result.rowcount != 1:  # belt and braces: the row lock forbids this
-            raise _Rerun
+            raise Rerun
         return TransitionResult(TransitionStatus.APPLIED, updated)
 
     def heartbeat(self, ref: JobRef, run_id: str) -> bool:
@@ -770,7 +654,7 @@ class SqlStore:
                 values = {"namespace": self._namespace, "name": name, "token": token}
                 if self._insert_absent(conn, leases, {**values, "expires_at": until}):
                     return True
-                raise _Rerun  # another node inserted it first: decide on its row
+                raise Rerun  # another node inserted it first: decide on its row
             if row.token != token and row.expires_at > now:
                 return False
             conn.execute(leases.update().where(*where).values(token=token, expires_at=until))
@@ -802,52 +686,7 @@ class SqlStore:
 
         return self._run("release_lease", op)
 
-    # -- internals: rows ---------------------------------------------------------------
-
-    def _now(self, conn: sa.Connection) -> int:
-        return int(conn.execute(sa.select(self._now_col)).scalar_one())
-
-    def _pk(self, ref: JobRef) -> sa.ColumnElement[bool]:
-        c = self._t.jobs.c
-        return sa.and_(c.namespace == self._namespace, c.space == ref.space.value, c.id == ref.id)
-
-    def _select_job(self, conn: sa.Connection, ref: JobRef, *, lock: bool = False) -> Job | None:
-        query = self._read_locked if lock and self._d.locks else self._read
-        params = {"k_ns": self._namespace, "k_space": ref.space.value, "k_id": ref.id}
-        row = conn.execute(query, params).first()
-        return None if row is None else self._job(row)
-
-    def _locked(
-        self, conn: sa.Connection, table: sa.Table, where: tuple[sa.ColumnElement[bool], ...]
-    ) -> sa.Row[Any] | None:
-        query = sa.select(table).where(*where)
-        if self._d.locks:
-            query = query.with_for_update()
-        return conn.execute(query).first()
-
-    def _insert_absent(self, conn: sa.Connection, table: sa.Table, values: dict[str, Any]) -> bool:
-        """Insert ``values`` unless the primary key exists; whether this call inserted.
-
-        The statement is built once per table and the values bound at execute
-        time: building ``insert().values(...)`` per row cost more than the row.
-        """
-        stmt = self._inserts.get(table.name)
-        if stmt is None:
-            if self._d.insert is not None:
-                # RETURNING, not rowcount: drivers need not count INSERTs.
-                stmt = self._d.insert(table).on_conflict_do_nothing().returning(table.c.namespace)
-            else:
-                stmt = table.insert()
-            self._inserts[table.name] = stmt
-        if self._d.insert is not None:
-            return conn.execute(stmt, values).first() is not None
-        try:
-            conn.execute(stmt, values)
-        except sa_exc.IntegrityError as exc:
-            if sql_engine.error_code(exc.orig) == sql_engine.DUPLICATE_KEY:
-                return False
-            raise
-        return True
+    # -- internals: leases ---------------------------------------------------------------
 
     def _holds(self, conn: sa.Connection, name: str, token: str, now: int) -> bool:
         # A shared lock: the lease cannot change hands before this transaction ends.
@@ -864,96 +703,3 @@ class SqlStore:
             c.token == token,
             c.expires_at > now,
         )
-
-    def _values(self, job: Job, *, key: bool = True) -> dict[str, Any]:
-        return sql_schema.job_values(job, self._namespace, self._retention, key=key)
-
-    _job = staticmethod(sql_schema.job_from_row)
-
-    # -- internals: transactions and errors --------------------------------------------
-
-    def _run(
-        self,
-        op: str,
-        fn: Callable[[sa.Connection], _T],
-        *,
-        write: bool = True,
-        autocommit: bool = False,
-    ) -> _T:
-        """Run ``fn`` in one transaction, rerun after a rolled-back conflict, errors wrapped.
-
-        With ``autocommit`` (PostgreSQL, ``fn`` running one statement), the
-        statement is its own transaction: no ``BEGIN`` or ``COMMIT`` is sent.
-        """
-        with self._guard(op):
-            self._check_usable()
-            for attempt in range(_ATTEMPTS):
-                try:
-                    with self._engine.connect() as conn:
-                        if autocommit:
-                            conn.execution_options(isolation_level="AUTOCOMMIT")
-                        elif not write:
-                            conn.execution_options(**{sql_engine.READ: True})
-                        with conn.begin():
-                            return fn(conn)
-                except _Rerun:
-                    if attempt + 1 == _ATTEMPTS:
-                        raise exceptions.StoreUnavailable(
-                            f"{op} on {self._where}: kept racing with concurrent writers"
-                        ) from None
-                except sa_exc.DBAPIError as exc:
-                    if (
-                        attempt + 1 == _ATTEMPTS
-                        or sql_engine.error_code(exc.orig) not in self._d.retry
-                    ):
-                        raise
-                # Full jitter: concurrent losers do not retry in lockstep.
-                time.sleep(random.uniform(0, _BACKOFF * 2**attempt))  # noqa: S311 (not crypto)
-        raise AssertionError("unreachable")  # pragma: no cover
-
-    @contextlib.contextmanager
-    def _guard(self, op: str) -> Iterator[None]:
-        """Wrap driver errors: StoreUnavailable when retrying may help, else StoreError."""
-        wrapped: tuple[type[BaseException], ...] = (
-            sa_exc.SQLAlchemyError,
-            OSError,
-            *self._driver_errors,
-        )
-        try:
-            yield
-        except exceptions.ExactOnceError:
-            raise
-        except wrapped as exc:
-            orig = getattr(exc, "orig", None) or exc
-            code = sql_engine.error_code(orig)
-            transient = (
-                code in self._d.retry
-                or isinstance(exc, (sa_exc.TimeoutError, sa_exc.DisconnectionError, OSError))
-                or (isinstance(exc, sa_exc.DBAPIError) and exc.connection_invalidated)
-                or (
-                    isinstance(exc, (sa_exc.OperationalError, sa_exc.InterfaceError))
-                    and (self._d.unavailable is None or code in self._d.unavailable)
-                )
-            )
-            detail = (str(orig).strip().splitlines() or [""])[0]
-            message = redact_secrets(
-                f"{op} on {self._where} failed: {type(orig).__name__}: {detail}", self._secrets
-            )
-            cls = exceptions.StoreUnavailable if transient else exceptions.StoreError
-            raise cls(message) from exc
-
-    def _check_usable(self) -> None:
-        if self._closed:
-            raise exceptions.StoreError("the store is closed")
-        if os.getpid() != self._pid:
-            self._forget_pool()
-
-    def _forget_pool(self) -> None:
-        """In a forked child: drop the parent's pooled connections without closing them."""
-        self._engine.dispose(close=False)
-        self._pid = os.getpid()
-
-    def _empty(self, value: _T) -> _T:
-        """The answer to a request for nothing (``limit <= 0``), once the store is checked."""
-        self._check_usable()
-        return value
