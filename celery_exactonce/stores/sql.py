@@ -49,12 +49,10 @@ from datetime import datetime
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy import exc as sa_exc
 
 from celery_exactonce import jobs
 from celery_exactonce.jobs import (
     CreateResult,
-    CreateStatus,
     Job,
     JobRef,
     NewJob,
@@ -64,7 +62,8 @@ from celery_exactonce.jobs import (
 )
 from celery_exactonce.states import TERMINAL, State
 from celery_exactonce.stores import sql_engine, sql_schema
-from celery_exactonce.stores.sql_core import Rerun, Slow, SqlCore
+from celery_exactonce.stores.sql_core import Rerun, Slow
+from celery_exactonce.stores.sql_creates import SqlCreates
 
 __all__ = ["SqlStore"]
 
@@ -72,16 +71,7 @@ __all__ = ["SqlStore"]
 _IN_CHUNK = 500
 
 
-def _lock_order(new: NewJob) -> tuple[str, str]:
-    """The order a batch of creates takes its locks in (sorted stably: by entry, then id).
-
-    An occurrence's watermark row serialises the creates of its entry, which
-    keep the batch's order among themselves; other jobs go by id.
-    """
-    return (new.entry or "", "" if new.entry else str(new.ref))
-
-
-class SqlStore(SqlCore):
+class SqlStore(SqlCreates):
     """A :class:`~celery_exactonce.stores.base.StateStore` in a SQL database.
 
     Parameters
@@ -182,25 +172,7 @@ class SqlStore(SqlCore):
     # -- epoch and create ------------------------------------------------------------
 
     def epoch(self, *, replace: str | None = None) -> str:
-        meta = self._t.meta
-        query = sa.select(meta.c.epoch).where(meta.c.namespace == self._namespace)
-
-        def op(conn: sa.Connection) -> str:
-            stored = conn.execute(query).scalar_one_or_none()
-            if stored is not None and (replace is None or stored != replace):
-                return str(stored)
-            epoch = f"{jobs.new_token()}{jobs.EPOCH_SEPARATOR}{self._now(conn)}"
-            if stored is None:
-                self._insert_absent(conn, meta, {"namespace": self._namespace, "epoch": epoch})
-            else:  # a CAS on the epoch read: of two replacers, one wins
-                conn.execute(
-                    sa.update(meta)
-                    .where(meta.c.namespace == self._namespace, meta.c.epoch == replace)
-                    .values(epoch=epoch)
-                )
-            return str(conn.execute(query).scalar_one())
-
-        return self._run("epoch", op)
+        return self._run("epoch", self._epoch_op(replace))
 
     def create(self, new: NewJob, *, epoch: str | None = None) -> CreateResult:
         if self._autocommit and self._fast_create(new):
@@ -228,154 +200,7 @@ class SqlStore(SqlCore):
         if not news:
             self._check_usable()
             return []
-        order = sorted(range(len(news)), key=lambda i: _lock_order(news[i]))
-        fast = True  # until a statement fails in a way that aborts the transaction
-
-        def op(conn: sa.Connection) -> list[CreateResult]:
-            nonlocal fast
-            results: dict[int, CreateResult] = {}
-            clock: tuple[int, str | None] | None = None  # once for the locking creates
-            for i in order:
-                result = None
-                if fast and self._fast_create(news[i]):
-                    try:
-                        result = self._create_fast(conn, news[i], epoch, brief=brief)
-                    except Slow:
-                        fast = False  # the transaction is aborted: run the batch again, locking
-                        raise Rerun from None
-                if result is None:
-                    clock = clock or self._clock_and_epoch(conn)
-                    result = self._create(conn, news[i], epoch, clock)
-                results[i] = result
-            return [results[i] for i in range(len(news))]
-
-        return self._run("create_many", op)
-
-    def _create_one(self, conn: sa.Connection, new: NewJob, epoch: str | None) -> CreateResult:
-        """:meth:`create` in a transaction that goes on after a failed statement (MySQL)."""
-        result = (
-            self._create_fast(conn, new, epoch, brief=False) if self._fast_create(new) else None
-        )
-        return result if result is not None else self._create(conn, new, epoch)
-
-    def _fast_create(self, new: NewJob) -> bool:
-        """Whether ``new`` is created by one statement (else by the locking transaction)."""
-        if self._postgresql:
-            return True
-        return new.entry is None and self._insert_returning()
-
-    def _insert_returning(self) -> bool:
-        """MariaDB 10.5 and later (``INSERT … RETURNING``); MySQL has none."""
-        dialect = self._engine.dialect
-        version = getattr(dialect, "server_version_info", None) or (0,)
-        return bool(getattr(dialect, "is_mariadb", False)) and version >= (10, 5)
-
-    def _create_fast(
-        self, conn: sa.Connection, new: NewJob, epoch: str | None, *, brief: bool
-    ) -> CreateResult | None:
-        """:meth:`create` in one statement; ``None`` when it cannot tell (nothing was written).
-
-        Raises :class:`Slow` when the statement failed whole on PostgreSQL (an
-        occurrence whose record another entry's create made): the transaction
-        it ran in is aborted.
-        """
-        if not self._postgresql:
-            stmt, params = self._sql.create_returning(self._namespace, new, epoch)
-            try:
-                row = conn.execute(stmt, params).first()
-            except sa_exc.IntegrityError as exc:
-                if sql_engine.error_code(exc.orig) != sql_engine.DUPLICATE_KEY:
-                    raise
-                if brief and epoch is not None:  # the row was selected, so the epoch matched
-                    return CreateResult(CreateStatus.EXISTS, epoch=epoch)
-                return None  # the record as it is, and the epoch: the transaction reads them
-            if row is None:  # the epoch differs: the transaction reads the one stored
-                return None
-            job = jobs.job_from_new(new, jobs.from_micros(row.now_))
-            return CreateResult(CreateStatus.CREATED, job, epoch=row.stored_)
-        stmt, params = self._sql.create_postgresql(self._namespace, new, epoch)
-        try:
-            row = conn.execute(stmt, params).one()
-        except sa_exc.IntegrityError as exc:
-            if sql_engine.error_code(exc.orig) != sql_engine.UNIQUE_VIOLATION:
-                raise
-            raise Slow from None
-        stored = row.stored_
-        if epoch is not None and stored != epoch:
-            return CreateResult(CreateStatus.EPOCH_MISMATCH, epoch=stored)
-        if row.created_:
-            job = jobs.job_from_new(new, jobs.from_micros(row.now_))
-            return CreateResult(CreateStatus.CREATED, job, epoch=stored)
-        if row.id is not None:  # the record existed when the statement began
-            if brief:
-                return CreateResult(CreateStatus.EXISTS, epoch=stored)
-            existing = self._select_job(conn, new.ref)  # the record as it is
-            if existing is None:  # purged since: decide again
-                return None
-            return CreateResult(CreateStatus.EXISTS, existing, epoch=stored)
-        # Marks only rise, and a record is created only above the mark: with the slot
-        # at or below the mark the statement began with, no record can have appeared since.
-        fire = jobs.to_micros_opt(new.fire_time)
-        if fire is not None and row.mark_ is not None and fire <= row.mark_:
-            return CreateResult(CreateStatus.BELOW_WATERMARK, epoch=stored)
-        # A create that committed after this statement began (and so is not in its
-        # snapshot) made the record or moved the mark: the transaction reads them.
-        return None
-
-    def _clock_and_epoch(self, conn: sa.Connection) -> tuple[int, str | None]:
-        """The store's time (microseconds) and the namespace's epoch, in one statement."""
-        meta = self._t.meta
-        stored_epoch = (
-            sa.select(meta.c.epoch).where(meta.c.namespace == self._namespace).scalar_subquery()
-        )
-        now, stored = conn.execute(sa.select(self._now_col, stored_epoch)).one()
-        return now, stored
-
-    def _create(
-        self,
-        conn: sa.Connection,
-        new: NewJob,
-        epoch: str | None,
-        clock: tuple[int, str | None] | None = None,
-    ) -> CreateResult:
-        wm = self._t.watermarks
-        now, stored = clock if clock is not None else self._clock_and_epoch(conn)
-        if epoch is not None and stored != epoch:
-            return CreateResult(CreateStatus.EPOCH_MISMATCH, epoch=stored)
-        mark: int | None = None
-        occurrence = new.entry is not None and new.fire_time is not None
-        if new.entry is not None and new.fire_time is not None:
-            # Lock the entry's watermark first: creates of one entry queue
-            # here, so the existence check below sees the winner's record.
-            where = (wm.c.namespace == self._namespace, wm.c.entry == new.entry)
-            row = self._locked(conn, wm, where)
-            if row is None:
-                values = {"namespace": self._namespace, "entry": new.entry, "fire_time": None}
-                self._insert_absent(conn, wm, values)
-                row = self._locked(conn, wm, where)
-                if row is None:
-                    raise Rerun
-            mark = row.fire_time
-        # An occurrence checks for its record before its watermark (an existing record
-        # answers EXISTS even below the mark); any other job just tries the insert.
-        existing = self._select_job(conn, new.ref) if occurrence else None
-        if existing is not None:
-            return CreateResult(CreateStatus.EXISTS, existing, epoch=stored)
-        if new.fire_time is not None and mark is not None and jobs.to_micros(new.fire_time) <= mark:
-            return CreateResult(CreateStatus.BELOW_WATERMARK, epoch=stored)
-        job = jobs.job_from_new(new, jobs.from_micros(now))
-        if not self._insert_absent(conn, self._t.jobs, self._values(job)):
-            existing = self._select_job(conn, new.ref)
-            if existing is None:
-                raise Rerun
-            return CreateResult(CreateStatus.EXISTS, existing, epoch=stored)
-        if occurrence:
-            conn.execute(
-                wm.update()
-                .where(wm.c.namespace == self._namespace, wm.c.entry == new.entry)
-                .values(fire_time=jobs.to_micros_opt(new.fire_time))
-            )
-        return CreateResult(CreateStatus.CREATED, job, epoch=stored)
+        return self._run("create_many", self._create_many_op(news, epoch, brief))
 
     def get(self, ref: JobRef) -> Job | None:
         return self._run("get", lambda conn: self._select_job(conn, ref), write=False)
