@@ -58,12 +58,12 @@ from celery_exactonce.jobs import (
     NewJob,
     Transition,
     TransitionResult,
-    TransitionStatus,
 )
-from celery_exactonce.states import TERMINAL, State
+from celery_exactonce.states import State
 from celery_exactonce.stores import sql_engine, sql_schema
-from celery_exactonce.stores.sql_core import Rerun, Slow
+from celery_exactonce.stores.sql_core import Slow
 from celery_exactonce.stores.sql_creates import SqlCreates
+from celery_exactonce.stores.sql_transitions import SqlTransitions
 
 __all__ = ["SqlStore"]
 
@@ -71,7 +71,7 @@ __all__ = ["SqlStore"]
 _IN_CHUNK = 500
 
 
-class SqlStore(SqlCreates):
+class SqlStore(SqlCreates, SqlTransitions):
     """A :class:`~celery_exactonce.stores.base.StateStore` in a SQL database.
 
     Parameters
@@ -227,87 +227,7 @@ class SqlStore(SqlCreates):
         if not requests:
             self._check_usable()
             return []
-        order = sorted(range(len(requests)), key=lambda i: str(requests[i][0]))
-
-        def op(conn: sa.Connection) -> list[TransitionResult]:
-            results: dict[int, TransitionResult] = {}
-            for i in order:
-                ref, request = requests[i]
-                results[i] = self._transition_one(conn, ref, request, brief=brief)
-            return [results[i] for i in range(len(requests))]
-
-        return self._run("transition_many", op)
-
-    @staticmethod
-    def _fast_transition(request: Transition) -> bool:
-        """Whether one statement can apply ``request`` (not one that rewrites the payload)."""
-        return (
-            request.args is None
-            and request.kwargs is None
-            and request.signature is None
-            and bool(request.expect - TERMINAL)  # (a terminal state is never expected)
-        )
-
-    def _transition_one(
-        self, conn: sa.Connection, ref: JobRef, request: Transition, *, brief: bool
-    ) -> TransitionResult:
-        """:meth:`transition` in a transaction: one statement, else the locking decision."""
-        if self._fast_transition(request):
-            result = self._transition_fast(conn, ref, request, brief=brief)
-            if result is not None:
-                return result
-        return self._transition(conn, ref, request)
-
-    def _transition_fast(
-        self, conn: sa.Connection, ref: JobRef, request: Transition, *, brief: bool
-    ) -> TransitionResult | None:
-        """The guarded ``UPDATE``; ``None`` when it changed nothing (the store decides again).
-
-        Nothing changed means a guard failed, the lease is lost, there is no
-        record, or a history the statement cannot extend: which one, and the
-        record to answer with, the locking :meth:`_transition` tells.
-        """
-        stmt, params = self._sql.transition(self._namespace, ref, request, brief=brief)
-        result = conn.execute(stmt, params)
-        if self._postgresql:  # RETURNING: the record as written
-            row = result.first()
-            if row is None:
-                return None
-            return TransitionResult(TransitionStatus.APPLIED, None if brief else self._job(row))
-        if result.rowcount != 1:
-            return None
-        if brief:
-            return TransitionResult(TransitionStatus.APPLIED)
-        # Read in the same transaction, under the row lock the update took: the record as written.
-        job = self._select_job(conn, ref)
-        if job is None:  # pragma: no cover - the row lock forbids this
-            raise Rerun
-        return TransitionResult(TransitionStatus.APPLIED, job)
-
-    def _transition(
-        self, conn: sa.Connection, ref: JobRef, request: Transition
-    ) -> TransitionResult:
-        """The locking transition: lock the row, decide in Python, write what it returns."""
-        job = self._select_job(conn, ref, lock=True)
-        if job is None:
-            return TransitionResult(TransitionStatus.NOT_FOUND)
-        now = self._now(conn)  # after the row lock: no writer of this job can follow
-        lease = request.lease
-        if lease is not None and not self._holds(conn, lease.name, lease.token, now):
-            return TransitionResult(TransitionStatus.LEASE_LOST, job)
-        at = jobs.from_micros(now)
-        if not jobs.check_transition(job, request, at):
-            return TransitionResult(TransitionStatus.CONFLICT, job)
-        updated = jobs.apply_transition(job, request, at)
-        c = self._t.jobs.c
-        result = conn.execute(
-            self._t.jobs.update()
-            .where(self._pk(ref), c.rev == job.rev)
-            .values(self._values(updated, key=False))
-        )
-        if result.rowcount != 1:  # belt and braces: the row lock forbids this
-            raise Rerun
-        return TransitionResult(TransitionStatus.APPLIED, updated)
+        return self._run("transition_many", self._transition_many_op(requests, brief))
 
     def heartbeat(self, ref: JobRef, run_id: str) -> bool:
         stmt, params = self._sql.heartbeat(self._namespace, ref, run_id)
@@ -318,25 +238,7 @@ class SqlStore(SqlCreates):
         )
 
     def annotate(self, ref: JobRef, *, node: str, reason: str, op_id: str) -> bool:
-        reason = jobs.check_note(node, reason, op_id)
-        c = self._t.jobs.c
-
-        def op(conn: sa.Connection) -> bool:
-            job = self._select_job(conn, ref, lock=True)
-            if job is None:
-                return False
-            at = jobs.from_micros(self._now(conn))
-            noted = jobs.annotate_job(job, node=node, reason=reason, op_id=op_id, now=at)
-            if noted is not job:
-                history = self._values(noted, key=False)["history"]
-                conn.execute(
-                    self._t.jobs.update()
-                    .where(self._pk(ref), c.rev == job.rev)
-                    .values(history=history)
-                )
-            return True
-
-        return self._run("annotate", op)
+        return self._run("annotate", self._annotate_op(ref, node, reason, op_id))
 
     def watermark(self, entry: str) -> datetime | None:
         return self.watermarks([entry]).get(entry)
@@ -467,64 +369,10 @@ class SqlStore(SqlCreates):
     # -- leases ------------------------------------------------------------------------
 
     def acquire_lease(self, name: str, token: str, ttl: float) -> bool:
-        jobs.Lease(name, token)  # validates
-        leases = self._t.leases
-        where = (leases.c.namespace == self._namespace, leases.c.name == name)
-
-        def op(conn: sa.Connection) -> bool:
-            now = self._now(conn)
-            until = now + round(ttl * 1_000_000)
-            row = self._locked(conn, leases, where)
-            if row is None:
-                values = {"namespace": self._namespace, "name": name, "token": token}
-                if self._insert_absent(conn, leases, {**values, "expires_at": until}):
-                    return True
-                raise Rerun  # another node inserted it first: decide on its row
-            if row.token != token and row.expires_at > now:
-                return False
-            conn.execute(leases.update().where(*where).values(token=token, expires_at=until))
-            return True
-
-        return self._run("acquire_lease", op)
+        return self._run("acquire_lease", self._acquire_lease_op(name, token, ttl))
 
     def renew_lease(self, name: str, token: str, ttl: float) -> bool:
-        leases = self._t.leases
-
-        def op(conn: sa.Connection) -> bool:
-            now = self._now(conn)
-            result = conn.execute(
-                leases.update()
-                .where(*self._lease_held(name, token, now))
-                .values(expires_at=now + round(ttl * 1_000_000))
-            )
-            return bool(result.rowcount == 1)
-
-        return self._run("renew_lease", op)
+        return self._run("renew_lease", self._renew_lease_op(name, token, ttl))
 
     def release_lease(self, name: str, token: str) -> bool:
-        leases = self._t.leases
-
-        def op(conn: sa.Connection) -> bool:
-            now = self._now(conn)
-            result = conn.execute(leases.delete().where(*self._lease_held(name, token, now)))
-            return bool(result.rowcount == 1)
-
-        return self._run("release_lease", op)
-
-    # -- internals: leases ---------------------------------------------------------------
-
-    def _holds(self, conn: sa.Connection, name: str, token: str, now: int) -> bool:
-        # A shared lock: the lease cannot change hands before this transaction ends.
-        query = sa.select(self._t.leases.c.token).where(*self._lease_held(name, token, now))
-        if self._d.locks:
-            query = query.with_for_update(read=True)
-        return conn.execute(query).first() is not None
-
-    def _lease_held(self, name: str, token: str, now: int) -> tuple[sa.ColumnElement[bool], ...]:
-        c = self._t.leases.c
-        return (
-            c.namespace == self._namespace,
-            c.name == name,
-            c.token == token,
-            c.expires_at > now,
-        )
+        return self._run("release_lease", self._release_lease_op(name, token))
