@@ -1,45 +1,54 @@
 """SqlStore: the job store in PostgreSQL, MySQL/MariaDB or SQLite (SQLAlchemy Core).
 
-One class serves the three dialects; what differs between them is the small
-:data:`~celery_exactonce.stores.sql_engine.DIALECTS` table. Each operation is
-one database transaction (retried as a whole, bounded and with jittered
-backoff, after a deadlock, a serialization failure, a lock-wait timeout or
-SQLite's "database is locked": such a transaction was rolled back, so running
-it again is safe). The guards and effects of a transition are those of
-:mod:`celery_exactonce.jobs`.
+One class serves the three dialects. Every operation of the
+:class:`~celery_exactonce.stores.base.StateStore` contract is defined here, on
+:class:`SqlStore` itself, and chooses the transaction it runs in: each
+operation is one database transaction, retried as a whole after a rolled-back
+conflict; on PostgreSQL a one-statement write runs on its own (autocommit: one
+round trip), while MySQL and SQLite commit it. The guards and effects of a
+transition are those of :mod:`celery_exactonce.jobs`.
 
 The hot writes are one statement each (:mod:`~celery_exactonce.stores.sql_statements`):
 a transition is an ``UPDATE`` whose ``WHERE`` holds every guard and whose
 ``SET`` restates :func:`~celery_exactonce.jobs.apply_transition`; a create is
 an ``INSERT … SELECT`` checking the epoch (and, on PostgreSQL, advancing an
 occurrence's watermark in the same statement); a heartbeat is one ``UPDATE``.
-On PostgreSQL such a statement runs on its own (autocommit: one round trip);
-MySQL and SQLite commit it. What one statement cannot decide (a conflict, a
-lost lease, a record a competing create committed after the statement began,
-an occurrence on MySQL/SQLite, a create on SQLite or on a MySQL without
-``INSERT … RETURNING``, a transition that rewrites the payload) goes the
-locking way: read the record under a lock, ask
-:func:`~celery_exactonce.jobs.check_transition`, write what
+What one statement cannot decide (a conflict, a lost lease, a record a
+competing create committed after the statement began, an occurrence on
+MySQL/SQLite, a create on SQLite or on a MySQL without ``INSERT … RETURNING``,
+a transition that rewrites the payload) goes the locking way: read the record
+under a lock, ask :func:`~celery_exactonce.jobs.check_transition`, write what
 :func:`~celery_exactonce.jobs.apply_transition` returns. A statement that
 changed nothing is decided again so; one that changed something is never sent
 again.
-
-Store time is the database server's clock, read once per statement or
-transaction (how, per dialect: :mod:`~celery_exactonce.stores.sql_engine`).
 
 Locking: PostgreSQL and MySQL run at ``READ COMMITTED`` and lock the rows a
 decision depends on (an ``UPDATE`` locks its row; ``SELECT … FOR UPDATE``
 on the locking way, ``SKIP LOCKED`` for claims and purges; a lease a
 transition checks is locked shared); SQLite runs every write transaction under
 ``BEGIN IMMEDIATE`` (which serialises writers across threads and processes) in
-WAL mode with a busy timeout.
+WAL mode with a busy timeout. Store time is the database server's clock, read
+once per statement or transaction.
 
-The dialects, the engine :meth:`SqlStore.from_url` builds and its pool
-checks are in :mod:`~celery_exactonce.stores.sql_engine`.
+What happens inside a transaction lives in the classes :class:`SqlStore` is
+made of, one module each:
 
-What every operation stands on (the store's state, running a transaction
-with its retries and errors, fork safety, the row helpers) is
-:class:`~celery_exactonce.stores.sql_core.SqlCore`, the base of the store.
+* :mod:`~celery_exactonce.stores.sql_core`: the store's state, running a
+  transaction (retries, errors, fork safety), the row helpers;
+* :mod:`~celery_exactonce.stores.sql_creates`: creates and the namespace epoch;
+* :mod:`~celery_exactonce.stores.sql_transitions`: transitions and notes;
+* :mod:`~celery_exactonce.stores.sql_leases`: leases;
+* :mod:`~celery_exactonce.stores.sql_scans`: watermarks, stale jobs, claims of
+  due jobs, purges of expired ones.
+
+Beside them: :mod:`~celery_exactonce.stores.sql_engine` (what differs per
+dialect, the engine :meth:`SqlStore.from_url` builds, its pool checks),
+:mod:`~celery_exactonce.stores.sql_schema` (the tables) and
+:mod:`~celery_exactonce.stores.sql_statements` (the one-statement writes).
+
+Not here: anything done inside a transaction. The operations themselves stay
+here, not in those classes, so that whatever wraps a store class's operations
+(the acceptance tests' fault injection) finds each one in ``SqlStore.__dict__``.
 """
 
 from __future__ import annotations
@@ -63,15 +72,14 @@ from celery_exactonce.states import State
 from celery_exactonce.stores import sql_engine, sql_schema
 from celery_exactonce.stores.sql_core import Slow
 from celery_exactonce.stores.sql_creates import SqlCreates
+from celery_exactonce.stores.sql_leases import SqlLeases
+from celery_exactonce.stores.sql_scans import SqlScans
 from celery_exactonce.stores.sql_transitions import SqlTransitions
 
 __all__ = ["SqlStore"]
 
-#: Identifiers per ``IN (...)`` list: below every dialect's bound-parameter limit.
-_IN_CHUNK = 500
 
-
-class SqlStore(SqlCreates, SqlTransitions):
+class SqlStore(SqlCreates, SqlTransitions, SqlScans, SqlLeases):
     """A :class:`~celery_exactonce.stores.base.StateStore` in a SQL database.
 
     Parameters
@@ -120,7 +128,7 @@ class SqlStore(SqlCreates, SqlTransitions):
     def __repr__(self) -> str:
         return f"SqlStore({self._where}, namespace={self._namespace!r})"
 
-    # -- properties and housekeeping -------------------------------------------------
+    # -- properties and housekeeping ---------------------------------------------------
 
     @property
     def namespace(self) -> str:
@@ -169,7 +177,7 @@ class SqlStore(SqlCreates, SqlTransitions):
         if self._owns_engine:
             self._engine.dispose()
 
-    # -- epoch and create ------------------------------------------------------------
+    # -- epoch and creates (sql_creates) -----------------------------------------------
 
     def epoch(self, *, replace: str | None = None) -> str:
         return self._run("epoch", self._epoch_op(replace))
@@ -205,7 +213,7 @@ class SqlStore(SqlCreates, SqlTransitions):
     def get(self, ref: JobRef) -> Job | None:
         return self._run("get", lambda conn: self._select_job(conn, ref), write=False)
 
-    # -- transitions -----------------------------------------------------------------
+    # -- transitions and notes (sql_transitions) ---------------------------------------
 
     def transition(self, ref: JobRef, request: Transition) -> TransitionResult:
         if self._autocommit and self._fast_transition(request):
@@ -240,6 +248,8 @@ class SqlStore(SqlCreates, SqlTransitions):
     def annotate(self, ref: JobRef, *, node: str, reason: str, op_id: str) -> bool:
         return self._run("annotate", self._annotate_op(ref, node, reason, op_id))
 
+    # -- scans (sql_scans) -------------------------------------------------------------
+
     def watermark(self, entry: str) -> datetime | None:
         return self.watermarks([entry]).get(entry)
 
@@ -247,23 +257,7 @@ class SqlStore(SqlCreates, SqlTransitions):
         if not entries:
             self._check_usable()
             return {}
-        wm = self._t.watermarks
-        wanted = list(dict.fromkeys(entries))
-
-        def op(conn: sa.Connection) -> dict[str, datetime]:
-            found: dict[str, datetime] = {}
-            for i in range(0, len(wanted), _IN_CHUNK):
-                query = sa.select(wm.c.entry, wm.c.fire_time).where(
-                    wm.c.namespace == self._namespace,
-                    wm.c.entry.in_(wanted[i : i + _IN_CHUNK]),
-                    wm.c.fire_time.is_not(None),
-                )
-                found.update(
-                    (row.entry, jobs.from_micros(row.fire_time)) for row in conn.execute(query)
-                )
-            return found
-
-        return self._run("watermarks", op, write=False)
+        return self._run("watermarks", self._watermarks_op(entries), write=False)
 
     def list_stale(
         self,
@@ -273,100 +267,18 @@ class SqlStore(SqlCreates, SqlTransitions):
         *,
         after: tuple[datetime, JobRef] | None = None,
     ) -> list[Job]:
-        state = State(state)
-        c = self._t.jobs.c
-        # (space, id) orders as str(ref) does: the space is one character, then ':'.
-        past: list[sa.ColumnElement[bool]] = []
-        if after is not None:
-            # (touched_at, space, id) > the cursor, spelt so that the index on
-            # (namespace, state, touched_at) bounds the scan: touched_at >= t.
-            t, ref = jobs.to_micros(after[0]), after[1]
-            past = [
-                c.touched_at >= t,
-                sa.or_(
-                    c.touched_at > t,
-                    c.space > ref.space.value,
-                    sa.and_(c.space == ref.space.value, c.id > ref.id),
-                ),
-            ]
-
-        def op(conn: sa.Connection) -> list[Job]:
-            cutoff = self._now(conn) - round(older_than * 1_000_000)
-            rows = conn.execute(
-                sa.select(self._t.jobs)
-                .where(
-                    c.namespace == self._namespace, c.state == state.value, c.touched_at <= cutoff,
-                    *past,
-                )
-                .order_by(c.touched_at, c.space, c.id)
-                .limit(limit)
-            )  # fmt: skip
-            return [self._job(row) for row in rows]
-
+        op = self._list_stale_op(state, older_than, limit, after)
         return self._run("list_stale", op, write=False) if limit > 0 else self._empty([])
 
     def claim_due(self, limit: int, *, node: str, reason: str = "claimed") -> list[Job]:
-        def claim() -> Transition:
-            return Transition(State.SCHEDULED, frozenset({State.PENDING}), node=node, reason=reason)
-
-        claim()  # validates node and reason before anything is read
-        table, c = self._t.jobs, self._t.jobs.c
-
-        def op(conn: sa.Connection) -> list[Job]:
-            now = self._now(conn)
-            query = (
-                sa.select(table)
-                .where(
-                    c.namespace == self._namespace, c.state == State.PENDING.value, c.run_at <= now
-                )
-                .order_by(c.run_at, c.space, c.id)
-                .limit(limit)
-            )
-            if self._d.locks:
-                query = query.with_for_update(skip_locked=True)
-            due = [self._job(row) for row in conn.execute(query)]
-            claimed = [jobs.apply_transition(job, claim(), jobs.from_micros(now)) for job in due]
-            if claimed:
-                update = table.update().where(
-                    c.namespace == self._namespace,
-                    c.space == sa.bindparam("k_space"),
-                    c.id == sa.bindparam("k_id"),
-                    c.rev == sa.bindparam("k_rev"),
-                )
-                params = [
-                    {
-                        **self._values(new, key=False),
-                        "k_space": old.ref.space.value,
-                        "k_id": old.ref.id,
-                        "k_rev": old.rev,
-                    }
-                    for old, new in zip(due, claimed, strict=True)
-                ]
-                conn.execute(update, params)
-            return claimed
-
+        op = self._claim_due_op(limit, node, reason)
         return self._run("claim_due", op) if limit > 0 else self._empty([])
 
     def purge_expired(self, limit: int) -> int:
-        table, c = self._t.jobs, self._t.jobs.c
-
-        def op(conn: sa.Connection) -> int:
-            now = self._now(conn)
-            expired = (c.namespace == self._namespace, c.expires_at <= now)
-            query = sa.select(c.space, c.id).where(*expired).order_by(c.expires_at).limit(limit)
-            if self._d.locks:
-                query = query.with_for_update(skip_locked=True)
-            keys = [(row.space, row.id) for row in conn.execute(query)]
-            if not keys:
-                return 0
-            result = conn.execute(
-                table.delete().where(*expired, sa.tuple_(c.space, c.id).in_(keys))
-            )
-            return int(result.rowcount)
-
+        op = self._purge_expired_op(limit)
         return self._run("purge_expired", op) if limit > 0 else self._empty(0)
 
-    # -- leases ------------------------------------------------------------------------
+    # -- leases (sql_leases) -----------------------------------------------------------
 
     def acquire_lease(self, name: str, token: str, ttl: float) -> bool:
         return self._run("acquire_lease", self._acquire_lease_op(name, token, ttl))

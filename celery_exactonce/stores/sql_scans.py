@@ -1,0 +1,172 @@
+"""The SQL store's scans: the operations that read or sweep many rows of a namespace.
+
+:class:`SqlScans` is the part of :class:`~celery_exactonce.stores.sql.SqlStore`
+that builds, inside its transaction, each operation over many rows:
+
+* **watermarks**: the marks of many entries, read in ``IN (...)`` lists of
+  :data:`_IN_CHUNK` (below every dialect's bound-parameter limit);
+* **stale jobs**: the records of a state not touched for a while, oldest
+  first, paged by a ``(touched_at, ref)`` cursor spelt so that the index on
+  ``(namespace, state, touched_at)`` bounds the scan;
+* **due jobs, claimed**: ``PENDING`` records whose ``run_at`` has come, moved
+  to ``SCHEDULED`` in the same transaction (``SKIP LOCKED``: concurrent
+  claimers take different rows);
+* **expired jobs, purged**: records past their ``expires_at``, deleted
+  (``SKIP LOCKED`` too).
+
+Each ``_…_op`` method checks its arguments and returns the transaction's
+function, as the operation did before running it.
+
+Not here: running those transactions (:mod:`~celery_exactonce.stores.sql`,
+:mod:`~celery_exactonce.stores.sql_core`), reading one record by its key
+(:meth:`~celery_exactonce.stores.sql_core.SqlCore._select_job`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from datetime import datetime
+
+import sqlalchemy as sa
+
+from celery_exactonce import jobs
+from celery_exactonce.jobs import Job, JobRef, Transition
+from celery_exactonce.states import State
+from celery_exactonce.stores.sql_core import SqlCore
+
+#: Identifiers per ``IN (...)`` list: below every dialect's bound-parameter limit.
+_IN_CHUNK = 500
+
+
+class SqlScans(SqlCore):
+    """Watermarks, stale, due and expired jobs, inside their transaction."""
+
+    def _watermarks_op(
+        self, entries: Sequence[str]
+    ) -> Callable[[sa.Connection], dict[str, datetime]]:
+        """The transaction of ``watermarks`` (at least one entry)."""
+        wm = self._t.watermarks
+        wanted = list(dict.fromkeys(entries))
+
+        def op(conn: sa.Connection) -> dict[str, datetime]:
+            found: dict[str, datetime] = {}
+            for i in range(0, len(wanted), _IN_CHUNK):
+                query = sa.select(wm.c.entry, wm.c.fire_time).where(
+                    wm.c.namespace == self._namespace,
+                    wm.c.entry.in_(wanted[i : i + _IN_CHUNK]),
+                    wm.c.fire_time.is_not(None),
+                )
+                found.update(
+                    (row.entry, jobs.from_micros(row.fire_time)) for row in conn.execute(query)
+                )
+            return found
+
+        return op
+
+    def _list_stale_op(
+        self,
+        state: State,
+        older_than: float,
+        limit: int,
+        after: tuple[datetime, JobRef] | None,
+    ) -> Callable[[sa.Connection], list[Job]]:
+        """The transaction of ``list_stale`` (the state and the cursor checked first)."""
+        state = State(state)
+        c = self._t.jobs.c
+        # (space, id) orders as str(ref) does: the space is one character, then ':'.
+        past: list[sa.ColumnElement[bool]] = []
+        if after is not None:
+            # (touched_at, space, id) > the cursor, spelt so that the index on
+            # (namespace, state, touched_at) bounds the scan: touched_at >= t.
+            t, ref = jobs.to_micros(after[0]), after[1]
+            past = [
+                c.touched_at >= t,
+                sa.or_(
+                    c.touched_at > t,
+                    c.space > ref.space.value,
+                    sa.and_(c.space == ref.space.value, c.id > ref.id),
+                ),
+            ]
+
+        def op(conn: sa.Connection) -> list[Job]:
+            cutoff = self._now(conn) - round(older_than * 1_000_000)
+            rows = conn.execute(
+                sa.select(self._t.jobs)
+                .where(
+                    c.namespace == self._namespace,
+                    c.state == state.value,
+                    c.touched_at <= cutoff,
+                    *past,
+                )
+                .order_by(c.touched_at, c.space, c.id)
+                .limit(limit)
+            )
+            return [self._job(row) for row in rows]
+
+        return op
+
+    def _claim_due_op(
+        self, limit: int, node: str, reason: str
+    ) -> Callable[[sa.Connection], list[Job]]:
+        """The transaction of ``claim_due`` (the node and reason checked first)."""
+
+        def claim() -> Transition:
+            return Transition(State.SCHEDULED, frozenset({State.PENDING}), node=node, reason=reason)
+
+        claim()  # validates node and reason before anything is read
+        table, c = self._t.jobs, self._t.jobs.c
+
+        def op(conn: sa.Connection) -> list[Job]:
+            now = self._now(conn)
+            query = (
+                sa.select(table)
+                .where(
+                    c.namespace == self._namespace, c.state == State.PENDING.value, c.run_at <= now
+                )
+                .order_by(c.run_at, c.space, c.id)
+                .limit(limit)
+            )
+            if self._d.locks:
+                query = query.with_for_update(skip_locked=True)
+            due = [self._job(row) for row in conn.execute(query)]
+            claimed = [jobs.apply_transition(job, claim(), jobs.from_micros(now)) for job in due]
+            if claimed:
+                update = table.update().where(
+                    c.namespace == self._namespace,
+                    c.space == sa.bindparam("k_space"),
+                    c.id == sa.bindparam("k_id"),
+                    c.rev == sa.bindparam("k_rev"),
+                )
+                params = [
+                    {
+                        **self._values(new, key=False),
+                        "k_space": old.ref.space.value,
+                        "k_id": old.ref.id,
+                        "k_rev": old.rev,
+                    }
+                    for old, new in zip(due, claimed, strict=True)
+                ]
+                conn.execute(update, params)
+            return claimed
+
+        return op
+
+    def _purge_expired_op(self, limit: int) -> Callable[[sa.Connection], int]:
+        """The transaction of ``purge_expired``."""
+        table, c = self._t.jobs, self._t.jobs.c
+
+        def op(conn: sa.Connection) -> int:
+            now = self._now(conn)
+            expired = (c.namespace == self._namespace, c.expires_at <= now)
+            query = sa.select(c.space, c.id).where(*expired).order_by(c.expires_at).limit(limit)
+            if self._d.locks:
+                query = query.with_for_update(skip_locked=True)
+            keys = [(row.space, row.id) for row in conn.execute(query)]
+            if not keys:
+                return 0
+            result = conn.execute(
+                table.delete().where(*expired, sa.tuple_(c.space, c.id).in_(keys))
+            )
+            return int(result.rowcount)
+
+        return op
