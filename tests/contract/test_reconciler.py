@@ -1,6 +1,6 @@
 """The reconciler on every backend, in real (store) time, with timeouts of a fraction of a second.
 
-The exact thresholds are pinned on a frozen clock in ``tests/unit/test_reconciler.py``;
+The exact thresholds are pinned on a frozen clock in ``tests/unit/reconciler/``;
 here every rule is shown on each real store, with ages checked on the store's own
 timestamps (a job's history) rather than on this process's clock.
 """

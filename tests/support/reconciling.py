@@ -1,7 +1,8 @@
 """What the reconciler tests share: an app with tasks, a fake broker, jobs put in a state, and a
 store proxy that injects faults or lets a 'worker' act at a chosen moment.
 
-Used by ``tests/unit/test_reconciler.py`` (InMemoryStore + FrozenClock) and
+Used by ``tests/unit/reconciler/`` (InMemoryStore + FrozenClock, through
+:mod:`tests.support.reconciler_world`) and
 ``tests/contract/test_reconciler.py`` (every backend, real time).
 """
 
