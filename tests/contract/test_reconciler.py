@@ -75,12 +75,15 @@ PATIENT_PLAIN = "rec.patient_plain"
 QUICK = "rec.quick"
 PLAIN_REDISPATCH = "rec.plain_redispatch"
 TASKS: dict[str, dict[str, Any]] = {
-    FAST_REDISPATCH: {"exactonce_redispatch": True, "exactonce_dispatch_timeout": 0.3,
-                      "exactonce_dispatch_deadline": 3.0},
+    FAST_REDISPATCH: {
+        "exactonce_redispatch": True,
+        "exactonce_dispatch_timeout": 0.3,
+        "exactonce_dispatch_deadline": 3.0,
+    },
     PATIENT: {"exactonce_running_timeout": 60, "exactonce_dispatch_deadline": 60},
     PATIENT_PLAIN: {"gated": False, "exactonce_dispatch_timeout": 60},
     PLAIN_REDISPATCH: {"gated": False, "exactonce_redispatch": True},
-}  # fmt: skip
+}
 #: In the app with LONG_SETTINGS (a gated dispatch_deadline cannot go below replay_age
 #: there: dispatch timeouts are shortened in the unit tests).
 LONG_TASKS: dict[str, dict[str, Any]] = {QUICK: {"exactonce_running_timeout": 0.3}}
@@ -207,8 +210,10 @@ def test_replays_are_bounded_then_the_job_fails(
 def test_dispatched_plain_times_out_unconfirmed_gated_at_the_deadline(scene: Scene) -> None:
     # Given DISPATCHED jobs whose fate is unknown: plain ones (one opting in to
     # redispatch, which a plain job cannot have) and a gated one not opted in
-    plain, plain_opted = scene.put(State.DISPATCHED, PLAIN), scene.put(
-        State.DISPATCHED, PLAIN_REDISPATCH)  # fmt: skip
+    plain, plain_opted = (
+        scene.put(State.DISPATCHED, PLAIN),
+        scene.put(State.DISPATCHED, PLAIN_REDISPATCH),
+    )
     gated = scene.put(State.DISPATCHED)
     jobs = (plain, plain_opted, gated)
     # When passes run until all are settled
@@ -277,13 +282,17 @@ class Heartbeats:
 
 def test_running_jobs_without_heartbeat_time_out_or_rerun(scene: Scene) -> None:
     # Given a live job (its worker heartbeats), a dead one, and a dead one opted in to re-run
-    live, dead, rerun = (scene.put(State.RUNNING), scene.put(State.RUNNING),
-                         scene.put(State.RUNNING, RERUN))  # fmt: skip
+    live, dead, rerun = (
+        scene.put(State.RUNNING),
+        scene.put(State.RUNNING),
+        scene.put(State.RUNNING, RERUN),
+    )
     beats = Heartbeats(scene.factory(), live)
     try:
         # When passes run until the dead ones are settled, and then for a running_timeout more
-        scene.until(lambda: scene.state(dead) is State.TIMEOUT
-                    and scene.state(rerun) is State.DISPATCHED)  # fmt: skip
+        scene.until(
+            lambda: scene.state(dead) is State.TIMEOUT and scene.state(rerun) is State.DISPATCHED
+        )
         wait_until = scene.store.now() + timedelta(seconds=RUNNING_TIMEOUT + 0.05)
         scene.until(lambda: scene.store.now() > wait_until)
         # Then the live job runs on
@@ -301,10 +310,16 @@ def test_running_jobs_without_heartbeat_time_out_or_rerun(scene: Scene) -> None:
 
 
 def test_task_attributes_lengthen_the_settings(scene: Scene) -> None:
-    patient = [scene.put(State.RUNNING, PATIENT), scene.put(State.DISPATCHED, PATIENT),
-               scene.put(State.DISPATCHED, PATIENT_PLAIN)]  # fmt: skip
-    default = [scene.put(State.RUNNING), scene.put(State.DISPATCHED),
-               scene.put(State.DISPATCHED, PLAIN)]  # fmt: skip
+    patient = [
+        scene.put(State.RUNNING, PATIENT),
+        scene.put(State.DISPATCHED, PATIENT),
+        scene.put(State.DISPATCHED, PATIENT_PLAIN),
+    ]
+    default = [
+        scene.put(State.RUNNING),
+        scene.put(State.DISPATCHED),
+        scene.put(State.DISPATCHED, PLAIN),
+    ]
     scene.until(lambda: all(scene.state(job) is State.TIMEOUT for job in default))
     assert [scene.get(job) for job in patient] == patient
 
@@ -316,10 +331,12 @@ def test_fresh_jobs_are_left_alone_a_task_attribute_shortens_the_setting(
     # is under a second: jobs of every other kind stay fresh throughout
     scene = Scene(store_factory, LONG_SETTINGS, tasks=LONG_TASKS)
     quick = scene.put(State.RUNNING, QUICK)
-    fresh = [scene.put(state, task)
-             for state in (State.SCHEDULED, State.DISPATCHED, State.RUNNING)
-             for task in (GATED, PLAIN, REDISPATCH, RERUN, QUICK)
-             if not (state is State.RUNNING and task in (PLAIN, QUICK))]  # fmt: skip
+    fresh = [
+        scene.put(state, task)
+        for state in (State.SCHEDULED, State.DISPATCHED, State.RUNNING)
+        for task in (GATED, PLAIN, REDISPATCH, RERUN, QUICK)
+        if not (state is State.RUNNING and task in (PLAIN, QUICK))
+    ]
     reports = scene.until(lambda: scene.state(quick) is State.TIMEOUT)
     assert age_when(scene.get(quick), State.TIMEOUT) >= 0.3
     assert [scene.get(job) for job in fresh] == fresh
@@ -331,12 +348,16 @@ def test_fresh_jobs_are_left_alone_a_task_attribute_shortens_the_setting(
 
 def test_terminal_records_past_retention_are_purged(store_factory: StoreFactory) -> None:
     scene = Scene(store_factory, store=store_factory(retention=0.2))
-    done = [scene.put(State.SUCCEEDED), scene.put(State.TIMEOUT),
-            scene.put(State.PUBLISHED, PLAIN)]  # fmt: skip
+    done = [scene.put(State.SUCCEEDED), scene.put(State.TIMEOUT), scene.put(State.PUBLISHED, PLAIN)]
     later = scene.store.create(
-        NewJob(JobRef.task("next-year"), GATED, State.PENDING, node=NODE,
-               run_at=scene.store.now() + timedelta(days=365))
-    ).job  # fmt: skip
+        NewJob(
+            JobRef.task("next-year"),
+            GATED,
+            State.PENDING,
+            node=NODE,
+            run_at=scene.store.now() + timedelta(days=365),
+        )
+    ).job
     reports = scene.until(lambda: all(scene.store.get(job.ref) is None for job in done))
     assert sum(r.expired for r in reports) == len(done)
     assert later is not None and scene.get(later) == later
@@ -369,14 +390,18 @@ def test_concurrent_reconcilers_act_once_on_each_job(store_factory: StoreFactory
     # Given stale jobs of every kind, and a lease shorter than a pass on most stores, so
     # that passes overlap (a reconciler loses its lease mid-pass, another takes it)
     scene = Scene(store_factory, {**SETTINGS, "exactonce_lease_ttl": 0.1})
-    kinds = [(State.SCHEDULED, GATED), (State.SCHEDULED, PLAIN), (State.DISPATCHED, PLAIN),
-             (State.RUNNING, GATED), (State.RUNNING, RERUN)]  # fmt: skip
+    kinds = [
+        (State.SCHEDULED, GATED),
+        (State.SCHEDULED, PLAIN),
+        (State.DISPATCHED, PLAIN),
+        (State.RUNNING, GATED),
+        (State.RUNNING, RERUN),
+    ]
     jobs = {(state, task): [scene.put(state, task) for _ in range(6)] for state, task in kinds}
     everything = [job for group in jobs.values() for job in group]
     scene.wait_stale(everything[-1], RUNNING_TIMEOUT)
     # When three reconcilers, each with its own store client, run passes at once
-    reconcilers = [scene.new_reconciler(store_factory(), node=f"reconciler-{i}")
-                   for i in range(3)]  # fmt: skip
+    reconcilers = [scene.new_reconciler(store_factory(), node=f"reconciler-{i}") for i in range(3)]
     done = threading.Event()
     barrier = threading.Barrier(len(reconcilers))
     reports: list[PassReport] = []
@@ -395,8 +420,7 @@ def test_concurrent_reconcilers_act_once_on_each_job(store_factory: StoreFactory
     for thread in threads:
         thread.start()
     try:
-        poll(lambda: all(scene.state(job) is not job.state for job in everything),
-             timeout=PATIENCE)  # fmt: skip
+        poll(lambda: all(scene.state(job) is not job.state for job in everything), timeout=PATIENCE)
     finally:
         done.set()
         for thread in threads:
@@ -415,8 +439,12 @@ def test_a_worker_acting_right_after_the_listing_wins(scene: Scene) -> None:
     # reconciler listed it: the gate takes the gated ones, the publish of the plain one
     # returns, a heartbeat lands on the running one
     worker = scene.factory()
-    jobs = [scene.put(State.SCHEDULED), scene.put(State.DISPATCHED),
-            scene.put(State.DISPATCHED, PLAIN), scene.put(State.RUNNING)]  # fmt: skip
+    jobs = [
+        scene.put(State.SCHEDULED),
+        scene.put(State.DISPATCHED),
+        scene.put(State.DISPATCHED, PLAIN),
+        scene.put(State.RUNNING),
+    ]
     scene.wait_stale(jobs[-1], DISPATCH_DEADLINE)
 
     def act(result: list[Job], state: State, *args: Any, **kwargs: Any) -> list[Job]:
@@ -436,7 +464,11 @@ def test_a_worker_acting_right_after_the_listing_wins(scene: Scene) -> None:
     report = scene.run()
     # Then the worker's moves stand: no TIMEOUT, no replay
     assert [scene.state(job) for job in jobs] == [
-        State.RUNNING, State.RUNNING, State.PUBLISHED, State.RUNNING]  # fmt: skip
+        State.RUNNING,
+        State.RUNNING,
+        State.PUBLISHED,
+        State.RUNNING,
+    ]
     assert report.timed_out == report.replayed == 0 and scene.broker.tries == 0
 
 
@@ -471,13 +503,24 @@ def test_with_a_tenth_of_writes_failing_a_pass_is_bounded_and_nothing_runs_twice
     # failed is held until its short TTL
     clock = Skewed()
     scene = Scene(store_factory, {**SETTINGS, "exactonce_lease_ttl": 0.2}, monotonic=clock)
-    kinds = [(State.SCHEDULED, GATED), (State.SCHEDULED, PLAIN), (State.DISPATCHED, PLAIN),
-             (State.RUNNING, GATED), (State.RUNNING, RERUN)]  # fmt: skip
+    kinds = [
+        (State.SCHEDULED, GATED),
+        (State.SCHEDULED, PLAIN),
+        (State.DISPATCHED, PLAIN),
+        (State.RUNNING, GATED),
+        (State.RUNNING, RERUN),
+    ]
     jobs = [scene.put(state, task) for state, task in kinds for _ in range(6)]
     scene.wait_stale(jobs[-1], RUNNING_TIMEOUT)
     rng, lock = random.Random(7), threading.Lock()
-    writes = ("transition", "transition_many", "acquire_lease", "renew_lease",
-              "release_lease", "purge_expired")  # fmt: skip
+    writes = (
+        "transition",
+        "transition_many",
+        "acquire_lease",
+        "renew_lease",
+        "release_lease",
+        "purge_expired",
+    )
 
     def roll() -> float:
         with lock:
@@ -539,24 +582,38 @@ def test_a_store_outage_longer_than_running_timeout_times_out_no_live_job(
     # Then nothing timed out, though the dead jobs are long stale
     assert not any(r.timed_out for r in reports)
     assert [scene.state(job) for job in (live, dead, plain)] == [
-        State.RUNNING, State.RUNNING, State.DISPATCHED]  # fmt: skip
+        State.RUNNING,
+        State.RUNNING,
+        State.DISPATCHED,
+    ]
     # and past the grace, the dead ones time out, the live one (heartbeating) does not
     mono.now += RUNNING_TIMEOUT
     assert scene.store.heartbeat(live.ref, live.run_id or "")
     assert scene.run().timed_out == 2
     assert [scene.state(job) for job in (live, dead, plain)] == [
-        State.RUNNING, State.TIMEOUT, State.TIMEOUT]  # fmt: skip
+        State.RUNNING,
+        State.TIMEOUT,
+        State.TIMEOUT,
+    ]
 
 
 def test_a_hundred_failing_jobs_at_the_head_do_not_starve_the_rest(scene: Scene) -> None:
     # Given 100 stale SCHEDULED jobs whose writes always fail, the oldest of all
-    news = [NewJob(JobRef.task(f"poison-{i}"), GATED, State.SCHEDULED, node=NODE)
-            for i in range(100)]  # fmt: skip
+    news = [
+        NewJob(JobRef.task(f"poison-{i}"), GATED, State.SCHEDULED, node=NODE) for i in range(100)
+    ]
     poison = [result.job for result in scene.store.create_many(news) if result.job]
     refs = {job.ref for job in poison}
-    others = [scene.put(state, task) for state, task in [
-        (State.SCHEDULED, GATED), (State.SCHEDULED, PLAIN), (State.DISPATCHED, PLAIN),
-        (State.RUNNING, GATED), (State.RUNNING, RERUN)]]  # fmt: skip
+    others = [
+        scene.put(state, task)
+        for state, task in [
+            (State.SCHEDULED, GATED),
+            (State.SCHEDULED, PLAIN),
+            (State.DISPATCHED, PLAIN),
+            (State.RUNNING, GATED),
+            (State.RUNNING, RERUN),
+        ]
+    ]
 
     def one(ref: JobRef, *args: Any, **kwargs: Any) -> None:
         if ref in refs:

@@ -150,10 +150,14 @@ def put(
 ) -> Job:
     """A job of ``task`` brought to ``state`` the way the dispatch path and the gate would."""
     new = NewJob(
-        JobRef.task(job_id or uuid.uuid4().hex), task, State.SCHEDULED, node=NODE,
-        args=[1] if args is None else args, deadline=deadline,
+        JobRef.task(job_id or uuid.uuid4().hex),
+        task,
+        State.SCHEDULED,
+        node=NODE,
+        args=[1] if args is None else args,
+        deadline=deadline,
         options={GATED_OPTION: is_gated(app, task), "queue": "celery"},
-    )  # fmt: skip
+    )
     created = store.create(new)
     assert created.created and created.job is not None
     job = created.job
@@ -170,8 +174,9 @@ def put(
 
 def move(store: StateStore, job: Job, to: State, *, reason: str = "test", **guards: Any) -> Job:
     """CAS ``job`` (on its rev) to ``to``; the test fails if it does not apply."""
-    request = Transition(to, frozenset({job.state}), node=NODE, reason=reason, rev=job.rev,
-                         **guards)  # fmt: skip
+    request = Transition(
+        to, frozenset({job.state}), node=NODE, reason=reason, rev=job.rev, **guards
+    )
     result = store.transition(job.ref, request)
     assert result.applied and result.job is not None, (job.ref, to, result.status)
     return result.job
@@ -180,9 +185,13 @@ def move(store: StateStore, job: Job, to: State, *, reason: str = "test", **guar
 def gate(store: StateStore, job: Job) -> Job:
     """What a worker's gate does with a delivery of ``job``'s current attempt."""
     request = Transition(
-        State.RUNNING, frozenset({State.SCHEDULED, State.DISPATCHED}), node="worker",
-        reason="gate", attempt=job.attempt, new_run_id=uuid.uuid4().hex,
-    )  # fmt: skip
+        State.RUNNING,
+        frozenset({State.SCHEDULED, State.DISPATCHED}),
+        node="worker",
+        reason="gate",
+        attempt=job.attempt,
+        new_run_id=uuid.uuid4().hex,
+    )
     result = store.transition(job.ref, request)
     assert result.applied and result.job is not None, (job.ref, result.status)
     return result.job
@@ -191,9 +200,13 @@ def gate(store: StateStore, job: Job) -> Job:
 def retry(store: StateStore, job: Job) -> Job:
     """A Celery retry of a RUNNING job: the next attempt, written DISPATCHED before its publish."""
     request = Transition(
-        State.DISPATCHED, frozenset({State.RUNNING}), node="worker", reason="retry",
-        run_id=job.run_id, next_attempt=True,
-    )  # fmt: skip
+        State.DISPATCHED,
+        frozenset({State.RUNNING}),
+        node="worker",
+        reason="retry",
+        run_id=job.run_id,
+        next_attempt=True,
+    )
     result = store.transition(job.ref, request)
     assert result.applied and result.job is not None
     return result.job

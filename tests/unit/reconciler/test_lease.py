@@ -28,8 +28,11 @@ from tests.support.reconciling import PLAIN, REDISPATCH, RERUN
 
 
 def test_a_pass_while_another_token_holds_the_lease_does_nothing(world: World) -> None:
-    jobs = [world.put(State.SCHEDULED), world.put(State.DISPATCHED, PLAIN),
-            world.put(State.RUNNING)]  # fmt: skip
+    jobs = [
+        world.put(State.SCHEDULED),
+        world.put(State.DISPATCHED, PLAIN),
+        world.put(State.RUNNING),
+    ]
     assert world.store.acquire_lease(LEASE_NAME, "someone-else", 10 * RUNNING_TIMEOUT)
     world.advance(RUNNING_TIMEOUT)
     report = world.reconciler.run_pass()
@@ -95,9 +98,14 @@ def test_a_reconciler_that_lost_its_lease_mid_pass_stops(world: World) -> None:
 
 def test_two_reconcilers_one_pausing_past_its_lease_act_once_on_each_job(world: World) -> None:
     # Given stale jobs of every kind
-    jobs = [world.put(State.SCHEDULED), world.put(State.SCHEDULED, PLAIN),
-            world.put(State.DISPATCHED, PLAIN), world.put(State.RUNNING),
-            world.put(State.RUNNING, RERUN), world.put(State.DISPATCHED, REDISPATCH)]  # fmt: skip
+    jobs = [
+        world.put(State.SCHEDULED),
+        world.put(State.SCHEDULED, PLAIN),
+        world.put(State.DISPATCHED, PLAIN),
+        world.put(State.RUNNING),
+        world.put(State.RUNNING, RERUN),
+        world.put(State.DISPATCHED, REDISPATCH),
+    ]
     world.advance(RUNNING_TIMEOUT)
     other = world.new_reconciler("other")
     # When reconciler A pauses past its lease after listing, and B runs a whole pass meanwhile
@@ -115,13 +123,19 @@ def test_two_reconcilers_one_pausing_past_its_lease_act_once_on_each_job(world: 
     assert paused[0].ran and paused[0].replayed == 2
     assert first.replayed == first.timed_out == first.rerun == first.redispatched == 0
     assert world.broker.count() == {
-        (jobs[0].ref.id, 0): 1, (jobs[1].ref.id, 0): 1, (jobs[4].ref.id, 1): 1,
+        (jobs[0].ref.id, 0): 1,
+        (jobs[1].ref.id, 0): 1,
+        (jobs[4].ref.id, 1): 1,
         (jobs[5].ref.id, 0): 1,
-    }  # fmt: skip
+    }
     assert [world.state(job) for job in jobs] == [
-        State.DISPATCHED, State.PUBLISHED, State.TIMEOUT, State.TIMEOUT, State.DISPATCHED,
         State.DISPATCHED,
-    ]  # fmt: skip
+        State.PUBLISHED,
+        State.TIMEOUT,
+        State.TIMEOUT,
+        State.DISPATCHED,
+        State.DISPATCHED,
+    ]
 
 
 def test_a_reconciler_that_lost_its_lease_replays_nothing(world: World) -> None:

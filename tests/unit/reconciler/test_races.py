@@ -29,9 +29,14 @@ from tests.support.reconciling import GATED, PLAIN, REDISPATCH, RERUN, HookedSto
 
 def test_concurrent_reconcilers_act_once_on_each_job(world: World) -> None:
     # Given many stale jobs of every kind
-    kinds = [(State.SCHEDULED, GATED), (State.SCHEDULED, PLAIN), (State.DISPATCHED, PLAIN),
-             (State.DISPATCHED, REDISPATCH), (State.RUNNING, GATED),
-             (State.RUNNING, RERUN)]  # fmt: skip
+    kinds = [
+        (State.SCHEDULED, GATED),
+        (State.SCHEDULED, PLAIN),
+        (State.DISPATCHED, PLAIN),
+        (State.DISPATCHED, REDISPATCH),
+        (State.RUNNING, GATED),
+        (State.RUNNING, RERUN),
+    ]
     jobs = [world.put(state, task) for state, task in kinds for _ in range(20)]
     world.advance(RUNNING_TIMEOUT)
     # When four reconcilers run passes at once, in threads
@@ -55,8 +60,11 @@ def test_concurrent_reconcilers_act_once_on_each_job(world: World) -> None:
     assert len(world.broker.sent) == 20 * 4  # replays (2 kinds), redispatches, reruns
     for job in jobs:
         after = world.get(job)
-        acted = [h for h in after.history
-                 if h.node.startswith("reconciler") and h.reason != "publish returned"]  # fmt: skip
+        acted = [
+            h
+            for h in after.history
+            if h.node.startswith("reconciler") and h.reason != "publish returned"
+        ]
         assert len(acted) == 1, after.history
     assert sum(r.replayed for r in reports) == 40 and sum(r.timed_out for r in reports) == 40
 

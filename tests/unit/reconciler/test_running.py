@@ -33,8 +33,9 @@ def test_running_without_heartbeat_for_running_timeout_times_out(world: World) -
     assert after.state is State.TIMEOUT and after.reason == "no heartbeat for 600 s"
     assert report.timed_out == 1 and world.broker.tries == 0
     # A late outcome of the vanished run changes nothing
-    done = Transition(State.SUCCEEDED, frozenset({State.RUNNING}), node="w", reason="late",
-                      run_id=job.run_id)  # fmt: skip
+    done = Transition(
+        State.SUCCEEDED, frozenset({State.RUNNING}), node="w", reason="late", run_id=job.run_id
+    )
     assert not world.store.transition(job.ref, done).applied
 
 

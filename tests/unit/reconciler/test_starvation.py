@@ -24,9 +24,17 @@ def test_a_hundred_failing_jobs_at_the_head_do_not_starve_the_rest(world: World)
     # Given 100 stale SCHEDULED jobs whose every write fails, oldest of all
     poison = [world.put(State.SCHEDULED) for _ in range(100)]
     world.advance(1)
-    others = [world.put(state, task) for state, task in [
-        (State.SCHEDULED, GATED), (State.SCHEDULED, PLAIN), (State.DISPATCHED, PLAIN),
-        (State.RUNNING, GATED), (State.RUNNING, RERUN)] for _ in range(4)]  # fmt: skip
+    others = [
+        world.put(state, task)
+        for state, task in [
+            (State.SCHEDULED, GATED),
+            (State.SCHEDULED, PLAIN),
+            (State.DISPATCHED, PLAIN),
+            (State.RUNNING, GATED),
+            (State.RUNNING, RERUN),
+        ]
+        for _ in range(4)
+    ]
     fail_writes_of(world, {job.ref for job in poison})
     world.advance(RUNNING_TIMEOUT)
     # When a pass runs

@@ -27,8 +27,14 @@ def flaky_writes(world: World, rate: float, seed: int) -> Callable[[], None]:
     """
     rng = random.Random(seed)
     lock = threading.Lock()
-    writes = ("transition", "transition_many", "acquire_lease", "renew_lease",
-              "release_lease", "purge_expired")  # fmt: skip
+    writes = (
+        "transition",
+        "transition_many",
+        "acquire_lease",
+        "renew_lease",
+        "release_lease",
+        "purge_expired",
+    )
 
     def roll() -> float:
         with lock:
@@ -59,8 +65,14 @@ def test_with_a_tenth_of_writes_failing_passes_stay_bounded_and_nothing_runs_twi
     world: World,
 ) -> None:
     # Given 240 stale jobs of every kind, and a store where 10% of writes fail
-    kinds = [(State.SCHEDULED, GATED), (State.SCHEDULED, PLAIN), (State.DISPATCHED, PLAIN),
-             (State.DISPATCHED, GATED), (State.RUNNING, GATED), (State.RUNNING, RERUN)]  # fmt: skip
+    kinds = [
+        (State.SCHEDULED, GATED),
+        (State.SCHEDULED, PLAIN),
+        (State.DISPATCHED, PLAIN),
+        (State.DISPATCHED, GATED),
+        (State.RUNNING, GATED),
+        (State.RUNNING, RERUN),
+    ]
     jobs = [world.put(state, task) for state, task in kinds for _ in range(40)]
     world.advance(RUNNING_TIMEOUT)
     stop = flaky_writes(world, rate=0.10, seed=20260301)

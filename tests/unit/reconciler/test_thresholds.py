@@ -41,9 +41,10 @@ def test_fresh_jobs_are_left_alone(world: World) -> None:
         if not (state is State.RUNNING and task in (PLAIN, QUICK_PLAIN))
     ]
     pending = world.store.create(
-        NewJob(JobRef.task("later"), GATED, State.PENDING, node=NODE,
-               run_at=START - timedelta(days=30))
-    ).job  # fmt: skip
+        NewJob(
+            JobRef.task("later"), GATED, State.PENDING, node=NODE, run_at=START - timedelta(days=30)
+        )
+    ).job
     assert pending is not None
     world.advance(REPLAY_AGE - MICROSECOND)
     # When passes run
@@ -52,8 +53,9 @@ def test_fresh_jobs_are_left_alone(world: World) -> None:
     assert [world.get(job) for job in jobs] == jobs
     assert world.get(pending) == pending
     assert world.broker.tries == 0
-    assert all(r.replayed == r.timed_out == r.redispatched == r.rerun == r.errors == 0
-               for r in reports)  # fmt: skip
+    assert all(
+        r.replayed == r.timed_out == r.redispatched == r.rerun == r.errors == 0 for r in reports
+    )
 
 
 @pytest.mark.parametrize(
@@ -132,8 +134,12 @@ def test_ages_are_measured_on_the_store_clock(monkeypatch: pytest.MonkeyPatch) -
     # Given a store whose clock is 11 minutes behind this host's (the reconciler's clock
     # is 11 minutes fast: past every threshold but the gated deadline)
     world = World(start=datetime.now(timezone.utc) - timedelta(minutes=11))
-    jobs = [world.put(State.SCHEDULED), world.put(State.DISPATCHED, PLAIN),
-            world.put(State.RUNNING), world.put(State.DISPATCHED, REDISPATCH)]  # fmt: skip
+    jobs = [
+        world.put(State.SCHEDULED),
+        world.put(State.DISPATCHED, PLAIN),
+        world.put(State.RUNNING),
+        world.put(State.DISPATCHED, REDISPATCH),
+    ]
     real_time = time.time
     monkeypatch.setattr(time, "time", lambda: real_time() + 11 * 60)
     world.mono.advance(11 * 60)
@@ -152,13 +158,20 @@ def test_ages_are_measured_on_the_store_clock(monkeypatch: pytest.MonkeyPatch) -
 def test_terminal_records_past_retention_are_purged_live_ones_never() -> None:
     world = World(retention=1000)
     # Given terminal jobs of every kind, and a delayed job due in a year
-    done = [world.put(state) for state in (State.SUCCEEDED, State.FAILED, State.CANCELLED,
-                                           State.TIMEOUT)]  # fmt: skip
+    done = [
+        world.put(state)
+        for state in (State.SUCCEEDED, State.FAILED, State.CANCELLED, State.TIMEOUT)
+    ]
     done.append(world.put(State.PUBLISHED, PLAIN))
     pending = world.store.create(
-        NewJob(JobRef.task("next-year"), GATED, State.PENDING, node=NODE,
-               run_at=START + timedelta(days=365))
-    ).job  # fmt: skip
+        NewJob(
+            JobRef.task("next-year"),
+            GATED,
+            State.PENDING,
+            node=NODE,
+            run_at=START + timedelta(days=365),
+        )
+    ).job
     assert pending is not None
     world.advance(1000 - MICROSECOND)
     assert world.run().expired == 0
