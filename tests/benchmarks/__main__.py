@@ -49,12 +49,38 @@ def _rate(n: int, fn: Callable[[int], object]) -> float:
 
 def bench_store(store: StateStore, n: int) -> dict[str, float]:
     past = store.now() - timedelta(minutes=1)
-    scheduled = [NewJob(JobRef.task(f"s{i}"), "bench.task", State.SCHEDULED, node="bench",
-                        args=[i], kwargs={"k": "v"}) for i in range(n)]  # fmt: skip
-    pending = [NewJob(JobRef.task(f"p{i}"), "bench.task", State.PENDING, node="bench",
-                      run_at=past + timedelta(microseconds=i)) for i in range(n)]  # fmt: skip
-    brief = [NewJob(JobRef.task(f"b{i}"), "bench.task", State.SCHEDULED, node="bench",
-                    args=[i], kwargs={"k": "v"}) for i in range(n)]  # fmt: skip
+    scheduled = [
+        NewJob(
+            JobRef.task(f"s{i}"),
+            "bench.task",
+            State.SCHEDULED,
+            node="bench",
+            args=[i],
+            kwargs={"k": "v"},
+        )
+        for i in range(n)
+    ]
+    pending = [
+        NewJob(
+            JobRef.task(f"p{i}"),
+            "bench.task",
+            State.PENDING,
+            node="bench",
+            run_at=past + timedelta(microseconds=i),
+        )
+        for i in range(n)
+    ]
+    brief = [
+        NewJob(
+            JobRef.task(f"b{i}"),
+            "bench.task",
+            State.SCHEDULED,
+            node="bench",
+            args=[i],
+            kwargs={"k": "v"},
+        )
+        for i in range(n)
+    ]
     figures = {
         "create": _rate(n, lambda i: store.create(scheduled[i])),
         "create (brief)": _rate(n, lambda i: store.create_many([brief[i]], brief=True)),
@@ -62,9 +88,12 @@ def bench_store(store: StateStore, n: int) -> dict[str, float]:
 
     def dispatched(new: NewJob) -> Transition:
         return Transition(
-            State.DISPATCHED, frozenset({State.SCHEDULED}), node="bench", reason="bench",
+            State.DISPATCHED,
+            frozenset({State.SCHEDULED}),
+            node="bench",
+            reason="bench",
             rev=new.rev,
-        )  # fmt: skip
+        )
 
     def cas(i: int) -> None:
         assert store.transition(scheduled[i].ref, dispatched(scheduled[i])).applied
@@ -87,17 +116,30 @@ def bench_store(store: StateStore, n: int) -> dict[str, float]:
         claimed += len(got)
     figures["claim (jobs/s, batches of 100)"] = claimed / (time.perf_counter() - start)
     for new in pending[: n // 10]:
-        store.create(NewJob(JobRef.task("q" + new.ref.id), "bench.task", State.PENDING,
-                            node="bench", run_at=past))  # fmt: skip
+        store.create(
+            NewJob(
+                JobRef.task("q" + new.ref.id),
+                "bench.task",
+                State.PENDING,
+                node="bench",
+                run_at=past,
+            )
+        )
     figures["claim (single)"] = _rate(n // 10, lambda _i: store.claim_due(1, node="bench"))
     return figures
 
 
 #: What ``--small`` sets, unless the command line gives it.
 SMALL = {
-    "ops": 100, "entries": 200, "rounds": 2, "delayed": 500, "reconcile_jobs": "1000,2000",
-    "submits": 50, "e2e_tasks": 100, "groups": 2,
-}  # fmt: skip
+    "ops": 100,
+    "entries": 200,
+    "rounds": 2,
+    "delayed": 500,
+    "reconcile_jobs": "1000,2000",
+    "submits": 50,
+    "e2e_tasks": 100,
+    "groups": 2,
+}
 #: Seconds of the beat suite's slot and of the reconcile suite's stale/fresh gap, small runs.
 SMALL_SLOT_SECONDS = 2
 SMALL_SETTLE = 2.0
@@ -107,9 +149,10 @@ SUITES = ("stores", "beat", "delayed", "submit", "e2e", "group")
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m tests.benchmarks", description=__doc__,
+        prog="python -m tests.benchmarks",
+        description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-    )  # fmt: skip
+    )
     parser.add_argument("--ops", type=int, default=2000, help="operations per figure")
     parser.add_argument(
         "--backends", default=",".join(BACKENDS), help="stores (submit: all but memory)"
@@ -118,10 +161,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--small", action="store_true", help="tiny sizes: a quick smoke run")
     parser.add_argument("--entries", type=int, default=10_000, help="beat entries (beat suite)")
     parser.add_argument(
-        "--rounds", type=int, default=5,
+        "--rounds",
+        type=int,
+        default=5,
         help="plain/ours pairs of rounds (beat, submit, e2e, group suites); the ratio is the "
         "median of the pairs', so one pair a neighbour slowed does not decide it",
-    )  # fmt: skip
+    )
     parser.add_argument("--delayed", type=int, default=100_000, help="due delayed jobs to sweep")
     parser.add_argument(
         "--reconcile-jobs", default="10000,1000000", help="small,large job counts of a pass"
@@ -139,9 +184,13 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     suites = SUITES if args.suite == "all" else (args.suite,)
     figures = {
-        "stores": stores, "beat": beat_figures, "delayed": delayed_figures,
-        "submit": submit_figures, "e2e": e2e_figures, "group": group_figures,
-    }  # fmt: skip
+        "stores": stores,
+        "beat": beat_figures,
+        "delayed": delayed_figures,
+        "submit": submit_figures,
+        "e2e": e2e_figures,
+        "group": group_figures,
+    }
     status = 0
     for suite in suites:
         status = figures[suite](args) or status
@@ -156,14 +205,18 @@ def submit_figures(args: argparse.Namespace) -> int:
     brokers = args.brokers.split(",")
     for store in (b for b in args.backends.split(",") if b in submit.STORES):
         for broker in brokers:
-            down = [s for s in (store, broker) if (service := submit.service_of(s))
-                    and not services.answers(service)]  # fmt: skip
+            down = [
+                s
+                for s in (store, broker)
+                if (service := submit.service_of(s)) and not services.answers(service)
+            ]
             if down:
                 url = services.SERVICE_URLS[down[0]]
                 print(f"submit: {store} store, {broker} broker skipped, {url} does not answer")
                 continue
-            rows.append((f"{store} / {broker}", submit.measure(store, broker, args.submits,
-                                                               args.rounds)))  # fmt: skip
+            rows.append(
+                (f"{store} / {broker}", submit.measure(store, broker, args.submits, args.rounds))
+            )
     if not rows:
         return 1
     print(
@@ -181,9 +234,11 @@ def e2e_figures(args: argparse.Namespace) -> int:
     from tests.benchmarks import e2e
 
     figures = e2e.run(args.e2e_tasks, args.rounds)
-    print(f"\nno-op tasks through one prefork worker (-c {e2e.CONCURRENCY}), "
-          f"{args.e2e_tasks:,} queued a round, {args.rounds} pairs of rounds, "
-          "on the Redis store and a Redis broker\n")  # fmt: skip
+    print(
+        f"\nno-op tasks through one prefork worker (-c {e2e.CONCURRENCY}), "
+        f"{args.e2e_tasks:,} queued a round, {args.rounds} pairs of rounds, "
+        "on the Redis store and a Redis broker\n"
+    )
     print("\n".join(table("worker", "tasks", [("prefork, queued first", figures)])))
     return 0
 
@@ -195,12 +250,16 @@ def group_figures(args: argparse.Namespace) -> int:
     from tests.benchmarks import group
 
     figures = group.run(args.groups, GROUP_SIZE, args.rounds)
-    print(f"\ngroup(task.s(i) for i in range({GROUP_SIZE})).apply_async(), {args.groups} "
-          f"groups a round, {args.rounds} pairs of rounds, on the Redis store and a Redis "
-          "broker\n")  # fmt: skip
+    print(
+        f"\ngroup(task.s(i) for i in range({GROUP_SIZE})).apply_async(), {args.groups} "
+        f"groups a round, {args.rounds} pairs of rounds, on the Redis store and a Redis "
+        "broker\n"
+    )
     print("\n".join(table("group", "groups", [(f"{GROUP_SIZE} signatures", figures)])))
-    print(f"{'(signatures/s)':<34}{figures.plain_rate * GROUP_SIZE:>16,.0f}"
-          f"{figures.ours_rate * GROUP_SIZE:>16,.0f}")  # fmt: skip
+    print(
+        f"{'(signatures/s)':<34}{figures.plain_rate * GROUP_SIZE:>16,.0f}"
+        f"{figures.ours_rate * GROUP_SIZE:>16,.0f}"
+    )
     return 0
 
 

@@ -81,10 +81,13 @@ class StoreMachine(RuleBasedStateMachine):
     def create(self, i: int, state: State, fault: str) -> None:
         ref = self.refs[i]
         new = NewJob(
-            ref, "tasks.model", state, node=NODE,
+            ref,
+            "tasks.model",
+            state,
+            node=NODE,
             run_at=self._run_at() if state is State.PENDING else None,
             run_id=uuid.uuid4().hex if state is State.RUNNING else None,
-        )  # fmt: skip
+        )
         try:
             result = call(fault, lambda: self.store.create(new))
             assert result.created == (ref not in self.model)
@@ -103,12 +106,23 @@ class StoreMachine(RuleBasedStateMachine):
         i=st.integers(0, 3),
         edge=st.sampled_from(EDGES),
         extra=st.sets(st.sampled_from(list(State))),
-        rev=GUARD, attempt=GUARD, run_id=GUARD, task=GUARD, fault=FAULTS,
-    )  # fmt: skip
+        rev=GUARD,
+        attempt=GUARD,
+        run_id=GUARD,
+        task=GUARD,
+        fault=FAULTS,
+    )
     def transition(
-        self, i: int, edge: tuple[State, State], extra: set[State], rev: str, attempt: str,
-        run_id: str, task: str, fault: str,
-    ) -> None:  # fmt: skip
+        self,
+        i: int,
+        edge: tuple[State, State],
+        extra: set[State],
+        rev: str,
+        attempt: str,
+        run_id: str,
+        task: str,
+        fault: str,
+    ) -> None:
         src, dst = edge
         ref = self.refs[i]
         nxt = (src, dst) in NEXT_ATTEMPT_EDGES
@@ -122,7 +136,10 @@ class StoreMachine(RuleBasedStateMachine):
             return {"none": None, "right": right, "wrong": wrong}[kind]
 
         request = Transition(
-            dst, frozenset(expect), node=NODE, reason="model",
+            dst,
+            frozenset(expect),
+            node=NODE,
+            reason="model",
             rev=guard(rev, current.rev if current else "r", "wrong-rev"),
             attempt=guard(attempt, current.attempt if current else 0, 99),
             run_id=guard(run_id, (current.run_id if current else None) or "x", "wrong-run"),
@@ -130,7 +147,7 @@ class StoreMachine(RuleBasedStateMachine):
             new_run_id=uuid.uuid4().hex if dst is State.RUNNING else None,
             next_attempt=nxt,
             run_at=self._run_at() if dst is State.PENDING else None,
-        )  # fmt: skip
+        )
         expected_applied = (
             current is not None
             and current.state in expect
@@ -199,8 +216,11 @@ class StoreMachine(RuleBasedStateMachine):
                 continue
             assert job is not None
             assert (job.state, job.rev, job.attempt, job.run_id) == (
-                model.state, model.rev, model.attempt, model.run_id,
-            )  # fmt: skip
+                model.state,
+                model.rev,
+                model.attempt,
+                model.run_id,
+            )
             if model.state is State.PENDING:
                 assert job.run_at == model.run_at
 
@@ -212,7 +232,10 @@ def test_store_agrees_with_the_model(store_factory: StoreFactory, steps: int) ->
     run_state_machine_as_test(
         machine,
         settings=settings(
-            max_examples=examples, stateful_step_count=steps, deadline=None,
-            suppress_health_check=[HealthCheck.too_slow], database=None,
+            max_examples=examples,
+            stateful_step_count=steps,
+            deadline=None,
+            suppress_health_check=[HealthCheck.too_slow],
+            database=None,
         ),
-    )  # fmt: skip
+    )

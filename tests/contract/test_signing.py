@@ -99,9 +99,15 @@ def test_a_retry_that_changes_args_carries_a_fresh_signature(store: StateStore) 
     running = signed.create(task_job(state=State.RUNNING)).job
     assert running is not None and running.run_id is not None
     retry = Transition(
-        State.DISPATCHED, frozenset({State.RUNNING}), node=NODE, reason="retry",
-        run_id=running.run_id, next_attempt=True, args=[7], kwargs={"y": 8},
-    )  # fmt: skip
+        State.DISPATCHED,
+        frozenset({State.RUNNING}),
+        node=NODE,
+        reason="retry",
+        run_id=running.run_id,
+        next_attempt=True,
+        args=[7],
+        kwargs={"y": 8},
+    )
     result = signed.transition(running.ref, retry)
     assert result.applied
     after = store.get(running.ref)
@@ -110,15 +116,23 @@ def test_a_retry_that_changes_args_carries_a_fresh_signature(store: StateStore) 
     # The same change by a writer without the key leaves no stale signature behind.
     back = store.transition(
         running.ref,
-        Transition(State.RUNNING, frozenset({State.DISPATCHED}), node=NODE, reason="gate",
-                   new_run_id="r2"),
-    )  # fmt: skip
+        Transition(
+            State.RUNNING, frozenset({State.DISPATCHED}), node=NODE, reason="gate", new_run_id="r2"
+        ),
+    )
     assert back.applied
     unsigned = store.transition(
         running.ref,
-        Transition(State.DISPATCHED, frozenset({State.RUNNING}), node=NODE, reason="retry",
-                   run_id="r2", next_attempt=True, args=[9]),
-    )  # fmt: skip
+        Transition(
+            State.DISPATCHED,
+            frozenset({State.RUNNING}),
+            node=NODE,
+            reason="retry",
+            run_id="r2",
+            next_attempt=True,
+            args=[9],
+        ),
+    )
     assert unsigned.applied
     last = store.get(running.ref)
     assert last is not None and last.signature is None and not signer.verify(last)
@@ -132,9 +146,14 @@ def test_a_tampered_record_is_never_re_signed_by_a_retry(store: StateStore) -> N
     assert running is not None and running.run_id is not None
     tamper(store, running.ref, "options", {"queue": "elsewhere"})
     retry = Transition(
-        State.DISPATCHED, frozenset({State.RUNNING}), node=NODE, reason="retry",
-        run_id=running.run_id, next_attempt=True, args=[7],
-    )  # fmt: skip
+        State.DISPATCHED,
+        frozenset({State.RUNNING}),
+        node=NODE,
+        reason="retry",
+        run_id=running.run_id,
+        next_attempt=True,
+        args=[7],
+    )
     assert signed.transition(running.ref, retry).applied
     after = store.get(running.ref)
     assert after is not None and not signer.verify(after)

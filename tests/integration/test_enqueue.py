@@ -58,10 +58,16 @@ DEADLINE = datetime(2100, 1, 1, tzinfo=timezone.utc)
 
 def _new(job_id: str = "j1", **options: Any) -> NewJob:
     return NewJob(
-        JobRef.task(job_id), "t.add", State.SCHEDULED, node="n", args=[1, 2],
-        kwargs={"k": "v"}, options={GATED_OPTION: True, **options}, reason="apply_async",
+        JobRef.task(job_id),
+        "t.add",
+        State.SCHEDULED,
+        node="n",
+        args=[1, 2],
+        kwargs={"k": "v"},
+        options={GATED_OPTION: True, **options},
+        reason="apply_async",
         deadline=DEADLINE,  # the message's expires
-    )  # fmt: skip
+    )
 
 
 def _dispatched(new: NewJob) -> Job:
@@ -103,11 +109,26 @@ CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "priority": ({}, {"priority": 7}),
     "queue": ({}, {"queue": "other"}),
     "headers": ({}, {"headers": {"tenant": "a"}, "shadow": "s", "time_limit": 30}),
-    "link": ({}, {"link": [{"task": "t.cb", "args": [], "kwargs": {}, "options": {},
-                            "subtask_type": None, "immutable": False}]}),
+    "link": (
+        {},
+        {
+            "link": [
+                {
+                    "task": "t.cb",
+                    "args": [],
+                    "kwargs": {},
+                    "options": {},
+                    "subtask_type": None,
+                    "immutable": False,
+                }
+            ]
+        },
+    ),
     "routed-topic": (
-        {"task_queues": [Queue("topical", Exchange("tx", type="topic"), routing_key="t.#")],
-         "task_routes": {"t.add": {"queue": "topical", "routing_key": "t.add"}}},
+        {
+            "task_queues": [Queue("topical", Exchange("tx", type="topic"), routing_key="t.#")],
+            "task_routes": {"t.add": {"queue": "topical", "routing_key": "t.add"}},
+        },
         {},
     ),
     "global-keyprefix": ({"broker_transport_options": {"global_keyprefix": "pfx:"}}, {}),
@@ -115,7 +136,7 @@ CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
         {"task_queues": [Queue("short", queue_arguments={"x-expires": 60_000})]},
         {"queue": "short"},
     ),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -145,8 +166,11 @@ def test_the_message_pushed_is_the_message_kombu_publishes(server: RedisServer, 
 def _differences(left: Any, right: Any, path: str = "") -> list[str]:
     """Where two decoded messages differ, for the assertion message."""
     if isinstance(left, dict) and isinstance(right, dict):
-        return [d for k in sorted(set(left) | set(right), key=str)
-                for d in _differences(left.get(k), right.get(k), f"{path}.{k}")]  # fmt: skip
+        return [
+            d
+            for k in sorted(set(left) | set(right), key=str)
+            for d in _differences(left.get(k), right.get(k), f"{path}.{k}")
+        ]
     if isinstance(left, list) and isinstance(right, list) and len(left) == len(right):
         return [
             d
@@ -172,8 +196,9 @@ def test_a_job_is_written_dispatched_with_its_message_in_one_step(server: RedisS
     record = store.get(JobRef.task("j1"))
     assert record is not None and record.state is State.DISPATCHED and record.dispatches == 1
     assert [(h.src, h.dst) for h in record.history] == [
-        (None, State.SCHEDULED), (State.SCHEDULED, State.DISPATCHED)
-    ]  # fmt: skip
+        (None, State.SCHEDULED),
+        (State.SCHEDULED, State.DISPATCHED),
+    ]
     assert record.history[-1].reason == f"apply_async {ENQUEUED}"
     assert record.rev == record.history[-1].rev
     assert _queued(server) == 1
@@ -191,8 +216,9 @@ def test_an_existing_job_is_returned_and_nothing_is_pushed_again(server: RedisSe
 
 def test_a_push_redis_refuses_writes_nothing(server: RedisServer) -> None:
     admin = redis.Redis.from_url(_url(server, 0))
-    admin.execute_command("ACL", "SETUSER", "nolpush", "on", ">secret", "~*", "&*", "+@all",
-                          "-lpush")  # fmt: skip
+    admin.execute_command(
+        "ACL", "SETUSER", "nolpush", "on", ">secret", "~*", "&*", "+@all", "-lpush"
+    )
     store = _store(server, user="nolpush")
     dispatcher = _dispatcher(server, store)
     assert dispatcher.enqueue(_new()) is None  # the caller takes the general path
@@ -205,8 +231,9 @@ def test_a_push_redis_refuses_writes_nothing(server: RedisServer) -> None:
 def test_a_push_refused_midway_is_undone_and_writes_nothing(server: RedisServer) -> None:
     """The message pushed, then a later command refused: the push is taken back."""
     admin = redis.Redis.from_url(_url(server, 0))
-    admin.execute_command("ACL", "SETUSER", "nopublish", "on", ">secret", "~*", "&*", "+@all",
-                          "-publish")  # fmt: skip
+    admin.execute_command(
+        "ACL", "SETUSER", "nopublish", "on", ">secret", "~*", "&*", "+@all", "-publish"
+    )
     store = _store(server, user="nopublish")
     new = _new()
     request = Transition(
@@ -222,8 +249,9 @@ def test_a_push_refused_midway_is_undone_and_writes_nothing(server: RedisServer)
 def test_keys_redis_refuses_write_nothing(server: RedisServer) -> None:
     """A user that may not touch the broker's keys: the script does not run; nothing written."""
     admin = redis.Redis.from_url(_url(server, 0))
-    admin.execute_command("ACL", "SETUSER", "storeonly", "on", ">secret", "&*", "+@all",
-                          "~exactonce:*")  # fmt: skip
+    admin.execute_command(
+        "ACL", "SETUSER", "storeonly", "on", ">secret", "&*", "+@all", "~exactonce:*"
+    )
     store = _store(server, user="storeonly")
     assert _dispatcher(server, store).enqueue(_new()) is None
     assert store.get(JobRef.task("j1")) is None
@@ -243,9 +271,12 @@ class LoseAnswer(RedisStore):
                 super()._run(name, keys, args)
             if self.taken:
                 gate = Transition(
-                    State.RUNNING, frozenset({State.DISPATCHED}), node="w", reason="gate",
+                    State.RUNNING,
+                    frozenset({State.DISPATCHED}),
+                    node="w",
+                    reason="gate",
                     new_run_id="r1",
-                )  # fmt: skip
+                )
                 assert self.transition(JobRef.task("j1"), gate).applied
             raise redis.ConnectionError("connection lost")
         return super()._run(name, keys, args)

@@ -45,9 +45,11 @@ LEDGER: list[tuple[str, str, int, Any]] = []
 NON_UTF8_NAME = b"report-\xff.csv".decode("utf-8", "surrogateescape")
 #: Values kombu's JSON carries and plain JSON does not (issue 12 of the tracker).
 TYPED_ARGS = (
-    b"\x00\xffraw", datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone.utc), uuid.UUID(int=42),
+    b"\x00\xffraw",
+    datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone.utc),
+    uuid.UUID(int=42),
     Decimal("19.99"),
-)  # fmt: skip
+)
 LOCK = threading.Lock()
 
 
@@ -116,9 +118,14 @@ def make_app() -> Celery:
         return self.request.retries
 
     @app.task(
-        base=ExactOnceTask, shared=False, bind=True, name="t.auto",
-        autoretry_for=(RuntimeError,), max_retries=3, default_retry_delay=0.01,
-    )  # fmt: skip
+        base=ExactOnceTask,
+        shared=False,
+        bind=True,
+        name="t.auto",
+        autoretry_for=(RuntimeError,),
+        max_retries=3,
+        default_retry_delay=0.01,
+    )
     def auto(self: Any) -> str:
         record(self)
         if self.request.retries < 2:
@@ -246,8 +253,14 @@ def republish(app: Celery, task_id: str) -> None:
     """Send the job's message again, as a broker redelivery would."""
     job = store_of(app).get(JobRef.task(task_id))
     assert job is not None
-    app.send_task(job.task, args=job.args, kwargs=job.kwargs, task_id=task_id,
-                  headers=message_headers(job, "gate"), retries=job.attempt)  # fmt: skip
+    app.send_task(
+        job.task,
+        args=job.args,
+        kwargs=job.kwargs,
+        task_id=task_id,
+        headers=message_headers(job, "gate"),
+        retries=job.attempt,
+    )
 
 
 def test_runs_once_and_records_success(app: Celery) -> None:
@@ -341,8 +354,15 @@ def _in_state(app: Celery, state: State) -> str:
     store = store_of(app)
     if state is State.PENDING:
         later = store.now() + timedelta(hours=1)
-        new = NewJob(JobRef.task(uuid.uuid4().hex), "t.add", State.PENDING, node="test",
-                     args=[2, 3], options={GATED_OPTION: True}, run_at=later)  # fmt: skip
+        new = NewJob(
+            JobRef.task(uuid.uuid4().hex),
+            "t.add",
+            State.PENDING,
+            node="test",
+            args=[2, 3],
+            options={GATED_OPTION: True},
+            run_at=later,
+        )
         created = store.create(new)
         assert created.job is not None
         return created.job.ref.id

@@ -55,8 +55,9 @@ def test_every_reason_is_made_storable_and_capped() -> None:
     """Fails before the fix: a reason over the limit was refused (``InvalidPayload``) and
     one with a lone surrogate or NUL went to the store as it was."""
     reason = "OSError: " + b"\xff".decode("utf-8", "surrogateescape") + "\x00\t\r\n" + "x" * 600
-    request = Transition(State.FAILED, frozenset({State.RUNNING}), node="n", reason=reason,
-                         run_id="r")  # fmt: skip
+    request = Transition(
+        State.FAILED, frozenset({State.RUNNING}), node="n", reason=reason, run_id="r"
+    )
     assert request.reason.startswith("OSError: \ufffd\ufffd\t\r\nxxx")
     assert len(request.reason) == MAX_REASON_LENGTH and request.reason.endswith("…")
     new = NewJob(JobRef.task("j"), "t", State.SCHEDULED, node="n", reason=reason)
@@ -73,10 +74,14 @@ def test_beat_entry_with_kombu_typed_arguments_is_claimed_and_keeps_its_values()
     which raised out of ``tick()`` (beat died at the entry's first due slot).
     """
     schedule = {
-        "typed": {"task": "plain.t", "schedule": timedelta(seconds=1), "args": TYPED_ARGS,
-                  "kwargs": TYPED_KWARGS},
+        "typed": {
+            "task": "plain.t",
+            "schedule": timedelta(seconds=1),
+            "args": TYPED_ARGS,
+            "kwargs": TYPED_KWARGS,
+        },
         "other": every(1),
-    }  # fmt: skip
+    }
     cluster = Cluster(schedule, nodes=2)
     cluster.run(3)
     typed = [job for job in cluster.broker.sent if job.entry == "typed"]
@@ -92,7 +97,9 @@ BAD_ENTRIES: dict[str, tuple[str, dict[str, Any], str]] = {
     "object-argument": ("obj-arg", {"args": [object()]}, "args"),
     "nan-argument": ("nan-arg", {"kwargs": {"x": float("nan")}}, "kwargs"),
     "unknown-type-marker": (
-        "marker-arg", {"args": [{"__type__": "nope", "__value__": 1}]}, "args",
+        "marker-arg",
+        {"args": [{"__type__": "nope", "__value__": 1}]},
+        "args",
     ),
     "long-name": ("n" * 300, {}, "over 255"),
     "control-character-name": ("bad\nname", {}, "control"),
@@ -102,7 +109,7 @@ BAD_ENTRIES: dict[str, tuple[str, dict[str, Any], str]] = {
     "task-id-option": ("task-id-opt", {"options": {"task_id": "x"}}, "'task_id'"),
     "headers-not-a-dict": ("headers-opt", {"options": {"headers": "x"}}, "'headers'"),
     "option-not-json": ("queue-opt", {"options": {"priority": object()}}, "options"),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("case", list(BAD_ENTRIES), ids=list(BAD_ENTRIES))
@@ -167,8 +174,13 @@ def test_a_stored_option_send_task_cannot_take_fails_the_job_definitely(
     (the job stayed ``DISPATCHED`` and never ran) and ``headers`` raised out of dispatch.
     """
     store = InMemoryStore("ns")
-    new = NewJob(JobRef.task("j"), "tasks.t", State.SCHEDULED, node="n",
-                 options={GATED_OPTION: False, **options})  # fmt: skip
+    new = NewJob(
+        JobRef.task("j"),
+        "tasks.t",
+        State.SCHEDULED,
+        node="n",
+        options={GATED_OPTION: False, **options},
+    )
     job = store.create(new).job
     assert job is not None
     app = Celery("pub", broker="memory://", set_as_current=False)
@@ -183,8 +195,15 @@ def test_a_stored_option_send_task_cannot_take_fails_the_job_definitely(
 def test_celery_publisher_sends_what_plain_celery_would(monkeypatch: pytest.MonkeyPatch) -> None:
     """Stored kombu-typed values go to ``send_task`` as the Python values they were."""
     store = InMemoryStore("ns")
-    new = NewJob(JobRef.task("typed"), "tasks.t", State.SCHEDULED, node="n", args=TYPED_ARGS,
-                 kwargs=TYPED_KWARGS, options={GATED_OPTION: False})  # fmt: skip
+    new = NewJob(
+        JobRef.task("typed"),
+        "tasks.t",
+        State.SCHEDULED,
+        node="n",
+        args=TYPED_ARGS,
+        kwargs=TYPED_KWARGS,
+        options={GATED_OPTION: False},
+    )
     job = store.create(new).job
     assert job is not None and store.get(job.ref) == job
     app = Celery("pub", broker="memory://", set_as_current=False)

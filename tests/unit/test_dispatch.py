@@ -57,8 +57,14 @@ def _counters() -> None:
 
 
 def scheduled(store: InMemoryStore, gated: bool = True, job_id: str = "j1") -> Job:
-    new = NewJob(JobRef.task(job_id), "tasks.t", State.SCHEDULED, node="n", args=[1],
-                 options={GATED_OPTION: gated, "queue": "q"})  # fmt: skip
+    new = NewJob(
+        JobRef.task(job_id),
+        "tasks.t",
+        State.SCHEDULED,
+        node="n",
+        args=[1],
+        options={GATED_OPTION: gated, "queue": "q"},
+    )
     result = store.create(new)
     assert result.job is not None
     return result.job
@@ -158,8 +164,10 @@ def test_definite_failure_rolls_back() -> None:
     after = store.get(job.ref)
     assert after is not None and after.dispatches == 2
     assert [h.dst for h in after.history][-3:] == [
-        State.DISPATCHED, State.SCHEDULED, State.DISPATCHED
-    ]  # fmt: skip
+        State.DISPATCHED,
+        State.SCHEDULED,
+        State.DISPATCHED,
+    ]
 
 
 def test_failed_rollback_is_counted_and_leaves_dispatched() -> None:
@@ -206,8 +214,9 @@ def test_occurrence_headers() -> None:
 
     store = InMemoryStore("ns")
     fire = datetime(2026, 3, 29, 1, 0, tzinfo=timezone.utc)
-    new = NewJob(JobRef.occurrence("occ-1"), "t", State.SCHEDULED, node="n", entry="report",
-                 fire_time=fire)  # fmt: skip
+    new = NewJob(
+        JobRef.occurrence("occ-1"), "t", State.SCHEDULED, node="n", entry="report", fire_time=fire
+    )
     job = store.create(new).job
     assert job is not None
     headers = message_headers(job, "ns")
@@ -284,8 +293,14 @@ def test_every_publish_of_a_job_with_a_deadline_expires_at_it(
     # Given a job with a deadline
     store = InMemoryStore()
     deadline = store.now() + timedelta(seconds=10)
-    new = NewJob(JobRef.task("late"), "tasks.t", State.SCHEDULED, node="n",
-                 options={GATED_OPTION: True}, deadline=deadline)  # fmt: skip
+    new = NewJob(
+        JobRef.task("late"),
+        "tasks.t",
+        State.SCHEDULED,
+        node="n",
+        options={GATED_OPTION: True},
+        deadline=deadline,
+    )
     job = store.create(new).job
     assert job is not None
     app = Celery("pub", broker="memory://", set_as_current=False)

@@ -95,9 +95,10 @@ class World:
 def world() -> Iterator[World]:
     app = Celery("gate-unit", broker="memory://", set_as_current=False)
     app.conf.update(
-        exactonce_store_url="memory://", exactonce_namespace=NAMESPACE,
+        exactonce_store_url="memory://",
+        exactonce_namespace=NAMESPACE,
         exactonce_retry_delay_store=0.01,
-    )  # fmt: skip
+    )
     store = ScriptedStore(NAMESPACE)
     runtime.install(app, store)
     world = World(app, store)
@@ -139,9 +140,15 @@ def dispatched(world: World, task: str = "t.body", attempt: int = 0) -> Job:
     """A ``DISPATCHED`` job of ``task`` at ``attempt`` (its message is what a test delivers)."""
     store = world.store
     created = store.create(
-        NewJob(JobRef.task(uuid.uuid4().hex), task, State.SCHEDULED, node="n", args=[1],
-               options={GATED_OPTION: True})
-    )  # fmt: skip
+        NewJob(
+            JobRef.task(uuid.uuid4().hex),
+            task,
+            State.SCHEDULED,
+            node="n",
+            args=[1],
+            options={GATED_OPTION: True},
+        )
+    )
     assert created.job is not None
     job = created.job
     for _ in range(attempt):
@@ -180,9 +187,16 @@ def deliver(
         k: v for k, v in headers.items() if k.startswith("exactonce_") or k == "idempotency_key"
     }
     gated.push_request(
-        id=task_id, args=[1], kwargs={}, retries=retries, headers=ours, is_eager=False,
-        called_directly=False, delivery_info={"redelivered": redelivered}, **ours,
-    )  # fmt: skip
+        id=task_id,
+        args=[1],
+        kwargs={},
+        retries=retries,
+        headers=ours,
+        is_eager=False,
+        called_directly=False,
+        delivery_info={"redelivered": redelivered},
+        **ours,
+    )
     try:
         gated(1)
     except Ignore:
@@ -243,8 +257,9 @@ def test_copies_of_a_sent_back_delivery_run_the_attempt_once(world: World) -> No
     final = state_of(world, job)
     assert final.state is State.SUCCEEDED
     assert [h.reason for h in final.history if h.dst is State.RUNNING] == [
-        "gate", "gate: taken over from a delivery sent back",
-    ]  # fmt: skip
+        "gate",
+        "gate: taken over from a delivery sent back",
+    ]
 
 
 def test_a_take_over_whose_answer_is_lost_is_settled_by_reading_back(world: World) -> None:
@@ -277,8 +292,10 @@ def test_copies_sent_back_twice_still_run_once(world: World) -> None:
     second = world.sent_back[-1]
     assert set(second[HEADER_GATE_RUNS]) > set(first[HEADER_GATE_RUNS])
     world.store.gets = []
-    outcomes = [deliver(world, "t.body", job.ref.id, h, redelivered=True)
-                for h in (first, second, first, second)]  # fmt: skip
+    outcomes = [
+        deliver(world, "t.body", job.ref.id, h, redelivered=True)
+        for h in (first, second, first, second)
+    ]
     assert outcomes.count("ran") == 1 and len(world.runs) == 1
 
 
@@ -399,8 +416,9 @@ def test_a_first_delivery_the_job_does_not_wait_for_is_a_warning(
         assert deliver(world, "t.body", job.ref.id, headers_of(job), redelivered=True) == (
             "ignored"
         )
-    levels = [r.levelno for r in caplog.records if getattr(r, "action", "") == (
-        "suppressed_duplicate")]  # fmt: skip
+    levels = [
+        r.levelno for r in caplog.records if getattr(r, "action", "") == "suppressed_duplicate"
+    ]
     assert levels == [logging.WARNING, logging.DEBUG]
     assert metrics.COUNTERS.get("suppressed_duplicate", where="PUBLISHED") == 2
 

@@ -37,8 +37,15 @@ def test_store_time_is_the_injected_clock(store: InMemoryStore, clock: FrozenClo
 
 
 def test_due_and_stale_by_store_time(store: InMemoryStore, clock: FrozenClock) -> None:
-    store.create(NewJob(JobRef.task("d"), "t", State.PENDING, node=NODE,
-                        run_at=clock.now() + timedelta(seconds=60)))  # fmt: skip
+    store.create(
+        NewJob(
+            JobRef.task("d"),
+            "t",
+            State.PENDING,
+            node=NODE,
+            run_at=clock.now() + timedelta(seconds=60),
+        )
+    )
     assert store.claim_due(10, node=NODE) == []
     clock.advance(59.999999)
     assert store.claim_due(10, node=NODE) == []
@@ -51,8 +58,9 @@ def test_due_and_stale_by_store_time(store: InMemoryStore, clock: FrozenClock) -
 
 def test_running_timeout_needs_a_stale_heartbeat(store: InMemoryStore, clock: FrozenClock) -> None:
     store.create(NewJob(JobRef.task("r"), "t", State.RUNNING, node=NODE, run_id="run"))
-    timeout = Transition(State.TIMEOUT, frozenset({State.RUNNING}), node=NODE, reason="stale",
-                         stale_for=600)  # fmt: skip
+    timeout = Transition(
+        State.TIMEOUT, frozenset({State.RUNNING}), node=NODE, reason="stale", stale_for=600
+    )
     clock.advance(599)
     assert store.heartbeat(JobRef.task("r"), "run")
     clock.advance(599)
@@ -67,8 +75,9 @@ def test_a_clock_stepping_back_expires_nothing(store: InMemoryStore, clock: Froz
     assert not store.acquire_lease("l", "b", 10)
     clock.advance(71)
     assert store.acquire_lease("l", "b", 10)
-    transition = Transition(State.CANCELLED, frozenset({State.SCHEDULED}), node=NODE,
-                            reason="x", lease=Lease("l", "a"))  # fmt: skip
+    transition = Transition(
+        State.CANCELLED, frozenset({State.SCHEDULED}), node=NODE, reason="x", lease=Lease("l", "a")
+    )
     store.create(NewJob(JobRef.task("j"), "t", State.SCHEDULED, node=NODE))
     assert store.transition(JobRef.task("j"), transition).status.value == "lease_lost"
 
@@ -78,8 +87,9 @@ def test_expiry_counts_from_the_later_of_fire_time_and_terminal(clock: FrozenClo
     fire = clock.now() + timedelta(days=2)
     ref = JobRef.occurrence("monthly@x")
     store.create(NewJob(ref, "t", State.SCHEDULED, node=NODE, entry="monthly", fire_time=fire))
-    store.transition(ref, Transition(State.CANCELLED, frozenset({State.SCHEDULED}),
-                                     node=NODE, reason="x"))  # fmt: skip
+    store.transition(
+        ref, Transition(State.CANCELLED, frozenset({State.SCHEDULED}), node=NODE, reason="x")
+    )
     clock.advance(days=2, seconds=86_399)
     assert store.purge_expired(10) == 0
     clock.advance(1)

@@ -215,8 +215,12 @@ def test_day_fields_are_anded_first_monday_of_the_month_only() -> None:
         for d in days
         if d.weekday() == 0 and d.day <= 7
     ]
-    assert expected == [_utc(2026, 6, 1, 13), _utc(2026, 7, 6, 13), _utc(2026, 8, 3, 13),
-                        _utc(2026, 9, 7, 13)]  # fmt: skip
+    assert expected == [
+        _utc(2026, 6, 1, 13),
+        _utc(2026, 7, 6, 13),
+        _utc(2026, 8, 3, 13),
+        _utc(2026, 9, 7, 13),
+    ]
     assert cluster.fired("first_monday") == expected
 
 
@@ -282,8 +286,10 @@ def test_catch_up_policies_after_two_hours_down(
     nodes = 3
     cluster = Cluster(
         {name: every(600, exactonce=policy) for name, policy in CATCHUP_POLICIES.items()},
-        nodes=nodes, exactonce_window_lookback=3 * 3600, exactonce_catchup_limit=5,
-    )  # fmt: skip
+        nodes=nodes,
+        exactonce_window_lookback=3 * 3600,
+        exactonce_catchup_limit=5,
+    )
     cluster.tick_all()
     t0, before = cluster.clock.now(), len(cluster.broker.sent)
     metrics.COUNTERS.reset()
@@ -313,11 +319,13 @@ def test_catch_up_policies_after_two_hours_down(
 
 def test_slots_older_than_the_window_are_never_dispatched() -> None:
     # Given three nodes settled at T0 with the default 5-minute window and minutely entries
-    cluster = Cluster({
-        "latest": every(60),
-        "all": every(60, exactonce={"catchup": "all"}),
-        "none": every(60, exactonce={"catchup": "none"}),
-    })  # fmt: skip
+    cluster = Cluster(
+        {
+            "latest": every(60),
+            "all": every(60, exactonce={"catchup": "all"}),
+            "none": every(60, exactonce={"catchup": "none"}),
+        }
+    )
     cluster.tick_all()
     t0 = cluster.clock.now()
     # When every node is cut off for 2 hours (120 slots missed), then ticks on a slot
@@ -335,11 +343,14 @@ def test_slots_older_than_the_window_are_never_dispatched() -> None:
 
 def test_slots_missed_beyond_the_window_are_counted() -> None:
     # Given one node settled at T0 with the default window and minutely entries
-    cluster = Cluster({
-        "latest": every(60),
-        "all": every(60, exactonce={"catchup": "all"}),
-        "none": every(60, exactonce={"catchup": "none"}),
-    }, nodes=1)  # fmt: skip
+    cluster = Cluster(
+        {
+            "latest": every(60),
+            "all": every(60, exactonce={"catchup": "all"}),
+            "none": every(60, exactonce={"catchup": "none"}),
+        },
+        nodes=1,
+    )
     cluster.tick_all()
     t0 = cluster.clock.now()
     metrics.COUNTERS.reset()
@@ -415,8 +426,10 @@ def test_a_slot_skipped_by_catch_up_is_never_dispatched_later() -> None:
     # Given one node settled at T0, entries every 10 min, catchup="all", limit 5, window 4000 s
     cluster = Cluster(
         {"all": every(600, exactonce={"catchup": "all"})},
-        nodes=1, exactonce_window_lookback=4000, exactonce_catchup_limit=5,
-    )  # fmt: skip
+        nodes=1,
+        exactonce_window_lookback=4000,
+        exactonce_catchup_limit=5,
+    )
     cluster.tick_all()
     t0 = cluster.clock.now()
     # When it is down 2 h: it catches up the 5 newest slots of its window, skips T0+60/70 min
@@ -443,8 +456,11 @@ def test_a_monthly_slot_is_not_rerun_after_its_record_expired(catchup: str) -> N
     day1 = _utc(2026, 7, 1)
     cluster = Cluster(
         {"monthly": entry(crontab(0, 0, day_of_month=1), catchup=catchup)},
-        nodes=1, start=day1 - MINUTE, store_retention=86_400, exactonce_retention=86_400,
-    )  # fmt: skip
+        nodes=1,
+        start=day1 - MINUTE,
+        store_retention=86_400,
+        exactonce_retention=86_400,
+    )
     cluster.tick_all()
     cluster.run(600, step=60)
     assert cluster.fired("monthly") == [day1]

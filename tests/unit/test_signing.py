@@ -74,10 +74,15 @@ def test_a_bad_signing_key_is_refused_naming_it_never_showing_it(value: Any, cul
 
 def new_job(**changes: Any) -> NewJob:
     fields: dict[str, Any] = {
-        "ref": JobRef.task("j1"), "task": "tasks.t", "state": State.SCHEDULED, "node": "n",
-        "args": [1, "ü"], "kwargs": {"b": 2, "a": [1.5]}, "options": {"queue": "q"},
+        "ref": JobRef.task("j1"),
+        "task": "tasks.t",
+        "state": State.SCHEDULED,
+        "node": "n",
+        "args": [1, "ü"],
+        "kwargs": {"b": 2, "a": [1.5]},
+        "options": {"queue": "q"},
         "deadline": START,
-    }  # fmt: skip
+    }
     fields.update(changes)
     return NewJob(**fields)
 
@@ -89,10 +94,13 @@ def test_the_signature_covers_everything_a_publish_sends() -> None:
     signature = signer.sign(base)
     assert signature.startswith("v1:") and len(signature) == 3 + 64
     for change in (
-        {"ref": JobRef.task("j2")}, {"task": "tasks.u"}, {"args": [1, "u"]},
-        {"kwargs": {"b": 2, "a": [1.25]}}, {"options": {"queue": "r"}},
+        {"ref": JobRef.task("j2")},
+        {"task": "tasks.u"},
+        {"args": [1, "u"]},
+        {"kwargs": {"b": 2, "a": [1.25]}},
+        {"options": {"queue": "r"}},
         {"deadline": START.replace(second=1)},
-    ):  # fmt: skip
+    ):
         assert signer.sign(new_job(**change)) != signature, change
     occurrence = new_job(ref=JobRef.occurrence("o1"), entry="e", fire_time=START)
     assert signer.sign(occurrence) != signer.sign(dataclasses.replace(occurrence, entry="f"))
@@ -131,9 +139,13 @@ class Signed:
     def create(self, state: State = State.SCHEDULED, **changes: Any) -> Any:
         run_id = "r1" if state is State.RUNNING else None
         new = new_job(
-            task=GATED, state=state, run_id=run_id, deadline=None,
-            options={GATED_OPTION: True}, **changes,
-        )  # fmt: skip
+            task=GATED,
+            state=state,
+            run_id=run_id,
+            deadline=None,
+            options={GATED_OPTION: True},
+            **changes,
+        )
         job = self.rt.store.create(new).job
         assert job is not None
         return job
@@ -225,9 +237,14 @@ def test_a_retry_with_new_args_is_re_signed_and_published(signed: Signed) -> Non
     """The transition of a Celery retry carries a fresh signature over the new args."""
     running = signed.create(State.RUNNING)
     request = Transition(
-        State.DISPATCHED, frozenset({State.RUNNING}), node="n", reason="retry",
-        run_id="r1", next_attempt=True, args=[2, "new"],
-    )  # fmt: skip
+        State.DISPATCHED,
+        frozenset({State.RUNNING}),
+        node="n",
+        reason="retry",
+        run_id="r1",
+        next_attempt=True,
+        args=[2, "new"],
+    )
     result = signed.rt.store.transition(running.ref, request)
     assert result.applied and result.job is not None
     assert result.job.args == [2, "new"] and Signer(KEY).verify(result.job)
@@ -262,9 +279,11 @@ def test_beat_claims_are_signed_when_the_store_answers_briefly() -> None:
     clock.set(BEAT_START)
     app = Celery("signed-beat", set_as_current=False)
     app.conf.update(
-        exactonce_store_url="memory://", exactonce_signing_key=KEY, timezone="UTC",
+        exactonce_store_url="memory://",
+        exactonce_signing_key=KEY,
+        timezone="UTC",
         beat_schedule={"tick": every(1)},
-    )  # fmt: skip
+    )
     register_plain_tasks(app, app.conf.beat_schedule)
     rt = runtime.install(app, store)
     broker = BeatBroker()
@@ -286,8 +305,12 @@ def test_kombu_typed_arguments_are_signed_as_stored_and_verify(signed: Signed) -
     import uuid
     from datetime import datetime, timezone
 
-    args = [datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone.utc), decimal.Decimal("1.50"),
-            uuid.UUID(int=7), b"\x00\xff"]  # fmt: skip
+    args = [
+        datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone.utc),
+        decimal.Decimal("1.50"),
+        uuid.UUID(int=7),
+        b"\x00\xff",
+    ]
     job = signed.create(args=args)
     assert job.signature == Signer(KEY).sign(job)
     assert signed.rt.dispatcher.dispatch(job).outcome is Outcome.PUBLISHED
