@@ -30,7 +30,7 @@ def cancel(task_id: str, app: Any = None) -> bool:
     if app is None:
         from celery import current_app
 
-        app = current_app
+        app = current_app._get_current_object()  # the app itself: the registry keys it weakly
     runtime = runtime_for(app)
     ref = JobRef.task(task_id)
     request = Transition(

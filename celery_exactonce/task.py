@@ -179,7 +179,7 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
         new = NewJob(
             ref, self.name, State.PENDING if delayed else State.SCHEDULED,
             node=runtime.node, args=list(args or ()), kwargs=dict(kwargs or {}), options=stored,
-            run_at=eta if delayed else None, deadline=_deadline(options.get("expires"), eta),
+            run_at=eta if delayed else None, deadline=_deadline(options.get("expires")),
             reason="apply_async (delayed)" if delayed else "apply_async",
         )  # fmt: skip
         enqueued = None if delayed else self._enqueue(runtime, new, call)
@@ -799,7 +799,7 @@ def _storable_options(options: Mapping[str, Any]) -> dict[str, Any]:
 def _eta(options: Mapping[str, Any]) -> datetime | None:
     eta = options.get("eta")
     if isinstance(eta, str):
-        eta = datetime.fromisoformat(eta)
+        eta = _iso(eta)
     if isinstance(eta, datetime):
         return eta if eta.tzinfo else eta.replace(tzinfo=timezone.utc)
     countdown = options.get("countdown")
@@ -808,12 +808,27 @@ def _eta(options: Mapping[str, Any]) -> datetime | None:
     return None
 
 
-def _deadline(expires: Any, eta: datetime | None) -> datetime | None:
+def _iso(text: str) -> datetime:
+    """An ISO 8601 time (a ``Z`` suffix too, which Python 3.10 does not read)."""
+    return datetime.fromisoformat(text[:-1] + "+00:00" if text.endswith("Z") else text)
+
+
+def _deadline(expires: Any) -> datetime | None:
+    """The job's deadline from ``expires``: a time, or seconds from the call, as in Celery.
+
+    Seconds count from the call, not from the eta: ``countdown=60, expires=30``
+    expires before it is due, and is never run.
+    """
     if expires is None:
         return None
+    if isinstance(expires, str):  # ISO 8601, as Celery's apply_async takes it; or seconds
+        try:
+            expires = float(expires)
+        except ValueError:
+            expires = _iso(expires)
     if isinstance(expires, datetime):
         return expires if expires.tzinfo else expires.replace(tzinfo=timezone.utc)
-    return (eta or datetime.now(timezone.utc)) + timedelta(seconds=float(expires))
+    return datetime.now(timezone.utc) + timedelta(seconds=float(expires))
 
 
 def _on_revoked(

@@ -219,15 +219,11 @@ def test_a_cancel_whose_outcome_cannot_be_read_back_raises(world: World) -> None
     assert [h.dst for h in job.history].count(State.CANCELLED) == 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=TypeError,
-    reason="cancel() passes Celery's current_app proxy to runtime_for, whose weak-keyed "
-    "registry cannot hold a proxy: TypeError, cannot create weak reference to 'Proxy' object",
-)
 def test_cancel_without_an_app_uses_the_current_app(
     world: World, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Fails before the fix: Celery's ``current_app`` proxy keyed the runtime registry
+    (``TypeError``: no weak reference to a proxy)."""
     task_id = delayed(world)
     monkeypatch.setattr(celery._state._tls, "current_app", world.app)
     assert cancel(task_id) is True

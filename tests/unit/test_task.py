@@ -27,6 +27,7 @@ from celery import Celery, signals
 from kombu import Exchange, Queue
 
 from celery_exactonce import ConfigurationError, StoreUnavailable, metrics, runtime
+from celery_exactonce.dispatch import Outcome
 from celery_exactonce.jobs import Job, JobRef, NewJob, Space, Transition
 from celery_exactonce.messages import GATED_OPTION, POLICY_OPTION, message_headers
 from celery_exactonce.policy import task_policy
@@ -314,43 +315,43 @@ def test_an_eta_wins_over_a_countdown() -> None:
 
 
 def test_no_expires_is_no_deadline() -> None:
-    assert _deadline(None, None) is None
-    assert _deadline(None, datetime(2030, 1, 1, tzinfo=UTC)) is None
+    assert _deadline(None) is None
 
 
 def test_an_expires_instant_is_the_deadline_naive_as_utc() -> None:
     at = datetime(2030, 1, 1, 12, tzinfo=UTC)
-    assert _deadline(at, None) == at
-    assert _deadline(at, datetime(2031, 1, 1, tzinfo=UTC)) == at  # an instant ignores the eta
-    naive = _deadline(datetime(2030, 1, 1, 12), None)
+    assert _deadline(at) == at
+    naive = _deadline(datetime(2030, 1, 1, 12))
     assert naive == at and naive.tzinfo is not None
 
 
 def test_expires_in_seconds_counts_from_now_without_an_eta() -> None:
     before = datetime.now(UTC)
-    found = _deadline(30, None)
+    found = _deadline(30)
     after = datetime.now(UTC)
     assert found is not None
     assert before + timedelta(seconds=30) <= found <= after + timedelta(seconds=30)
-    assert near(_deadline("45", None), datetime.now(UTC) + timedelta(seconds=45))
+    assert near(_deadline("45"), datetime.now(UTC) + timedelta(seconds=45))
 
 
-def test_expires_in_seconds_counts_from_the_eta_of_a_delayed_job() -> None:
-    """Pinned as the code has it: plain Celery counts ``expires`` seconds from the call,
-    so ``countdown=60, expires=30`` expires before it is due; a gated job's deadline is
-    30 s after its eta."""
-    eta = datetime(2030, 1, 1, tzinfo=UTC)
-    assert _deadline(30, eta) == eta + timedelta(seconds=30)
+def test_expires_in_seconds_counts_from_the_call_not_the_eta(world: World) -> None:
+    """As plain Celery does: ``countdown=60, expires=30`` expires before it is due.
+
+    Fails before the fix: the deadline was 30 s after the eta, so the job ran.
+    """
+    before = datetime.now(UTC)
+    result = world.task("t.add").apply_async((1, 2), countdown=60, expires=30)
+    after = datetime.now(UTC)
+    job = world.job(result.id)
+    assert job.run_at is not None and job.deadline is not None
+    assert before + timedelta(seconds=30) <= job.deadline <= after + timedelta(seconds=30)
+    assert job.deadline < job.run_at
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=ValueError,
-    reason="_deadline reads a str expires as seconds (float()): an ISO 8601 expires, which "
-    "Celery's send_task takes, raises ValueError",
-)
 def test_an_iso_expires_is_the_deadline_as_celery_takes_it() -> None:
-    assert _deadline("2030-01-01T12:00:00+00:00", None) == datetime(2030, 1, 1, 12, tzinfo=UTC)
+    """Fails before the fix: a str ``expires`` was read as seconds (``ValueError``)."""
+    assert _deadline("2030-01-01T12:00:00+00:00") == datetime(2030, 1, 1, 12, tzinfo=UTC)
+    assert _deadline("2030-01-01T12:00:00Z") == datetime(2030, 1, 1, 12, tzinfo=UTC)
 
 
 def test_a_countdown_waits_pending_with_its_run_at_and_publishes_nothing(world: World) -> None:
@@ -384,11 +385,18 @@ def test_a_job_due_already_is_published_at_once(world: World, how: str) -> None:
     assert [task_id for task_id, _ in world.sent] == [result.id]
 
 
-def test_a_delayed_jobs_deadline_is_its_expires_after_its_run_at(world: World) -> None:
-    result = world.task("t.add").apply_async((1, 2), countdown=60, expires=30)
+def test_a_delayed_job_that_expires_before_its_run_at_is_cancelled_not_sent(
+    world: World,
+) -> None:
+    """Fails before the fix: the deadline was ``expires`` after the run_at, so it was sent."""
+    result = world.task("t.add").apply_async((1, 2), countdown=60, expires=0)
     job = world.job(result.id)
-    assert job.run_at is not None
-    assert job.deadline == job.run_at + timedelta(seconds=30)
+    claim = Transition(State.SCHEDULED, frozenset({State.PENDING}), node="n", reason="sweep")
+    claimed = world.store.transition(job.ref, claim).job
+    assert claimed is not None and claimed.state is State.SCHEDULED
+    outcome = runtime.runtime_for(world.app).dispatcher.dispatch(claimed).outcome
+    assert outcome is Outcome.EXPIRED
+    assert world.job(result.id).state is State.CANCELLED and world.sent == []
 
 
 def test_an_expires_instant_is_the_jobs_deadline(world: World) -> None:
