@@ -46,14 +46,18 @@ def parser() -> argparse.ArgumentParser:
         ),
     )
     run.add_argument(
-        "--seconds", type=float, default=30.0,
+        "--seconds",
+        type=float,
+        default=30.0,
         help="how long the beats run, from the first claimed slot (default: 30)",
-    )  # fmt: skip
+    )
     run.add_argument(
-        "--workdir", type=Path, default=None,
+        "--workdir",
+        type=Path,
+        default=None,
         help="an empty or new folder for the store, broker, ledger and logs; kept at the end "
         "(default: a fresh temporary folder, removed at the end)",
-    )  # fmt: skip
+    )
     run.add_argument(
         "--keep", action="store_true", help="keep the temporary work folder, and say where"
     )

@@ -100,10 +100,21 @@ class ExactOnceConfig:
         _check_choice("catchup", self.catchup, ("latest", "all", "none"))
         _check_choice("reconcile_on", self.reconcile_on, ("beat", "worker"))
         for name in (
-            "tick_interval", "window_lookback", "retention", "replay_age", "dispatch_timeout",
-            "dispatch_deadline", "running_timeout", "heartbeat_interval", "reconcile_interval",
-            "lease_ttl", "store_timeout", "publish_timeout", "retry_delay_store", "catchup_limit",
-        ):  # fmt: skip
+            "tick_interval",
+            "window_lookback",
+            "retention",
+            "replay_age",
+            "dispatch_timeout",
+            "dispatch_deadline",
+            "running_timeout",
+            "heartbeat_interval",
+            "reconcile_interval",
+            "lease_ttl",
+            "store_timeout",
+            "publish_timeout",
+            "retry_delay_store",
+            "catchup_limit",
+        ):
             if not getattr(self, name) > 0:
                 raise _error(name, f"must be > 0, got {getattr(self, name)!r}")
         if self.max_skew < 0:

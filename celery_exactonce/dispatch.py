@@ -276,9 +276,14 @@ class Dispatcher:
                 results[i] = self._refuse(job, problem)
             else:
                 request = Transition(
-                    State.DISPATCHED, frozenset({State.SCHEDULED}), node=self.node,
-                    reason=reason, rev=job.rev, lease=lease, action=action,
-                )  # fmt: skip
+                    State.DISPATCHED,
+                    frozenset({State.SCHEDULED}),
+                    node=self.node,
+                    reason=reason,
+                    rev=job.rev,
+                    lease=lease,
+                    action=action,
+                )
                 writes.append((i, job, request))
         sent: list[tuple[int, Job]] = []
         for i, written in self._write_dispatched(writes):
@@ -369,9 +374,12 @@ class Dispatcher:
         if new.state is not State.SCHEDULED or self.signer is not None:
             return None
         request = Transition(
-            State.DISPATCHED, frozenset({State.SCHEDULED}), node=self.node,
-            reason=f"{reason} {ENQUEUED}", rev=new.rev,
-        )  # fmt: skip
+            State.DISPATCHED,
+            frozenset({State.SCHEDULED}),
+            node=self.node,
+            reason=f"{reason} {ENQUEUED}",
+            rev=new.rev,
+        )
         now = datetime.now(timezone.utc)
         job = jobs.apply_transition(jobs.job_from_new(new, now), request, now)
         if job.deadline is not None and job.deadline <= now:
@@ -432,8 +440,12 @@ class Dispatcher:
             return self._refuse(job, problem)
         if job.deadline is not None and job.touched_at >= job.deadline:
             self._write(job, State.CANCELLED, "deadline passed before publish")
-            metrics.event("dispatch_expired", f"job {job.ref} expired before publish",
-                          job_id=job.ref.id, task=job.task)  # fmt: skip
+            metrics.event(
+                "dispatch_expired",
+                f"job {job.ref} expired before publish",
+                job_id=job.ref.id,
+                task=job.task,
+            )
             expired = getattr(self.publisher, "expired", None)
             if expired is not None:
                 expired(job)
@@ -458,9 +470,12 @@ class Dispatcher:
     def _rollback(self, job: Job, exc: BaseException) -> Job | None:
         """CAS our ``DISPATCHED`` back to ``SCHEDULED``; ``None`` if that write failed."""
         request = Transition(
-            State.SCHEDULED, frozenset({State.DISPATCHED}), node=self.node,
-            reason=f"publish failed: {exc}", rev=job.rev,
-        )  # fmt: skip
+            State.SCHEDULED,
+            frozenset({State.DISPATCHED}),
+            node=self.node,
+            reason=f"publish failed: {exc}",
+            rev=job.rev,
+        )
         result = settle.transition(self.store, job.ref, request)
         if result.error is not None:  # the answer was lost: applied, as read back, or failed
             if result.applied:
@@ -490,16 +505,26 @@ class Dispatcher:
             "rollback_failed",
             f"publish of {job.ref} failed and the rollback write failed too: "
             "the job stays DISPATCHED for the reconciler",
-            level=logging.ERROR, labels={"phase": "rollback_write"}, sentry=True,
-            also=("fail_closed",), job_id=job.ref.id, task=job.task, exc_info=exc,
-        )  # fmt: skip
+            level=logging.ERROR,
+            labels={"phase": "rollback_write"},
+            sentry=True,
+            also=("fail_closed",),
+            job_id=job.ref.id,
+            task=job.task,
+            exc_info=exc,
+        )
 
     def _fail_closed(self, phase: str, job: Job, exc: BaseException) -> None:
         metrics.event(
-            "fail_closed", f"store error while dispatching {job.ref} ({phase}): nothing published",
-            level=logging.WARNING, labels={"phase": phase}, sentry=True, job_id=job.ref.id,
-            task=job.task, exc_info=exc,
-        )  # fmt: skip
+            "fail_closed",
+            f"store error while dispatching {job.ref} ({phase}): nothing published",
+            level=logging.WARNING,
+            labels={"phase": phase},
+            sentry=True,
+            job_id=job.ref.id,
+            task=job.task,
+            exc_info=exc,
+        )
 
     def _publish_failed(self, job: Job, exc: PublishFailed) -> DispatchResult:
         """The outcome of a publish of ``job`` (held ``DISPATCHED``) that failed with ``exc``."""
@@ -507,9 +532,13 @@ class Dispatcher:
             return self._fail(self._rollback(job, exc) or job, f"cannot publish: {exc}")
         if not exc.definite:
             metrics.event(
-                "publish_ambiguous", f"publish of {job.ref} may or may not have landed: {exc}",
-                level=logging.WARNING, job_id=job.ref.id, task=job.task, attempt=job.attempt,
-            )  # fmt: skip
+                "publish_ambiguous",
+                f"publish of {job.ref} may or may not have landed: {exc}",
+                level=logging.WARNING,
+                job_id=job.ref.id,
+                task=job.task,
+                attempt=job.attempt,
+            )
             return DispatchResult(Outcome.AMBIGUOUS, job, exc)
         rolled = self._rollback(job, exc)
         if rolled is None:
@@ -536,18 +565,25 @@ class Dispatcher:
         if job.state in held:
             self._write(job, State.FAILED, reason)
         metrics.event(
-            action, message or f"job {job.ref} cannot be dispatched: {reason}",
-            level=logging.ERROR, sentry=sentry, job_id=job.ref.id, task=job.task,
-        )  # fmt: skip
+            action,
+            message or f"job {job.ref} cannot be dispatched: {reason}",
+            level=logging.ERROR,
+            sentry=sentry,
+            job_id=job.ref.id,
+            task=job.task,
+        )
         return DispatchResult(Outcome.FAILED, job)
 
     def _refuse(self, job: Job, problem: str) -> DispatchResult:
         """A record whose signature does not verify: ``FAILED``, counted, never published."""
         return self._fail(
-            job, problem, action="signature_invalid", sentry=True,
+            job,
+            problem,
+            action="signature_invalid",
+            sentry=True,
             message=f"job {job.ref} ({job.task}) refused: {problem}; not published",
             held=frozenset({State.SCHEDULED, State.DISPATCHED}),
-        )  # fmt: skip
+        )
 
     def _write(self, job: Job, state: State, reason: str) -> bool:
         """A best-effort CAS on our own rev; failures are logged (the reconciler settles)."""
@@ -558,12 +594,18 @@ class Dispatcher:
         if not listed:
             return []
         requests = [
-            (job.ref, Transition(
-                state, frozenset({job.state}), node=self.node,
-                reason=reason, rev=job.rev,
-            ))
+            (
+                job.ref,
+                Transition(
+                    state,
+                    frozenset({job.state}),
+                    node=self.node,
+                    reason=reason,
+                    rev=job.rev,
+                ),
+            )
             for job in listed
-        ]  # fmt: skip
+        ]
         try:
             replies = self.store.transition_many(requests, brief=True)
         except exceptions.StoreError as exc:

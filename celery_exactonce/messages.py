@@ -54,9 +54,20 @@ CALL_OPTIONS = frozenset({"result_cls", "add_to_parent"})
 #: Options the dispatch path passes to ``send_task`` itself (or that name a
 #: process-local object): a job or beat entry that sets one is refused.
 RESERVED_OPTIONS = frozenset(
-    {"args", "kwargs", "task_id", "producer", "retries", "retry", "name", "connection",
-     "router", "result_cls", "publisher"}
-)  # fmt: skip
+    {
+        "args",
+        "kwargs",
+        "task_id",
+        "producer",
+        "retries",
+        "retry",
+        "name",
+        "connection",
+        "router",
+        "result_cls",
+        "publisher",
+    }
+)
 
 
 def check_options(options: Mapping[str, Any], *, context: str) -> None:
@@ -133,9 +144,13 @@ def ref_from_headers(headers: Mapping[str, Any], task_id: str) -> JobRef:
 def headers_of(request: Any) -> dict[str, Any]:
     """Our headers of a delivery (a Celery request, or its dict), at its top level or nested."""
     names = (
-        HEADER_JOB_ID, HEADER_ATTEMPT, HEADER_IDEMPOTENCY_KEY,
-        HEADER_KEY, HEADER_FIRE_TIME, HEADER_GATE_RUNS,
-    )  # fmt: skip
+        HEADER_JOB_ID,
+        HEADER_ATTEMPT,
+        HEADER_IDEMPOTENCY_KEY,
+        HEADER_KEY,
+        HEADER_FIRE_TIME,
+        HEADER_GATE_RUNS,
+    )
     if isinstance(request, Mapping):
         nested = request.get("headers") or {}
         top: Mapping[str, Any] = request

@@ -332,10 +332,15 @@ class CeleryPublisher:
     def _send_task(self, job: Job, producer: Any, options: Mapping[str, Any]) -> Any:
         """Celery's ``send_task`` of ``job`` on ``producer``, kombu's publish retry off."""
         return self.app.send_task(
-            job.task, args=jobs.decode_payload(job.args), kwargs=jobs.decode_payload(job.kwargs),
-            task_id=messages.message_task_id(job), producer=producer, retries=job.attempt,
-            retry=False, **options,
-        )  # fmt: skip
+            job.task,
+            args=jobs.decode_payload(job.args),
+            kwargs=jobs.decode_payload(job.kwargs),
+            task_id=messages.message_task_id(job),
+            producer=producer,
+            retries=job.attempt,
+            retry=False,
+            **options,
+        )
 
     def expired(self, job: Job) -> None:
         """Record ``job``, past its deadline and never sent, as a worker records an expired message.

@@ -108,9 +108,14 @@ class BeatRunner:
         self._record_owed()
         run_id = jobs.new_token()
         request = Transition(
-            State.RUNNING, frozenset({State.SCHEDULED}), node=self.runtime.node,
-            reason="reconcile pass", rev=job.rev, attempt=job.attempt, new_run_id=run_id,
-        )  # fmt: skip
+            State.RUNNING,
+            frozenset({State.SCHEDULED}),
+            node=self.runtime.node,
+            reason="reconcile pass",
+            rev=job.rev,
+            attempt=job.attempt,
+            new_run_id=run_id,
+        )
         try:
             result = self.runtime.store.transition(job.ref, request)
         except exceptions.StoreError as exc:
@@ -134,14 +139,22 @@ class BeatRunner:
         self._end(result.job, State.SUCCEEDED, "pass done", run_id=run_id)
 
     def _end(
-        self, job: Job, state: State, reason: str, *, run_id: str | None = None,
+        self,
+        job: Job,
+        state: State,
+        reason: str,
+        *,
+        run_id: str | None = None,
         expect: State | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         request = Transition(
-            state, frozenset({expect or job.state}), node=self.runtime.node,
-            reason=reason, rev=None if run_id else job.rev,
+            state,
+            frozenset({expect or job.state}),
+            node=self.runtime.node,
+            reason=reason,
+            rev=None if run_id else job.rev,
             run_id=run_id,
-        )  # fmt: skip
+        )
         try:
             self.runtime.store.transition(job.ref, request)
         except exceptions.StoreError as exc:

@@ -28,7 +28,8 @@ from typing import Any, NoReturn
 from celery import signals
 
 from celery_exactonce import config, exceptions, metrics, reconcile_task, runtime
-from celery_exactonce.task import ExactOnceTask, validate_gated_task
+from celery_exactonce.gate import validate_gated_task
+from celery_exactonce.task import ExactOnceTask
 
 #: Broker schemes that speak AMQP, where publisher confirms must be on.
 AMQP_SCHEMES = ("amqp", "amqps", "pyamqp")
@@ -188,9 +189,12 @@ def refusal_line(role: str, error: BaseException) -> str:
 def refuse(role: str, error: BaseException) -> NoReturn:
     """End start-up: one line on stderr, the traceback at debug, :class:`StartupRefused`."""
     metrics.event(
-        "startup_refused", f"{role} refused to start: {error}",
-        level=logging.DEBUG, labels={"where": role}, exc_info=error,
-    )  # fmt: skip
+        "startup_refused",
+        f"{role} refused to start: {error}",
+        level=logging.DEBUG,
+        labels={"where": role},
+        exc_info=error,
+    )
     try:
         sys.stderr.write(refusal_line(role, error) + "\n")
         if not isinstance(error, exceptions.ExactOnceError):  # a bug, not a setting

@@ -28,40 +28,26 @@ run at most once per attempt whatever the broker redelivers
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import dataclasses
-import itertools
 import logging
-import math
-import os
-import threading
-import time
 import uuid
 from collections.abc import Mapping, Sequence
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timezone
 from typing import Any, NoReturn
 
 from celery import Task, signals
 from celery.exceptions import Ignore, Reject, Retry
 
-from celery_exactonce import exceptions, jobs, messages, metrics
+from celery_exactonce import call_options, exceptions, jobs, messages, metrics
 from celery_exactonce.dispatch import Enqueued
+from celery_exactonce.gate import Delivery, raw_republish, validate_gated_task
+from celery_exactonce.heartbeats import heartbeats
 from celery_exactonce.jobs import CreateStatus, Job, JobRef, NewJob, Transition
-from celery_exactonce.policy import check_timeouts, task_policy, task_timeouts
-from celery_exactonce.runtime import Runtime, config_for, runtime_for
+from celery_exactonce.policy import task_policy
+from celery_exactonce.runtime import Runtime, runtime_for
 from celery_exactonce.states import State
 from celery_exactonce.stores import settle
-
-#: Options of ``apply_async`` that belong to this call and are not stored:
-#: process-local objects, kombu's publish retry (always off for us), and the
-#: times that become the job's ``eta`` and ``deadline``. Everything else (queue,
-#: priority, headers, link, chain, chord, root and parent ids...) is stored as
-#: JSON with the job and published with every dispatch of it.
-_LOCAL_OPTIONS = frozenset(
-    {"producer", "connection", "router", "publisher", "retry", "retry_policy", "countdown",
-     "eta", "expires", "task_id", "retries", *messages.CALL_OPTIONS}
-)  # fmt: skip
 
 
 @dataclasses.dataclass
@@ -78,10 +64,6 @@ class _Run:
 
 _current: contextvars.ContextVar[_Run | None] = contextvars.ContextVar(
     "exactonce_run", default=None
-)
-#: Set (to the attempt) while the gate sends a delivery back unchanged.
-_raw_republish: contextvars.ContextVar[int | None] = contextvars.ContextVar(
-    "exactonce_raw", default=None
 )
 
 
@@ -122,14 +104,20 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
         JobConflict
             ``task_id`` exists with a different task or payload.
         """
-        raw_attempt = _raw_republish.get()
+        raw_attempt = raw_republish.get()
         if self.app.conf.task_always_eager or raw_attempt is not None:
             if raw_attempt is not None:
                 options["retries"] = raw_attempt  # the same attempt, delivered again
             return super().apply_async(
-                args, kwargs, task_id=task_id, producer=producer, link=link,
-                link_error=link_error, shadow=shadow, **options,
-            )  # fmt: skip
+                args,
+                kwargs,
+                task_id=task_id,
+                producer=producer,
+                link=link,
+                link_error=link_error,
+                shadow=shadow,
+                **options,
+            )
         run = _current.get()
         if (
             run is not None
@@ -157,7 +145,7 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
             "result_cls": options.get("result_cls") or self.AsyncResult,
             "add_to_parent": options.get("add_to_parent", True),
         }
-        stored = _storable_options(options)
+        stored = call_options.storable_options(options)
         messages.check_options(stored, context=f"{self.name}.apply_async")
         for name, value in (("link", link), ("link_error", link_error)):
             if value is not None:
@@ -172,16 +160,22 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
         if nesting:  # a replacement (Task.replace) takes the id of the job it replaces
             ref = JobRef.task(messages.replacement_job_id(task_id, nesting))
             stored[messages.MESSAGE_ID_OPTION] = task_id
-        eta = _eta(options)
+        eta = call_options.eta_of(options)
         delayed = eta is not None and eta > datetime.now(timezone.utc)
         stored[messages.GATED_OPTION] = True
         stored[messages.POLICY_OPTION] = task_policy(self)
         new = NewJob(
-            ref, self.name, State.PENDING if delayed else State.SCHEDULED,
-            node=runtime.node, args=list(args or ()), kwargs=dict(kwargs or {}), options=stored,
-            run_at=eta if delayed else None, deadline=_deadline(options.get("expires")),
+            ref,
+            self.name,
+            State.PENDING if delayed else State.SCHEDULED,
+            node=runtime.node,
+            args=list(args or ()),
+            kwargs=dict(kwargs or {}),
+            options=stored,
+            run_at=eta if delayed else None,
+            deadline=call_options.deadline_of(options.get("expires")),
             reason="apply_async (delayed)" if delayed else "apply_async",
-        )  # fmt: skip
+        )
         enqueued = None if delayed else self._enqueue(runtime, new, call)
         if enqueued is not None and enqueued.created:
             return enqueued.sent  # one store call wrote the record and pushed the message
@@ -285,8 +279,11 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
             raise exceptions.JobConflict(
                 f"task_id {new.ref.id!r} already exists as {job.task} with another payload"
             )
-        differ = [name for name in _CANVAS_OPTIONS if _canvas(new.options, name) != _canvas(
-            job.options, name)]  # fmt: skip
+        differ = [
+            name
+            for name in call_options.CANVAS_OPTIONS
+            if call_options.canvas(new.options, name) != call_options.canvas(job.options, name)
+        ]
         if differ:
             raise exceptions.JobConflict(
                 f"task_id {new.ref.id!r} already exists as a part of another canvas (its "
@@ -294,10 +291,13 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
                 "signature again for each canvas"
             )
         metrics.event(
-            "resubmitted", f"{job.task} {new.ref.id} submitted again: the existing job "
+            "resubmitted",
+            f"{job.task} {new.ref.id} submitted again: the existing job "
             f"({job.state}) stands, not run again",
-            job_id=new.ref.id, task=job.task, state=str(job.state),
-        )  # fmt: skip
+            job_id=new.ref.id,
+            task=job.task,
+            state=str(job.state),
+        )
 
     def _retry_next_attempt(
         self,
@@ -310,24 +310,33 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
     ) -> Any:
         """Celery's retry re-publishes the task: make it the next attempt of the job first."""
         runtime = runtime_for(self.app)
-        eta = _eta(options)
+        eta = call_options.eta_of(options)
         delayed = eta is not None and eta > datetime.now(timezone.utc)
         reason = f"{reason} (delayed)" if delayed else reason
         request = Transition(
-            State.PENDING if delayed else State.DISPATCHED, frozenset({State.RUNNING}),
-            node=runtime.node, reason=reason,
-            run_id=run.run_id, next_attempt=True, run_at=eta if delayed else None,
+            State.PENDING if delayed else State.DISPATCHED,
+            frozenset({State.RUNNING}),
+            node=runtime.node,
+            reason=reason,
+            run_id=run.run_id,
+            next_attempt=True,
+            run_at=eta if delayed else None,
             args=list(args) if args is not None else None,
             kwargs=dict(kwargs) if kwargs is not None else None,
-        )  # fmt: skip
+        )
         result = settle.transition(runtime.store, run.ref, request)
         exc = result.error
         if exc is not None and not result.applied:
             metrics.event(
-                "fail_closed", f"retry of {run.ref} not written: nothing published",
-                level=logging.WARNING, labels={"phase": "dispatched_write"}, sentry=True,
-                job_id=run.ref.id, task=self.name, exc_info=exc,
-            )  # fmt: skip
+                "fail_closed",
+                f"retry of {run.ref} not written: nothing published",
+                level=logging.WARNING,
+                labels={"phase": "dispatched_write"},
+                sentry=True,
+                job_id=run.ref.id,
+                task=self.name,
+                exc_info=exc,
+            )
             raise Reject(exc, requeue=False) from exc
         job = result.job if result.applied else None
         if job is None:
@@ -387,18 +396,18 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
         attempt = int(headers.get(messages.HEADER_ATTEMPT, request.retries or 0))
         run_id = jobs.new_token()
         key = headers.get(messages.HEADER_IDEMPOTENCY_KEY)
+        delivery = Delivery(
+            self, runtime, ref, attempt, run_id, headers, request.delivery_info or {}
+        )
         # The record is wanted only for the idempotency key of a message without one:
         # otherwise the gate's CAS is brief (no record sent back and decoded).
-        job = self._gate(
-            runtime, ref, attempt, run_id, headers, args, kwargs, request.delivery_info or {},
-            brief=bool(key),
-        )  # fmt: skip
+        job = delivery.enter(args, kwargs, brief=bool(key))
         if not key and job is not None:
             key = messages.job_idempotency_key(job, runtime.store.namespace)
         request.idempotency_key = key
         run = _Run(ref, run_id, attempt, headers)
         token = _current.set(run)
-        beat = _heartbeats.start(runtime, ref, run_id)
+        beat = heartbeats.start(runtime, ref, run_id)
         try:
             result = self.run(*args, **kwargs)
         except Retry:
@@ -406,429 +415,24 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
         except Ignore:
             if run.replaced_by is not None:
                 replaced = f"replaced by {run.replaced_by}"
-                self._finish(runtime, ref, run_id, State.SUCCEEDED, replaced)
+                delivery.finish(State.SUCCEEDED, replaced)
             else:
-                self._finish(runtime, ref, run_id, State.CANCELLED, "the body raised Ignore")
+                delivery.finish(State.CANCELLED, "the body raised Ignore")
             raise
         except Reject as exc:
             if exc.requeue and self.acks_late:  # acked at once, a message cannot go back
                 self._requeue(run, exc)
-            self._finish(runtime, ref, run_id, State.FAILED, f"rejected: {exc.reason}")
+            delivery.finish(State.FAILED, f"rejected: {exc.reason}")
             raise
         except BaseException as exc:
-            self._finish(runtime, ref, run_id, State.FAILED, f"{type(exc).__name__}: {exc}")
+            delivery.finish(State.FAILED, f"{type(exc).__name__}: {exc}")
             raise
         else:
-            self._finish(runtime, ref, run_id, State.SUCCEEDED, "body returned")
+            delivery.finish(State.SUCCEEDED, "body returned")
             return result
         finally:
-            _heartbeats.stop(beat)
+            heartbeats.stop(beat)
             _current.reset(token)
-
-    def _gate(
-        self,
-        runtime: Runtime,
-        ref: JobRef,
-        attempt: int,
-        run_id: str,
-        headers: Mapping[str, Any],
-        args: Sequence[Any],
-        kwargs: Mapping[str, Any],
-        delivery_info: Mapping[str, Any],
-        *,
-        brief: bool = False,
-    ) -> Job | None:
-        """Pass the gate (returning the ``RUNNING`` job this delivery owns) or raise.
-
-        ``run_id`` is this delivery's own token, fresh for it: the body runs
-        only once the store confirms the job ``RUNNING`` under it. Raises
-        ``Ignore`` for a delivery the job does not wait for, and the exception
-        of :meth:`_send_back` when the store stays unreachable. With ``brief``
-        the CAS may answer without the record: ``None`` when it applied (a
-        refused CAS carries the record all the same, to decide on).
-
-        A write whose answer is lost is settled by reading the record back
-        (never by guessing). A delivery that could not settle in time is sent
-        back carrying *tickets*: the run ids it (or the deliveries before it)
-        may have written. A ticket is not ownership: the next delivery holding
-        it must *take over* the run with a CAS from that run id to its own,
-        which only one copy of a message can win.
-        """
-        tickets = frozenset(str(t) for t in headers.get(messages.HEADER_GATE_RUNS) or ())
-        gate = Transition(
-            State.RUNNING, frozenset({State.SCHEDULED, State.DISPATCHED}), node=runtime.node,
-            reason="gate", attempt=attempt, task=self.name, new_run_id=run_id,
-        )  # fmt: skip
-        deadline = time.monotonic() + self.exactonce_gate_timeout
-        delay = runtime.config.retry_delay_store
-        adoption_lost = False
-        write: Transition | None = gate  # the next write; None: read the record first
-        while True:
-            try:
-                if write is None:
-                    job = runtime.store.get(ref)
-                else:  # brief goes through transition_many: the store contract's brief CAS
-                    (result,) = runtime.store.transition_many([(ref, write)], brief=brief)
-                    if result.applied and (brief or result.job is not None):
-                        return result.job
-                    job = result.job
-                if job is None:
-                    if adoption_lost or messages.HEADER_JOB_ID in headers:
-                        self._refuse(ref, None, attempt, headers, delivery_info)
-                    adopted = self._adopt(runtime, ref, run_id, args, kwargs)
-                    if adopted is not None:
-                        return adopted
-                    adoption_lost, write = True, gate  # another delivery adopted it first
-                    continue
-                if job.state is State.RUNNING and job.run_id == run_id:
-                    return job  # our own write applied; its answer was lost
-                write = self._next_write(runtime, job, attempt, run_id, tickets, gate)
-                if write is None:
-                    self._refuse(ref, job, attempt, headers, delivery_info)
-            except exceptions.StoreError as exc:
-                write = None  # what did the store keep? read it back before writing again
-                if time.monotonic() + delay > deadline:
-                    metrics.event(
-                        "fail_closed", f"gate of {ref} cannot reach the store: delivery sent back",
-                        level=logging.WARNING, labels={"phase": "gate_read"}, sentry=True,
-                        job_id=ref.id, task=self.name, exc_info=exc,
-                    )  # fmt: skip
-                    raise self._send_back(tickets | {run_id}, attempt, delay, exc) from exc
-                time.sleep(delay)
-                delay = min(delay * 2, 10.0)
-
-    def _next_write(
-        self,
-        runtime: Runtime,
-        job: Job,
-        attempt: int,
-        run_id: str,
-        tickets: frozenset[str],
-        gate: Transition,
-    ) -> Transition | None:
-        """The write that would let this delivery run ``job`` as read, or ``None``: not ours."""
-        if job.task != self.name or job.attempt != attempt:
-            return None
-        if job.state in gate.expect:
-            return gate  # our earlier write did not apply: try it again
-        if job.state is State.RUNNING and job.run_id in tickets:
-            return Transition(
-                State.RUNNING, frozenset({State.RUNNING}), node=runtime.node,
-                reason="gate: taken over from a delivery sent back", attempt=attempt,
-                task=self.name, run_id=job.run_id, new_run_id=run_id,
-            )  # fmt: skip
-        return None
-
-    def _adopt(
-        self,
-        runtime: Runtime,
-        ref: JobRef,
-        run_id: str,
-        args: Sequence[Any],
-        kwargs: Mapping[str, Any],
-    ) -> Job | None:
-        """A message from elsewhere (no headers, no record): create its job as ``RUNNING``.
-
-        ``None`` if another delivery's create won. A store error propagates:
-        the gate reads back whether this create applied.
-        """
-        new = NewJob(
-            ref, self.name, State.RUNNING, node=runtime.node, args=list(args),
-            kwargs=dict(kwargs), run_id=run_id,
-            options={messages.GATED_OPTION: True, messages.POLICY_OPTION: task_policy(self)},
-            reason="adopted at the gate",
-        )  # fmt: skip
-        result = runtime.store.create(new)
-        if result.created or (result.job is not None and result.job.rev == new.rev):
-            metrics.event("adopted", f"adopted {ref} at the gate", level=logging.DEBUG,
-                          job_id=ref.id, task=self.name)  # fmt: skip
-            return result.job
-        return None
-
-    def _refuse(
-        self,
-        ref: JobRef,
-        job: Job | None,
-        attempt: int,
-        headers: Mapping[str, Any],
-        delivery_info: Mapping[str, Any],
-    ) -> NoReturn:
-        """Ack the delivery unrun (``Ignore``: no result, no callback), counted and logged.
-
-        A redelivery refused is the gate doing its work (debug). A first
-        delivery refused means a job that will not run through this message,
-        which an operator should see (warning).
-        """
-        if job is None:
-            if messages.HEADER_JOB_ID in headers:
-                metrics.event(
-                    "record_lost", f"no record for {ref}, whose message carries our "
-                    "headers: not run (the store lost it)",
-                    level=logging.ERROR, job_id=ref.id, task=self.name,
-                )  # fmt: skip
-            else:
-                metrics.event(
-                    "adoption_lost", f"no record for {ref} after another delivery adopted it: "
-                    "not run", level=logging.WARNING, job_id=ref.id, task=self.name,
-                )  # fmt: skip
-            raise Ignore()
-        if job.task != self.name:
-            metrics.event(
-                "gate_conflict", f"message for {ref} as {self.name}, but the record is "
-                f"{job.task}: not run",
-                level=logging.ERROR, job_id=ref.id, task=self.name,
-            )  # fmt: skip
-            raise Ignore()
-        where = str(job.state)
-        if job.attempt != attempt and not job.terminal:
-            where = "stale_attempt"
-        first = not delivery_info.get("redelivered") and messages.HEADER_GATE_RUNS not in headers
-        why = " (a first delivery: the job will not run through this message)" if first else ""
-        metrics.event(
-            "suppressed_duplicate",
-            f"duplicate delivery of {ref} (attempt {attempt}) skipped: the job is {job.state} "
-            f"at attempt {job.attempt}{why}",
-            level=logging.WARNING if first else logging.DEBUG, labels={"where": where},
-            job_id=ref.id, task=self.name, first_delivery=first,
-        )  # fmt: skip
-        raise Ignore()
-
-    def _send_back(
-        self, tickets: frozenset[str], attempt: int, delay: float, exc: BaseException
-    ) -> BaseException:
-        """Re-publish this delivery (same attempt) with its tickets; what the worker must raise.
-
-        Celery's ``retry`` is not used: it counts against ``max_retries`` (a task
-        on its last attempt would get ``MaxRetriesExceededError`` and the
-        delivery would be lost) and starts the next attempt. Returns ``Retry``
-        once the copy is sent; if it cannot be sent, ``Reject(requeue=True)``,
-        which gives the message back to the broker where ``acks_late`` holds it.
-        """
-        request = self.request
-        headers = {**dict(request.headers or {}), **messages.headers_of(request)}
-        headers[messages.HEADER_GATE_RUNS] = sorted(tickets)
-        signature = self.signature_from_request(
-            request, countdown=delay, retries=attempt, headers=headers
-        )
-        raw = _raw_republish.set(attempt)
-        try:
-            signature.apply_async(add_to_parent=False)
-        except Exception as error:  # the broker refused too: hand the message back
-            metrics.event(
-                "gate_send_back_failed",
-                f"gate of {request.id} could not send the delivery back ({error}): requeued",
-                level=logging.WARNING,
-                job_id=request.id,
-            )
-            requeue: BaseException = Reject(exc, requeue=True)
-            return requeue
-        finally:
-            _raw_republish.reset(raw)
-        sent_back: BaseException = Retry(exc=exc, when=delay, sig=signature)
-        return sent_back
-
-    def _finish(
-        self, runtime: Runtime, ref: JobRef, run_id: str, state: State, reason: str
-    ) -> None:
-        request = Transition(
-            state, frozenset({State.RUNNING}), node=runtime.node,
-            reason=reason, run_id=run_id,
-        )  # fmt: skip
-        delay = runtime.config.retry_delay_store
-        error: BaseException | None = None
-        for _ in range(3):
-            # Brief: an applied completion needs no record back; a refused one carries it.
-            result = settle.transition(runtime.store, ref, request, brief=True)
-            if result.error is not None and not result.applied:
-                error = result.error
-                time.sleep(delay)
-                continue
-            if not result.applied:
-                # The run no longer owns the job (the reconciler timed it out, a
-                # revoke cancelled it): the outcome is late and changes nothing,
-                # but the record says it (a note, never a change of state).
-                current = result.job.state if result.job else "no record"
-                metrics.event(
-                    "late_outcome",
-                    f"late outcome {state} of {ref} ignored: the job is {current}",
-                    level=logging.WARNING,
-                    job_id=ref.id,
-                    state=str(state),
-                )
-                if result.job is not None:
-                    self._note_late(runtime, ref, run_id, state, reason)
-            return
-        metrics.event(
-            "completion_write_failed", f"could not record {state} for {ref}; "
-            "the reconciler will settle it",
-            level=logging.ERROR, labels={"state": str(state)}, sentry=True, job_id=ref.id,
-            task=self.name, exc_info=error,
-        )  # fmt: skip
-
-    @staticmethod
-    def _note_late(runtime: Runtime, ref: JobRef, run_id: str, state: State, reason: str) -> None:
-        note = f"late outcome of run {run_id}: {state} ({reason}); not applied"
-        with contextlib.suppress(exceptions.StoreError):  # the warning above stands
-            runtime.store.annotate(ref, node=runtime.node, reason=note, op_id=jobs.new_token())
-
-
-@dataclasses.dataclass
-class _Beating:
-    """One run the heartbeat thread touches."""
-
-    runtime: Runtime
-    ref: JobRef
-    run_id: str
-    due: float  # monotonic
-
-
-class _Heartbeats:
-    """One thread per process touches every running job of it every ``heartbeat_interval``.
-
-    A run registers when its body starts and leaves when it ends: a body shorter
-    than the interval costs two dictionary operations and no store call (a
-    thread per run cost a thread start and a join each). The thread starts with
-    the first run of a process, again in a forked child (a prefork pool process).
-    The thread is woken only for a run due before it would wake anyway (the
-    first one after an idle spell), not at every start.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Condition()
-        self._runs: dict[int, _Beating] = {}
-        self._tokens = itertools.count()
-        self._pid: int | None = None
-        #: When the waiting thread wakes by itself (monotonic); -inf while it is not waiting.
-        self._wakes_at = -math.inf
-
-    def start(self, runtime: Runtime, ref: JobRef, run_id: str) -> int:
-        """Touch ``ref`` under ``run_id`` every interval from now on; the token to stop it."""
-        due = time.monotonic() + runtime.config.heartbeat_interval
-        with self._lock:
-            if self._pid != os.getpid():  # first run here, or a forked child: no thread yet
-                self._pid, self._runs, self._wakes_at = os.getpid(), {}, -math.inf
-                threading.Thread(target=self._loop, name="exactonce-heartbeat", daemon=True).start()
-            token = next(self._tokens)
-            self._runs[token] = _Beating(runtime, ref, run_id, due)
-            if due < self._wakes_at:
-                self._lock.notify()
-        return token
-
-    def stop(self, token: int) -> None:
-        with self._lock:
-            self._runs.pop(token, None)
-
-    def _loop(self) -> None:
-        while True:
-            with self._lock:
-                now = time.monotonic()
-                due = [(token, run) for token, run in self._runs.items() if run.due <= now]
-                if not due:
-                    nearest = min((run.due for run in self._runs.values()), default=now + 60.0)
-                    self._wakes_at = nearest
-                    self._lock.wait(timeout=nearest - now)
-                    self._wakes_at = -math.inf  # not waiting: it looks at every run before it does
-                    continue
-                for _, run in due:
-                    run.due = now + run.runtime.config.heartbeat_interval
-            for token, run in due:
-                if not self._beat(run):
-                    self.stop(token)
-
-    @staticmethod
-    def _beat(run: _Beating) -> bool:
-        """Touch one run; whether it is still ours (a store error keeps it)."""
-        try:
-            return run.runtime.store.heartbeat(run.ref, run.run_id)
-        except exceptions.StoreError as exc:
-            run.runtime.note_store_error()
-            metrics.event(
-                "heartbeat_failed",
-                f"heartbeat of {run.ref} failed: {exc}",
-                level=logging.WARNING,
-                job_id=run.ref.id,
-            )
-            return True
-
-
-_heartbeats = _Heartbeats()
-
-
-def validate_gated_task(task: Task) -> None:
-    """Refuse settings that would let a gated body run twice (start-up validation).
-
-    Per-task timeouts must pass the same consistency checks as the settings
-    (``dispatch_timeout > replay_age``, ``dispatch_deadline >= dispatch_timeout``,
-    ``running_timeout >= 3 x heartbeat_interval + max_skew``).
-    """
-    if getattr(task, "_exactonce_validated", False):
-        return
-    if task.reject_on_worker_lost and not task.exactonce_rerun:
-        raise exceptions.ConfigurationError(
-            f"{task.name}: reject_on_worker_lost re-queues a message whose body may have run; "
-            "it is refused on an ExactOnceTask unless exactonce_rerun=True",
-            setting="reject_on_worker_lost",
-        )
-    check_timeouts(
-        config_for(task.app), task_timeouts(task), prefix=f"{task.name}: task attribute "
-    )
-    task._exactonce_validated = True
-
-
-#: Options that place a job in a canvas: the group or chord it is a part of, and
-#: the rest of its chain.
-_CANVAS_OPTIONS = ("group_id", "chord", "chain")
-
-
-def _canvas(options: Mapping[str, Any], name: str) -> str:
-    """Canvas option ``name`` of a job (stored or about to be), comparable across the two."""
-    return jobs.encode_payload({name: options.get(name)}, context="canvas options")
-
-
-def _storable_options(options: Mapping[str, Any]) -> dict[str, Any]:
-    """The options of an ``apply_async`` call to store with the job (JSON-able)."""
-    stored: dict[str, Any] = {}
-    for name, value in options.items():
-        if name in _LOCAL_OPTIONS or value is None:
-            continue
-        routed_by_name = name in ("queue", "exchange") and hasattr(value, "name")
-        stored[name] = value.name if routed_by_name else value  # a kombu Queue/Exchange
-    return stored
-
-
-def _eta(options: Mapping[str, Any]) -> datetime | None:
-    eta = options.get("eta")
-    if isinstance(eta, str):
-        eta = _iso(eta)
-    if isinstance(eta, datetime):
-        return eta if eta.tzinfo else eta.replace(tzinfo=timezone.utc)
-    countdown = options.get("countdown")
-    if countdown is not None:
-        return datetime.now(timezone.utc) + timedelta(seconds=float(countdown))
-    return None
-
-
-def _iso(text: str) -> datetime:
-    """An ISO 8601 time (a ``Z`` suffix too, which Python 3.10 does not read)."""
-    return datetime.fromisoformat(text[:-1] + "+00:00" if text.endswith("Z") else text)
-
-
-def _deadline(expires: Any) -> datetime | None:
-    """The job's deadline from ``expires``: a time, or seconds from the call, as in Celery.
-
-    Seconds count from the call, not from the eta: ``countdown=60, expires=30``
-    expires before it is due, and is never run.
-    """
-    if expires is None:
-        return None
-    if isinstance(expires, str):  # ISO 8601, as Celery's apply_async takes it; or seconds
-        try:
-            expires = float(expires)
-        except ValueError:
-            expires = _iso(expires)
-    if isinstance(expires, datetime):
-        return expires if expires.tzinfo else expires.replace(tzinfo=timezone.utc)
-    return datetime.now(timezone.utc) + timedelta(seconds=float(expires))
 
 
 def _on_revoked(
@@ -860,10 +464,16 @@ def _on_revoked(
             guard = {"rev": job.rev}
         runtime.store.transition(
             ref,
-            Transition(State.CANCELLED, frozenset({job.state}), node=runtime.node,
-                       reason="revoked" if not _kw.get("expired") else "expired",
-                       attempt=attempt, task=sender.name, **guard),
-        )  # fmt: skip
+            Transition(
+                State.CANCELLED,
+                frozenset({job.state}),
+                node=runtime.node,
+                reason="revoked" if not _kw.get("expired") else "expired",
+                attempt=attempt,
+                task=sender.name,
+                **guard,
+            ),
+        )
     except exceptions.StoreError as exc:
         metrics.event(
             "revoke_write_failed",

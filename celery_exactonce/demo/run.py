@@ -92,9 +92,14 @@ class Child:
         argv = [sys.executable, "-m", "celery", "-A", "celery_exactonce.demo.app", *command]
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(  # noqa: S603 (argv: this interpreter, fixed words)
-                argv, cwd=layout.workdir, env=_child_env(layout, name), stdin=subprocess.DEVNULL,
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-            )  # fmt: skip
+                argv,
+                cwd=layout.workdir,
+                env=_child_env(layout, name),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
 
     @property
     def pid(self) -> int:
@@ -143,11 +148,13 @@ class Child:
 
 def _child_env(layout: demo_app.Layout, node: str) -> dict[str, str]:
     env = dict(os.environ)
-    env.update({
-        demo_app.ENV_WORKDIR: str(layout.workdir),
-        demo_app.ENV_NODE: node,
-        "PYTHONUNBUFFERED": "1",
-    })  # fmt: skip
+    env.update(
+        {
+            demo_app.ENV_WORKDIR: str(layout.workdir),
+            demo_app.ENV_NODE: node,
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
     # A source checkout run without an install: the children (whose current
     # folder is the work folder) must import this same package.
     root = str(Path(celery_exactonce.__file__).resolve().parents[1])
@@ -202,10 +209,26 @@ class Demo:
 
     def _start(self) -> datetime:
         """Start the worker and both beats; the window's start (store time)."""
-        worker = self.children[WORKER] = Child(WORKER, [
-            "worker", "-P", "solo", "-c", "1", "-Q", demo_app.QUEUE, "-n", "demo-worker@%h",
-            "--without-gossip", "--without-mingle", "--without-heartbeat", "--loglevel", "INFO",
-        ], self.layout)  # fmt: skip
+        worker = self.children[WORKER] = Child(
+            WORKER,
+            [
+                "worker",
+                "-P",
+                "solo",
+                "-c",
+                "1",
+                "-Q",
+                demo_app.QUEUE,
+                "-n",
+                "demo-worker@%h",
+                "--without-gossip",
+                "--without-mingle",
+                "--without-heartbeat",
+                "--loglevel",
+                "INFO",
+            ],
+            self.layout,
+        )
 
         def ready() -> bool:
             worker.check_alive()
@@ -242,8 +265,9 @@ class Demo:
                 victim.kill()
                 killed = Kill(VICTIM, victim.pid, round(elapsed, 1))
                 survivors = ", ".join(name for name in BEATS if name != VICTIM)
-                self.progress(f"+{elapsed:.1f} s: SIGKILL {VICTIM} (pid {victim.pid}); "
-                              f"{survivors} carries on")  # fmt: skip
+                self.progress(
+                    f"+{elapsed:.1f} s: SIGKILL {VICTIM} (pid {victim.pid}); {survivors} carries on"
+                )
             time.sleep(POLL_INTERVAL)
         if killed is None:  # pragma: no cover - the loop always passes half-way
             raise DemoError("the run ended before the kill")
@@ -302,16 +326,26 @@ class Demo:
         )
         namespace = self.store.namespace
         mismatches = sum(
-            1 for run in runs
+            1
+            for run in runs
             if run.idempotency_key != keys.idempotency_key(run.entry, run.fire_time, namespace)
-        )  # fmt: skip
+        )
         return DemoResult(
-            report=report, seconds=self.seconds, entries=dict(demo_app.ENTRIES), beats=BEATS,
-            window_start=start, window_end=end, grace=GRACE, killed=killed,
-            claims_by_node=dict(claims), not_run_by_node=dict(not_run), keys_checked=len(runs),
-            key_mismatches=mismatches, drained=drained,
+            report=report,
+            seconds=self.seconds,
+            entries=dict(demo_app.ENTRIES),
+            beats=BEATS,
+            window_start=start,
+            window_end=end,
+            grace=GRACE,
+            killed=killed,
+            claims_by_node=dict(claims),
+            not_run_by_node=dict(not_run),
+            keys_checked=len(runs),
+            key_mismatches=mismatches,
+            drained=drained,
             left_in_queue=self.layout.waiting_messages(),
-        )  # fmt: skip
+        )
 
 
 def _claimer(job: Job) -> str:
@@ -344,10 +378,13 @@ def read_ledger(path: Path) -> list[Execution]:
     for number, line in enumerate(lines, 1):
         try:
             data = json.loads(line)
-            runs.append(Execution(
-                str(data["entry"]), _parse_instant(data["fire_time"]),
-                str(data["idempotency_key"]),
-            ))  # fmt: skip
+            runs.append(
+                Execution(
+                    str(data["entry"]),
+                    _parse_instant(data["fire_time"]),
+                    str(data["idempotency_key"]),
+                )
+            )
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise DemoError(f"{path}:{number}: not a ledger line ({exc}): {line!r}") from exc
     return runs

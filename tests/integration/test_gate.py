@@ -490,7 +490,7 @@ def test_reject_on_worker_lost_is_refused_on_a_gated_task() -> None:
     @app.task(base=ExactOnceTask, shared=False, reject_on_worker_lost=True, name="t.bad")
     def bad() -> None: ...
 
-    from celery_exactonce.task import validate_gated_task
+    from celery_exactonce.gate import validate_gated_task
 
     with pytest.raises(ConfigurationError, match="reject_on_worker_lost"):
         validate_gated_task(app.tasks["t.bad"])

@@ -3,11 +3,11 @@
 Not the gate itself (test_gate.py) nor Celery's semantics kept (test_task_semantics.py):
 
 * the reconciler policy a gated task's jobs store (``task_policy``);
-* the start-up refusals of :func:`~celery_exactonce.task.validate_gated_task`,
+* the start-up refusals of :func:`~celery_exactonce.gate.validate_gated_task`,
   and the gate refusing to run a task it refuses;
 * when a job is due and when it expires: ``eta``, ``countdown`` and
-  ``expires`` (``_eta``, ``_deadline``), directly and through ``apply_async``;
-* which ``apply_async`` options are stored with a job (``_storable_options``);
+  ``expires`` (``call_options.eta_of``, ``deadline_of``), directly and through ``apply_async``;
+* which ``apply_async`` options are stored with a job (``call_options.storable_options``);
 * revoke and ``expires`` seen by a worker (the ``task_revoked`` receiver).
 
 Jobs live in an InMemoryStore; what is published is read from ``before_task_publish``.
@@ -27,18 +27,14 @@ from celery import Celery, signals
 from kombu import Exchange, Queue
 
 from celery_exactonce import ConfigurationError, StoreUnavailable, metrics, runtime
+from celery_exactonce.call_options import deadline_of, eta_of, storable_options
 from celery_exactonce.dispatch import Outcome
+from celery_exactonce.gate import validate_gated_task
 from celery_exactonce.jobs import Job, JobRef, NewJob, Space, Transition
 from celery_exactonce.messages import GATED_OPTION, POLICY_OPTION, message_headers
 from celery_exactonce.policy import task_policy
 from celery_exactonce.states import State
-from celery_exactonce.task import (
-    ExactOnceTask,
-    _deadline,
-    _eta,
-    _storable_options,
-    validate_gated_task,
-)
+from celery_exactonce.task import ExactOnceTask
 from celery_exactonce.testing import InMemoryStore
 
 NAMESPACE = "task-unit"
@@ -280,8 +276,8 @@ def test_the_gate_runs_nothing_of_a_task_it_refuses(world: World) -> None:
 
 
 def test_no_eta_and_no_countdown_is_due_now() -> None:
-    assert _eta({}) is None
-    assert _eta({"eta": None, "countdown": None}) is None
+    assert eta_of({}) is None
+    assert eta_of({"eta": None, "countdown": None}) is None
 
 
 @pytest.mark.parametrize(
@@ -296,42 +292,42 @@ def test_no_eta_and_no_countdown_is_due_now() -> None:
     ids=["aware", "naive-is-utc", "iso", "iso-offset", "iso-naive-is-utc"],
 )
 def test_an_eta_is_an_aware_instant(eta: Any, instant: datetime) -> None:
-    found = _eta({"eta": eta})
+    found = eta_of({"eta": eta})
     assert found == instant and found.tzinfo is not None
 
 
 def test_a_countdown_counts_from_now() -> None:
     before = datetime.now(UTC)
-    found = _eta({"countdown": 90})
+    found = eta_of({"countdown": 90})
     after = datetime.now(UTC)
     assert found is not None
     assert before + timedelta(seconds=90) <= found <= after + timedelta(seconds=90)
-    assert near(_eta({"countdown": "2.5"}), datetime.now(UTC) + timedelta(seconds=2.5))
+    assert near(eta_of({"countdown": "2.5"}), datetime.now(UTC) + timedelta(seconds=2.5))
 
 
 def test_an_eta_wins_over_a_countdown() -> None:
     eta = datetime(2030, 1, 1, tzinfo=UTC)
-    assert _eta({"eta": eta, "countdown": 5}) == eta
+    assert eta_of({"eta": eta, "countdown": 5}) == eta
 
 
 def test_no_expires_is_no_deadline() -> None:
-    assert _deadline(None) is None
+    assert deadline_of(None) is None
 
 
 def test_an_expires_instant_is_the_deadline_naive_as_utc() -> None:
     at = datetime(2030, 1, 1, 12, tzinfo=UTC)
-    assert _deadline(at) == at
-    naive = _deadline(datetime(2030, 1, 1, 12))
+    assert deadline_of(at) == at
+    naive = deadline_of(datetime(2030, 1, 1, 12))
     assert naive == at and naive.tzinfo is not None
 
 
 def test_expires_in_seconds_counts_from_now_without_an_eta() -> None:
     before = datetime.now(UTC)
-    found = _deadline(30)
+    found = deadline_of(30)
     after = datetime.now(UTC)
     assert found is not None
     assert before + timedelta(seconds=30) <= found <= after + timedelta(seconds=30)
-    assert near(_deadline("45"), datetime.now(UTC) + timedelta(seconds=45))
+    assert near(deadline_of("45"), datetime.now(UTC) + timedelta(seconds=45))
 
 
 def test_expires_in_seconds_counts_from_the_call_not_the_eta(world: World) -> None:
@@ -350,8 +346,8 @@ def test_expires_in_seconds_counts_from_the_call_not_the_eta(world: World) -> No
 
 def test_an_iso_expires_is_the_deadline_as_celery_takes_it() -> None:
     """Fails before the fix: a str ``expires`` was read as seconds (``ValueError``)."""
-    assert _deadline("2030-01-01T12:00:00+00:00") == datetime(2030, 1, 1, 12, tzinfo=UTC)
-    assert _deadline("2030-01-01T12:00:00Z") == datetime(2030, 1, 1, 12, tzinfo=UTC)
+    assert deadline_of("2030-01-01T12:00:00+00:00") == datetime(2030, 1, 1, 12, tzinfo=UTC)
+    assert deadline_of("2030-01-01T12:00:00Z") == datetime(2030, 1, 1, 12, tzinfo=UTC)
 
 
 def test_a_countdown_waits_pending_with_its_run_at_and_publishes_nothing(world: World) -> None:
@@ -428,12 +424,12 @@ def test_options_of_the_call_alone_and_unset_ones_are_not_stored() -> None:
         "add_to_parent": False,
     }
     kept = {"queue": "q1", "priority": 5, "ignore_result": False, "headers": {"h": 1}}
-    assert _storable_options({**local, **kept, "routing_key": None}) == kept
+    assert storable_options({**local, **kept, "routing_key": None}) == kept
 
 
 def test_a_kombu_queue_and_exchange_are_stored_by_name() -> None:
     exchange = Exchange("x1", type="topic")
-    stored = _storable_options({"queue": Queue("q1", exchange), "exchange": exchange})
+    stored = storable_options({"queue": Queue("q1", exchange), "exchange": exchange})
     assert stored == {"queue": "q1", "exchange": "x1"}
 
 

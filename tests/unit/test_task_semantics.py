@@ -18,10 +18,11 @@ from celery import Celery, signals
 from celery.exceptions import Ignore, Reject, TaskRevokedError
 
 from celery_exactonce import JobConflict, metrics, runtime
+from celery_exactonce.heartbeats import heartbeats
 from celery_exactonce.jobs import Job, JobRef, NewJob
 from celery_exactonce.messages import MESSAGE_ID_OPTION, message_headers, replacement_job_id
 from celery_exactonce.states import State
-from celery_exactonce.task import ExactOnceTask, _heartbeats
+from celery_exactonce.task import ExactOnceTask
 from celery_exactonce.testing import FrozenClock, InMemoryStore
 from tests.acceptance.harness import holds
 from tests.support.helpers import poll
@@ -294,10 +295,10 @@ def test_one_heartbeat_thread_touches_each_running_job_until_it_ends() -> None:
         long_run, short_run = JobRef.task("long"), JobRef.task("short")
         for ref, run_id in ((long_run, "r1"), (short_run, "r2")):
             store.create(NewJob(ref, "t.add", State.RUNNING, node="n", run_id=run_id))
-        beating = _heartbeats.start(rt, long_run, "r1")
-        _heartbeats.stop(_heartbeats.start(rt, short_run, "r2"))  # a body shorter than a beat
+        beating = heartbeats.start(rt, long_run, "r1")
+        heartbeats.stop(heartbeats.start(rt, short_run, "r2"))  # a body shorter than a beat
         poll(lambda: store.beats.get("long", 0) >= 3, timeout=5.0)
-        _heartbeats.stop(beating)
+        heartbeats.stop(beating)
         stopped = store.beats["long"]
         holds(lambda: store.beats["long"] <= stopped + 1, seconds=0.2)  # one may be in flight
         assert "short" not in store.beats
