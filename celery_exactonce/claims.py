@@ -5,7 +5,7 @@ A batch of occurrences goes to the store in one round trip
 one read back per claim whose answer was lost). Each claim is then *won*
 (this node created it, or its own earlier write did), *taken* (another record
 holds the slot), *refused* (an epoch mismatch: the store lost data) or
-*failed* (a store error, and no record read back: the slot stays unsettled).
+*failed* (a store error, and no record read back: the slot stays undecided).
 
 Not here: which slots to claim (:mod:`~celery_exactonce.planner`), what beat
 does with each outcome (:mod:`~celery_exactonce.scheduler`).

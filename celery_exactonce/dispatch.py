@@ -586,7 +586,7 @@ class Dispatcher:
         )
 
     def _write(self, job: Job, state: State, reason: str) -> bool:
-        """A best-effort CAS on our own rev; failures are logged (the reconciler settles)."""
+        """A best-effort CAS on our own rev; a failure is logged (the reconciler resolves it)."""
         return self._write_many([job], state, reason)[0]
 
     def _write_many(self, listed: Sequence[Job], state: State, reason: str) -> list[bool]:

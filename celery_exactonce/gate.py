@@ -301,7 +301,7 @@ class Delivery:
             return
         metrics.event(
             "completion_write_failed",
-            f"could not record {state} for {ref}; the reconciler will settle it",
+            f"could not record {state} for {ref}; the reconciler will resolve it",
             level=logging.ERROR,
             labels={"state": str(state)},
             sentry=True,

@@ -337,7 +337,7 @@ class CreateStatus(str, enum.Enum):
     EXISTS = "exists"
     """A record with this ref exists (``job`` is it; its ``rev`` tells whether it is ours)."""
     BELOW_WATERMARK = "below_watermark"
-    """No record, but the entry's watermark is at or past this slot: settled, never claimed."""
+    """No record, but the entry's watermark is at or past this slot: decided, never claimed."""
     EPOCH_MISMATCH = "epoch_mismatch"
     """The store's epoch is not the one the caller holds: the store lost data."""
 

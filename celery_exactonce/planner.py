@@ -1,10 +1,10 @@
 """The plan of a tick for one entry: which due slots to claim, which to skip, and why.
 
 Pure: it reads a schedule, the entry's policy and what this node knows (how
-far it has settled the entry, the store-loss floor) and returns a
+far it has decided the entry's slots, the store-loss floor) and returns a
 :class:`Plan`. It neither reads the store nor calls back into the scheduler.
 
-* slots in ``(last settled, store time]`` and within ``window_lookback`` are
+* slots in ``(last decided, store time]`` and within ``window_lookback`` are
   due. Due-ness is judged on the store's clock, never this node's, so a node
   never claims a slot before ``store time >= fire_time``;
 * slots that left the window unclaimed while this node held the entry are
@@ -44,12 +44,12 @@ WHY = {
 
 @dataclasses.dataclass
 class Plan:
-    """One entry's work in a tick: its due slots, those to claim, and how far it settles.
+    """One entry's work in a tick: its due slots, those to claim, and how far it is decided.
 
     ``start`` is where the entry stood before the tick (moved up to the window
     if it had fallen out of it). Every due slot is decided (claimed, found
     claimed, or skipped and counted) except those whose claim failed on a store
-    error: the entry settles up to the last slot before the first failure, so
+    error: the entry is decided up to the last slot before the first failure, so
     the next tick tries that one again (fail closed) and nothing decided is
     counted twice.
     """
@@ -64,7 +64,7 @@ class Plan:
     skipped: list[tuple[str, list[datetime]]] = dataclasses.field(default_factory=list)
     failed: list[datetime] = dataclasses.field(default_factory=list)
 
-    def settle_to(self) -> datetime:
+    def decided_to(self) -> datetime:
         if not self.due:
             return self.start
         if not self.failed:
@@ -80,19 +80,19 @@ def plan(
     *,
     tz: tzinfo,
     config: ExactOnceConfig,
-    settled: datetime | None,
+    decided: datetime | None,
     now: datetime,
     floor: datetime | None,
     floor_reason: str,
 ) -> Plan:
-    """The plan of ``name`` at store time ``now``, settled so far up to ``settled``.
+    """The plan of ``name`` at store time ``now``, its slots decided up to ``decided``.
 
     No slot at or before ``floor`` is claimed (skipped as ``floor_reason``).
     """
     lookback = now - timedelta(seconds=config.window_lookback)
-    result = Plan(name, start=lookback if settled is None else settled)
-    if settled is not None and settled < lookback:
-        fallen = slots.slots_between(schedule, settled, lookback, tz=tz, entry=name)
+    result = Plan(name, start=lookback if decided is None else decided)
+    if decided is not None and decided < lookback:
+        fallen = slots.slots_between(schedule, decided, lookback, tz=tz, entry=name)
         if fallen:  # a lower bound when there were more than slots.DEFAULT_LIMIT
             result.skipped.append(("window", fallen))
         result.start = lookback

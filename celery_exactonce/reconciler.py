@@ -1,4 +1,4 @@
-"""The reconciler: settles jobs a crash or a lost message left between states.
+"""The reconciler: resolves jobs a crash or a lost message left between states.
 
 docs/design/protocol.md, "The reconciler". One pass, under a token-checked lease
 (``exactonce_lease_ttl``, renewed between batches, released at the end), looks
@@ -247,13 +247,13 @@ class Reconciler:
         """Replay a ``SCHEDULED`` job that nobody dispatched (crash between claim and publish)."""
         report = run.report
         if job.deadline is not None and run.now >= job.deadline:
-            if self._settle(run, job, State.CANCELLED, "deadline passed before replay"):
+            if self._move(run, job, State.CANCELLED, "deadline passed before replay"):
                 report.cancelled += 1
             return
         replays = _count(job, Action.REPLAY)
         if replays >= MAX_REPLAYS:
             reason = f"replayed {replays} times without running"
-            if self._settle(run, job, State.FAILED, reason):
+            if self._move(run, job, State.FAILED, reason):
                 report.failed += 1
                 metrics.event(
                     "replay_gave_up",
@@ -348,7 +348,7 @@ class Reconciler:
         return True
 
     def _time_out(self, run: _Pass, job: Job, reason: str, stale_for: float) -> None:
-        if self._settle(run, job, State.TIMEOUT, reason, stale_for=stale_for):
+        if self._move(run, job, State.TIMEOUT, reason, stale_for=stale_for):
             run.report.timed_out += 1
             metrics.event(
                 "timed_out",
@@ -360,7 +360,7 @@ class Reconciler:
                 task=job.task,
             )
 
-    def _settle(
+    def _move(
         self, run: _Pass, job: Job, state: State, reason: str, *, stale_for: float | None = None
     ) -> bool:
         """CAS ``job`` from the state and rev it was listed with to ``state``; whether it did."""

@@ -22,10 +22,10 @@ SIGTERM. What it decides with lives elsewhere, as values:
 * :mod:`~celery_exactonce.conflicts`: slots found claimed by another app's
   entry of the same name.
 
-A node that has not settled an entry lately (it started, or fell behind)
+A node that has not decided an entry's slots lately (it started, or fell behind)
 starts from the entry's store watermark: what is at or below it was decided by
 whoever claimed it, and is neither planned nor counted again. A claim that
-fails on a store error is not settled: the next tick inside the window tries
+fails on a store error leaves its slot undecided: the next tick inside the window tries
 again (fail closed). Entries added at run time through Celery's
 ``Scheduler.add`` or ``update_from_dict`` join the heap on the next tick.
 
@@ -35,7 +35,7 @@ submissions and retries with an ``eta`` or ``countdown``): claimed in
 
 SIGTERM during a tick is held until the tick ends: its claims are dispatched,
 then beat exits. What a SIGKILL cuts short (claims not yet published) is the
-reconciler's to settle: beat runs it too, as an internal entry
+reconciler's to resolve: beat runs it too, as an internal entry
 (``celery_exactonce.reconcile``).
 """
 
@@ -91,7 +91,7 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
         self._runtime: Runtime = startup.start_beat(app)
         self._config = self._runtime.config
         self._tz = ZoneInfo(str(app.timezone))
-        self._settled: dict[str, datetime] = {}
+        self._decided: dict[str, datetime] = {}
         self._guard = StoreLossGuard(
             max_skew=self._config.max_skew, window_lookback=self._config.window_lookback
         )
@@ -334,7 +334,7 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
     # -- internals -----------------------------------------------------------------------
 
     def _push(self, name: str, entry: Any, now: datetime) -> None:
-        after = self._settled.get(name, now - timedelta(seconds=self._config.window_lookback))
+        after = self._decided.get(name, now - timedelta(seconds=self._config.window_lookback))
         upcoming = slots.next_slot(entry.schedule, after, tz=self._tz, entry=name)
         if upcoming is not None:
             heapq.heappush(self._due, (upcoming, name))
@@ -346,37 +346,37 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
         return policy
 
     def _load_watermarks(self, names: list[str], now: datetime) -> None:
-        """Start entries this node has not settled lately from their store watermark.
+        """Start entries this node has not decided lately from their store watermark.
 
         Slots at or below an entry's watermark are decided (claimed, or skipped
         by whoever claimed a newer one), so a restarted node, or one that fell
         behind, neither re-plans nor counts them.
         """
         behind = now - timedelta(seconds=2 * self._config.tick_interval)
-        stale = [n for n in names if (s := self._settled.get(n)) is None or s < behind]
+        stale = [n for n in names if (s := self._decided.get(n)) is None or s < behind]
         if not stale:
             return
         for name, mark in self._runtime.store.watermarks(stale).items():
-            if mark > self._settled.get(name, mark - timedelta(seconds=1)):
-                self._settled[name] = mark
+            if mark > self._decided.get(name, mark - timedelta(seconds=1)):
+                self._decided[name] = mark
 
     def _plan(self, name: str, entry: Any, now: datetime) -> Plan:
         """The entry's plan (:func:`planner.plan`): its skipped slots noted, its claims built."""
         policy = self._policy(name, entry)
-        settled = self._settled.get(name)
+        decided = self._decided.get(name)
         plan = planner.plan(
             name,
             entry.schedule,
             policy,
             tz=self._tz,
             config=self._config,
-            settled=settled,
+            decided=decided,
             now=now,
             floor=self._guard.floor,
             floor_reason=self._guard.floor_reason,
         )
-        if settled is not None:
-            self._settled[name] = plan.start
+        if decided is not None:
+            self._decided[name] = plan.start
         for where, fires in plan.skipped:
             self._skipped(name, fires, where)
         plan.claims = [self._occurrence(name, entry, policy, fire) for fire in plan.claim]
@@ -432,7 +432,7 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
         return new if signer is None else signer.sign_new(new)
 
     def _claim_and_dispatch(self, plans: list[Plan], now: datetime) -> None:
-        """Claim the planned slots in batches, dispatch the won ones, settle what is decided.
+        """Claim the planned slots in batches, dispatch the won ones, note what is decided.
 
         A claim that failed on a store error is planned again by the next tick
         inside the window (fail closed); see :class:`~celery_exactonce.planner.Plan`.
@@ -448,7 +448,7 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
             if won:
                 self._runtime.dispatcher.dispatch_many(won, reason="beat")
         for plan in plans:
-            self._settled[plan.name] = plan.settle_to()
+            self._decided[plan.name] = plan.decided_to()
 
     def _internal(self, job: Job) -> bool:
         policy = self._policies.get(job.entry or "")

@@ -173,26 +173,26 @@ def assert_each_ran_once(deployment: Deployment, ledger: Ledger, expected: set[O
 def assert_published_once(deployment: Deployment, expected: set[Occurrence]) -> None:
     """The store shows each occurrence published once, and each gated one ``SUCCEEDED``.
 
-    Polls a little: the gate settles a job just after its body wrote the ledger.
+    Polls a little: the gate ends a job just after its body wrote the ledger.
     """
-    unsettled = sorted(expected)
+    running = sorted(expected)
 
-    def settled() -> bool:
+    def ended() -> bool:
         left = []
-        for entry, fire in unsettled:
+        for entry, fire in running:
             job = job_of(deployment, entry, fire)
             assert job is not None and job.dispatches == 1, (entry, fire, job)
             if job.task == "gated_beat" and job.state is not State.SUCCEEDED:
                 left.append((entry, fire))
-        unsettled[:] = left
+        running[:] = left
         return not left
 
     try:
-        poll(settled, timeout=10, interval=0.2)
+        poll(ended, timeout=10, interval=0.2)
     except AssertionError:
         raise AssertionError(
-            f"{len(unsettled)} gated occurrence(s) not SUCCEEDED:\n"
-            f"{describe(deployment, unsettled)}"
+            f"{len(running)} gated occurrence(s) not SUCCEEDED:\n"
+            f"{describe(deployment, running)}"
         ) from None
 
 
@@ -215,7 +215,7 @@ def dispatched_by(beat: BeatProcess, after_real: float = 0.0) -> int:
 
 
 def claims_by(beat: BeatProcess, after_real: float = 0.0) -> int:
-    """How many slot claims ``beat`` settled after a real time, won or found taken.
+    """How many slot claims ``beat`` decided after a real time, won or found taken.
 
     A node racing several others may lose every slot for a while: this shows it
     kept claiming (its claims reached the store and were answered).

@@ -151,7 +151,7 @@ def test_watermark_is_never_passed_by_an_older_slot(store: StateStore) -> None:
     assert store.watermark("wm") is None
     assert store.create(occurrence("wm", t2)).created
     assert store.watermark("wm") == t2
-    # An older slot with no record is below the watermark: settled, never claimed
+    # An older slot with no record is below the watermark: decided, never claimed
     below = store.create(occurrence("wm", t1))
     assert below.status is CreateStatus.BELOW_WATERMARK and below.job is None
     assert store.get(occurrence("wm", t1).ref) is None

@@ -176,7 +176,7 @@ def test_stale_scheduled_jobs_are_replayed_once_never_past_their_deadline(scene:
     # Given a gated and a plain job left SCHEDULED, and one whose deadline comes first
     gated, plain = scene.put(State.SCHEDULED), scene.put(State.SCHEDULED, PLAIN)
     late = scene.put(State.SCHEDULED, deadline=scene.store.now() + timedelta(seconds=0.05))
-    # When passes run until they are settled, and then for another replay age
+    # When passes run until they are resolved, and then for another replay age
     jobs = (gated, plain, late)
     reports = scene.until(lambda: all(scene.state(job) is not State.SCHEDULED for job in jobs))
     again = scene.store.now() + timedelta(seconds=REPLAY_AGE + 0.05)
@@ -216,7 +216,7 @@ def test_dispatched_plain_times_out_unconfirmed_gated_at_the_deadline(scene: Sce
     )
     gated = scene.put(State.DISPATCHED)
     jobs = (plain, plain_opted, gated)
-    # When passes run until all are settled
+    # When passes run until all are resolved
     scene.until(lambda: all(scene.state(job) is State.TIMEOUT for job in jobs))
     # Then the plain ones timed out 'unconfirmed' after dispatch_timeout, the gated one
     # only after dispatch_deadline, and none was ever republished
@@ -238,7 +238,7 @@ def test_opted_in_redispatch_backs_off_and_is_capped(
     # at most two redispatches per job
     monkeypatch.setattr(reconciler, "MAX_REDISPATCHES", 2)
     job = scene.put(State.DISPATCHED, FAST_REDISPATCH)
-    # When passes run until it is settled
+    # When passes run until it is resolved
     scene.until(lambda: scene.state(job) is State.TIMEOUT)
     # Then it was redispatched after 0.3 s, then after 0.6 s, then no more (the next
     # two would be due 1.2 s and 2.4 s later, before the deadline: the cap); it timed
@@ -289,7 +289,7 @@ def test_running_jobs_without_heartbeat_time_out_or_rerun(scene: Scene) -> None:
     )
     beats = Heartbeats(scene.factory(), live)
     try:
-        # When passes run until the dead ones are settled, and then for a running_timeout more
+        # When passes run until the dead ones are resolved, and then for a running_timeout more
         scene.until(
             lambda: scene.state(dead) is State.TIMEOUT and scene.state(rerun) is State.DISPATCHED
         )

@@ -21,11 +21,11 @@ def policy(catchup: str = "latest", max_lateness: float | None = None) -> EntryP
     return EntryPolicy(catchup, max_lateness, None)  # type: ignore[arg-type]
 
 
-def plan_of(settled: datetime | None, **kw: object) -> Plan:
+def plan_of(decided: datetime | None, **kw: object) -> Plan:
     args: dict[str, object] = {
         "tz": timezone.utc,
         "config": CONFIG,
-        "settled": settled,
+        "decided": decided,
         "now": NOW,
         "floor": None,
         "floor_reason": "unprovable",
@@ -35,19 +35,19 @@ def plan_of(settled: datetime | None, **kw: object) -> Plan:
     return plan("e", EVERY_MINUTE, pol, **args)  # type: ignore[arg-type]
 
 
-def test_a_node_that_settled_the_last_slot_plans_only_the_next_one() -> None:
+def test_a_node_that_decided_the_last_slot_plans_only_the_next_one() -> None:
     result = plan_of(NOW - timedelta(minutes=1))
     assert result.due == [NOW]
     assert result.claim == [NOW]
     assert result.skipped == []
-    assert result.settle_to() == NOW
+    assert result.decided_to() == NOW
 
 
-def test_nothing_due_settles_where_the_entry_stood() -> None:
-    settled = NOW
-    result = plan_of(settled, now=NOW + timedelta(seconds=20))
+def test_nothing_due_leaves_the_entry_decided_where_it_stood() -> None:
+    decided = NOW
+    result = plan_of(decided, now=NOW + timedelta(seconds=20))
     assert result.due == [] and result.claim == []
-    assert result.settle_to() == settled
+    assert result.decided_to() == decided
 
 
 def test_latest_claims_the_newest_missed_slot_and_skips_the_rest_as_catchup() -> None:
@@ -75,8 +75,8 @@ def test_max_lateness_skips_slots_too_late_whatever_the_catchup() -> None:
 
 
 def test_slots_that_left_the_window_are_skipped_and_the_entry_starts_at_the_window() -> None:
-    settled = NOW - timedelta(minutes=8)
-    result = plan_of(settled, policy=policy("all"))
+    decided = NOW - timedelta(minutes=8)
+    result = plan_of(decided, policy=policy("all"))
     window, fallen = result.skipped[0]
     assert window == "window"
     assert fallen == minutes_ago(7, 6, 5)
@@ -95,12 +95,12 @@ def test_slots_at_or_below_the_floor_are_skipped_with_the_floor_reason() -> None
     assert result.claim == [NOW]
 
 
-def test_a_failed_claim_settles_the_entry_before_it() -> None:
+def test_a_failed_claim_leaves_the_entry_decided_up_to_the_slot_before_it() -> None:
     result = Plan("e", start=NOW - timedelta(minutes=3), due=minutes_ago(2, 1, 0))
     result.failed.append(NOW - timedelta(minutes=1))
-    assert result.settle_to() == NOW - timedelta(minutes=2)
+    assert result.decided_to() == NOW - timedelta(minutes=2)
     result.failed.append(NOW - timedelta(minutes=2))
-    assert result.settle_to() == NOW - timedelta(minutes=3)
+    assert result.decided_to() == NOW - timedelta(minutes=3)
 
 
 def test_the_tally_reports_once_per_reason_and_counts_every_slot() -> None:

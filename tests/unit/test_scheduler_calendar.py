@@ -282,7 +282,7 @@ def _skips_by_entry(records: list[logging.LogRecord], where: str = "catchup") ->
 def test_catch_up_policies_after_two_hours_down(
     late: int, caplog: pytest.LogCaptureFixture
 ) -> None:
-    # Given three nodes settled at T0, a 3 h window that covers the downtime, catchup_limit 5
+    # Given three nodes done up to T0, a 3 h window that covers the downtime, catchup_limit 5
     nodes = 3
     cluster = Cluster(
         {name: every(600, exactonce=policy) for name, policy in CATCHUP_POLICIES.items()},
@@ -318,7 +318,7 @@ def test_catch_up_policies_after_two_hours_down(
 
 
 def test_slots_older_than_the_window_are_never_dispatched() -> None:
-    # Given three nodes settled at T0 with the default 5-minute window and minutely entries
+    # Given three nodes done up to T0 with the default 5-minute window and minutely entries
     cluster = Cluster(
         {
             "latest": every(60),
@@ -342,7 +342,7 @@ def test_slots_older_than_the_window_are_never_dispatched() -> None:
 
 
 def test_slots_missed_beyond_the_window_are_counted() -> None:
-    # Given one node settled at T0 with the default window and minutely entries
+    # Given one node done up to T0 with the default window and minutely entries
     cluster = Cluster(
         {
             "latest": every(60),
@@ -367,7 +367,7 @@ def test_slots_missed_beyond_the_window_are_counted() -> None:
 
 @pytest.mark.parametrize("catchup", ["latest", "all"])
 def test_each_slot_lost_to_a_store_outage_is_counted_once(catchup: str) -> None:
-    # Given one node settled at T0 with a minutely entry and the default 5-minute window
+    # Given one node done up to T0 with a minutely entry and the default 5-minute window
     cluster = Cluster({"e": every(60, exactonce={"catchup": catchup})}, nodes=1)
     cluster.tick_all()
     t0 = cluster.clock.now()
@@ -423,7 +423,7 @@ def test_a_restarted_node_counts_only_the_slots_it_missed() -> None:
 
 
 def test_a_slot_skipped_by_catch_up_is_never_dispatched_later() -> None:
-    # Given one node settled at T0, entries every 10 min, catchup="all", limit 5, window 4000 s
+    # Given one node done up to T0, entries every 10 min, catchup="all", limit 5, window 4000 s
     cluster = Cluster(
         {"all": every(600, exactonce={"catchup": "all"})},
         nodes=1,
