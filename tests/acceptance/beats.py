@@ -191,8 +191,7 @@ def assert_published_once(deployment: Deployment, expected: set[Occurrence]) -> 
         poll(ended, timeout=10, interval=0.2)
     except AssertionError:
         raise AssertionError(
-            f"{len(running)} gated occurrence(s) not SUCCEEDED:\n"
-            f"{describe(deployment, running)}"
+            f"{len(running)} gated occurrence(s) not SUCCEEDED:\n{describe(deployment, running)}"
         ) from None
 
 
