@@ -51,35 +51,53 @@ def main(url: str) -> int:
         dispatched = store.transition(
             slot.ref,
             Transition(
-                State.DISPATCHED, frozenset({State.SCHEDULED}), node="beat-1",
-                reason="publish", rev=slot.rev,
+                State.DISPATCHED,
+                frozenset({State.SCHEDULED}),
+                node="beat-1",
+                reason="publish",
+                rev=slot.rev,
             ),
-        )  # fmt: skip
+        )
         print(f"dispatch CAS: {dispatched.status.value}")
 
         # The worker gate: one delivery per attempt passes, a redelivery is refused.
         def gate(run_id: str) -> str:
             request = Transition(
-                State.RUNNING, frozenset({State.SCHEDULED, State.DISPATCHED}), node="worker",
-                reason="gate", attempt=0, new_run_id=run_id,
-            )  # fmt: skip
+                State.RUNNING,
+                frozenset({State.SCHEDULED, State.DISPATCHED}),
+                node="worker",
+                reason="gate",
+                attempt=0,
+                new_run_id=run_id,
+            )
             return store.transition(slot.ref, request).status.value
 
         print(f"first delivery: {gate('run-1')}; redelivery: {gate('run-2')}")
         done = store.transition(
             slot.ref,
-            Transition(State.SUCCEEDED, frozenset({State.RUNNING}), node="worker",
-                       reason="body returned", run_id="run-1"),
-        )  # fmt: skip
+            Transition(
+                State.SUCCEEDED,
+                frozenset({State.RUNNING}),
+                node="worker",
+                reason="body returned",
+                run_id="run-1",
+            ),
+        )
         assert done.job is not None
-        print(f"final state: {done.job.state.value}, history: "
-              + " -> ".join(h.dst.value for h in done.job.history))  # fmt: skip
+        print(
+            f"final state: {done.job.state.value}, history: "
+            + " -> ".join(h.dst.value for h in done.job.history)
+        )
 
         # A delayed job lives in the store until it is due, then one sweeper claims it.
         delayed = NewJob(
-            JobRef.task("send-reminder-42"), "mail.remind", State.PENDING, node="api",
-            kwargs={"user": 42}, run_at=store.now() - timedelta(seconds=1),
-        )  # fmt: skip
+            JobRef.task("send-reminder-42"),
+            "mail.remind",
+            State.PENDING,
+            node="api",
+            kwargs={"user": 42},
+            run_at=store.now() - timedelta(seconds=1),
+        )
         store.create(delayed)
         claimed = store.claim_due(10, node="beat-1")
         print(

@@ -168,11 +168,19 @@ class Ledger:
             conn.close()
         return [
             Row(
-                r[0], r[1], r[2], r[3], r[4], json.loads(r[5]), json.loads(r[6]), r[7], r[8],
+                r[0],
+                r[1],
+                r[2],
+                r[3],
+                r[4],
+                json.loads(r[5]),
+                json.loads(r[6]),
+                r[7],
+                r[8],
                 json.loads(r[9]),
             )
             for r in found
-        ]  # fmt: skip
+        ]
 
     def count(
         self,

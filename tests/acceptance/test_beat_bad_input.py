@@ -37,10 +37,11 @@ def test_a_beat_with_a_bad_entry_refuses_to_start_naming_it_and_others_keep_runn
     ledger.wait_count(2, task="gated_record")
     # When beats are started, each with one bad entry besides the ordinary ones
     refused = {
-        kind: deployment.start_beat(every=1, extra_env={"EXACTONCE_ACC_BEAT_EXTRA": kind},
-                                    wait=False)
+        kind: deployment.start_beat(
+            every=1, extra_env={"EXACTONCE_ACC_BEAT_EXTRA": kind}, wait=False
+        )
         for kind in BAD_ENTRY_NAMES
-    }  # fmt: skip
+    }
     # Then each exits with an error naming its entry, before it started beating
     for kind, beat in refused.items():
         poll(lambda beat=beat: not beat.alive(), timeout=EXIT_TIMEOUT, interval=0.1)  # type: ignore[misc]
@@ -74,8 +75,9 @@ def test_kombu_typed_beat_arguments_reach_the_body_as_plain_celery_sends_them(
     beat = deployment.start_beat(every=1, extra_env={"EXACTONCE_ACC_BEAT_EXTRA": "typed"})
     # When the same call goes through plain Celery
     kwargs = {"when": TYPED_ARGS[0], "amount": TYPED_ARGS[2]}
-    plain = deployment.app().send_task("plain_record", args=("plain-celery", *TYPED_ARGS),
-                                       kwargs=kwargs)  # fmt: skip
+    plain = deployment.app().send_task(
+        "plain_record", args=("plain-celery", *TYPED_ARGS), kwargs=kwargs
+    )
     # Then the bodies beat's occurrences ran got exactly what plain Celery delivered
     (sent,) = ledger.wait_count(1, task_id=plain.id)
     for kind in ("gated", "plain"):

@@ -136,10 +136,13 @@ class Variant:
         with self.app.connection_for_write() as conn:  # the queue exists before a publish
             self.app.amqp.queues[self.queue](conn.default_channel).declare()
         self.worker = WorkerProcess(
-            self.env, self.directory / f"{self.kind}-worker.log", queue=self.queue,
-            concurrency=CONCURRENCY, name=f"compat-{self.kind}-{self.uid}",
+            self.env,
+            self.directory / f"{self.kind}-worker.log",
+            queue=self.queue,
+            concurrency=CONCURRENCY,
+            name=f"compat-{self.kind}-{self.uid}",
             app_module=APP_MODULE,
-        ).start()  # fmt: skip
+        ).start()
         if self.kind == "exactonce":
             self.beat = BeatProcess(
                 self.env, self.directory, f"{self.kind}-beat", app_module=APP_MODULE
@@ -505,8 +508,10 @@ def immutable_bytes_errback_on_a_chord_in_a_chain(app: Celery) -> Outcome:
     found = noted(app, tag)
     if isinstance(found, list):  # the payload is the tag: name it
         as_bytes = ["bytes", tag.encode().hex()]
-        found = [{**entry, "payload": "the tag, as bytes"} if entry.get("payload") == as_bytes
-                 else entry for entry in found]  # fmt: skip
+        found = [
+            {**entry, "payload": "the tag, as bytes"} if entry.get("payload") == as_bytes else entry
+            for entry in found
+        ]
     return {"last": settle_once_ready(app, result), "errbacks": found}
 
 

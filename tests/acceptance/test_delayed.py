@@ -96,8 +96,12 @@ def test_a_countdown_past_the_visibility_timeout_runs_gated_once_and_plain_twice
     job = deployment.job(gated.id)
     assert job is not None and job.dispatches == 1
     assert path_of(job) == [
-        State.PENDING, State.SCHEDULED, State.DISPATCHED, State.RUNNING, State.SUCCEEDED,
-    ]  # fmt: skip
+        State.PENDING,
+        State.SCHEDULED,
+        State.DISPATCHED,
+        State.RUNNING,
+        State.SUCCEEDED,
+    ]
 
 
 # -- 2. three beat nodes sweeping 10,000 due jobs --------------------------------------------
@@ -185,20 +189,31 @@ def test_three_beat_nodes_sweeping_ten_thousand_due_jobs_dispatch_each_exactly_o
     due = store.now() - timedelta(minutes=1)
     news = [
         NewJob(
-            JobRef.task(f"swept-{index:05d}"), template.task, State.PENDING, node=template.node,
-            args=[index], kwargs={}, options=template.options, deadline=template.deadline,
-            run_at=due + timedelta(microseconds=index), reason=template.reason,
+            JobRef.task(f"swept-{index:05d}"),
+            template.task,
+            State.PENDING,
+            node=template.node,
+            args=[index],
+            kwargs={},
+            options=template.options,
+            deadline=template.deadline,
+            run_at=due + timedelta(microseconds=index),
+            reason=template.reason,
         )
         for index in range(SWEPT_JOBS)
-    ]  # fmt: skip
+    ]
     seed(deployment, news)
     seeded = time.monotonic()
     ids = {new.ref.id for new in news}
     first = store.get(news[0].ref)
     assert first is not None
     assert (first.state, first.task, first.options, first.run_at, first.rev) == (
-        State.PENDING, template.task, template.options, news[0].run_at, news[0].rev,
-    )  # fmt: skip
+        State.PENDING,
+        template.task,
+        template.options,
+        news[0].run_at,
+        news[0].rev,
+    )
     assert {job.ref.id for job in store.list_stale(State.PENDING, 0, SWEPT_JOBS + 1)} == ids
 
     # When three beat nodes that only sweep delayed jobs start together
@@ -218,9 +233,10 @@ def test_three_beat_nodes_sweeping_ten_thousand_due_jobs_dispatch_each_exactly_o
     twice = [job for job in dispatched if job.dispatches != 1 or job.attempt != 0]
     assert not twice, f"{len(twice)} job(s) dispatched other than once: {twice[:2]}"
     bad_path = [
-        job for job in dispatched
+        job
+        for job in dispatched
         if path_of(job) != [State.PENDING, State.SCHEDULED, State.DISPATCHED]
-    ]  # fmt: skip
+    ]
     assert not bad_path, f"{len(bad_path)} job(s) took another path: {bad_path[:2]}"
     # ... the broker holds exactly one message per job
     queued = queued_task_ids(deployment)

@@ -32,9 +32,13 @@ def send_copy(deployment: Deployment, task_id: str, **header_overrides: Any) -> 
     assert job is not None
     headers = {**message_headers(job, deployment.namespace), **header_overrides}
     deployment.app().send_task(
-        job.task, args=job.args, kwargs=job.kwargs, task_id=task_id, headers=headers,
+        job.task,
+        args=job.args,
+        kwargs=job.kwargs,
+        task_id=task_id,
+        headers=headers,
         retries=headers["exactonce_attempt"],
-    )  # fmt: skip
+    )
 
 
 def assert_dispatch_path(deployment: Deployment, task_id: str) -> None:

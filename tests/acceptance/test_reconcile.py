@@ -363,22 +363,35 @@ def leave_stale(deployment: Deployment) -> tuple[list[str], list[str], list[str]
     kinds = (("s", "gated_record"), ("d", "gated_record"), ("r", "gated_redispatch"))
     news = [
         NewJob(
-            JobRef.task(str(uuid.uuid4())), task, State.SCHEDULED, node=CRASHED,
-            args=[kind, i], options={GATED_OPTION: True}, reason="apply_async",
+            JobRef.task(str(uuid.uuid4())),
+            task,
+            State.SCHEDULED,
+            node=CRASHED,
+            args=[kind, i],
+            options={GATED_OPTION: True},
+            reason="apply_async",
         )
         for kind, task in kinds
         for i in range(STALE_EACH)
-    ]  # fmt: skip
+    ]
     store = deployment.store()
     assert all(result.created for result in store.create_many(news))
-    replies = store.transition_many([
-        (new.ref, Transition(
-            State.DISPATCHED, frozenset({State.SCHEDULED}), node=CRASHED, reason="apply_async",
-            rev=new.rev,
-        ))
-        for new in news
-        if new.args[0] != "s"
-    ])  # fmt: skip
+    replies = store.transition_many(
+        [
+            (
+                new.ref,
+                Transition(
+                    State.DISPATCHED,
+                    frozenset({State.SCHEDULED}),
+                    node=CRASHED,
+                    reason="apply_async",
+                    rev=new.rev,
+                ),
+            )
+            for new in news
+            if new.args[0] != "s"
+        ]
+    )
     assert all(reply.applied for reply in replies)
     ids = [new.ref.id for new in news]
     scheduled, default, opted_in = (ids[k * STALE_EACH : (k + 1) * STALE_EACH] for k in range(3))

@@ -402,10 +402,13 @@ def stale_job(state: State, index: int) -> NewJob:
     return NewJob(
         JobRef.task(f"stale-{state.value}-{index}-{uuid.uuid4().hex[:6]}"),
         "gated_redispatch" if state is State.DISPATCHED else "gated_record",
-        State.RUNNING if running else State.SCHEDULED, node=DEAD_NODE, args=[index],
-        options={GATED_OPTION: True}, run_id=uuid.uuid4().hex if running else None,
+        State.RUNNING if running else State.SCHEDULED,
+        node=DEAD_NODE,
+        args=[index],
+        options={GATED_OPTION: True},
+        run_id=uuid.uuid4().hex if running else None,
         reason="left by a dead node",
-    )  # fmt: skip
+    )
 
 
 def make_stale(deployment: Deployment) -> dict[State, list[str]]:
@@ -415,12 +418,18 @@ def make_stale(deployment: Deployment) -> dict[State, list[str]]:
     created = store.create_many([new for batch in news.values() for new in batch])
     assert all(result.created for result in created), created
     dispatched = [
-        (new.ref, Transition(
-            State.DISPATCHED, frozenset({State.SCHEDULED}), node=DEAD_NODE, rev=new.rev,
-            reason="dispatched, then the node died",
-        ))
+        (
+            new.ref,
+            Transition(
+                State.DISPATCHED,
+                frozenset({State.SCHEDULED}),
+                node=DEAD_NODE,
+                rev=new.rev,
+                reason="dispatched, then the node died",
+            ),
+        )
         for new in news[State.DISPATCHED]
-    ]  # fmt: skip
+    ]
     assert all(result.applied for result in store.transition_many(dispatched))
     return {state: [new.ref.id for new in batch] for state, batch in news.items()}
 

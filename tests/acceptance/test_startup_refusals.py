@@ -49,23 +49,42 @@ class Bad:
 
 CASES = (
     Bad("no-store-url", "exactonce_store_url", store=None),
-    Bad("amqp-without-confirm-publish", "confirm_publish", broker="amqp",
-        also=("broker_transport_options",)),
-    Bad("reject-on-worker-lost", "reject_on_worker_lost", reject_on_lost=True,
-        also=("startup_app.gated",)),
-    Bad("redis-eviction-policy", "maxmemory-policy", store="evicting",
-        also=("exactonce_store_url", "allkeys-lru")),
+    Bad(
+        "amqp-without-confirm-publish",
+        "confirm_publish",
+        broker="amqp",
+        also=("broker_transport_options",),
+    ),
+    Bad(
+        "reject-on-worker-lost",
+        "reject_on_worker_lost",
+        reject_on_lost=True,
+        also=("startup_app.gated",),
+    ),
+    Bad(
+        "redis-eviction-policy",
+        "maxmemory-policy",
+        store="evicting",
+        also=("exactonce_store_url", "allkeys-lru"),
+    ),
     Bad("retention-below-look-back", "exactonce_retention", conf={"exactonce_retention": 10}),
     # Adoption past retention: a message redelivered after its adopted record was
     # purged would run again. Only the worker adopts.
-    Bad("retention-below-visibility-timeout", "exactonce_retention", roles=("worker",),
-        conf={"exactonce_retention": 900,
-              "broker_transport_options": {"visibility_timeout": 43_200}},
-        also=("visibility_timeout", "43200")),
-    Bad("node-id-control-character", "exactonce_node_id",
-        conf={"exactonce_node_id": "node\x07one"}),
+    Bad(
+        "retention-below-visibility-timeout",
+        "exactonce_retention",
+        roles=("worker",),
+        conf={
+            "exactonce_retention": 900,
+            "broker_transport_options": {"visibility_timeout": 43_200},
+        },
+        also=("visibility_timeout", "43200"),
+    ),
+    Bad(
+        "node-id-control-character", "exactonce_node_id", conf={"exactonce_node_id": "node\x07one"}
+    ),
     Bad("node-id-too-long", "exactonce_node_id", conf={"exactonce_node_id": "n" * 256}),
-)  # fmt: skip
+)
 
 PARAMS = [pytest.param(case, role, id=f"{role}-{case.id}") for case in CASES for role in case.roles]
 
@@ -86,14 +105,32 @@ class RefusingProcess(CeleryProcess):
         celery = [sys.executable, "-m", "celery", "-A", APP_MODULE]
         if self.role == "worker":
             return [
-                *celery, "worker", "-P", "prefork", "-c", "1", "--without-heartbeat",
-                "--without-mingle", "--without-gossip", "-n", f"{self.queue}@%h",
-                "-Q", self.queue, "--loglevel", "INFO",
-            ]  # fmt: skip
+                *celery,
+                "worker",
+                "-P",
+                "prefork",
+                "-c",
+                "1",
+                "--without-heartbeat",
+                "--without-mingle",
+                "--without-gossip",
+                "-n",
+                f"{self.queue}@%h",
+                "-Q",
+                self.queue,
+                "--loglevel",
+                "INFO",
+            ]
         return [
-            *celery, "beat", "-S", "exactonce", "-s", str(self.directory / "celerybeat-schedule"),
-            "--loglevel", "INFO",
-        ]  # fmt: skip
+            *celery,
+            "beat",
+            "-S",
+            "exactonce",
+            "-s",
+            str(self.directory / "celerybeat-schedule"),
+            "--loglevel",
+            "INFO",
+        ]
 
 
 @pytest.fixture(scope="module")

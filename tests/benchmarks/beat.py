@@ -48,11 +48,16 @@ def _app(entries: dict[str, Any], queue: str) -> Iterator[Celery]:
     """An app with ``entries`` as its beat schedule, a fresh namespace, cleaned up after."""
     app = Celery("bench", set_as_current=False)
     app.conf.update(
-        broker_url=_broker_url(), task_default_queue=queue, task_ignore_result=True,
-        beat_schedule=entries, timezone="UTC", exactonce_store_url=services.REDIS_URL,
-        exactonce_namespace=f"bench-{uuid.uuid4().hex[:12]}", exactonce_max_skew=0,
+        broker_url=_broker_url(),
+        task_default_queue=queue,
+        task_ignore_result=True,
+        beat_schedule=entries,
+        timezone="UTC",
+        exactonce_store_url=services.REDIS_URL,
+        exactonce_namespace=f"bench-{uuid.uuid4().hex[:12]}",
+        exactonce_max_skew=0,
         exactonce_tick_interval=1,
-    )  # fmt: skip
+    )
     app.task(name="bench.t", shared=False)(_noop)  # beat imports the entries' task
     sigterm = signal.getsignal(signal.SIGTERM)  # the scheduler installs its own
     try:

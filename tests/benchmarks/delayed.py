@@ -46,11 +46,17 @@ def _broker_url() -> str:
 
 def _conf(namespace: str, queue: str, **extra: Any) -> dict[str, Any]:
     return {
-        "broker_url": _broker_url(), "task_default_queue": queue, "task_ignore_result": True,
-        "beat_schedule": {}, "timezone": "UTC", "exactonce_store_url": services.REDIS_URL,
-        "exactonce_namespace": namespace, "exactonce_tick_interval": 0.2,
-        "exactonce_reconcile_interval": 3600, **extra,
-    }  # fmt: skip
+        "broker_url": _broker_url(),
+        "task_default_queue": queue,
+        "task_ignore_result": True,
+        "beat_schedule": {},
+        "timezone": "UTC",
+        "exactonce_store_url": services.REDIS_URL,
+        "exactonce_namespace": namespace,
+        "exactonce_tick_interval": 0.2,
+        "exactonce_reconcile_interval": 3600,
+        **extra,
+    }
 
 
 def _make_app(conf: dict[str, Any]) -> Celery:
@@ -108,11 +114,21 @@ def sweep(count: int, nodes: int) -> float:
     with _namespace(queue) as (namespace, store):
         due = store.now() - timedelta(seconds=1)
         options = {GATED_OPTION: True}
-        _create(store, [
-            NewJob(JobRef.task(f"d{i}"), TASK, State.PENDING, node="bench", args=[i],
-                   options=options, run_at=due + timedelta(microseconds=i))
-            for i in range(count)
-        ])  # fmt: skip
+        _create(
+            store,
+            [
+                NewJob(
+                    JobRef.task(f"d{i}"),
+                    TASK,
+                    State.PENDING,
+                    node="bench",
+                    args=[i],
+                    options=options,
+                    run_at=due + timedelta(microseconds=i),
+                )
+                for i in range(count)
+            ],
+        )
         context = multiprocessing.get_context("spawn")
         start, done = context.Event(), context.Queue()
         procs = [
@@ -152,8 +168,16 @@ def reconcile_pass(total: int, settle: float = 5.0) -> float:
     with _namespace(f"bench-rec-{uuid.uuid4().hex}") as (namespace, store):
 
         def running(prefix: str, n: int) -> list[NewJob]:
-            return [NewJob(JobRef.task(f"{prefix}{i}"), TASK, State.RUNNING, node="bench",
-                           run_id=uuid.uuid4().hex) for i in range(n)]  # fmt: skip
+            return [
+                NewJob(
+                    JobRef.task(f"{prefix}{i}"),
+                    TASK,
+                    State.RUNNING,
+                    node="bench",
+                    run_id=uuid.uuid4().hex,
+                )
+                for i in range(n)
+            ]
 
         _create(store, running("stale", STALE))
         time.sleep(settle)
@@ -162,8 +186,13 @@ def reconcile_pass(total: int, settle: float = 5.0) -> float:
         creating = time.perf_counter() - began
         # Older than every fresh job, younger than every stale one.
         timeout = creating + settle / 2
-        conf = _conf(namespace, "unused", exactonce_running_timeout=timeout,
-                     exactonce_heartbeat_interval=0.1, exactonce_max_skew=0)  # fmt: skip
+        conf = _conf(
+            namespace,
+            "unused",
+            exactonce_running_timeout=timeout,
+            exactonce_heartbeat_interval=0.1,
+            exactonce_max_skew=0,
+        )
         app = _make_app(conf)
         try:
             reconciler = Reconciler(runtime.runtime_for(app))

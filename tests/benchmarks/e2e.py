@@ -59,19 +59,25 @@ class E2E:
         inherited = {k: v for k, v in os.environ.items() if not k.startswith("EXACTONCE_BENCH_")}
         paths = [str(REPO_ROOT), *filter(None, inherited.get("PYTHONPATH", "").split(os.pathsep))]
         self.env = {
-            **inherited, "PYTHONPATH": os.pathsep.join(paths), "PYTHONUNBUFFERED": "1",
+            **inherited,
+            "PYTHONPATH": os.pathsep.join(paths),
+            "PYTHONUNBUFFERED": "1",
             "EXACTONCE_BENCH_BROKER_URL": self.broker_url,
             "EXACTONCE_BENCH_REDIS_PREFIX": self.prefix,
             "EXACTONCE_BENCH_STORE_URL": services.REDIS_URL,
             "EXACTONCE_BENCH_NAMESPACE": f"bench-{self.uid}",
             "EXACTONCE_BENCH_COUNTER_URL": self.broker_url,
-        }  # fmt: skip
+        }
         self.app = e2e_app.make_app(self.env, set_as_current=False)
         self.counter = redis.Redis.from_url(self.broker_url)
         self.worker = WorkerProcess(
-            self.env, workdir / "worker.log", queue=f"bench-e2e-idle-{self.uid}",
-            concurrency=CONCURRENCY, name=f"bench-{self.uid}", app_module=e2e_app.__name__,
-        )  # fmt: skip
+            self.env,
+            workdir / "worker.log",
+            queue=f"bench-e2e-idle-{self.uid}",
+            concurrency=CONCURRENCY,
+            name=f"bench-{self.uid}",
+            app_module=e2e_app.__name__,
+        )
         self.node = f"{self.worker.name}@{socket.gethostname()}"
         self.gated_runs = 0
 
@@ -183,7 +189,8 @@ def run(count: int = 3000, rounds: int = 3) -> Rounds:
         for task in (e2e_app.PLAIN, e2e_app.GATED):
             e2e.round(task, min(WARM_UP, count))
         return alternate(
-            rounds, count,
+            rounds,
+            count,
             lambda: e2e.round(e2e_app.PLAIN, count),
             lambda: e2e.round(e2e_app.GATED, count),
-        )  # fmt: skip
+        )

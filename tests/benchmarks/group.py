@@ -36,7 +36,8 @@ def run(groups: int = 20, size: int = 100, rounds: int = 3) -> Rounds:
             group(task.s(i) for i in range(size)).apply_async()
             bench.settle(task.queue, size, f"group warm-up ({task.name})")
         return alternate(
-            rounds, groups,
+            rounds,
+            groups,
             lambda: _timed(bench, bench.plain, groups, size),
             lambda: _timed(bench, bench.gated, groups, size),
-        )  # fmt: skip
+        )

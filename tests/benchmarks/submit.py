@@ -115,10 +115,13 @@ def bench_app(store: str, broker: str, name: str = "bench") -> Iterator[Bench]:
     tmp = tempfile.mkdtemp(prefix="exactonce-bench-")
     app = Celery(name, set_as_current=False)
     app.conf.update(
-        broker_url=broker_url(broker), broker_transport_options=transport_options(broker),
-        task_ignore_result=True, timezone="UTC", exactonce_store_url=store_url(store, tmp),
+        broker_url=broker_url(broker),
+        broker_transport_options=transport_options(broker),
+        task_ignore_result=True,
+        timezone="UTC",
+        exactonce_store_url=store_url(store, tmp),
         exactonce_namespace=f"bench-{uid}",
-    )  # fmt: skip
+    )
     plain = app.task(name=f"{name}.plain", shared=False, queue=f"{name}-plain-{uid}")(_noop)
     gated = app.task(
         name=f"{name}.gated", base=ExactOnceTask, shared=False, queue=f"{name}-gated-{uid}"
@@ -158,7 +161,8 @@ def measure(store: str, broker: str, count: int, rounds: int) -> Rounds:
             bench.settle(task.queue, 1, f"submit warm-up ({task.name})")
         where = f"{store} store, {broker} broker"
         return alternate(
-            rounds, count,
+            rounds,
+            count,
             lambda: _timed(bench, bench.plain, count, f"submit plain, {where}"),
             lambda: _timed(bench, bench.gated, count, f"submit gated, {where}"),
-        )  # fmt: skip
+        )

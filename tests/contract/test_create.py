@@ -197,15 +197,21 @@ def test_create_many_is_create_in_turn(store: StateStore) -> None:
     assert existing is not None
     # Given a batch mixing new occurrences, an existing job and a slot the batch itself passes
     batch = [
-        occurrence("cm-b", t1), occurrence("cm-a", t1), occurrence("cm-a", t2),
-        task_job("cm-existing"), occurrence("cm-a", t0),
-    ]  # fmt: skip
+        occurrence("cm-b", t1),
+        occurrence("cm-a", t1),
+        occurrence("cm-a", t2),
+        task_job("cm-existing"),
+        occurrence("cm-a", t0),
+    ]
     results = store.create_many(batch)
     # Then each result is what create would have said, in the batch's order
     assert [r.status for r in results] == [
-        CreateStatus.CREATED, CreateStatus.CREATED, CreateStatus.CREATED,
-        CreateStatus.EXISTS, CreateStatus.BELOW_WATERMARK,
-    ]  # fmt: skip
+        CreateStatus.CREATED,
+        CreateStatus.CREATED,
+        CreateStatus.CREATED,
+        CreateStatus.EXISTS,
+        CreateStatus.BELOW_WATERMARK,
+    ]
     assert results[3].job is not None and results[3].job.rev == existing.rev
     assert store.watermark("cm-a") == t2 and store.watermark("cm-b") == t1
     assert store.create_many([]) == []

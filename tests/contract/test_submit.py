@@ -27,7 +27,7 @@ def app(store_factory: StoreFactory) -> Iterator[Celery]:
         task_default_queue=f"submit-{store_factory.namespace}",
         exactonce_store_url=store_factory.url,
         exactonce_namespace=store_factory.namespace,
-    )  # fmt: skip
+    )
 
     @app.task(base=ExactOnceTask, shared=False, name="t.add")
     def add(x: int, y: int) -> int:
@@ -52,8 +52,9 @@ def test_a_submit_creates_the_job_and_dispatches_it_once(app: Celery) -> None:
     assert result.id == "sub-1"
     assert job is not None and job.state is State.DISPATCHED and job.dispatches == 1
     assert [(h.src, h.dst) for h in job.history] == [
-        (None, State.SCHEDULED), (State.SCHEDULED, State.DISPATCHED),
-    ]  # fmt: skip
+        (None, State.SCHEDULED),
+        (State.SCHEDULED, State.DISPATCHED),
+    ]
     assert (job.task, job.args, job.kwargs) == ("t.add", [1, 2], {})
     assert metrics.COUNTERS.get("dispatched") == 1
 

@@ -351,16 +351,20 @@ def test_transition_many_is_transition_in_turn(store: StateStore) -> None:
     assert a is not None and b is not None
     missing = JobRef.task("tm-missing")
     first = to(State.DISPATCHED, State.SCHEDULED, rev=a.rev)
-    results = store.transition_many([
-        (a.ref, first),
-        (b.ref, to(State.DISPATCHED, State.SCHEDULED, rev="not-the-rev")),
-        (missing, to(State.DISPATCHED, State.SCHEDULED)),
-        (a.ref, to(State.PUBLISHED, State.DISPATCHED, rev=first.new_rev)),
-    ])  # fmt: skip
+    results = store.transition_many(
+        [
+            (a.ref, first),
+            (b.ref, to(State.DISPATCHED, State.SCHEDULED, rev="not-the-rev")),
+            (missing, to(State.DISPATCHED, State.SCHEDULED)),
+            (a.ref, to(State.PUBLISHED, State.DISPATCHED, rev=first.new_rev)),
+        ]
+    )
     assert [r.status for r in results] == [
-        TransitionStatus.APPLIED, TransitionStatus.CONFLICT, TransitionStatus.NOT_FOUND,
         TransitionStatus.APPLIED,
-    ]  # fmt: skip
+        TransitionStatus.CONFLICT,
+        TransitionStatus.NOT_FOUND,
+        TransitionStatus.APPLIED,
+    ]
     assert results[0].job is not None and results[0].job.state is State.DISPATCHED
     after = store.get(a.ref)
     assert after is not None and after.state is State.PUBLISHED

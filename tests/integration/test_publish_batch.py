@@ -38,10 +38,16 @@ def _app(server: RedisServer) -> Celery:
 
 def _scheduled(store: InMemoryStore, count: int, prefix: str) -> list[Job]:
     news = [
-        NewJob(JobRef.task(f"{prefix}-{i}"), "t.plain", State.SCHEDULED, node="n", args=[i],
-               options={GATED_OPTION: False})
+        NewJob(
+            JobRef.task(f"{prefix}-{i}"),
+            "t.plain",
+            State.SCHEDULED,
+            node="n",
+            args=[i],
+            options={GATED_OPTION: False},
+        )
         for i in range(count)
-    ]  # fmt: skip
+    ]
     return [result.job for result in store.create_many(news) if result.job is not None]
 
 

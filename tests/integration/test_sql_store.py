@@ -225,7 +225,7 @@ def test_each_write_of_a_submit_and_a_gate_is_one_statement(server_store: SqlSto
         "brief CAS": lambda: server_store.transition_many([(new.ref, dispatched)], brief=True),
         "create": lambda: server_store.create(other),
         "CAS": lambda: server_store.transition(other.ref, to(State.DISPATCHED, State.SCHEDULED)),
-    }  # fmt: skip
+    }
     counts = {}
     for name, write in writes.items():
         sent.clear()
@@ -356,9 +356,12 @@ def test_the_stale_threshold_is_check_transitions(seconds: float) -> None:
     for age in (threshold - 1, threshold):
         job = jobs.job_from_new(task_job(), jobs.from_micros(10**15 - age))
         request = Transition(
-            State.DISPATCHED, frozenset({State.SCHEDULED}), node="n", reason="r",
+            State.DISPATCHED,
+            frozenset({State.SCHEDULED}),
+            node="n",
+            reason="r",
             stale_for=seconds,
-        )  # fmt: skip
+        )
         assert jobs.check_transition(job, request, now) is (age >= threshold)
 
 

@@ -56,10 +56,17 @@ class Cluster:
     """
 
     def __init__(
-        self, schedule: dict[str, Any], nodes: int = 3, *, start: datetime = START,
-        store_born: datetime | None = None, store_retention: float = STORE_RETENTION,
-        imported: bool = True, gated: tuple[str, ...] = (), **conf: Any,
-    ) -> None:  # fmt: skip
+        self,
+        schedule: dict[str, Any],
+        nodes: int = 3,
+        *,
+        start: datetime = START,
+        store_born: datetime | None = None,
+        store_retention: float = STORE_RETENTION,
+        imported: bool = True,
+        gated: tuple[str, ...] = (),
+        **conf: Any,
+    ) -> None:
         self.imported, self.gated = imported, gated
         self.clock = FrozenClock(store_born or start - timedelta(days=1))
         self.store = InMemoryStore("beat", retention=store_retention, clock=self.clock)
@@ -75,8 +82,13 @@ class Cluster:
         settings: dict[str, Any] = {"timezone": "UTC", **conf}
         app.conf.update(exactonce_store_url="memory://", beat_schedule=schedule, **settings)
         for name in self.gated:
-            app.task(name=name, base=ExactOnceTask, shared=False, exactonce_redispatch=True,
-                     exactonce_running_timeout=1200)(_noop)  # fmt: skip
+            app.task(
+                name=name,
+                base=ExactOnceTask,
+                shared=False,
+                exactonce_redispatch=True,
+                exactonce_running_timeout=1200,
+            )(_noop)
         if self.imported:
             register_plain_tasks(app, schedule)
         rt = runtime.install(app, self.store)

@@ -25,10 +25,17 @@ def test_a_transition_applied_is_the_record_dataclasses_replace_builds() -> None
     request = Transition(State.DISPATCHED, [State.SCHEDULED], node="m", reason="r", rev=job.rev)
     applied = jobs.apply_transition(job, request, NOW)
     expected = dataclasses.replace(
-        job, state=State.DISPATCHED, rev=request.new_rev, dispatches=1, node="m", reason="r",
-        history=(*job.history, jobs.HistoryEntry(State.SCHEDULED, State.DISPATCHED, NOW, "m",
-                                                 "r", request.new_rev)),
-    )  # fmt: skip
+        job,
+        state=State.DISPATCHED,
+        rev=request.new_rev,
+        dispatches=1,
+        node="m",
+        reason="r",
+        history=(
+            *job.history,
+            jobs.HistoryEntry(State.SCHEDULED, State.DISPATCHED, NOW, "m", "r", request.new_rev),
+        ),
+    )
     assert applied == expected
     assert job.state is State.SCHEDULED  # the record applied to is left as it was
     with pytest.raises(dataclasses.FrozenInstanceError):

@@ -88,9 +88,13 @@ def test_identical_across_processes_with_different_hash_seeds() -> None:
     for seed in ("0", "1", "12345", "random"):
         env = {**os.environ, "PYTHONHASHSEED": seed}
         out = subprocess.run(
-            [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,
+            [sys.executable, "-c", code],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
             timeout=60,
-        ).stdout  # fmt: skip
+        ).stdout
         outputs.add(out)
     assert len(outputs) == 1
     assert outputs.pop().split()[0] == GOLDEN[0][1]

@@ -19,10 +19,14 @@ PACKAGE = Path(celery_exactonce.__file__).parent
 #: the reconcile task, the start-up checks, the package's front (``__init__``,
 #: ``__main__``, ``control``) and the demo. Every other module is below them.
 ABOVE = {
-    "celery_exactonce", "celery_exactonce.__main__", "celery_exactonce.task",
-    "celery_exactonce.scheduler", "celery_exactonce.reconcile_task",
-    "celery_exactonce.startup", "celery_exactonce.control",
-}  # fmt: skip
+    "celery_exactonce",
+    "celery_exactonce.__main__",
+    "celery_exactonce.task",
+    "celery_exactonce.scheduler",
+    "celery_exactonce.reconcile_task",
+    "celery_exactonce.startup",
+    "celery_exactonce.control",
+}
 
 
 def _name(path: Path) -> str:
@@ -82,7 +86,8 @@ def test_no_module_imports_itself_through_others() -> None:
 def test_no_module_below_the_task_imports_the_task_or_the_scheduler() -> None:
     graph = _graph()
     above = {"celery_exactonce.task", "celery_exactonce.scheduler"}
-    below = [name for name in graph if name not in ABOVE and not name.startswith(
-        "celery_exactonce.demo")]  # fmt: skip
+    below = [
+        name for name in graph if name not in ABOVE and not name.startswith("celery_exactonce.demo")
+    ]
     reaching = {name: sorted(_reach(graph, name) & above) for name in below}
     assert {name: found for name, found in reaching.items() if found} == {}

@@ -33,12 +33,15 @@ def test_failed_rollback_reaches_sentry_when_the_app_initialised_it() -> None:
     # Not initialised: nothing is sent
     assert not metrics.report_to_sentry("rollback_failed", "boom", {})
     sentry_sdk.init(
-        dsn="https://key@sentry.invalid/1", transport=Capture(),
-        default_integrations=False, auto_enabling_integrations=False,
-    )  # fmt: skip
+        dsn="https://key@sentry.invalid/1",
+        transport=Capture(),
+        default_integrations=False,
+        auto_enabling_integrations=False,
+    )
     try:
-        metrics.event("rollback_failed", "boom", labels={"phase": "rollback_write"},
-                      sentry=True, job_id="j-1")  # fmt: skip
+        metrics.event(
+            "rollback_failed", "boom", labels={"phase": "rollback_write"}, sentry=True, job_id="j-1"
+        )
         sentry_sdk.flush(timeout=5)
     finally:
         sentry_sdk.init(dsn=None)
@@ -51,9 +54,12 @@ def test_an_event_that_is_also_a_broader_one_is_one_record_and_both_counters(
     metrics.COUNTERS.reset()
     with caplog.at_level(logging.WARNING, logger="celery_exactonce"):
         metrics.event(
-            "publish_rolled_back", "refused", level=logging.WARNING,
-            labels={"phase": "publish"}, also=("fail_closed",),
-        )  # fmt: skip
+            "publish_rolled_back",
+            "refused",
+            level=logging.WARNING,
+            labels={"phase": "publish"},
+            also=("fail_closed",),
+        )
     assert metrics.COUNTERS.get("publish_rolled_back", phase="publish") == 1
     assert metrics.COUNTERS.get("fail_closed", phase="publish") == 1
     (record,) = caplog.records

@@ -18,31 +18,62 @@ from celery_exactonce.stores import redact_message, redact_url, store_from_url, 
 SHAPES = [
     ("redis://user:S3cretPw1@cache:6380/0", "redis://user:***@cache:6380/0", ["S3cretPw1"]),
     ("redis://:S3cretPw1@cache:6379/0", "redis://:***@cache:6379/0", ["S3cretPw1"]),
-    ("rediss://:S3cretPw1@cache/0?ssl_cert_reqs=none", "rediss://:***@cache/0?ssl_cert_reqs=none",
-     ["S3cretPw1"]),
-    ("redis://cache:6379/0?password=S3cretPw1&db=1", "redis://cache:6379/0?password=***&db=1",
-     ["S3cretPw1"]),
-    ("unix://:S3cretPw1@/var/run/redis.sock?db=0&password=S3cretPw2",
-     "unix://:***@/var/run/redis.sock?db=0&password=***", ["S3cretPw1", "S3cretPw2"]),
-    ("postgresql://u:S3cretPw1@db/app?password=S3cretPw2&sslpassword=S3cretPw3",
-     "postgresql://u:***@db/app?password=***&sslpassword=***",
-     ["S3cretPw1", "S3cretPw2", "S3cretPw3"]),
-    ("postgresql://u@/app?host=/tmp&password=S3cretPw1", "postgresql://u@/app?host=/tmp&password=***",
-     ["S3cretPw1"]),
-    ("postgresql+psycopg://u@db/app?options=password%3DS3cretPw1",
-     "postgresql+psycopg://u@db/app?options=***", ["S3cretPw1"]),
-    ("postgresql://u@db/app?dsn=host%3Ddb%20password%3DS3cretPw1", "postgresql://u@db/app?dsn=***",
-     ["S3cretPw1"]),
-    ("mysql://root:S3cretPw1@127.0.0.1:3306/test?charset=utf8mb4",
-     "mysql://root:***@127.0.0.1:3306/test?charset=utf8mb4", ["S3cretPw1"]),
+    (
+        "rediss://:S3cretPw1@cache/0?ssl_cert_reqs=none",
+        "rediss://:***@cache/0?ssl_cert_reqs=none",
+        ["S3cretPw1"],
+    ),
+    (
+        "redis://cache:6379/0?password=S3cretPw1&db=1",
+        "redis://cache:6379/0?password=***&db=1",
+        ["S3cretPw1"],
+    ),
+    (
+        "unix://:S3cretPw1@/var/run/redis.sock?db=0&password=S3cretPw2",
+        "unix://:***@/var/run/redis.sock?db=0&password=***",
+        ["S3cretPw1", "S3cretPw2"],
+    ),
+    (
+        "postgresql://u:S3cretPw1@db/app?password=S3cretPw2&sslpassword=S3cretPw3",
+        "postgresql://u:***@db/app?password=***&sslpassword=***",
+        ["S3cretPw1", "S3cretPw2", "S3cretPw3"],
+    ),
+    (
+        "postgresql://u@/app?host=/tmp&password=S3cretPw1",
+        "postgresql://u@/app?host=/tmp&password=***",
+        ["S3cretPw1"],
+    ),
+    (
+        "postgresql+psycopg://u@db/app?options=password%3DS3cretPw1",
+        "postgresql+psycopg://u@db/app?options=***",
+        ["S3cretPw1"],
+    ),
+    (
+        "postgresql://u@db/app?dsn=host%3Ddb%20password%3DS3cretPw1",
+        "postgresql://u@db/app?dsn=***",
+        ["S3cretPw1"],
+    ),
+    (
+        "mysql://root:S3cretPw1@127.0.0.1:3306/test?charset=utf8mb4",
+        "mysql://root:***@127.0.0.1:3306/test?charset=utf8mb4",
+        ["S3cretPw1"],
+    ),
     ("mariadb://root@db/test?PASSWD=S3cretPw1", "mariadb://root@db/test?PASSWD=***", ["S3cretPw1"]),
-    ("postgresql://u:p%40S3cret@[::1]:5432/db?Password=S3cretPw2",
-     "postgresql://u:***@[::1]:5432/db?Password=***", ["p@S3cret", "p%40S3cret", "S3cretPw2"]),
-    ("redis://[fe80::1%25eth0]:6379/0?pwd=S3cretPw1", "redis://[fe80::1%25eth0]:6379/0?pwd=***",
-     ["S3cretPw1"]),
-    ("redis://h/0?pass=S3cretPw1&secret=S3cretPw2&token=S3cretPw3&auth=S3cretPw4",
-     "redis://h/0?pass=***&secret=***&token=***&auth=***",
-     ["S3cretPw1", "S3cretPw2", "S3cretPw3", "S3cretPw4"]),
+    (
+        "postgresql://u:p%40S3cret@[::1]:5432/db?Password=S3cretPw2",
+        "postgresql://u:***@[::1]:5432/db?Password=***",
+        ["p@S3cret", "p%40S3cret", "S3cretPw2"],
+    ),
+    (
+        "redis://[fe80::1%25eth0]:6379/0?pwd=S3cretPw1",
+        "redis://[fe80::1%25eth0]:6379/0?pwd=***",
+        ["S3cretPw1"],
+    ),
+    (
+        "redis://h/0?pass=S3cretPw1&secret=S3cretPw2&token=S3cretPw3&auth=S3cretPw4",
+        "redis://h/0?pass=***&secret=***&token=***&auth=***",
+        ["S3cretPw1", "S3cretPw2", "S3cretPw3", "S3cretPw4"],
+    ),
     ("redis://h/0#password=S3cretPw1", "redis://h/0#password=***", ["S3cretPw1"]),
     ("redis://user@cache:6379/0", "redis://user@cache:6379/0", []),
     ("sqlite:///tmp/jobs.db", "sqlite:///tmp/jobs.db", []),
@@ -56,7 +87,7 @@ SHAPES = [
     ("redis://u:12#S3cret@cache/0", "<unparsable url>", ["12#S3cret"]),
     # Not a URL: a bare conninfo keeps its harmless pairs.
     ("host=/tmp password=S3cretPw1", "host=/tmp password=***", ["S3cretPw1"]),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(("url", "shown", "secrets"), SHAPES, ids=[s[0] for s in SHAPES])

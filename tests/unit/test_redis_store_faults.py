@@ -59,9 +59,11 @@ def test_works_end_to_end_on_fakeredis(store: RedisStore) -> None:
 def test_refused_connection_is_unavailable_without_the_password() -> None:
     # Nothing listens on port 1: the connection is refused before any byte is sent
     store = RedisStore.from_url(
-        f"redis://:{PASSWORD}@127.0.0.1:1/0", namespace="faults", retention=60.0,
+        f"redis://:{PASSWORD}@127.0.0.1:1/0",
+        namespace="faults",
+        retention=60.0,
         socket_timeout=0.5,
-    )  # fmt: skip
+    )
     try:
         with pytest.raises(exceptions.StoreUnavailable) as info:
             store.now()
@@ -74,9 +76,12 @@ def test_refused_connection_is_unavailable_without_the_password() -> None:
 
 def test_refused_connection_on_a_given_client_hides_its_password() -> None:
     client = redis.Redis(
-        host="127.0.0.1", port=1, password=PASSWORD, socket_connect_timeout=0.5,
+        host="127.0.0.1",
+        port=1,
+        password=PASSWORD,
+        socket_connect_timeout=0.5,
         retry=Retry(NoBackoff(), 0),
-    )  # fmt: skip
+    )
     store = RedisStore(client, namespace="faults", retention=60.0)
     with pytest.raises(exceptions.StoreUnavailable) as info:
         store.create(_new())

@@ -68,8 +68,10 @@ def test_catch_up_all_and_none_per_entry() -> None:
             "all": every(1, exactonce={"catchup": "all"}),
             "none": every(1, exactonce={"catchup": "none"}),
         },
-        nodes=2, exactonce_window_lookback=30, exactonce_catchup_limit=10,
-    )  # fmt: skip
+        nodes=2,
+        exactonce_window_lookback=30,
+        exactonce_catchup_limit=10,
+    )
     cluster.tick_all()
     base_all, base_none = len(cluster.fired("all")), len(cluster.fired("none"))
     cluster.clock.advance(20)
@@ -297,8 +299,9 @@ def test_a_tick_longer_than_the_window_follows_the_catch_up_policy() -> None:
     # write is that slow)
     cluster = Cluster(
         {"latest": every(1), "all": every(1, exactonce={"catchup": "all"})},
-        nodes=1, exactonce_window_lookback=60,
-    )  # fmt: skip
+        nodes=1,
+        exactonce_window_lookback=60,
+    )
     cluster.run(5)
     metrics.COUNTERS.reset()
     store, real = cluster.store, cluster.store.create_many
@@ -340,8 +343,14 @@ def test_sigterm_at_any_step_of_a_tick_leaves_no_claim_behind(at: str) -> None:
     handler = signal.getsignal(signal.SIGTERM)
     assert callable(handler)
     store = cluster.store
-    delayed = NewJob(JobRef.task("delayed-1"), "plain.t", State.PENDING, node="test",
-                     options={GATED_OPTION: False}, run_at=store.now())  # fmt: skip
+    delayed = NewJob(
+        JobRef.task("delayed-1"),
+        "plain.t",
+        State.PENDING,
+        node="test",
+        options={GATED_OPTION: False},
+        run_at=store.now(),
+    )
     assert store.create(delayed).created
     cluster.clock.advance(1)
     fired: list[str] = []

@@ -68,8 +68,10 @@ def test_an_answered_transition_is_the_stores_answer(store: LossyStore) -> None:
     store.create(new_job())
     applied = settle.transition(store, REF, dispatch())
     assert (applied.decision, applied.status, applied.error) == (
-        Decision.APPLIED, TransitionStatus.APPLIED, None,
-    )  # fmt: skip
+        Decision.APPLIED,
+        TransitionStatus.APPLIED,
+        None,
+    )
     assert applied.job is not None and applied.job.state is State.DISPATCHED
     refused = settle.transition(store, REF, dispatch())
     assert (refused.decision, refused.status) == (Decision.NOT_APPLIED, TransitionStatus.CONFLICT)
@@ -99,8 +101,9 @@ def test_a_write_moved_on_since_is_superseded_not_applied(store: LossyStore) -> 
     store.create(new_job())
     first = dispatch()
     store.transition(REF, first)
-    later = Transition(State.RUNNING, frozenset({State.DISPATCHED}), node="n", reason="gate",
-                       new_run_id="run")  # fmt: skip
+    later = Transition(
+        State.RUNNING, frozenset({State.DISPATCHED}), node="n", reason="gate", new_run_id="run"
+    )
     store.transition(REF, later)
     found = settle.read_back(store, REF, first.new_rev)
     assert found.decision is Decision.SUPERSEDED and found.job is not None
@@ -116,8 +119,10 @@ def test_reads_are_tried_a_bounded_number_of_times(store: LossyStore) -> None:
     store.writes, store.failed_gets, store.gets = ["lose"], settle.READ_BACK_TRIES, 0
     written = settle.transition(store, REF, dispatch())
     assert (written.decision, written.job, store.gets) == (
-        Decision.UNKNOWN, None, settle.READ_BACK_TRIES,
-    )  # fmt: skip
+        Decision.UNKNOWN,
+        None,
+        settle.READ_BACK_TRIES,
+    )
     store.writes, store.failed_gets, store.gets = ["lose"], 1, 0
     assert settle.transition(store, REF, dispatch(), tries=1).decision is Decision.UNKNOWN
     assert store.gets == 1

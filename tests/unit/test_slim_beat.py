@@ -106,9 +106,12 @@ def test_the_reconciler_of_a_slim_beat_applies_the_policy_the_record_stores() ->
     def long(self: Any) -> None: ...
 
     new = NewJob(
-        JobRef.task(uuid.uuid4().hex), "t.long", State.SCHEDULED, node="client",
+        JobRef.task(uuid.uuid4().hex),
+        "t.long",
+        State.SCHEDULED,
+        node="client",
         options={GATED_OPTION: True, POLICY_OPTION: task_policy(client.tasks["t.long"])},
-    )  # fmt: skip
+    )
     created = store.create(new)
     assert created.job is not None
     job = move(store, created.job, State.DISPATCHED)
@@ -156,14 +159,20 @@ def test_reconciler_reads_the_tasks_attributes_for_a_record_without_a_policy() -
     rt = runtime.install(app, InMemoryStore("old"))
     try:
         store = rt.store
-        new = NewJob(JobRef.task("o"), "t.old", State.SCHEDULED, node="n",
-                     options={GATED_OPTION: True})  # fmt: skip
+        new = NewJob(
+            JobRef.task("o"), "t.old", State.SCHEDULED, node="n", options={GATED_OPTION: True}
+        )
         job = store.create(new).job
         assert job is not None
         assert Timeouts.of(rt.config, app.tasks["t.old"], job).redispatch is True
         assert Timeouts.of(rt.config, None, job).redispatch is False
-        stored = NewJob(JobRef.task("p"), "t.old", State.SCHEDULED, node="n",
-                        options={GATED_OPTION: True, POLICY_OPTION: {}})  # fmt: skip
+        stored = NewJob(
+            JobRef.task("p"),
+            "t.old",
+            State.SCHEDULED,
+            node="n",
+            options={GATED_OPTION: True, POLICY_OPTION: {}},
+        )
         with_policy = store.create(stored).job
         assert with_policy is not None
         assert Timeouts.of(rt.config, app.tasks["t.old"], with_policy).redispatch is False

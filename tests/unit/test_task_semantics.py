@@ -60,10 +60,16 @@ class World:
         task = self.app.tasks[name]
         headers = message_headers(job, NAMESPACE)
         task.push_request(
-            id=str(job.options.get(MESSAGE_ID_OPTION) or job.ref.id), args=job.args, kwargs={},
-            retries=job.attempt, headers=headers, is_eager=False, called_directly=False,
-            delivery_info={"redelivered": False}, **headers,
-        )  # fmt: skip
+            id=str(job.options.get(MESSAGE_ID_OPTION) or job.ref.id),
+            args=job.args,
+            kwargs={},
+            retries=job.attempt,
+            headers=headers,
+            is_eager=False,
+            called_directly=False,
+            delivery_info={"redelivered": False},
+            **headers,
+        )
         try:
             task(*job.args)
         except Ignore:
@@ -286,9 +292,10 @@ class _CountingStore(InMemoryStore):
 def test_one_heartbeat_thread_touches_each_running_job_until_it_ends() -> None:
     app = Celery("heartbeats-unit", broker="memory://", set_as_current=False)
     app.conf.update(
-        exactonce_store_url="memory://", exactonce_namespace=NAMESPACE,
+        exactonce_store_url="memory://",
+        exactonce_namespace=NAMESPACE,
         exactonce_heartbeat_interval=0.02,
-    )  # fmt: skip
+    )
     store = _CountingStore(NAMESPACE)
     rt = runtime.install(app, store)
     try:

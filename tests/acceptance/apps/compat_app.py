@@ -272,10 +272,15 @@ def _register_tasks(app: Celery) -> None:  # noqa: PLR0915 - one definition per 
         """``Reject(requeue=True)`` on its first run; returns the run's number."""
         run = bump(app, tag)
         delivery = self.request.delivery_info or {}
-        note(app, tag, {
-            "run": run, "retries": self.request.retries,
-            "redelivered": delivery.get("redelivered"),
-        })  # fmt: skip
+        note(
+            app,
+            tag,
+            {
+                "run": run,
+                "retries": self.request.retries,
+                "redelivered": delivery.get("redelivered"),
+            },
+        )
         if run == 1:
             raise Reject("the first run asks for the message again", requeue=True)
         return run

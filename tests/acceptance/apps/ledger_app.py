@@ -211,11 +211,14 @@ def extra_entries(name: str, every: float) -> dict[str, dict[str, Any]]:
     """The entries of the set ``name`` (``EXACTONCE_ACC_BEAT_EXTRA``)."""
     if name == "typed":
         return {
-            f"typed-{kind}": {"task": f"{kind}_record", "schedule": every,
-                              "args": (f"typed-{kind}", *TYPED_ARGS),
-                              "kwargs": {"when": TYPED_ARGS[0], "amount": TYPED_ARGS[2]}}
+            f"typed-{kind}": {
+                "task": f"{kind}_record",
+                "schedule": every,
+                "args": (f"typed-{kind}", *TYPED_ARGS),
+                "kwargs": {"when": TYPED_ARGS[0], "amount": TYPED_ARGS[2]},
+            }
             for kind in ("gated", "plain")
-        }  # fmt: skip
+        }
     entry: dict[str, Any] = {"task": "plain_record", "schedule": every, "args": (name,)}
     if name == "bad-argument":
         entry["args"] = ({"a", "set"},)  # neither JSON nor kombu's JSON holds a set
@@ -315,9 +318,12 @@ def _register_tasks(app: Celery, ledger_path: str, *, gated: bool = True) -> Non
         _record(self, ledger_path, "end", [seconds])
 
     @app.task(
-        bind=True, shared=False, base=gate, name="gated_redispatch",
+        bind=True,
+        shared=False,
+        base=gate,
+        name="gated_redispatch",
         exactonce_redispatch=True,
-    )  # fmt: skip
+    )
     def gated_redispatch(self: Task, *args: Any) -> None:
         """``gated_record`` opted in to the reconciler's redispatch of a stale message."""
         _record(self, ledger_path, "run", args)

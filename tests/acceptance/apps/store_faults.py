@@ -132,9 +132,11 @@ class _Faults:
 
 def _report(method: str, when: str) -> None:
     logger.warning(
-        "injected store fault: %s %s the write", method, when,
+        "injected store fault: %s %s the write",
+        method,
+        when,
         extra={"action": ACTION, "method": method, "when": when},
-    )  # fmt: skip
+    )
 
 
 def _store_classes() -> list[type]:
