@@ -29,20 +29,17 @@ again on the very record about to be published.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import enum
-import heapq
 import logging
-import threading
-import time
 from collections.abc import Mapping, Sequence
 from datetime import datetime, timezone
 from typing import Any
 
 from celery_exactonce import exceptions, jobs, messages, metrics, signing
-from celery_exactonce.jobs import Action, Job, JobRef, Lease, NewJob, Transition, TransitionStatus
+from celery_exactonce.jobs import Action, Job, Lease, NewJob, Transition, TransitionStatus
 from celery_exactonce.messages import GATED_OPTION
+from celery_exactonce.outcomes import DispatchResult, Enqueued, Outcome
 from celery_exactonce.publisher import Publisher, PublishFailed
+from celery_exactonce.retrier import Retrier
 from celery_exactonce.states import State
 from celery_exactonce.stores import settle
 from celery_exactonce.stores.base import StateStore
@@ -53,130 +50,6 @@ ENQUEUED = "(record and message in one step)"
 #: Jobs per ``DISPATCHED`` write in :meth:`Dispatcher.dispatch_many`: at most this
 #: many are left ``DISPATCHED`` without a message if the process dies mid-chunk.
 DISPATCH_CHUNK = 32
-
-
-class Outcome(str, enum.Enum):
-    """What one dispatch did. Every value but ``PUBLISHED`` and ``LOST`` is counted."""
-
-    PUBLISHED = "published"
-    """Handed to the broker (a plain job is now ``PUBLISHED``, a gated one ``DISPATCHED``)."""
-    LOST = "lost"
-    """The CAS lost: another dispatcher, a cancel or the reconciler moved the job first."""
-    FAIL_CLOSED = "fail_closed"
-    """The store could not be written or read back: nothing was published."""
-    ROLLED_BACK = "rolled_back"
-    """The publish failed definitely; the job is ``SCHEDULED`` again, to be retried."""
-    ROLLBACK_FAILED = "rollback_failed"
-    """The publish failed definitely and the rollback write failed too (reported)."""
-    AMBIGUOUS = "ambiguous"
-    """The broker may or may not have the message; the job stays ``DISPATCHED``."""
-    FAILED = "failed"
-    """Permanent: unknown task or unpublishable payload; the job is ``FAILED``."""
-    EXPIRED = "expired"
-    """Past its deadline before it could be published; the job is ``CANCELLED``."""
-
-
-@dataclasses.dataclass(frozen=True)
-class DispatchResult:
-    outcome: Outcome
-    job: Job | None = None
-    error: BaseException | None = None
-    #: What the publisher returned for a ``PUBLISHED`` job (``send_task``'s ``AsyncResult``).
-    sent: Any = None
-
-
-@dataclasses.dataclass(frozen=True)
-class Enqueued:
-    """What :meth:`Dispatcher.enqueue` did."""
-
-    #: The record: the one written (``DISPATCHED``, its times this process's
-    #: estimate), or the one that already existed.
-    job: Job
-    #: Whether the record and its message were created; ``False``: the job
-    #: existed, nothing was written or pushed.
-    created: bool
-    #: What ``send_task`` returned for the message built (``AsyncResult``).
-    sent: Any = None
-
-
-class Retrier:
-    """Retries, in a background thread, dispatches that failed closed or were rolled back.
-
-    Each job is retried with exponential back-off (``first_delay`` doubling up
-    to ``max_delay``) for at most ``give_up_after`` seconds; past that, or if
-    this process exits, the reconciler replays the ``SCHEDULED`` job. A retry
-    re-reads the record and dispatches it only while it is still
-    ``SCHEDULED``, so it never publishes a job someone else has moved on.
-    """
-
-    def __init__(
-        self, first_delay: float = 1.0, max_delay: float = 30.0, give_up_after: float = 300.0
-    ) -> None:
-        self.first_delay = first_delay
-        self.max_delay = max_delay
-        self.give_up_after = give_up_after
-        self._lock = threading.Condition()
-        self._queue: list[tuple[float, int, JobRef, float, float]] = []
-        self._seq = 0
-        self._thread: threading.Thread | None = None
-        self._dispatcher: Dispatcher | None = None
-
-    def bind(self, dispatcher: Dispatcher) -> None:
-        self._dispatcher = dispatcher
-
-    def schedule(
-        self, ref: JobRef, delay: float | None = None, *, started: float | None = None
-    ) -> None:
-        """Retry the dispatch of ``ref`` after ``delay`` seconds."""
-        now = time.monotonic()
-        delay = self.first_delay if delay is None else delay
-        with self._lock:
-            self._seq += 1
-            heapq.heappush(self._queue, (now + delay, self._seq, ref, delay, started or now))
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(
-                    target=self._run, name="exactonce-dispatch-retry", daemon=True
-                )
-                self._thread.start()
-            self._lock.notify()
-
-    def pending(self) -> int:
-        with self._lock:
-            return len(self._queue)
-
-    def _run(self) -> None:
-        while True:
-            with self._lock:
-                while not self._queue or self._queue[0][0] > time.monotonic():
-                    timeout = self._queue[0][0] - time.monotonic() if self._queue else 60.0
-                    if not self._lock.wait(timeout=max(timeout, 0.0)) and not self._queue:
-                        return  # idle for a minute: the thread ends, schedule() restarts it
-                _, _, ref, delay, started = heapq.heappop(self._queue)
-            self._retry(ref, delay, started)
-
-    def _retry(self, ref: JobRef, delay: float, started: float) -> None:
-        dispatcher = self._dispatcher
-        if dispatcher is None:
-            return
-        try:
-            job = dispatcher.store.get(ref)
-        except exceptions.StoreError:
-            job = None
-            outcome = Outcome.FAIL_CLOSED
-        else:
-            if job is None or job.state is not State.SCHEDULED:
-                return
-            outcome = dispatcher.dispatch(job, reason="dispatch retry", retry=False).outcome
-        if outcome in (Outcome.FAIL_CLOSED, Outcome.ROLLED_BACK):
-            if time.monotonic() - started + delay < self.give_up_after:
-                self.schedule(ref, min(delay * 2, self.max_delay), started=started)
-            else:
-                metrics.event(
-                    "dispatch_retry_gave_up",
-                    f"gave up retrying the dispatch of {ref}; the reconciler replays it",
-                    level=logging.WARNING,
-                    job_id=ref.id,
-                )
 
 
 class Dispatcher:

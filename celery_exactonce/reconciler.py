@@ -55,9 +55,9 @@ from datetime import datetime
 from typing import Any
 
 from celery_exactonce import exceptions, jobs, metrics
-from celery_exactonce.dispatch import Outcome
 from celery_exactonce.jobs import Action, Job, JobRef, Lease, Transition
 from celery_exactonce.messages import GATED_OPTION
+from celery_exactonce.outcomes import Outcome
 from celery_exactonce.policy import Timeouts, youngest_ages
 from celery_exactonce.runtime import Runtime
 from celery_exactonce.states import State

@@ -16,6 +16,7 @@ from typing import Any
 
 from celery_exactonce import dispatch, publisher, signing
 from celery_exactonce.config import ExactOnceConfig
+from celery_exactonce.retrier import Retrier
 from celery_exactonce.stores import open_store
 from celery_exactonce.stores.base import StateStore
 
@@ -46,9 +47,7 @@ class Runtime:
             self.store,
             publisher.CeleryPublisher(app, timeout=config.publish_timeout),
             node=self.node,
-            retrier=dispatch.Retrier(
-                first_delay=config.retry_delay_store, give_up_after=config.replay_age
-            ),
+            retrier=Retrier(first_delay=config.retry_delay_store, give_up_after=config.replay_age),
             signer=self.signer,
         )
 

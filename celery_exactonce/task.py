@@ -40,10 +40,10 @@ from celery import Task, signals
 from celery.exceptions import Ignore, Reject, Retry
 
 from celery_exactonce import call_options, exceptions, jobs, messages, metrics
-from celery_exactonce.dispatch import Enqueued
 from celery_exactonce.gate import Delivery, raw_republish, validate_gated_task
 from celery_exactonce.heartbeats import heartbeats
 from celery_exactonce.jobs import CreateStatus, Job, JobRef, NewJob, Transition
+from celery_exactonce.outcomes import Enqueued
 from celery_exactonce.policy import task_policy
 from celery_exactonce.runtime import Runtime, runtime_for
 from celery_exactonce.states import State

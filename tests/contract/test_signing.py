@@ -17,8 +17,9 @@ from typing import Any
 import pytest
 
 from celery_exactonce import metrics
-from celery_exactonce.dispatch import Dispatcher, Outcome
+from celery_exactonce.dispatch import Dispatcher
 from celery_exactonce.jobs import Job, JobRef, Transition
+from celery_exactonce.outcomes import Outcome
 from celery_exactonce.signing import Signer, SigningStore
 from celery_exactonce.states import State
 from celery_exactonce.stores.base import StateStore

@@ -13,9 +13,10 @@ import pytest
 import redis
 from celery import Celery
 
-from celery_exactonce.dispatch import DISPATCH_CHUNK, Dispatcher, Outcome
+from celery_exactonce.dispatch import DISPATCH_CHUNK, Dispatcher
 from celery_exactonce.jobs import Job, JobRef, NewJob
 from celery_exactonce.messages import GATED_OPTION
+from celery_exactonce.outcomes import Outcome
 from celery_exactonce.publisher import CeleryPublisher
 from celery_exactonce.states import State
 from celery_exactonce.testing import InMemoryStore

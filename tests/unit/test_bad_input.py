@@ -20,9 +20,10 @@ from celery import Celery
 from kombu.utils import json as kombu_json
 
 from celery_exactonce import ConfigurationError, ExactOnceTask, InvalidPayload, metrics, runtime
-from celery_exactonce.dispatch import Dispatcher, Outcome
+from celery_exactonce.dispatch import Dispatcher
 from celery_exactonce.jobs import MAX_REASON_LENGTH, JobRef, NewJob, Transition, decode_payload
 from celery_exactonce.messages import GATED_OPTION
+from celery_exactonce.outcomes import Outcome
 from celery_exactonce.publisher import CeleryPublisher
 from celery_exactonce.states import State
 from celery_exactonce.testing import InMemoryStore
