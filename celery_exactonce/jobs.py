@@ -8,7 +8,8 @@ implementation and the Redis Lua scripts have one reference to agree with
 (the contract suite and the model-based test hold them to it).
 
 Times are timezone-aware UTC :class:`~datetime.datetime` values at microsecond
-precision; stores keep them as integer microseconds since the UNIX epoch.
+precision; stores keep them as integer microseconds since the UNIX epoch
+(:mod:`celery_exactonce.times` converts them).
 
 Payloads (args, kwargs, options) are stored as JSON. A value that plain JSON
 cannot hold but kombu's JSON serializer can (``datetime``, ``date``, ``time``,
@@ -28,7 +29,7 @@ import json
 import os
 import re
 from collections.abc import Mapping, Sequence
-from datetime import datetime, timezone
+from datetime import datetime
 from typing import Any
 
 from kombu.utils import json as kombu_json
@@ -40,6 +41,13 @@ from celery_exactonce.states import (
     NEXT_ATTEMPT_EDGES,
     TERMINAL,
     State,
+)
+from celery_exactonce.times import (
+    from_micros,
+    from_micros_opt,
+    require_aware,
+    to_micros,
+    to_micros_opt,
 )
 
 #: How many transitions a record remembers. Enough to explain a job's life
@@ -56,8 +64,6 @@ MAX_REASON_LENGTH = 500
 
 #: Largest JSON payload (args, kwargs and options together) we store.
 MAX_PAYLOAD_BYTES = 1024 * 1024
-
-EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 
 
 def new_token() -> str:
@@ -761,38 +767,6 @@ def job_from_json(data: Mapping[str, Any]) -> Job:
 
 
 # -- small helpers ---------------------------------------------------------------------
-
-
-def to_micros(value: datetime) -> int:
-    """Integer microseconds since the UNIX epoch of an aware datetime."""
-    delta = require_aware(value, "time") - EPOCH
-    return (delta.days * 86_400 + delta.seconds) * 1_000_000 + delta.microseconds
-
-
-def from_micros(value: int) -> datetime:
-    """Inverse of :func:`to_micros`."""
-    seconds, micros = divmod(int(value), 1_000_000)
-    return datetime.fromtimestamp(seconds, tz=timezone.utc).replace(microsecond=micros)
-
-
-def to_micros_opt(value: datetime | None) -> int | None:
-    return None if value is None else to_micros(value)
-
-
-def from_micros_opt(value: Any) -> datetime | None:
-    return None if value is None or value == "" else from_micros(int(value))
-
-
-def require_aware(value: datetime, name: str) -> datetime:
-    """``value`` in UTC; naive datetimes are refused.
-
-    A naive datetime means different instants on nodes in different time zones.
-    """
-    if not isinstance(value, datetime):
-        raise exceptions.InvalidPayload(f"{name} must be a datetime, got {type(value).__name__}")
-    if value.tzinfo is None or value.utcoffset() is None:
-        raise exceptions.InvalidPayload(f"{name} must be timezone-aware, got naive {value!r}")
-    return value.astimezone(timezone.utc)
 
 
 _CONTROL = re.compile("[\x00-\x1f\x7f\ud800-\udfff]")

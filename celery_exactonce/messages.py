@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from celery_exactonce import exceptions, jobs, keys
+from celery_exactonce import exceptions, keys, times
 from celery_exactonce.jobs import Job, JobRef, Space
 
 HEADER_JOB_ID = "exactonce_job_id"
@@ -92,7 +92,7 @@ def job_idempotency_key(job: Job, namespace: str) -> str:
     """
     if job.entry is not None and job.fire_time is not None:
         return keys.idempotency_key(job.entry, job.fire_time, namespace)
-    return keys.idempotency_key(f"job:{job.ref.id}", jobs.EPOCH, namespace)
+    return keys.idempotency_key(f"job:{job.ref.id}", times.EPOCH, namespace)
 
 
 def message_headers(job: Job, namespace: str) -> dict[str, Any]:

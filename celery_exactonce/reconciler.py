@@ -54,7 +54,7 @@ from collections.abc import Callable, Mapping
 from datetime import datetime
 from typing import Any
 
-from celery_exactonce import exceptions, jobs, metrics
+from celery_exactonce import exceptions, jobs, metrics, times
 from celery_exactonce.dispatch import Outcome
 from celery_exactonce.jobs import Action, Job, JobRef, Lease, Transition
 from celery_exactonce.messages import GATED_OPTION
@@ -119,7 +119,7 @@ class _Pass:
     #: Whether timeouts may act (not within the grace period after a store error).
     timeouts_ok: bool
     #: The store's time when the page being acted on was listed.
-    now: datetime = jobs.EPOCH
+    now: datetime = times.EPOCH
 
 
 #: What acts on one stale job of a state, in a pass.

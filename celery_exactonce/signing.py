@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-from celery_exactonce import exceptions, jobs
+from celery_exactonce import exceptions, times
 from celery_exactonce.jobs import (
     CreateResult,
     Job,
@@ -60,8 +60,8 @@ def signed_content(record: Job | NewJob) -> bytes:
         "kwargs": dict(record.kwargs),
         "options": dict(record.options),
         "entry": record.entry,
-        "fire_time": jobs.to_micros_opt(record.fire_time),
-        "deadline": jobs.to_micros_opt(record.deadline),
+        "fire_time": times.to_micros_opt(record.fire_time),
+        "deadline": times.to_micros_opt(record.deadline),
     }
     return json.dumps(content, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
 

@@ -16,7 +16,7 @@ import threading
 from collections.abc import Sequence
 from datetime import datetime, timedelta
 
-from celery_exactonce import exceptions, jobs
+from celery_exactonce import exceptions, jobs, times
 from celery_exactonce.clock import Clock, SystemClock
 from celery_exactonce.jobs import (
     CreateResult,
@@ -70,7 +70,7 @@ class InMemoryStore:
 
     def now(self) -> datetime:
         self._check_open()
-        return jobs.from_micros(jobs.to_micros(self._clock.now()))
+        return times.from_micros(times.to_micros(self._clock.now()))
 
     def setup(self) -> None:
         self._check_open()
@@ -93,7 +93,7 @@ class InMemoryStore:
         with self._lock:
             self._check_open()
             if self._epoch is None or (replace is not None and self._epoch == replace):
-                born = jobs.to_micros(self._clock.now())
+                born = times.to_micros(self._clock.now())
                 self._epoch = f"{jobs.new_token()}{jobs.EPOCH_SEPARATOR}{born}"
             return self._epoch
 

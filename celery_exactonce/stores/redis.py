@@ -46,7 +46,7 @@ import redis.exceptions as rexc
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from celery_exactonce import exceptions, jobs, metrics
+from celery_exactonce import exceptions, jobs, metrics, times
 from celery_exactonce.jobs import (
     CreateResult,
     CreateStatus,
@@ -284,7 +284,7 @@ class RedisStore:
     def now(self) -> datetime:
         with self._wrap("TIME"):
             seconds, micros = self._client.time()
-        return jobs.from_micros(int(seconds) * 1_000_000 + int(micros))
+        return times.from_micros(int(seconds) * 1_000_000 + int(micros))
 
     def ping(self) -> bool:
         """Whether Redis answers (raises :class:`StoreUnavailable` when it does not)."""
@@ -375,8 +375,8 @@ class RedisStore:
     def _create_item(self, new: NewJob) -> tuple[list[str], list[Any]]:
         member = str(new.ref)
         fields = self._record_fields(new, new.state.value, new.rev, new.node, new.reason)
-        fire_time = jobs.to_micros_opt(new.fire_time)
-        run_at = jobs.to_micros_opt(new.run_at)
+        fire_time = times.to_micros_opt(new.fire_time)
+        run_at = times.to_micros_opt(new.run_at)
         args = [
             new.entry or "", "" if fire_time is None else fire_time, member, new.state.value,
             "" if run_at is None else run_at, new.node, new.reason, new.rev, len(fields), *fields,
@@ -394,7 +394,7 @@ class RedisStore:
         for name in ("run_id", "entry", "fire_time", "run_at", "deadline", "signature"):
             value = getattr(new, name)
             if value is not None:
-                fields += [name, jobs.to_micros(value) if isinstance(value, datetime) else value]
+                fields += [name, times.to_micros(value) if isinstance(value, datetime) else value]
         return fields
 
     # -- create and enqueue (a broker on this server) ------------------------------------
@@ -476,7 +476,7 @@ class RedisStore:
         with self._wrap("watermarks"):
             marks = self._client.hmget(self._key("wm"), list(entries))
         return {
-            entry: jobs.from_micros(int(_text(mark)))
+            entry: times.from_micros(int(_text(mark)))
             for entry, mark in zip(entries, marks, strict=True)
             if mark is not None
         }
@@ -516,7 +516,7 @@ class RedisStore:
             _opt(request.run_id), _opt(lease.token if lease else None),
             _opt(None if request.stale_for is None else repr(float(request.stale_for))),
             request.new_rev, _opt(request.new_run_id), "1" if request.next_attempt else "0",
-            _opt(jobs.to_micros_opt(request.run_at)),
+            _opt(times.to_micros_opt(request.run_at)),
             _opt(None if request.args is None else _json(request.args)),
             _opt(None if request.kwargs is None else _json(request.kwargs)),
             _opt(request.task),
@@ -552,7 +552,7 @@ class RedisStore:
         age = timedelta(seconds=older_than) // timedelta(microseconds=1)
         keys = [self._state_key(State(state)), self._key("job", "")]
         # The cursor is the index's own (score, member) of the previous page's last job.
-        at, member = (None, None) if after is None else (jobs.to_micros(after[0]), after[1])
+        at, member = (None, None) if after is None else (times.to_micros(after[0]), after[1])
         args = [age, limit, _opt(at), _opt(member)]
         with self._wrap("list_stale"):
             records = self._run("list_stale", keys, args)

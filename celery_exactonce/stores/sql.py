@@ -59,7 +59,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from celery_exactonce import jobs
+from celery_exactonce import times
 from celery_exactonce.jobs import (
     CreateResult,
     Job,
@@ -143,7 +143,7 @@ class SqlStore(SqlCreates, SqlTransitions, SqlScans, SqlLeases):
         return self._engine
 
     def now(self) -> datetime:
-        return jobs.from_micros(self._run("now", self._now, write=False))
+        return times.from_micros(self._run("now", self._now, write=False))
 
     def setup(self) -> None:
         """Create absent tables and indexes, record or upgrade the schema version. Idempotent.

@@ -29,7 +29,7 @@ from datetime import datetime
 
 import sqlalchemy as sa
 
-from celery_exactonce import jobs
+from celery_exactonce import jobs, times
 from celery_exactonce.jobs import Job, JobRef, Transition
 from celery_exactonce.states import State
 from celery_exactonce.stores.sql_core import SqlCore
@@ -57,7 +57,7 @@ class SqlScans(SqlCore):
                     wm.c.fire_time.is_not(None),
                 )
                 found.update(
-                    (row.entry, jobs.from_micros(row.fire_time)) for row in conn.execute(query)
+                    (row.entry, times.from_micros(row.fire_time)) for row in conn.execute(query)
                 )
             return found
 
@@ -78,7 +78,7 @@ class SqlScans(SqlCore):
         if after is not None:
             # (touched_at, space, id) > the cursor, spelt so that the index on
             # (namespace, state, touched_at) bounds the scan: touched_at >= t.
-            t, ref = jobs.to_micros(after[0]), after[1]
+            t, ref = times.to_micros(after[0]), after[1]
             past = [
                 c.touched_at >= t,
                 sa.or_(
@@ -129,7 +129,7 @@ class SqlScans(SqlCore):
             if self._d.locks:
                 query = query.with_for_update(skip_locked=True)
             due = [self._job(row) for row in conn.execute(query)]
-            claimed = [jobs.apply_transition(job, claim(), jobs.from_micros(now)) for job in due]
+            claimed = [jobs.apply_transition(job, claim(), times.from_micros(now)) for job in due]
             if claimed:
                 update = table.update().where(
                     c.namespace == self._namespace,
