@@ -16,7 +16,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from celery_exactonce import exceptions, keys, times
-from celery_exactonce.jobs import Job, JobRef, Space
+from celery_exactonce.jobs import Job
+from celery_exactonce.refs import JobRef, Space
 
 HEADER_JOB_ID = "exactonce_job_id"
 HEADER_ATTEMPT = "exactonce_attempt"

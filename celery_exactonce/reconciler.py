@@ -54,11 +54,12 @@ from collections.abc import Callable, Mapping
 from datetime import datetime
 from typing import Any
 
-from celery_exactonce import exceptions, jobs, metrics, times
+from celery_exactonce import exceptions, jobs, metrics, refs, times
 from celery_exactonce.dispatch import Outcome
-from celery_exactonce.jobs import Action, Job, JobRef, Lease, Transition
+from celery_exactonce.jobs import Action, Job, Lease, Transition
 from celery_exactonce.messages import GATED_OPTION
 from celery_exactonce.policy import Timeouts, youngest_ages
+from celery_exactonce.refs import JobRef
 from celery_exactonce.runtime import Runtime
 from celery_exactonce.states import State
 from celery_exactonce.stores import settle
@@ -159,7 +160,7 @@ class Reconciler:
         """One bounded pass; returns what it did. Never raises for a store error."""
         report = PassReport()
         store, config = self.runtime.store, self.runtime.config
-        lease = Lease(LEASE_NAME, jobs.new_token())
+        lease = Lease(LEASE_NAME, refs.new_token())
         try:
             if not store.acquire_lease(lease.name, lease.token, config.lease_ttl):
                 return report

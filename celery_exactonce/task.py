@@ -45,10 +45,11 @@ from typing import Any, NoReturn
 from celery import Task, signals
 from celery.exceptions import Ignore, Reject, Retry
 
-from celery_exactonce import exceptions, jobs, messages, metrics
+from celery_exactonce import exceptions, jobs, messages, metrics, refs
 from celery_exactonce.dispatch import Enqueued
-from celery_exactonce.jobs import CreateStatus, Job, JobRef, NewJob, Transition
+from celery_exactonce.jobs import CreateStatus, Job, NewJob, Transition
 from celery_exactonce.policy import check_timeouts, task_policy, task_timeouts
+from celery_exactonce.refs import JobRef
 from celery_exactonce.runtime import Runtime, config_for, runtime_for
 from celery_exactonce.states import State
 from celery_exactonce.stores import settle
@@ -385,7 +386,7 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
         headers = messages.headers_of(request)
         ref = messages.ref_from_headers(headers, request.id)
         attempt = int(headers.get(messages.HEADER_ATTEMPT, request.retries or 0))
-        run_id = jobs.new_token()
+        run_id = refs.new_token()
         key = headers.get(messages.HEADER_IDEMPOTENCY_KEY)
         # The record is wanted only for the idempotency key of a message without one:
         # otherwise the gate's CAS is brief (no record sent back and decoded).
@@ -669,7 +670,7 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
     def _note_late(runtime: Runtime, ref: JobRef, run_id: str, state: State, reason: str) -> None:
         note = f"late outcome of run {run_id}: {state} ({reason}); not applied"
         with contextlib.suppress(exceptions.StoreError):  # the warning above stands
-            runtime.store.annotate(ref, node=runtime.node, reason=note, op_id=jobs.new_token())
+            runtime.store.annotate(ref, node=runtime.node, reason=note, op_id=refs.new_token())
 
 
 @dataclasses.dataclass

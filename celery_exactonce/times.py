@@ -7,7 +7,7 @@ which refuses a naive datetime.
 
 Not here: where "now" comes from (:mod:`celery_exactonce.clock`, or the
 store's own clock), a store epoch's birth time
-(:func:`celery_exactonce.jobs.epoch_born`), schedules and their fire times
+(:func:`celery_exactonce.refs.epoch_born`), schedules and their fire times
 (:mod:`celery_exactonce.slots`).
 """
 

@@ -26,7 +26,8 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Protocol, runtime_checkable
 
-from celery_exactonce.jobs import CreateResult, Job, JobRef, NewJob, Transition, TransitionResult
+from celery_exactonce.jobs import CreateResult, Job, NewJob, Transition, TransitionResult
+from celery_exactonce.refs import JobRef
 from celery_exactonce.states import State
 
 #: Version of the key format / schema this code writes. A store holding a

@@ -16,18 +16,18 @@ import threading
 from collections.abc import Sequence
 from datetime import datetime, timedelta
 
-from celery_exactonce import exceptions, jobs, times
+from celery_exactonce import exceptions, jobs, refs, times
 from celery_exactonce.clock import Clock, SystemClock
 from celery_exactonce.jobs import (
     CreateResult,
     CreateStatus,
     Job,
-    JobRef,
     NewJob,
     Transition,
     TransitionResult,
     TransitionStatus,
 )
+from celery_exactonce.refs import JobRef
 from celery_exactonce.states import TERMINAL, State
 
 
@@ -41,7 +41,7 @@ class InMemoryStore:
         retention: float = 7 * 86_400,
         clock: Clock | None = None,
     ) -> None:
-        jobs.validate_identifier(namespace, "namespace", jobs.MAX_NAME_LENGTH)
+        refs.validate_identifier(namespace, "namespace", refs.MAX_NAME_LENGTH)
         if retention <= 0:
             raise exceptions.ConfigurationError("retention must be > 0", setting="retention")
         self._namespace = namespace
@@ -94,7 +94,7 @@ class InMemoryStore:
             self._check_open()
             if self._epoch is None or (replace is not None and self._epoch == replace):
                 born = times.to_micros(self._clock.now())
-                self._epoch = f"{jobs.new_token()}{jobs.EPOCH_SEPARATOR}{born}"
+                self._epoch = f"{refs.new_token()}{refs.EPOCH_SEPARATOR}{born}"
             return self._epoch
 
     def create(self, new: NewJob, *, epoch: str | None = None) -> CreateResult:

@@ -46,17 +46,17 @@ import redis.exceptions as rexc
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from celery_exactonce import exceptions, jobs, metrics, times
+from celery_exactonce import exceptions, jobs, metrics, refs, times
 from celery_exactonce.jobs import (
     CreateResult,
     CreateStatus,
     Job,
-    JobRef,
     NewJob,
     Transition,
     TransitionResult,
     TransitionStatus,
 )
+from celery_exactonce.refs import JobRef
 from celery_exactonce.states import TERMINAL, State
 from celery_exactonce.stores import (
     redact_message,
@@ -345,7 +345,7 @@ class RedisStore:
     # -- epoch and create ----------------------------------------------------------------
 
     def epoch(self, *, replace: str | None = None) -> str:
-        args = [jobs.new_token(), _opt(replace)]
+        args = [refs.new_token(), _opt(replace)]
         with self._wrap("epoch"):
             return _text(self._run("epoch", [self._key("epoch")], args))
 
@@ -559,8 +559,8 @@ class RedisStore:
         return [_decode_job(flat) for flat in records]
 
     def claim_due(self, limit: int, *, node: str, reason: str = "claimed") -> list[Job]:
-        jobs.validate_identifier(node, "node id", jobs.MAX_NAME_LENGTH)
-        jobs.validate_reason(reason)
+        refs.validate_identifier(node, "node id", refs.MAX_NAME_LENGTH)
+        refs.validate_reason(reason)
         if limit <= 0:
             self._check_open()
             return []
@@ -569,7 +569,7 @@ class RedisStore:
             self._key("job", ""),
         ]  # fmt: skip
         with self._wrap("claim_due"):
-            records = self._run("claim_due", keys, [limit, jobs.new_token(), node, reason])
+            records = self._run("claim_due", keys, [limit, refs.new_token(), node, reason])
         return [_decode_job(flat) for flat in records]
 
     def purge_expired(self, limit: int) -> int:

@@ -39,12 +39,12 @@ from celery_exactonce.jobs import (
     CreateResult,
     CreateStatus,
     Job,
-    JobRef,
     NewJob,
     Transition,
     TransitionResult,
     TransitionStatus,
 )
+from celery_exactonce.refs import JobRef
 from celery_exactonce.stores.base import StateStore
 
 __all__ = [

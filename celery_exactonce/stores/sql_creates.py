@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 import sqlalchemy as sa
 from sqlalchemy import exc as sa_exc
 
-from celery_exactonce import jobs, times
+from celery_exactonce import jobs, refs, times
 from celery_exactonce.jobs import CreateResult, CreateStatus, NewJob
 from celery_exactonce.stores import sql_engine
 from celery_exactonce.stores.sql_core import Rerun, Slow, SqlCore
@@ -60,7 +60,7 @@ class SqlCreates(SqlCore):
             stored = conn.execute(query).scalar_one_or_none()
             if stored is not None and (replace is None or stored != replace):
                 return str(stored)
-            epoch = f"{jobs.new_token()}{jobs.EPOCH_SEPARATOR}{self._now(conn)}"
+            epoch = f"{refs.new_token()}{refs.EPOCH_SEPARATOR}{self._now(conn)}"
             if stored is None:
                 self._insert_absent(conn, meta, {"namespace": self._namespace, "epoch": epoch})
             else:  # a CAS on the epoch read: of two replacers, one wins

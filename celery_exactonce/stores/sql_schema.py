@@ -25,7 +25,8 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import mysql, postgresql
 
 from celery_exactonce import exceptions, jobs, times
-from celery_exactonce.jobs import HistoryEntry, Job, JobRef, Space
+from celery_exactonce.jobs import HistoryEntry, Job
+from celery_exactonce.refs import JobRef, Space
 from celery_exactonce.states import State
 from celery_exactonce.stores.base import FORMAT_VERSION
 

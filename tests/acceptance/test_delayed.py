@@ -23,7 +23,8 @@ import pytest
 import celery_exactonce
 from celery_exactonce import jobs
 from celery_exactonce.exceptions import JobConflict
-from celery_exactonce.jobs import Job, JobRef, NewJob
+from celery_exactonce.jobs import Job, NewJob
+from celery_exactonce.refs import JobRef
 from celery_exactonce.states import State
 from tests.acceptance.harness import BeatProcess, Deployment, Ledger, holds, poll
 

@@ -13,12 +13,12 @@ from celery_exactonce.jobs import (
     HISTORY_LIMIT,
     Action,
     CreateStatus,
-    JobRef,
     Lease,
     Transition,
     TransitionStatus,
     apply_transition,
 )
+from celery_exactonce.refs import JobRef
 from celery_exactonce.states import TERMINAL, State
 from celery_exactonce.stores.base import StateStore
 from tests.support.backends import StoreFactory

@@ -20,7 +20,8 @@ import pytest
 import sqlalchemy as sa
 
 from celery_exactonce import jobs, times
-from celery_exactonce.jobs import CreateStatus, JobRef, Transition, TransitionStatus
+from celery_exactonce.jobs import CreateStatus, Transition, TransitionStatus
+from celery_exactonce.refs import JobRef
 from celery_exactonce.states import State
 from celery_exactonce.stores import sql_statements
 from celery_exactonce.stores.sql import SqlStore

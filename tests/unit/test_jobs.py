@@ -10,7 +10,8 @@ from decimal import Decimal
 import pytest
 
 from celery_exactonce import exceptions, jobs
-from celery_exactonce.jobs import JobRef, NewJob, State, Transition
+from celery_exactonce.jobs import NewJob, State, Transition
+from celery_exactonce.refs import JobRef
 
 NOW = datetime(2026, 11, 24, 12, 0, tzinfo=timezone.utc)
 
