@@ -11,7 +11,7 @@ backend.
 Not here: the job record (:mod:`celery_exactonce.jobs`), the requests that
 carry these names (:class:`~celery_exactonce.jobs.NewJob`,
 :class:`~celery_exactonce.jobs.Transition`), payloads (args, kwargs, options)
-and their size limit (:mod:`celery_exactonce.jobs`), idempotency keys
+and their size limit (:mod:`celery_exactonce.payload`), idempotency keys
 (:mod:`celery_exactonce.keys`).
 """
 

@@ -45,7 +45,7 @@ from typing import Any, NoReturn
 from celery import Task, signals
 from celery.exceptions import Ignore, Reject, Retry
 
-from celery_exactonce import exceptions, jobs, messages, metrics, refs
+from celery_exactonce import exceptions, jobs, messages, metrics, payload, refs
 from celery_exactonce.dispatch import Enqueued
 from celery_exactonce.jobs import CreateStatus, Job, NewJob, Transition
 from celery_exactonce.policy import check_timeouts, task_policy, task_timeouts
@@ -783,7 +783,7 @@ _CANVAS_OPTIONS = ("group_id", "chord", "chain")
 
 def _canvas(options: Mapping[str, Any], name: str) -> str:
     """Canvas option ``name`` of a job (stored or about to be), comparable across the two."""
-    return jobs.encode_payload({name: options.get(name)}, context="canvas options")
+    return payload.encode_payload({name: options.get(name)}, context="canvas options")
 
 
 def _storable_options(options: Mapping[str, Any]) -> dict[str, Any]:

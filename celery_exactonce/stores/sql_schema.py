@@ -24,8 +24,9 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.dialects import mysql, postgresql
 
-from celery_exactonce import exceptions, jobs, times
+from celery_exactonce import exceptions, times
 from celery_exactonce.jobs import HistoryEntry, Job
+from celery_exactonce.payload import encode_payload
 from celery_exactonce.refs import JobRef, Space
 from celery_exactonce.states import State
 from celery_exactonce.stores.base import FORMAT_VERSION
@@ -224,7 +225,7 @@ def job_values(job: Job, namespace: str, retention: float, *, key: bool = True) 
         "rev": job.rev,
         "attempt": job.attempt,
         "run_id": job.run_id,
-        "payload": jobs.encode_payload(payload_document(job), context=str(job.ref)),
+        "payload": encode_payload(payload_document(job), context=str(job.ref)),
         "entry": job.entry,
         "fire_time": times.to_micros_opt(job.fire_time),
         "run_at": times.to_micros_opt(job.run_at),

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-import uuid
 from datetime import datetime, timezone
-from decimal import Decimal
 
 import pytest
 
@@ -47,24 +45,3 @@ def test_a_transition_refuses_an_edge_the_table_does_not_have_every_time() -> No
             Transition(State.PENDING, [State.SUCCEEDED], node="n", reason="r")
     request = Transition(State.RUNNING, ["DISPATCHED"], node="n", reason="r", new_run_id="x")
     assert request.expect == frozenset({State.DISPATCHED})
-
-
-@pytest.mark.parametrize(
-    "value",
-    [
-        {"a": 1, "b": "x", "c": None},
-        [1, "x", 2.5, True],
-        {"when": datetime(2026, 1, 2, tzinfo=timezone.utc), "n": 1},
-        [{"id": uuid.UUID(int=7)}, Decimal("1.5")],
-    ],
-)
-def test_a_stored_payload_decodes_to_what_was_submitted(value: object) -> None:
-    stored = jobs.storable_payload({"args": [value]}, context="t")
-    assert jobs.decode_payload(stored["args"][0]) == value
-
-
-def test_a_flat_payload_decodes_to_itself() -> None:
-    flat = {"a": 1, "b": "x"}
-    assert jobs.decode_payload(flat) is flat
-    typed = {"__type__": "decimal", "__value__": "2"}
-    assert jobs.decode_payload(typed) == Decimal("2")
