@@ -20,7 +20,8 @@ from datetime import datetime
 
 from celery_exactonce import exceptions, jobs, metrics
 from celery_exactonce.entries import entry_of
-from celery_exactonce.jobs import CreateStatus, Job, NewJob
+from celery_exactonce.jobs import CreateStatus, Job
+from celery_exactonce.requests import NewJob
 from celery_exactonce.states import State
 from celery_exactonce.stores import settle
 from celery_exactonce.stores.base import StateStore

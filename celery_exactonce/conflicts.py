@@ -17,7 +17,8 @@ from datetime import datetime
 
 from celery_exactonce import exceptions, metrics, refs
 from celery_exactonce.entries import entry_of, fire_of
-from celery_exactonce.jobs import Job, NewJob
+from celery_exactonce.jobs import Job
+from celery_exactonce.requests import NewJob
 from celery_exactonce.stores.base import StateStore
 
 #: Seconds (store time) before an entry whose slot was found claimed is compared

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from celery_exactonce.jobs import Transition
 from celery_exactonce.refs import JobRef
+from celery_exactonce.requests import Transition
 from celery_exactonce.runtime import runtime_for
 from celery_exactonce.states import State
 from celery_exactonce.stores import settle

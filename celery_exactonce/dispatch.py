@@ -40,10 +40,11 @@ from datetime import datetime, timezone
 from typing import Any
 
 from celery_exactonce import exceptions, jobs, messages, metrics, signing
-from celery_exactonce.jobs import Action, Job, Lease, NewJob, Transition, TransitionStatus
+from celery_exactonce.jobs import Job, TransitionStatus
 from celery_exactonce.messages import GATED_OPTION
 from celery_exactonce.publisher import Publisher, PublishFailed
 from celery_exactonce.refs import JobRef
+from celery_exactonce.requests import Action, Lease, NewJob, Transition
 from celery_exactonce.states import State
 from celery_exactonce.stores import settle
 from celery_exactonce.stores.base import StateStore

@@ -26,10 +26,10 @@ from typing import Any
 
 from celery_exactonce import config as config_module
 from celery_exactonce import exceptions, keys, refs, slots
-from celery_exactonce.jobs import NewJob
 from celery_exactonce.messages import GATED_OPTION, POLICY_OPTION, check_options
 from celery_exactonce.policy import TASK_FLAGS, TASK_TIMEOUTS, check_timeouts
 from celery_exactonce.refs import JobRef
+from celery_exactonce.requests import NewJob
 from celery_exactonce.states import State
 
 #: Entry option key holding per-entry overrides.

@@ -1,79 +1,45 @@
-"""Jobs and the requests that create and move them: value objects and pure rules.
+"""The job record, what a store answers, and the pure rules that apply requests to a record.
 
-A store persists :class:`Job` records and applies :class:`NewJob` and
-:class:`Transition` requests atomically. The rules that decide whether a
-request applies live here, as pure functions (:func:`check_transition`,
-:func:`apply_transition`), so that the in-memory and SQL stores share one
-implementation and the Redis Lua scripts have one reference to agree with
-(the contract suite and the model-based test hold them to it).
+A store persists :class:`Job` records (each with its capped history of
+:class:`HistoryEntry`) and applies :class:`~celery_exactonce.requests.NewJob`
+and :class:`~celery_exactonce.requests.Transition` requests atomically,
+answering with a :class:`CreateResult` or a :class:`TransitionResult`. The
+rules that decide whether a request applies and what it writes live here, as
+pure functions (:func:`job_from_new`, :func:`check_transition`,
+:func:`apply_transition`, :func:`annotate_job`), so that the in-memory and SQL
+stores share one implementation and the Redis Lua scripts have one reference
+to agree with (the contract suite and the model-based test hold them to it).
+A record's JSON form (:func:`job_to_json`, :func:`job_from_json`) is here too.
 
-Times are timezone-aware UTC :class:`~datetime.datetime` values at microsecond
-precision; stores keep them as integer microseconds since the UNIX epoch
-(:mod:`celery_exactonce.times` converts them).
-
-Payloads (args, kwargs, options) are stored as JSON (:mod:`celery_exactonce.payload`
-encodes and decodes them). Free text we store (reasons) is made storable on every
-backend by :func:`~celery_exactonce.refs.sanitize_text`.
+Not here: the requests themselves (:mod:`celery_exactonce.requests`); a job's
+identity, tokens, and the rules for names and text (:mod:`celery_exactonce.refs`);
+the JSON of payloads (:mod:`celery_exactonce.payload`); time conversions
+(:mod:`celery_exactonce.times`); the transition table (:mod:`celery_exactonce.states`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
-import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
 
-from celery_exactonce import exceptions
-from celery_exactonce.payload import storable_payload
 from celery_exactonce.refs import (
     MAX_NAME_LENGTH,
     JobRef,
-    Space,
-    new_token,
     sanitize_text,
     validate_identifier,
     validate_reason,
 )
-from celery_exactonce.states import (
-    ALLOWED,
-    CREATABLE,
-    NEXT_ATTEMPT_EDGES,
-    TERMINAL,
-    State,
-)
-from celery_exactonce.times import (
-    from_micros,
-    from_micros_opt,
-    require_aware,
-    to_micros,
-    to_micros_opt,
-)
+from celery_exactonce.requests import Action, NewJob, Transition
+from celery_exactonce.states import TERMINAL, State
+from celery_exactonce.times import from_micros, from_micros_opt, to_micros, to_micros_opt
 
 #: How many transitions a record remembers. Enough to explain a job's life
 #: (create, claim, dispatch, a few retries, completion) without letting a job
 #: that is replayed for days grow without bound.
 HISTORY_LIMIT = 32
-
-
-class Action(str, enum.Enum):
-    """The reconciler's actions on a job, recorded in its history; its caps count them."""
-
-    REPLAY = "replay"
-    """A ``SCHEDULED`` job nobody dispatched, dispatched."""
-    REDISPATCH = "redispatch"
-    """An opted-in ``DISPATCHED`` job that never ran, published again."""
-    RERUN = "rerun"
-    """An opted-in ``RUNNING`` job whose worker vanished, dispatched as its next attempt."""
-
-    @classmethod
-    def of(cls, value: object) -> Action | None:
-        """The action ``value`` names; ``None`` for none, or one this version does not know."""
-        try:
-            return None if value is None else cls(value)
-        except ValueError:
-            return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,79 +149,6 @@ class Job:
 _JOB_FIELDS = frozenset(field.name for field in dataclasses.fields(Job))
 
 
-@dataclasses.dataclass(frozen=True)
-class NewJob:
-    """A request to create a job if no record with its ``ref`` exists.
-
-    For an occurrence (``ref.space`` is :attr:`Space.OCCURRENCE`), ``entry`` and
-    ``fire_time`` are required: the create also checks and advances the entry's
-    durable watermark in the same atomic step.
-    """
-
-    ref: JobRef
-    task: str
-    state: State
-    node: str
-    args: Sequence[Any] = ()
-    kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    entry: str | None = None
-    fire_time: datetime | None = None
-    run_at: datetime | None = None
-    deadline: datetime | None = None
-    run_id: str | None = None
-    reason: str = "created"
-    rev: str = dataclasses.field(default_factory=new_token)
-    signature: str | None = None
-    """Set by :class:`~celery_exactonce.signing.SigningStore` when a signing key is configured."""
-
-    def __post_init__(self) -> None:
-        validate_identifier(self.task, "task name", MAX_NAME_LENGTH)
-        if self.signature is not None:
-            validate_identifier(self.signature, "signature", MAX_NAME_LENGTH)
-        validate_identifier(self.node, "node id", MAX_NAME_LENGTH)
-        validate_identifier(self.rev, "rev", MAX_NAME_LENGTH)
-        validate_reason(self.reason)
-        object.__setattr__(self, "reason", sanitize_text(self.reason))
-        if self.state not in CREATABLE:
-            raise exceptions.InvalidRequest(
-                f"a job cannot be created in state {self.state}; "
-                f"only {', '.join(sorted(s.value for s in CREATABLE))}"
-            )
-        occurrence = self.ref.space is Space.OCCURRENCE
-        if occurrence != (self.entry is not None) or occurrence != (self.fire_time is not None):
-            raise exceptions.InvalidRequest(
-                f"job {self.ref}: an occurrence needs entry and fire_time, other jobs take neither"
-            )
-        if self.entry is not None:
-            validate_identifier(self.entry, "entry key", MAX_NAME_LENGTH)
-        if (self.state is State.PENDING) != (self.run_at is not None):
-            raise exceptions.InvalidRequest(
-                f"job {self.ref}: run_at is set exactly for PENDING jobs"
-            )
-        if (self.state is State.RUNNING) != (self.run_id is not None):
-            raise exceptions.InvalidRequest(
-                f"job {self.ref}: run_id is set exactly for RUNNING jobs"
-            )
-        for name in ("fire_time", "run_at", "deadline"):
-            value = getattr(self, name)
-            if value is not None:
-                object.__setattr__(self, name, require_aware(value, name))
-        # Freeze the payload as JSON now: a payload that cannot be stored fails
-        # here, before anything is written.
-        payload = storable_payload(
-            {"args": list(self.args), "kwargs": dict(self.kwargs), "options": dict(self.options)},
-            context=str(self.ref),
-        )
-        object.__setattr__(self, "args", list(payload["args"]))
-        object.__setattr__(self, "kwargs", dict(payload["kwargs"]))
-        object.__setattr__(self, "options", dict(payload["options"]))
-
-    @property
-    def payload(self) -> dict[str, Any]:
-        return {"args": self.args, "kwargs": self.kwargs, "options": self.options}
-
-
 class CreateStatus(str, enum.Enum):
     """What a create-if-absent did. Lost races are values, not exceptions."""
 
@@ -279,119 +172,6 @@ class CreateResult:
     @property
     def created(self) -> bool:
         return self.status is CreateStatus.CREATED
-
-
-@dataclasses.dataclass(frozen=True)
-class Lease:
-    """A lease held under a token; stores check it atomically with a transition."""
-
-    name: str
-    token: str
-
-    def __post_init__(self) -> None:
-        validate_identifier(self.name, "lease name", MAX_NAME_LENGTH)
-        validate_identifier(self.token, "lease token", MAX_NAME_LENGTH)
-
-
-@dataclasses.dataclass(frozen=True)
-class Transition:
-    """A compare-and-swap request: move a job to ``to`` if every guard holds.
-
-    Guards (all that are set must hold, atomically with the write):
-
-    * the current state is in ``expect``;
-    * ``rev``: the current rev equals it (dispatchers, reconciler, release, cancel);
-    * ``attempt``: the current attempt equals it (the worker gate);
-    * ``run_id``: the current run id equals it (worker writes);
-    * ``task``: the job is for this task name (the worker gate: a message for
-      one task never runs on the record of another);
-    * ``lease``: the lease is held with that token (the reconciler);
-    * ``stale_for``: the job was last touched (transition or heartbeat) at
-      least this many seconds ago, by the store's clock at the write.
-
-    Effects: state, a new ``rev`` (``new_rev``, chosen by the caller so a
-    write that timed out can be settled by reading back), the history entry,
-    and optionally a new ``run_id``, the next attempt, a new ``run_at`` and
-    new args/kwargs (a Celery retry may change them), with their ``signature``:
-    a transition that changes args or kwargs replaces the stored signature by
-    its own (none if it has none), so a signature never outlives its payload.
-    """
-
-    to: State
-    expect: frozenset[State]
-    node: str
-    reason: str
-    rev: str | None = None
-    attempt: int | None = None
-    run_id: str | None = None
-    lease: Lease | None = None
-    stale_for: float | None = None
-    task: str | None = None
-    new_run_id: str | None = None
-    next_attempt: bool = False
-    run_at: datetime | None = None
-    args: Sequence[Any] | None = None
-    kwargs: Mapping[str, Any] | None = None
-    new_rev: str = dataclasses.field(default_factory=new_token)
-    signature: str | None = None
-    #: The reconciler's action this transition is, recorded in the history entry.
-    action: Action | None = None
-
-    def __post_init__(self) -> None:
-        expect = self.expect
-        if type(expect) is not frozenset or not all(type(s) is State for s in expect):
-            expect = frozenset(State(s) for s in expect)
-            object.__setattr__(self, "expect", expect)
-        problem = _edges_problem(expect, self.to, self.next_attempt)
-        if problem is not None:
-            raise exceptions.InvalidRequest(problem)
-        if (self.to is State.RUNNING) != (self.new_run_id is not None):
-            raise exceptions.InvalidRequest("new_run_id is set exactly for transitions to RUNNING")
-        if (self.to is State.PENDING) != (self.run_at is not None):
-            raise exceptions.InvalidRequest("run_at is set exactly for transitions to PENDING")
-        if self.run_at is not None:
-            object.__setattr__(self, "run_at", require_aware(self.run_at, "run_at"))
-        if (
-            self.args is not None or self.kwargs is not None or self.signature is not None
-        ) and not self.next_attempt:
-            raise exceptions.InvalidRequest(
-                "args/kwargs/signature change only with the next attempt"
-            )
-        if self.signature is not None:
-            validate_identifier(self.signature, "signature", MAX_NAME_LENGTH)
-        if self.args is not None or self.kwargs is not None:
-            payload = storable_payload(
-                {"args": list(self.args or ()), "kwargs": dict(self.kwargs or {})},
-                context="transition",
-            )
-            if self.args is not None:
-                object.__setattr__(self, "args", list(payload["args"]))
-            if self.kwargs is not None:
-                object.__setattr__(self, "kwargs", dict(payload["kwargs"]))
-        if self.stale_for is not None and self.stale_for < 0:
-            raise exceptions.InvalidRequest("stale_for must be >= 0 seconds")
-        if self.task is not None:
-            validate_identifier(self.task, "task name", MAX_NAME_LENGTH)
-        validate_identifier(self.node, "node id", MAX_NAME_LENGTH)
-        validate_identifier(self.new_rev, "rev", MAX_NAME_LENGTH)
-        validate_reason(self.reason)
-        object.__setattr__(self, "reason", sanitize_text(self.reason))
-
-
-@functools.lru_cache(maxsize=256)
-def _edges_problem(expect: frozenset[State], to: State, next_attempt: bool) -> str | None:
-    """What is wrong with the edges ``expect → to`` (``None``: nothing), remembered:
-    a process asks about few, for every write."""
-    if not expect:
-        return "a transition needs at least one expected state"
-    for src in sorted(expect):
-        if to not in ALLOWED[src]:
-            return f"transition {src} → {to} is not allowed"
-        if ((src, to) in NEXT_ATTEMPT_EDGES) != next_attempt:
-            return (
-                f"transition {src} → {to}: next_attempt must be {(src, to) in NEXT_ATTEMPT_EDGES}"
-            )
-    return None
 
 
 class TransitionStatus(str, enum.Enum):

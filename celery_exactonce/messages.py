@@ -66,7 +66,7 @@ def check_options(options: Mapping[str, Any], *, context: str) -> None:
     ``send_task`` keywords the dispatch sets itself (``retry``: kombu's publish
     retry is always off; ``retries``: the job's attempt; ``task_id``...) and a
     ``headers`` that is not a dict of string keys. Whether each value can be
-    stored as JSON is checked when the job is built (:class:`~celery_exactonce.jobs.NewJob`).
+    stored as JSON is checked when the job is built (:class:`~celery_exactonce.requests.NewJob`).
     """
     reserved = sorted(RESERVED_OPTIONS.intersection(options))
     if reserved:

@@ -22,9 +22,10 @@ import weakref
 from typing import Any
 
 from celery_exactonce import exceptions, metrics, refs
-from celery_exactonce.jobs import Job, Transition
+from celery_exactonce.jobs import Job
 from celery_exactonce.reconciler import Reconciler
 from celery_exactonce.refs import JobRef
+from celery_exactonce.requests import Transition
 from celery_exactonce.runtime import Runtime, runtime_for
 from celery_exactonce.states import State
 from celery_exactonce.task import ExactOnceTask

@@ -56,10 +56,11 @@ from typing import Any
 
 from celery_exactonce import exceptions, jobs, metrics, refs, times
 from celery_exactonce.dispatch import Outcome
-from celery_exactonce.jobs import Action, Job, Lease, Transition
+from celery_exactonce.jobs import Job
 from celery_exactonce.messages import GATED_OPTION
 from celery_exactonce.policy import Timeouts, youngest_ages
 from celery_exactonce.refs import JobRef
+from celery_exactonce.requests import Action, Lease, Transition
 from celery_exactonce.runtime import Runtime
 from celery_exactonce.states import State
 from celery_exactonce.stores import settle
@@ -74,7 +75,7 @@ BATCH = 100
 MAX_REPLAYS = 5
 
 #: History reasons of the reconciler's replays, redispatches and re-runs (for people;
-#: the caps count the entries' :class:`~celery_exactonce.jobs.Action`).
+#: the caps count the entries' :class:`~celery_exactonce.requests.Action`).
 REPLAY_REASON = "reconciler replay"
 REDISPATCH_REASON = "reconciler redispatch"
 RERUN_REASON = "reconciler rerun"

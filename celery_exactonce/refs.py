@@ -9,8 +9,8 @@ which refuses a bad task name, job id, entry key, node id or rev, and
 backend.
 
 Not here: the job record (:mod:`celery_exactonce.jobs`), the requests that
-carry these names (:class:`~celery_exactonce.jobs.NewJob`,
-:class:`~celery_exactonce.jobs.Transition`), payloads (args, kwargs, options)
+carry these names (:class:`~celery_exactonce.requests.NewJob`,
+:class:`~celery_exactonce.requests.Transition`), payloads (args, kwargs, options)
 and their size limit (:mod:`celery_exactonce.payload`), idempotency keys
 (:mod:`celery_exactonce.keys`).
 """

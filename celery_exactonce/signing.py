@@ -31,8 +31,9 @@ from datetime import datetime
 from typing import Any
 
 from celery_exactonce import exceptions, times
-from celery_exactonce.jobs import CreateResult, Job, NewJob, Transition, TransitionResult
+from celery_exactonce.jobs import CreateResult, Job, TransitionResult
 from celery_exactonce.refs import JobRef
+from celery_exactonce.requests import NewJob, Transition
 from celery_exactonce.states import State
 from celery_exactonce.stores.base import StateStore
 

@@ -47,9 +47,10 @@ from celery.exceptions import Ignore, Reject, Retry
 
 from celery_exactonce import exceptions, jobs, messages, metrics, payload, refs
 from celery_exactonce.dispatch import Enqueued
-from celery_exactonce.jobs import CreateStatus, Job, NewJob, Transition
+from celery_exactonce.jobs import CreateStatus, Job
 from celery_exactonce.policy import check_timeouts, task_policy, task_timeouts
 from celery_exactonce.refs import JobRef
+from celery_exactonce.requests import NewJob, Transition
 from celery_exactonce.runtime import Runtime, config_for, runtime_for
 from celery_exactonce.states import State
 from celery_exactonce.stores import settle

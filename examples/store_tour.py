@@ -22,8 +22,8 @@ import uuid
 from datetime import timedelta
 
 from celery_exactonce import idempotency_key, store_from_url
-from celery_exactonce.jobs import NewJob, Transition
 from celery_exactonce.refs import JobRef
+from celery_exactonce.requests import NewJob, Transition
 from celery_exactonce.states import State
 
 

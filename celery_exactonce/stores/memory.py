@@ -22,12 +22,11 @@ from celery_exactonce.jobs import (
     CreateResult,
     CreateStatus,
     Job,
-    NewJob,
-    Transition,
     TransitionResult,
     TransitionStatus,
 )
 from celery_exactonce.refs import JobRef
+from celery_exactonce.requests import Lease, NewJob, Transition
 from celery_exactonce.states import TERMINAL, State
 
 
@@ -240,7 +239,7 @@ class InMemoryStore:
     # -- leases --------------------------------------------------------------------------
 
     def acquire_lease(self, name: str, token: str, ttl: float) -> bool:
-        jobs.Lease(name, token)  # validates
+        Lease(name, token)  # validates
         with self._lock:
             self._check_open()
             now = self.now()

@@ -51,12 +51,11 @@ from celery_exactonce.jobs import (
     CreateResult,
     CreateStatus,
     Job,
-    NewJob,
-    Transition,
     TransitionResult,
     TransitionStatus,
 )
 from celery_exactonce.refs import JobRef
+from celery_exactonce.requests import Lease, NewJob, Transition
 from celery_exactonce.states import TERMINAL, State
 from celery_exactonce.stores import (
     redact_message,
@@ -583,7 +582,7 @@ class RedisStore:
     # -- leases --------------------------------------------------------------------------
 
     def acquire_lease(self, name: str, token: str, ttl: float) -> bool:
-        jobs.Lease(name, token)  # validates
+        Lease(name, token)  # validates
         with self._wrap("acquire_lease"):
             return bool(self._run("lease_acquire", [self._key("lease", name)], [token, _ms(ttl)]))
 

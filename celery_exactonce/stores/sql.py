@@ -60,8 +60,9 @@ from typing import Any
 import sqlalchemy as sa
 
 from celery_exactonce import times
-from celery_exactonce.jobs import CreateResult, Job, NewJob, Transition, TransitionResult
+from celery_exactonce.jobs import CreateResult, Job, TransitionResult
 from celery_exactonce.refs import JobRef
+from celery_exactonce.requests import NewJob, Transition
 from celery_exactonce.states import State
 from celery_exactonce.stores import sql_engine, sql_schema
 from celery_exactonce.stores.sql_core import Slow

@@ -34,7 +34,8 @@ import sqlalchemy as sa
 from sqlalchemy import exc as sa_exc
 
 from celery_exactonce import jobs, refs, times
-from celery_exactonce.jobs import CreateResult, CreateStatus, NewJob
+from celery_exactonce.jobs import CreateResult, CreateStatus
+from celery_exactonce.requests import NewJob
 from celery_exactonce.stores import sql_engine
 from celery_exactonce.stores.sql_core import Rerun, Slow, SqlCore
 

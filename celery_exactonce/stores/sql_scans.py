@@ -30,8 +30,9 @@ from datetime import datetime
 import sqlalchemy as sa
 
 from celery_exactonce import jobs, times
-from celery_exactonce.jobs import Job, Transition
+from celery_exactonce.jobs import Job
 from celery_exactonce.refs import JobRef
+from celery_exactonce.requests import Transition
 from celery_exactonce.states import State
 from celery_exactonce.stores.sql_core import SqlCore
 

@@ -40,8 +40,9 @@ from typing import Any
 import sqlalchemy as sa
 
 from celery_exactonce import jobs, times
-from celery_exactonce.jobs import HistoryEntry, NewJob, Transition
+from celery_exactonce.jobs import HistoryEntry
 from celery_exactonce.refs import JobRef
+from celery_exactonce.requests import NewJob, Transition
 from celery_exactonce.states import TERMINAL, State
 from celery_exactonce.stores import sql_schema
 

@@ -32,8 +32,9 @@ from collections.abc import Callable, Sequence
 import sqlalchemy as sa
 
 from celery_exactonce import jobs, times
-from celery_exactonce.jobs import Transition, TransitionResult, TransitionStatus
+from celery_exactonce.jobs import TransitionResult, TransitionStatus
 from celery_exactonce.refs import JobRef
+from celery_exactonce.requests import Transition
 from celery_exactonce.states import TERMINAL
 from celery_exactonce.stores.sql_core import Rerun
 from celery_exactonce.stores.sql_leases import SqlLeases

@@ -23,8 +23,9 @@ import pytest
 import celery_exactonce
 from celery_exactonce import jobs
 from celery_exactonce.exceptions import JobConflict
-from celery_exactonce.jobs import Job, NewJob
+from celery_exactonce.jobs import Job
 from celery_exactonce.refs import JobRef
+from celery_exactonce.requests import NewJob
 from celery_exactonce.states import State
 from tests.acceptance.harness import BeatProcess, Deployment, Ledger, holds, poll
 

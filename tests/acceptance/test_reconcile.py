@@ -32,10 +32,11 @@ from typing import Any
 import pytest
 
 from celery_exactonce.dispatch import DISPATCH_CHUNK
-from celery_exactonce.jobs import HistoryEntry, Job, NewJob, Transition
+from celery_exactonce.jobs import HistoryEntry, Job
 from celery_exactonce.messages import GATED_OPTION
 from celery_exactonce.reconciler import REDISPATCH_REASON, REPLAY_REASON
 from celery_exactonce.refs import JobRef
+from celery_exactonce.requests import NewJob, Transition
 from celery_exactonce.runtime import runtime_for
 from celery_exactonce.states import State
 from tests.acceptance.apps.kill_points import killed_jobs

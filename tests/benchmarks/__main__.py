@@ -28,8 +28,8 @@ import time
 from collections.abc import Callable
 from datetime import timedelta
 
-from celery_exactonce.jobs import NewJob, Transition
 from celery_exactonce.refs import JobRef
+from celery_exactonce.requests import NewJob, Transition
 from celery_exactonce.states import State
 from celery_exactonce.stores.base import StateStore
 from tests import services

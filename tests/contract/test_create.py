@@ -9,8 +9,9 @@ from decimal import Decimal
 import pytest
 
 from celery_exactonce import exceptions, payload
-from celery_exactonce.jobs import CreateStatus, NewJob
+from celery_exactonce.jobs import CreateStatus
 from celery_exactonce.refs import JobRef, Space, epoch_born
+from celery_exactonce.requests import NewJob
 from celery_exactonce.states import State
 from celery_exactonce.stores.base import StateStore
 from tests.support.backends import StoreFactory, lose_data

@@ -18,8 +18,9 @@ import pytest
 
 from celery_exactonce import metrics
 from celery_exactonce.dispatch import Dispatcher, Outcome
-from celery_exactonce.jobs import Job, Transition
+from celery_exactonce.jobs import Job
 from celery_exactonce.refs import JobRef
+from celery_exactonce.requests import Transition
 from celery_exactonce.signing import Signer, SigningStore
 from celery_exactonce.states import State
 from celery_exactonce.stores.base import StateStore

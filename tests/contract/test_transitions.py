@@ -9,16 +9,9 @@ from datetime import timedelta
 import pytest
 
 from celery_exactonce import exceptions
-from celery_exactonce.jobs import (
-    HISTORY_LIMIT,
-    Action,
-    CreateStatus,
-    Lease,
-    Transition,
-    TransitionStatus,
-    apply_transition,
-)
+from celery_exactonce.jobs import HISTORY_LIMIT, CreateStatus, TransitionStatus, apply_transition
 from celery_exactonce.refs import JobRef
+from celery_exactonce.requests import Action, Lease, Transition
 from celery_exactonce.states import TERMINAL, State
 from celery_exactonce.stores.base import StateStore
 from tests.support.backends import StoreFactory

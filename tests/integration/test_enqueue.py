@@ -22,10 +22,11 @@ from kombu import Exchange, Queue
 
 from celery_exactonce import exceptions, jobs, messages
 from celery_exactonce.dispatch import ENQUEUED, Dispatcher
-from celery_exactonce.jobs import Job, NewJob, Transition
+from celery_exactonce.jobs import Job
 from celery_exactonce.messages import GATED_OPTION
 from celery_exactonce.publisher import CeleryPublisher
 from celery_exactonce.refs import JobRef
+from celery_exactonce.requests import NewJob, Transition
 from celery_exactonce.states import State
 from celery_exactonce.stores.redis import Push, PushRefused, RedisStore
 from tests.integration.redis_server import RedisServer, redis_server

@@ -20,8 +20,9 @@ import pytest
 import sqlalchemy as sa
 
 from celery_exactonce import jobs, times
-from celery_exactonce.jobs import CreateStatus, Transition, TransitionStatus
+from celery_exactonce.jobs import CreateStatus, TransitionStatus
 from celery_exactonce.refs import JobRef
+from celery_exactonce.requests import NewJob, Transition
 from celery_exactonce.states import State
 from celery_exactonce.stores import sql_statements
 from celery_exactonce.stores.sql import SqlStore
@@ -327,7 +328,7 @@ def test_an_occurrence_id_of_another_entry_fails_the_statement_and_writes_nothin
         first = occurrence("entry-one", fire)
         assert store.create(first).created
         locking = _spy(store, "_create", monkeypatch)
-        other = jobs.NewJob(
+        other = NewJob(
             first.ref, "tasks.tick", State.SCHEDULED, node="n", entry="entry-two", fire_time=fire
         )
         result = store.create(other)

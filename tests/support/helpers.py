@@ -10,8 +10,8 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import Any, TypeVar
 
-from celery_exactonce.jobs import NewJob, Transition
 from celery_exactonce.refs import JobRef
+from celery_exactonce.requests import NewJob, Transition
 from celery_exactonce.states import State
 from celery_exactonce.stores import InMemoryStore
 from celery_exactonce.stores.base import StateStore

@@ -20,11 +20,12 @@ from celery import Celery
 
 from celery_exactonce import exceptions, runtime
 from celery_exactonce.dispatch import Dispatcher
-from celery_exactonce.jobs import Job, NewJob, Transition
+from celery_exactonce.jobs import Job
 from celery_exactonce.messages import GATED_OPTION, HEADER_ATTEMPT
 from celery_exactonce.publisher import PublishFailed
 from celery_exactonce.reconciler import Reconciler
 from celery_exactonce.refs import JobRef
+from celery_exactonce.requests import NewJob, Transition
 from celery_exactonce.states import State
 from celery_exactonce.stores.base import StateStore
 from celery_exactonce.task import ExactOnceTask, validate_gated_task

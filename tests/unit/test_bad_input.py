@@ -21,11 +21,11 @@ from kombu.utils import json as kombu_json
 
 from celery_exactonce import ConfigurationError, ExactOnceTask, InvalidPayload, metrics, runtime
 from celery_exactonce.dispatch import Dispatcher, Outcome
-from celery_exactonce.jobs import NewJob, Transition
 from celery_exactonce.messages import GATED_OPTION
 from celery_exactonce.payload import decode_payload
 from celery_exactonce.publisher import CeleryPublisher
 from celery_exactonce.refs import MAX_REASON_LENGTH, JobRef
+from celery_exactonce.requests import NewJob, Transition
 from celery_exactonce.states import State
 from celery_exactonce.testing import InMemoryStore
 from tests.unit.beat_cluster import Cluster, every, isolated, refused_at_start

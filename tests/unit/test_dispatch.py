@@ -12,10 +12,11 @@ from celery import Celery
 
 from celery_exactonce import StoreUnavailable, metrics
 from celery_exactonce.dispatch import DISPATCH_CHUNK, Dispatcher, Outcome, Retrier
-from celery_exactonce.jobs import Job, NewJob
+from celery_exactonce.jobs import Job
 from celery_exactonce.messages import GATED_OPTION, message_headers
 from celery_exactonce.publisher import CeleryPublisher, PublishFailed, connection_refused
 from celery_exactonce.refs import JobRef
+from celery_exactonce.requests import NewJob
 from celery_exactonce.states import State
 from celery_exactonce.testing import InMemoryStore
 from tests.support.helpers import poll

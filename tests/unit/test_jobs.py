@@ -7,9 +7,10 @@ from datetime import datetime, timezone
 
 import pytest
 
-from celery_exactonce import exceptions, jobs
-from celery_exactonce.jobs import NewJob, State, Transition
+from celery_exactonce import jobs
 from celery_exactonce.refs import JobRef
+from celery_exactonce.requests import NewJob, Transition
+from celery_exactonce.states import State
 
 NOW = datetime(2026, 11, 24, 12, 0, tzinfo=timezone.utc)
 
@@ -37,11 +38,3 @@ def test_a_transition_applied_is_the_record_dataclasses_replace_builds() -> None
 def test_a_copy_naming_no_field_of_a_job_is_refused() -> None:
     with pytest.raises(TypeError, match="no field 'nope'"):
         jobs._replaced(_job(), nope=1)
-
-
-def test_a_transition_refuses_an_edge_the_table_does_not_have_every_time() -> None:
-    for _ in range(2):  # the second answer comes from the remembered check
-        with pytest.raises(exceptions.InvalidRequest, match="SUCCEEDED → PENDING"):
-            Transition(State.PENDING, [State.SUCCEEDED], node="n", reason="r")
-    request = Transition(State.RUNNING, ["DISPATCHED"], node="n", reason="r", new_run_id="x")
-    assert request.expect == frozenset({State.DISPATCHED})

@@ -7,8 +7,8 @@ from datetime import timedelta
 import pytest
 
 from celery_exactonce import StoreError
-from celery_exactonce.jobs import Lease, NewJob, Transition
 from celery_exactonce.refs import JobRef
+from celery_exactonce.requests import Lease, NewJob, Transition
 from celery_exactonce.states import State
 from celery_exactonce.stores.base import StateStore
 from celery_exactonce.testing import FrozenClock, InMemoryStore

@@ -21,8 +21,8 @@ from celery import Celery
 
 from celery_exactonce import ConfigurationError, StoreError, StoreUnavailable, runtime, signing
 from celery_exactonce.config import ExactOnceConfig
-from celery_exactonce.jobs import NewJob
 from celery_exactonce.refs import JobRef
+from celery_exactonce.requests import NewJob
 from celery_exactonce.states import State
 from celery_exactonce.testing import InMemoryStore
 

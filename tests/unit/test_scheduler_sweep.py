@@ -14,8 +14,9 @@ from typing import Any
 import pytest
 
 from celery_exactonce import exceptions, metrics, runtime, scheduler
-from celery_exactonce.jobs import Job, NewJob
+from celery_exactonce.jobs import Job
 from celery_exactonce.refs import JobRef
+from celery_exactonce.requests import NewJob
 from celery_exactonce.states import State
 from tests.unit.beat_cluster import Cluster, isolated
 

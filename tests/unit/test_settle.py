@@ -7,8 +7,9 @@ from typing import Any
 import pytest
 
 from celery_exactonce.exceptions import StoreUnavailable
-from celery_exactonce.jobs import CreateStatus, NewJob, Transition, TransitionStatus
+from celery_exactonce.jobs import CreateStatus, TransitionStatus
 from celery_exactonce.refs import JobRef
+from celery_exactonce.requests import NewJob, Transition
 from celery_exactonce.states import State
 from celery_exactonce.stores import settle
 from celery_exactonce.stores.settle import Decision

@@ -18,10 +18,10 @@ import pytest
 from celery_exactonce import exceptions, metrics, runtime
 from celery_exactonce.config import ExactOnceConfig
 from celery_exactonce.dispatch import Dispatcher, Outcome
-from celery_exactonce.jobs import NewJob, Transition
 from celery_exactonce.messages import GATED_OPTION
 from celery_exactonce.reconciler import Reconciler
 from celery_exactonce.refs import JobRef
+from celery_exactonce.requests import NewJob, Transition
 from celery_exactonce.signing import Signer, SigningStore, signed_content
 from celery_exactonce.states import State
 from celery_exactonce.testing import FrozenClock, InMemoryStore

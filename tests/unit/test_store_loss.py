@@ -7,8 +7,8 @@ from datetime import datetime, timedelta, timezone
 import pytest
 
 from celery_exactonce import exceptions, jobs, refs, times
-from celery_exactonce.jobs import NewJob
 from celery_exactonce.refs import JobRef
+from celery_exactonce.requests import NewJob
 from celery_exactonce.states import State
 from celery_exactonce.store_loss import RECHECK_PER_TICK, StoreLossGuard
 from celery_exactonce.testing import FrozenClock, InMemoryStore

@@ -28,10 +28,11 @@ from kombu import Exchange, Queue
 
 from celery_exactonce import ConfigurationError, StoreUnavailable, metrics, runtime
 from celery_exactonce.dispatch import Outcome
-from celery_exactonce.jobs import Job, NewJob, Transition
+from celery_exactonce.jobs import Job
 from celery_exactonce.messages import GATED_OPTION, POLICY_OPTION, message_headers
 from celery_exactonce.policy import task_policy
 from celery_exactonce.refs import JobRef, Space
+from celery_exactonce.requests import NewJob, Transition
 from celery_exactonce.states import State
 from celery_exactonce.task import (
     ExactOnceTask,

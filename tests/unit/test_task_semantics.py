@@ -18,9 +18,10 @@ from celery import Celery, signals
 from celery.exceptions import Ignore, Reject, TaskRevokedError
 
 from celery_exactonce import JobConflict, metrics, runtime
-from celery_exactonce.jobs import Job, NewJob
+from celery_exactonce.jobs import Job
 from celery_exactonce.messages import MESSAGE_ID_OPTION, message_headers, replacement_job_id
 from celery_exactonce.refs import JobRef
+from celery_exactonce.requests import NewJob
 from celery_exactonce.states import State
 from celery_exactonce.task import ExactOnceTask, _heartbeats
 from celery_exactonce.testing import FrozenClock, InMemoryStore

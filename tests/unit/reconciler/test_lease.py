@@ -13,9 +13,10 @@ from typing import Any
 import pytest
 
 from celery_exactonce import exceptions, metrics, reconcile_task
-from celery_exactonce.jobs import Job, Transition
+from celery_exactonce.jobs import Job
 from celery_exactonce.reconciler import LEASE_NAME, PassReport
 from celery_exactonce.refs import JobRef
+from celery_exactonce.requests import Transition
 from celery_exactonce.states import State
 from tests.support.reconciler_world import (
     LEASE_TTL,

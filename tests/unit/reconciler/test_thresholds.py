@@ -14,8 +14,8 @@ from datetime import datetime, timedelta, timezone
 import pytest
 
 from celery_exactonce import reconciler
-from celery_exactonce.jobs import NewJob
 from celery_exactonce.refs import JobRef
+from celery_exactonce.requests import NewJob
 from celery_exactonce.states import State
 from tests.support.reconciler_world import (
     DISPATCH_DEADLINE,
