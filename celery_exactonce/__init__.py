@@ -22,8 +22,9 @@ from celery_exactonce.exceptions import (
     StoreUnavailable,
     SubmitAmbiguous,
 )
-from celery_exactonce.jobs import Job, JobRef
+from celery_exactonce.jobs import Job
 from celery_exactonce.keys import idempotency_key
+from celery_exactonce.refs import JobRef
 from celery_exactonce.scheduler import ExactOnceScheduler
 from celery_exactonce.states import State
 from celery_exactonce.stores import InMemoryStore, StateStore, open_store, store_from_url

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
-from celery_exactonce import jobs, messages
+from celery_exactonce import messages, payload
 
 #: Options of ``apply_async`` that belong to this call and are not stored:
 #: process-local objects, kombu's publish retry (always off for us), and the
@@ -45,7 +45,7 @@ CANVAS_OPTIONS = ("group_id", "chord", "chain")
 
 def canvas(options: Mapping[str, Any], name: str) -> str:
     """Canvas option ``name`` of a job (stored or about to be), comparable across the two."""
-    return jobs.encode_payload({name: options.get(name)}, context="canvas options")
+    return payload.encode_payload({name: options.get(name)}, context="canvas options")
 
 
 def storable_options(options: Mapping[str, Any]) -> dict[str, Any]:

@@ -20,10 +20,11 @@ from datetime import datetime
 
 from celery_exactonce import exceptions, jobs, metrics
 from celery_exactonce.entries import entry_of
-from celery_exactonce.jobs import CreateStatus, Job, NewJob
+from celery_exactonce.jobs import CreateStatus, Job
 from celery_exactonce.states import State
 from celery_exactonce.stores import settle
 from celery_exactonce.stores.base import StateStore
+from celery_exactonce.writes import NewJob
 
 
 @dataclasses.dataclass

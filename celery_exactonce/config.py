@@ -18,7 +18,7 @@ import warnings
 from collections.abc import Mapping
 from typing import Any, Literal, cast
 
-from celery_exactonce import exceptions, jobs, signing
+from celery_exactonce import exceptions, refs, signing
 from celery_exactonce.stores import KNOWN_SCHEMES, redact_url, validate_namespace
 
 PREFIX = "exactonce_"
@@ -133,11 +133,11 @@ class ExactOnceConfig:
                 object.__setattr__(self, "signing_key", keys)  # a list, frozen
         if self.node_id is not None:
             try:  # the rules every store applies to the node id of each write
-                jobs.validate_identifier(self.node_id, "node id", jobs.MAX_NAME_LENGTH)
+                refs.validate_identifier(self.node_id, "node id", refs.MAX_NAME_LENGTH)
             except exceptions.InvalidPayload as exc:
                 raise _error(
                     "node_id",
-                    f"must be 1-{jobs.MAX_NAME_LENGTH} characters, none of them a control "
+                    f"must be 1-{refs.MAX_NAME_LENGTH} characters, none of them a control "
                     f"character ({exc})",
                 ) from None
         self._check_consistency()

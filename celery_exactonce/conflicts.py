@@ -15,10 +15,11 @@ import contextlib
 import logging
 from datetime import datetime
 
-from celery_exactonce import exceptions, jobs, metrics
+from celery_exactonce import exceptions, metrics, refs
 from celery_exactonce.entries import entry_of, fire_of
-from celery_exactonce.jobs import Job, NewJob
+from celery_exactonce.jobs import Job
 from celery_exactonce.stores.base import StateStore
+from celery_exactonce.writes import NewJob
 
 #: Seconds (store time) before an entry whose slot was found claimed is compared
 #: again with the record that holds it, and how many records a tick reads for that.
@@ -93,4 +94,4 @@ class ConflictWatch:
         # The record says it too, for whoever reads it later; a store error leaves the
         # warning above, and the next report (RECHECK) tries again.
         with contextlib.suppress(exceptions.StoreError):
-            self._store.annotate(record.ref, node=self._node, reason=note, op_id=jobs.new_token())
+            self._store.annotate(record.ref, node=self._node, reason=note, op_id=refs.new_token())

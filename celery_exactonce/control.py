@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from celery_exactonce.jobs import JobRef, Transition
+from celery_exactonce.refs import JobRef
 from celery_exactonce.runtime import runtime_for
 from celery_exactonce.states import State
 from celery_exactonce.stores import settle
+from celery_exactonce.writes import Transition
 
 #: The states a job can be cancelled from: not dispatched yet.
 CANCELLABLE = frozenset({State.PENDING, State.SCHEDULED})

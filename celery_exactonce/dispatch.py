@@ -35,7 +35,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from celery_exactonce import exceptions, jobs, messages, metrics, signing
-from celery_exactonce.jobs import Action, Job, Lease, NewJob, Transition, TransitionStatus
+from celery_exactonce.jobs import Job, TransitionStatus
 from celery_exactonce.messages import GATED_OPTION
 from celery_exactonce.outcomes import DispatchResult, Enqueued, Outcome
 from celery_exactonce.publisher import Publisher, PublishFailed
@@ -44,6 +44,7 @@ from celery_exactonce.states import State
 from celery_exactonce.stores import settle
 from celery_exactonce.stores.base import StateStore
 from celery_exactonce.stores.redis import Push, PushRefused
+from celery_exactonce.writes import Action, Lease, NewJob, Transition
 
 #: How a history tells a dispatch written with its message (:meth:`Dispatcher.enqueue`).
 ENQUEUED = "(record and message in one step)"

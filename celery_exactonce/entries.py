@@ -25,11 +25,12 @@ from datetime import datetime, timedelta, tzinfo
 from typing import Any
 
 from celery_exactonce import config as config_module
-from celery_exactonce import exceptions, jobs, keys, slots
-from celery_exactonce.jobs import JobRef, NewJob
+from celery_exactonce import exceptions, keys, refs, slots
 from celery_exactonce.messages import GATED_OPTION, POLICY_OPTION, check_options
 from celery_exactonce.policy import TASK_FLAGS, TASK_TIMEOUTS, check_timeouts
+from celery_exactonce.refs import JobRef
 from celery_exactonce.states import State
+from celery_exactonce.writes import NewJob
 
 #: Entry option key holding per-entry overrides.
 ENTRY_OPTIONS = "exactonce"
@@ -153,7 +154,7 @@ def check_entry(
         occurrence(name, entry, now, policy, namespace=namespace, node=node)
     except exceptions.InvalidPayload as exc:
         text = str(exc)
-        if text.startswith(f"{jobs.Space.OCCURRENCE}:"):  # the probe job's id: noise here
+        if text.startswith(f"{refs.Space.OCCURRENCE}:"):  # the probe job's id: noise here
             text = text.partition(": ")[2]
         message = text if text.startswith(label) else f"{label}: {text}"
         raise _refused(message) from exc

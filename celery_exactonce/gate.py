@@ -26,12 +26,14 @@ from typing import Any, NoReturn
 from celery import Task
 from celery.exceptions import Ignore, Reject, Retry
 
-from celery_exactonce import exceptions, jobs, messages, metrics
-from celery_exactonce.jobs import Job, JobRef, NewJob, Transition
+from celery_exactonce import exceptions, messages, metrics, refs
+from celery_exactonce.jobs import Job
 from celery_exactonce.policy import check_timeouts, task_policy, task_timeouts
+from celery_exactonce.refs import JobRef
 from celery_exactonce.runtime import Runtime, config_for
 from celery_exactonce.states import State
 from celery_exactonce.stores import settle
+from celery_exactonce.writes import NewJob, Transition
 
 #: Set (to the attempt) while the gate sends a delivery back unchanged: the
 #: task's ``apply_async`` then publishes it as plain Celery would.
@@ -314,7 +316,7 @@ class Delivery:
         runtime, ref, run_id = self.runtime, self.ref, self.run_id
         note = f"late outcome of run {run_id}: {state} ({reason}); not applied"
         with contextlib.suppress(exceptions.StoreError):  # the warning above stands
-            runtime.store.annotate(ref, node=runtime.node, reason=note, op_id=jobs.new_token())
+            runtime.store.annotate(ref, node=runtime.node, reason=note, op_id=refs.new_token())
 
 
 def validate_gated_task(task: Task) -> None:

@@ -17,7 +17,7 @@ import threading
 import time
 
 from celery_exactonce import exceptions, metrics
-from celery_exactonce.jobs import JobRef
+from celery_exactonce.refs import JobRef
 from celery_exactonce.runtime import Runtime
 
 

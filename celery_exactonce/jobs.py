@@ -1,152 +1,45 @@
-"""Jobs and the requests that create and move them: value objects and pure rules.
+"""The job record, what a store answers, and the pure rules that apply requests to a record.
 
-A store persists :class:`Job` records and applies :class:`NewJob` and
-:class:`Transition` requests atomically. The rules that decide whether a
-request applies live here, as pure functions (:func:`check_transition`,
-:func:`apply_transition`), so that the in-memory and SQL stores share one
-implementation and the Redis Lua scripts have one reference to agree with
-(the contract suite and the model-based test hold them to it).
+A store persists :class:`Job` records (each with its capped history of
+:class:`HistoryEntry`) and applies :class:`~celery_exactonce.writes.NewJob`
+and :class:`~celery_exactonce.writes.Transition` requests atomically,
+answering with a :class:`CreateResult` or a :class:`TransitionResult`. The
+rules that decide whether a request applies and what it writes live here, as
+pure functions (:func:`job_from_new`, :func:`check_transition`,
+:func:`apply_transition`, :func:`annotate_job`), so that the in-memory and SQL
+stores share one implementation and the Redis Lua scripts have one reference
+to agree with (the contract suite and the model-based test hold them to it).
+A record's JSON form (:func:`job_to_json`, :func:`job_from_json`) is here too.
 
-Times are timezone-aware UTC :class:`~datetime.datetime` values at microsecond
-precision; stores keep them as integer microseconds since the UNIX epoch.
-
-Payloads (args, kwargs, options) are stored as JSON. A value that plain JSON
-cannot hold but kombu's JSON serializer can (``datetime``, ``date``, ``time``,
-``Decimal``, ``UUID``, ``bytes``) is stored in kombu's own encoding (an object
-``{"__type__": ..., "__value__": ...}``), and :func:`decode_payload` turns it
-back into the value before it is published: the worker gets exactly what plain
-Celery would have sent. Free text we store (reasons) is made storable on every
-backend by :func:`sanitize_text`.
+Not here: the requests themselves (:mod:`celery_exactonce.writes`); a job's
+identity, tokens, and the rules for names and text (:mod:`celery_exactonce.refs`);
+the JSON of payloads (:mod:`celery_exactonce.payload`); time conversions
+(:mod:`celery_exactonce.times`); the transition table (:mod:`celery_exactonce.states`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
-import functools
-import json
-import os
-import re
-from collections.abc import Mapping, Sequence
-from datetime import datetime, timezone
+from collections.abc import Mapping
+from datetime import datetime
 from typing import Any
 
-from kombu.utils import json as kombu_json
-
-from celery_exactonce import exceptions
-from celery_exactonce.states import (
-    ALLOWED,
-    CREATABLE,
-    NEXT_ATTEMPT_EDGES,
-    TERMINAL,
-    State,
+from celery_exactonce.refs import (
+    MAX_NAME_LENGTH,
+    JobRef,
+    sanitize_text,
+    validate_identifier,
+    validate_reason,
 )
+from celery_exactonce.states import TERMINAL, State
+from celery_exactonce.times import from_micros, from_micros_opt, to_micros, to_micros_opt
+from celery_exactonce.writes import Action, NewJob, Transition
 
 #: How many transitions a record remembers. Enough to explain a job's life
 #: (create, claim, dispatch, a few retries, completion) without letting a job
 #: that is replayed for days grow without bound.
 HISTORY_LIMIT = 32
-
-#: Longest task name, job id, entry key, node id or reason we store. Celery ids
-#: are 36-character UUIDs; entry names are short. Anything longer is a bug or
-#: an attack on the indexes.
-MAX_ID_LENGTH = 200
-MAX_NAME_LENGTH = 255
-MAX_REASON_LENGTH = 500
-
-#: Largest JSON payload (args, kwargs and options together) we store.
-MAX_PAYLOAD_BYTES = 1024 * 1024
-
-EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
-
-
-def new_token() -> str:
-    """A globally unique token (revs, run ids, lease tokens, op ids): 128 random bits, in hex."""
-    return os.urandom(16).hex()
-
-
-#: Separates an epoch's random part from its birth time (store clock, microseconds).
-EPOCH_SEPARATOR = "@"
-
-
-def epoch_born(epoch: str | None) -> datetime | None:
-    """When the store created ``epoch`` (its own clock), or ``None`` if the token has no time.
-
-    Stores write epochs as ``<token>@<microseconds>``. No slot whose fire time
-    is before a store's birth can have been claimed in that store's life;
-    slots before it may have been claimed in a life the store forgot.
-    """
-    if epoch is None or EPOCH_SEPARATOR not in epoch:
-        return None
-    born = epoch.rpartition(EPOCH_SEPARATOR)[2]
-    return from_micros(int(born)) if born.isdigit() else None
-
-
-class Space(str, enum.Enum):
-    """The key space of a job id.
-
-    Beat occurrences and caller-chosen ids never share a key space, so a
-    guessed ``task_id`` can never pre-empt a beat slot (docs/design/protocol.md, "Jobs").
-    """
-
-    OCCURRENCE = "o"
-    TASK = "t"
-
-    def __str__(self) -> str:
-        return self.value
-
-
-@dataclasses.dataclass(frozen=True, order=True)
-class JobRef:
-    """The identity of a job: its key space and its id (the Celery ``task_id``)."""
-
-    space: Space
-    id: str
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.space, Space):
-            object.__setattr__(self, "space", Space(self.space))
-        validate_identifier(self.id, "job id", MAX_ID_LENGTH)
-
-    @classmethod
-    def task(cls, task_id: str) -> JobRef:
-        """A caller-chosen (or generated) job id."""
-        return cls(Space.TASK, task_id)
-
-    @classmethod
-    def occurrence(cls, job_id: str) -> JobRef:
-        """A beat occurrence's job id."""
-        return cls(Space.OCCURRENCE, job_id)
-
-    def __str__(self) -> str:
-        return f"{self.space.value}:{self.id}"
-
-    @classmethod
-    def parse(cls, text: str) -> JobRef:
-        """Inverse of ``str(ref)``."""
-        space, sep, job_id = text.partition(":")
-        if not sep:
-            raise exceptions.InvalidPayload(f"not a job reference: {text!r}")
-        return cls(Space(space), job_id)
-
-
-class Action(str, enum.Enum):
-    """The reconciler's actions on a job, recorded in its history; its caps count them."""
-
-    REPLAY = "replay"
-    """A ``SCHEDULED`` job nobody dispatched, dispatched."""
-    REDISPATCH = "redispatch"
-    """An opted-in ``DISPATCHED`` job that never ran, published again."""
-    RERUN = "rerun"
-    """An opted-in ``RUNNING`` job whose worker vanished, dispatched as its next attempt."""
-
-    @classmethod
-    def of(cls, value: object) -> Action | None:
-        """The action ``value`` names; ``None`` for none, or one this version does not know."""
-        try:
-            return None if value is None else cls(value)
-        except ValueError:
-            return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,79 +149,6 @@ class Job:
 _JOB_FIELDS = frozenset(field.name for field in dataclasses.fields(Job))
 
 
-@dataclasses.dataclass(frozen=True)
-class NewJob:
-    """A request to create a job if no record with its ``ref`` exists.
-
-    For an occurrence (``ref.space`` is :attr:`Space.OCCURRENCE`), ``entry`` and
-    ``fire_time`` are required: the create also checks and advances the entry's
-    durable watermark in the same atomic step.
-    """
-
-    ref: JobRef
-    task: str
-    state: State
-    node: str
-    args: Sequence[Any] = ()
-    kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    entry: str | None = None
-    fire_time: datetime | None = None
-    run_at: datetime | None = None
-    deadline: datetime | None = None
-    run_id: str | None = None
-    reason: str = "created"
-    rev: str = dataclasses.field(default_factory=new_token)
-    signature: str | None = None
-    """Set by :class:`~celery_exactonce.signing.SigningStore` when a signing key is configured."""
-
-    def __post_init__(self) -> None:
-        validate_identifier(self.task, "task name", MAX_NAME_LENGTH)
-        if self.signature is not None:
-            validate_identifier(self.signature, "signature", MAX_NAME_LENGTH)
-        validate_identifier(self.node, "node id", MAX_NAME_LENGTH)
-        validate_identifier(self.rev, "rev", MAX_NAME_LENGTH)
-        validate_reason(self.reason)
-        object.__setattr__(self, "reason", sanitize_text(self.reason))
-        if self.state not in CREATABLE:
-            raise exceptions.InvalidRequest(
-                f"a job cannot be created in state {self.state}; "
-                f"only {', '.join(sorted(s.value for s in CREATABLE))}"
-            )
-        occurrence = self.ref.space is Space.OCCURRENCE
-        if occurrence != (self.entry is not None) or occurrence != (self.fire_time is not None):
-            raise exceptions.InvalidRequest(
-                f"job {self.ref}: an occurrence needs entry and fire_time, other jobs take neither"
-            )
-        if self.entry is not None:
-            validate_identifier(self.entry, "entry key", MAX_NAME_LENGTH)
-        if (self.state is State.PENDING) != (self.run_at is not None):
-            raise exceptions.InvalidRequest(
-                f"job {self.ref}: run_at is set exactly for PENDING jobs"
-            )
-        if (self.state is State.RUNNING) != (self.run_id is not None):
-            raise exceptions.InvalidRequest(
-                f"job {self.ref}: run_id is set exactly for RUNNING jobs"
-            )
-        for name in ("fire_time", "run_at", "deadline"):
-            value = getattr(self, name)
-            if value is not None:
-                object.__setattr__(self, name, require_aware(value, name))
-        # Freeze the payload as JSON now: a payload that cannot be stored fails
-        # here, before anything is written.
-        payload = storable_payload(
-            {"args": list(self.args), "kwargs": dict(self.kwargs), "options": dict(self.options)},
-            context=str(self.ref),
-        )
-        object.__setattr__(self, "args", list(payload["args"]))
-        object.__setattr__(self, "kwargs", dict(payload["kwargs"]))
-        object.__setattr__(self, "options", dict(payload["options"]))
-
-    @property
-    def payload(self) -> dict[str, Any]:
-        return {"args": self.args, "kwargs": self.kwargs, "options": self.options}
-
-
 class CreateStatus(str, enum.Enum):
     """What a create-if-absent did. Lost races are values, not exceptions."""
 
@@ -352,119 +172,6 @@ class CreateResult:
     @property
     def created(self) -> bool:
         return self.status is CreateStatus.CREATED
-
-
-@dataclasses.dataclass(frozen=True)
-class Lease:
-    """A lease held under a token; stores check it atomically with a transition."""
-
-    name: str
-    token: str
-
-    def __post_init__(self) -> None:
-        validate_identifier(self.name, "lease name", MAX_NAME_LENGTH)
-        validate_identifier(self.token, "lease token", MAX_NAME_LENGTH)
-
-
-@dataclasses.dataclass(frozen=True)
-class Transition:
-    """A compare-and-swap request: move a job to ``to`` if every guard holds.
-
-    Guards (all that are set must hold, atomically with the write):
-
-    * the current state is in ``expect``;
-    * ``rev``: the current rev equals it (dispatchers, reconciler, release, cancel);
-    * ``attempt``: the current attempt equals it (the worker gate);
-    * ``run_id``: the current run id equals it (worker writes);
-    * ``task``: the job is for this task name (the worker gate: a message for
-      one task never runs on the record of another);
-    * ``lease``: the lease is held with that token (the reconciler);
-    * ``stale_for``: the job was last touched (transition or heartbeat) at
-      least this many seconds ago, by the store's clock at the write.
-
-    Effects: state, a new ``rev`` (``new_rev``, chosen by the caller so a
-    write that timed out can be settled by reading back), the history entry,
-    and optionally a new ``run_id``, the next attempt, a new ``run_at`` and
-    new args/kwargs (a Celery retry may change them), with their ``signature``:
-    a transition that changes args or kwargs replaces the stored signature by
-    its own (none if it has none), so a signature never outlives its payload.
-    """
-
-    to: State
-    expect: frozenset[State]
-    node: str
-    reason: str
-    rev: str | None = None
-    attempt: int | None = None
-    run_id: str | None = None
-    lease: Lease | None = None
-    stale_for: float | None = None
-    task: str | None = None
-    new_run_id: str | None = None
-    next_attempt: bool = False
-    run_at: datetime | None = None
-    args: Sequence[Any] | None = None
-    kwargs: Mapping[str, Any] | None = None
-    new_rev: str = dataclasses.field(default_factory=new_token)
-    signature: str | None = None
-    #: The reconciler's action this transition is, recorded in the history entry.
-    action: Action | None = None
-
-    def __post_init__(self) -> None:
-        expect = self.expect
-        if type(expect) is not frozenset or not all(type(s) is State for s in expect):
-            expect = frozenset(State(s) for s in expect)
-            object.__setattr__(self, "expect", expect)
-        problem = _edges_problem(expect, self.to, self.next_attempt)
-        if problem is not None:
-            raise exceptions.InvalidRequest(problem)
-        if (self.to is State.RUNNING) != (self.new_run_id is not None):
-            raise exceptions.InvalidRequest("new_run_id is set exactly for transitions to RUNNING")
-        if (self.to is State.PENDING) != (self.run_at is not None):
-            raise exceptions.InvalidRequest("run_at is set exactly for transitions to PENDING")
-        if self.run_at is not None:
-            object.__setattr__(self, "run_at", require_aware(self.run_at, "run_at"))
-        if (
-            self.args is not None or self.kwargs is not None or self.signature is not None
-        ) and not self.next_attempt:
-            raise exceptions.InvalidRequest(
-                "args/kwargs/signature change only with the next attempt"
-            )
-        if self.signature is not None:
-            validate_identifier(self.signature, "signature", MAX_NAME_LENGTH)
-        if self.args is not None or self.kwargs is not None:
-            payload = storable_payload(
-                {"args": list(self.args or ()), "kwargs": dict(self.kwargs or {})},
-                context="transition",
-            )
-            if self.args is not None:
-                object.__setattr__(self, "args", list(payload["args"]))
-            if self.kwargs is not None:
-                object.__setattr__(self, "kwargs", dict(payload["kwargs"]))
-        if self.stale_for is not None and self.stale_for < 0:
-            raise exceptions.InvalidRequest("stale_for must be >= 0 seconds")
-        if self.task is not None:
-            validate_identifier(self.task, "task name", MAX_NAME_LENGTH)
-        validate_identifier(self.node, "node id", MAX_NAME_LENGTH)
-        validate_identifier(self.new_rev, "rev", MAX_NAME_LENGTH)
-        validate_reason(self.reason)
-        object.__setattr__(self, "reason", sanitize_text(self.reason))
-
-
-@functools.lru_cache(maxsize=256)
-def _edges_problem(expect: frozenset[State], to: State, next_attempt: bool) -> str | None:
-    """What is wrong with the edges ``expect → to`` (``None``: nothing), remembered:
-    a process asks about few, for every write."""
-    if not expect:
-        return "a transition needs at least one expected state"
-    for src in sorted(expect):
-        if to not in ALLOWED[src]:
-            return f"transition {src} → {to} is not allowed"
-        if ((src, to) in NEXT_ATTEMPT_EDGES) != next_attempt:
-            return (
-                f"transition {src} → {to}: next_attempt must be {(src, to) in NEXT_ATTEMPT_EDGES}"
-            )
-    return None
 
 
 class TransitionStatus(str, enum.Enum):
@@ -604,106 +311,6 @@ def job_from_new(new: NewJob, now: datetime) -> Job:
 # -- encoding ----------------------------------------------------------------------------
 
 
-class _KombuEncoder(kombu_json.JSONEncoder):
-    """kombu's JSON encoder, noting whether it met a value plain JSON cannot hold."""
-
-    typed = False
-
-    def default(self, o: Any) -> Any:
-        self.typed = True
-        return super().default(o)  # type: ignore[no-untyped-call]  # kombu is untyped
-
-
-def _encode(value: Any) -> tuple[str, bool]:
-    """Canonical JSON of ``value`` as kombu's serializer writes it; whether a value was typed."""
-    encoder = _KombuEncoder(sort_keys=True, separators=(",", ":"), allow_nan=False)
-    text = encoder.encode(value)
-    if _TYPE_MARKER in text:  # a value kombu marks (or a look-alike): it must decode back
-        try:
-            kombu_json.loads(text)  # type: ignore[no-untyped-call]
-        except Exception as exc:
-            raise ValueError(
-                f'an object with "__type__" and "__value__" keys that kombu cannot decode '
-                f"(a worker could not read the message): {exc}"
-            ) from exc
-    return text, encoder.typed
-
-
-_TYPE_MARKER = '"__type__"'
-
-
-def _encode_payload(payload: Mapping[str, Any], context: str) -> tuple[str, bool]:
-    try:
-        text, typed = _encode(payload)
-    except (TypeError, ValueError, OverflowError) as error:
-        for field, value in payload.items():  # which field: the error names no culprit
-            try:
-                _encode(value)
-            except (TypeError, ValueError, OverflowError) as exc:
-                raise exceptions.InvalidPayload(
-                    f"{context}: {field} cannot be stored as JSON: {exc}"
-                ) from exc
-        raise exceptions.InvalidPayload(f"{context}: cannot be stored as JSON: {error}") from error
-    size = len(text.encode("utf-8", "surrogatepass"))
-    if size > MAX_PAYLOAD_BYTES:
-        raise exceptions.InvalidPayload(
-            f"{context}: payload is {size} bytes, over {MAX_PAYLOAD_BYTES}"
-        )
-    return text, typed
-
-
-def encode_payload(payload: Mapping[str, Any], *, context: str) -> str:
-    """Canonical JSON for a payload; raises :class:`InvalidPayload` naming the culprit.
-
-    Values kombu's JSON serializer carries (``datetime``, ``Decimal``, ``UUID``,
-    ``bytes``...) are written as kombu writes them; anything else plain JSON
-    cannot hold (an arbitrary object, ``NaN``) is refused.
-    """
-    return _encode_payload(payload, context)[0]
-
-
-def storable_payload(payload: Mapping[str, Any], *, context: str) -> dict[str, Any]:
-    """``payload`` as it is stored: plain JSON values, kombu-typed ones in kombu's encoding.
-
-    Raises :class:`InvalidPayload` naming the culprit if it cannot be stored. A
-    payload of plain JSON values is returned as it is (no copy).
-    """
-    text, typed = _encode_payload(payload, context)
-    if not typed:
-        return dict(payload)
-    return dict(json.loads(text))
-
-
-def decode_payload(value: Any) -> Any:
-    """A stored payload value with kombu's typed values decoded: what ``send_task`` gets.
-
-    The inverse of :func:`storable_payload`; what a plain Celery worker would
-    decode from the same JSON. A value with nothing to decode is returned as is.
-    """
-    if isinstance(value, dict):
-        if value.keys() != _TYPE_KEYS and all(type(v) in _SCALARS for v in value.values()):
-            return value  # the common case, a flat mapping: nothing can be typed inside
-        decoded = {key: decode_payload(item) for key, item in value.items()}
-        if decoded.keys() == _TYPE_KEYS:
-            return kombu_json.object_hook(decoded)
-        if all(decoded[key] is item for key, item in value.items()):
-            return value
-        return decoded
-    if isinstance(value, (list, tuple)):
-        if all(type(v) in _SCALARS for v in value):
-            return value
-        items = [decode_payload(item) for item in value]
-        if all(new is old for new, old in zip(items, value, strict=True)):
-            return value
-        return items if isinstance(value, list) else tuple(items)
-    return value
-
-
-_TYPE_KEYS = frozenset({"__type__", "__value__"})
-#: The JSON values kombu never types (a typed value is a mapping).
-_SCALARS = frozenset({str, int, float, bool, type(None)})
-
-
 def job_to_json(job: Job) -> dict[str, Any]:
     """A JSON-able dict of a job (times as integer microseconds)."""
     return {
@@ -758,78 +365,3 @@ def job_from_json(data: Mapping[str, Any]) -> Job:
         history=tuple(HistoryEntry.from_json(h) for h in data.get("history") or ()),
         signature=data.get("signature") or None,
     )
-
-
-# -- small helpers ---------------------------------------------------------------------
-
-
-def to_micros(value: datetime) -> int:
-    """Integer microseconds since the UNIX epoch of an aware datetime."""
-    delta = require_aware(value, "time") - EPOCH
-    return (delta.days * 86_400 + delta.seconds) * 1_000_000 + delta.microseconds
-
-
-def from_micros(value: int) -> datetime:
-    """Inverse of :func:`to_micros`."""
-    seconds, micros = divmod(int(value), 1_000_000)
-    return datetime.fromtimestamp(seconds, tz=timezone.utc).replace(microsecond=micros)
-
-
-def to_micros_opt(value: datetime | None) -> int | None:
-    return None if value is None else to_micros(value)
-
-
-def from_micros_opt(value: Any) -> datetime | None:
-    return None if value is None or value == "" else from_micros(int(value))
-
-
-def require_aware(value: datetime, name: str) -> datetime:
-    """``value`` in UTC; naive datetimes are refused.
-
-    A naive datetime means different instants on nodes in different time zones.
-    """
-    if not isinstance(value, datetime):
-        raise exceptions.InvalidPayload(f"{name} must be a datetime, got {type(value).__name__}")
-    if value.tzinfo is None or value.utcoffset() is None:
-        raise exceptions.InvalidPayload(f"{name} must be timezone-aware, got naive {value!r}")
-    return value.astimezone(timezone.utc)
-
-
-_CONTROL = re.compile("[\x00-\x1f\x7f\ud800-\udfff]")
-#: What not every backend stores in a text column: NUL and the other C0 controls but
-#: tab, newline and carriage return, DEL, and lone surrogates (a non-UTF-8 file name
-#: decoded with surrogateescape).
-_UNSTORABLE = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f\ud800-\udfff]")
-
-
-def validate_identifier(value: object, what: str, max_length: int) -> None:
-    """Refuse empty, over-long or control-character identifiers, naming ``what``."""
-    if not isinstance(value, str):
-        raise exceptions.InvalidPayload(f"{what} must be a string, got {type(value).__name__}")
-    if not value:
-        raise exceptions.InvalidPayload(f"{what} must not be empty")
-    if len(value) > max_length:
-        raise exceptions.InvalidPayload(f"{what} {value[:40]!r}… is over {max_length} characters")
-    if _CONTROL.search(value):
-        raise exceptions.InvalidPayload(
-            f"{what} {value!r} contains control characters or lone surrogates"
-        )
-
-
-def validate_reason(reason: object) -> None:
-    if not isinstance(reason, str):
-        raise exceptions.InvalidPayload(f"reason must be a string, got {type(reason).__name__}")
-
-
-def sanitize_text(text: str, max_length: int = MAX_REASON_LENGTH) -> str:
-    """``text`` as every store can hold it: unstorable characters replaced, length capped.
-
-    NUL and the other control characters but tab, newline and carriage return, and lone
-    surrogates, become U+FFFD; text over ``max_length`` characters is cut and
-    ends with an ellipsis. Used for every reason written to a record, so a
-    completion whose exception message holds such characters is still recorded.
-    """
-    clean = _UNSTORABLE.sub("\ufffd", text)
-    if len(clean) > max_length:
-        clean = clean[: max_length - 1] + "…"
-    return clean

@@ -15,8 +15,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from celery_exactonce import exceptions, jobs, keys
-from celery_exactonce.jobs import Job, JobRef, Space
+from celery_exactonce import exceptions, keys, times
+from celery_exactonce.jobs import Job
+from celery_exactonce.refs import JobRef, Space
 
 HEADER_JOB_ID = "exactonce_job_id"
 HEADER_ATTEMPT = "exactonce_attempt"
@@ -76,7 +77,7 @@ def check_options(options: Mapping[str, Any], *, context: str) -> None:
     ``send_task`` keywords the dispatch sets itself (``retry``: kombu's publish
     retry is always off; ``retries``: the job's attempt; ``task_id``...) and a
     ``headers`` that is not a dict of string keys. Whether each value can be
-    stored as JSON is checked when the job is built (:class:`~celery_exactonce.jobs.NewJob`).
+    stored as JSON is checked when the job is built (:class:`~celery_exactonce.writes.NewJob`).
     """
     reserved = sorted(RESERVED_OPTIONS.intersection(options))
     if reserved:
@@ -103,7 +104,7 @@ def job_idempotency_key(job: Job, namespace: str) -> str:
     """
     if job.entry is not None and job.fire_time is not None:
         return keys.idempotency_key(job.entry, job.fire_time, namespace)
-    return keys.idempotency_key(f"job:{job.ref.id}", jobs.EPOCH, namespace)
+    return keys.idempotency_key(f"job:{job.ref.id}", times.EPOCH, namespace)
 
 
 def message_headers(job: Job, namespace: str) -> dict[str, Any]:

@@ -31,7 +31,7 @@ from typing import Any
 from celery_exactonce import slots
 from celery_exactonce.config import ExactOnceConfig
 from celery_exactonce.entries import EntryPolicy
-from celery_exactonce.jobs import NewJob
+from celery_exactonce.writes import NewJob
 
 #: Why slots were skipped, by the ``where`` label of ``slot_skipped``.
 WHY = {

@@ -19,9 +19,10 @@ import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol
 
-from celery_exactonce import jobs, messages, metrics
+from celery_exactonce import messages, metrics
 from celery_exactonce.jobs import Job
 from celery_exactonce.messages import CALL_OPTIONS, INTERNAL_OPTIONS, check_options
+from celery_exactonce.payload import decode_payload
 
 #: Transport commands a publish batch may buffer before kombu flushes it by itself:
 #: far above a chunk's (a message is one to a few), so only :meth:`CeleryPublisher.flush`
@@ -279,7 +280,7 @@ class CeleryPublisher:
         """The ``send_task`` options of one publish: stored ones decoded, ours added."""
         options = {k: v for k, v in {**job.options, **extra}.items() if k not in INTERNAL_OPTIONS}
         check_options(options, context=f"job {job.ref}")
-        options = dict(jobs.decode_payload(options))
+        options = dict(decode_payload(options))
         options["headers"] = {**dict(options.get("headers") or {}), **headers}
         if job.deadline is not None:
             options["expires"] = job.deadline
@@ -333,8 +334,8 @@ class CeleryPublisher:
         """Celery's ``send_task`` of ``job`` on ``producer``, kombu's publish retry off."""
         return self.app.send_task(
             job.task,
-            args=jobs.decode_payload(job.args),
-            kwargs=jobs.decode_payload(job.kwargs),
+            args=decode_payload(job.args),
+            kwargs=decode_payload(job.kwargs),
             task_id=messages.message_task_id(job),
             producer=producer,
             retries=job.attempt,

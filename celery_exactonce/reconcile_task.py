@@ -21,12 +21,14 @@ import threading
 import weakref
 from typing import Any
 
-from celery_exactonce import exceptions, jobs, metrics
-from celery_exactonce.jobs import Job, JobRef, Transition
+from celery_exactonce import exceptions, metrics, refs
+from celery_exactonce.jobs import Job
 from celery_exactonce.reconciler import Reconciler
+from celery_exactonce.refs import JobRef
 from celery_exactonce.runtime import Runtime, runtime_for
 from celery_exactonce.states import State
 from celery_exactonce.task import ExactOnceTask
+from celery_exactonce.writes import Transition
 
 #: The Celery task (and beat entry) that runs a pass.
 RECONCILE_TASK = "celery_exactonce.reconcile"
@@ -106,7 +108,7 @@ class BeatRunner:
 
     def _run(self, job: Job) -> None:
         self._record_owed()
-        run_id = jobs.new_token()
+        run_id = refs.new_token()
         request = Transition(
             State.RUNNING,
             frozenset({State.SCHEDULED}),

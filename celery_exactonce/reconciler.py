@@ -54,14 +54,16 @@ from collections.abc import Callable, Mapping
 from datetime import datetime
 from typing import Any
 
-from celery_exactonce import exceptions, jobs, metrics
-from celery_exactonce.jobs import Action, Job, JobRef, Lease, Transition
+from celery_exactonce import exceptions, jobs, metrics, refs, times
+from celery_exactonce.jobs import Job
 from celery_exactonce.messages import GATED_OPTION
 from celery_exactonce.outcomes import Outcome
 from celery_exactonce.policy import Timeouts, youngest_ages
+from celery_exactonce.refs import JobRef
 from celery_exactonce.runtime import Runtime
 from celery_exactonce.states import State
 from celery_exactonce.stores import settle
+from celery_exactonce.writes import Action, Lease, Transition
 
 #: The lease every reconciler of a namespace takes for a pass.
 LEASE_NAME = "reconcile"
@@ -73,7 +75,7 @@ BATCH = 100
 MAX_REPLAYS = 5
 
 #: History reasons of the reconciler's replays, redispatches and re-runs (for people;
-#: the caps count the entries' :class:`~celery_exactonce.jobs.Action`).
+#: the caps count the entries' :class:`~celery_exactonce.writes.Action`).
 REPLAY_REASON = "reconciler replay"
 REDISPATCH_REASON = "reconciler redispatch"
 RERUN_REASON = "reconciler rerun"
@@ -119,7 +121,7 @@ class _Pass:
     #: Whether timeouts may act (not within the grace period after a store error).
     timeouts_ok: bool
     #: The store's time when the page being acted on was listed.
-    now: datetime = jobs.EPOCH
+    now: datetime = times.EPOCH
 
 
 #: What acts on one stale job of a state, in a pass.
@@ -159,7 +161,7 @@ class Reconciler:
         """One bounded pass; returns what it did. Never raises for a store error."""
         report = PassReport()
         store, config = self.runtime.store, self.runtime.config
-        lease = Lease(LEASE_NAME, jobs.new_token())
+        lease = Lease(LEASE_NAME, refs.new_token())
         try:
             if not store.acquire_lease(lease.name, lease.token, config.lease_ttl):
                 return report

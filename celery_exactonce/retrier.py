@@ -16,8 +16,9 @@ import time
 from typing import Protocol
 
 from celery_exactonce import exceptions, metrics
-from celery_exactonce.jobs import Job, JobRef
+from celery_exactonce.jobs import Job
 from celery_exactonce.outcomes import DispatchResult, Outcome
+from celery_exactonce.refs import JobRef
 from celery_exactonce.states import State
 from celery_exactonce.stores.base import StateStore
 

@@ -63,7 +63,7 @@ from celery_exactonce import (
 )
 from celery_exactonce.conflicts import ConflictWatch
 from celery_exactonce.entries import ENTRY_OPTIONS, INTERNAL_OPTION, EntryPolicy, entry_of, fire_of
-from celery_exactonce.jobs import Job, NewJob
+from celery_exactonce.jobs import Job
 from celery_exactonce.planner import Plan, SkipTally
 from celery_exactonce.policy import task_policy
 from celery_exactonce.reconcile_task import RECONCILE_TASK, BeatRunner
@@ -71,6 +71,7 @@ from celery_exactonce.runtime import Runtime
 from celery_exactonce.store_loss import StoreLossGuard
 from celery_exactonce.stores import redact_url
 from celery_exactonce.task import ExactOnceTask
+from celery_exactonce.writes import NewJob
 
 #: Claims per ``create_many`` round trip.
 CLAIM_BATCH = 500

@@ -30,17 +30,12 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-from celery_exactonce import exceptions, jobs
-from celery_exactonce.jobs import (
-    CreateResult,
-    Job,
-    JobRef,
-    NewJob,
-    Transition,
-    TransitionResult,
-)
+from celery_exactonce import exceptions, times
+from celery_exactonce.jobs import CreateResult, Job, TransitionResult
+from celery_exactonce.refs import JobRef
 from celery_exactonce.states import State
 from celery_exactonce.stores.base import StateStore
+from celery_exactonce.writes import NewJob, Transition
 
 #: Prefix of every signature this version writes (the scheme, should it change).
 SCHEME = "v1"
@@ -60,8 +55,8 @@ def signed_content(record: Job | NewJob) -> bytes:
         "kwargs": dict(record.kwargs),
         "options": dict(record.options),
         "entry": record.entry,
-        "fire_time": jobs.to_micros_opt(record.fire_time),
-        "deadline": jobs.to_micros_opt(record.deadline),
+        "fire_time": times.to_micros_opt(record.fire_time),
+        "deadline": times.to_micros_opt(record.deadline),
     }
     return json.dumps(content, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
 

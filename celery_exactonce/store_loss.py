@@ -31,8 +31,8 @@ import collections
 import dataclasses
 from datetime import datetime, timedelta
 
-from celery_exactonce import exceptions, jobs
-from celery_exactonce.jobs import JobRef
+from celery_exactonce import exceptions, refs
+from celery_exactonce.refs import JobRef
 from celery_exactonce.stores.base import StateStore
 
 #: This node's recent claims kept for the re-check, and how many each tick re-reads.
@@ -70,7 +70,7 @@ class StoreLossGuard:
     def adopt(self, epoch: str) -> None:
         """Hold ``epoch``; no slot at or before its birth plus ``max_skew`` is ever claimed."""
         self.epoch = epoch
-        born = jobs.epoch_born(epoch)
+        born = refs.epoch_born(epoch)
         if born is not None:
             self._raise_floor(born + self._max_skew)
 

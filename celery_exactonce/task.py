@@ -39,15 +39,17 @@ from typing import Any, NoReturn
 from celery import Task, signals
 from celery.exceptions import Ignore, Reject, Retry
 
-from celery_exactonce import call_options, exceptions, jobs, messages, metrics
+from celery_exactonce import call_options, exceptions, jobs, messages, metrics, refs
 from celery_exactonce.gate import Delivery, raw_republish, validate_gated_task
 from celery_exactonce.heartbeats import heartbeats
-from celery_exactonce.jobs import CreateStatus, Job, JobRef, NewJob, Transition
+from celery_exactonce.jobs import CreateStatus, Job
 from celery_exactonce.outcomes import Enqueued
 from celery_exactonce.policy import task_policy
+from celery_exactonce.refs import JobRef
 from celery_exactonce.runtime import Runtime, runtime_for
 from celery_exactonce.states import State
 from celery_exactonce.stores import settle
+from celery_exactonce.writes import NewJob, Transition
 
 
 @dataclasses.dataclass
@@ -394,7 +396,7 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
         headers = messages.headers_of(request)
         ref = messages.ref_from_headers(headers, request.id)
         attempt = int(headers.get(messages.HEADER_ATTEMPT, request.retries or 0))
-        run_id = jobs.new_token()
+        run_id = refs.new_token()
         key = headers.get(messages.HEADER_IDEMPOTENCY_KEY)
         delivery = Delivery(
             self, runtime, ref, attempt, run_id, headers, request.delivery_info or {}

@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 from datetime import datetime, timedelta, timezone
 
-from celery_exactonce import jobs
+from celery_exactonce import times
 from celery_exactonce.stores.memory import InMemoryStore
 
 __all__ = ["FrozenClock", "InMemoryStore"]
@@ -22,7 +22,7 @@ class FrozenClock:
 
     def __init__(self, start: datetime | None = None) -> None:
         initial = start or datetime(2026, 1, 1, tzinfo=timezone.utc)
-        self._now = jobs.require_aware(initial, "start")
+        self._now = times.require_aware(initial, "start")
         self._lock = threading.Lock()
 
     def now(self) -> datetime:
@@ -38,4 +38,4 @@ class FrozenClock:
     def set(self, instant: datetime) -> None:
         """Jump to ``instant`` (backwards too: clocks do step back)."""
         with self._lock:
-            self._now = jobs.require_aware(instant, "instant")
+            self._now = times.require_aware(instant, "instant")

@@ -48,12 +48,13 @@ from pathlib import Path
 from typing import TypeVar
 
 import celery_exactonce
-from celery_exactonce import exceptions, jobs, keys, slots
+from celery_exactonce import exceptions, keys, refs, slots
 from celery_exactonce.config import ExactOnceConfig
 from celery_exactonce.demo import app as demo_app
 from celery_exactonce.demo.report import DemoResult, Execution, Kill, Slot, build_report
 from celery_exactonce.entries import occurrence_id
-from celery_exactonce.jobs import Job, JobRef
+from celery_exactonce.jobs import Job
+from celery_exactonce.refs import JobRef
 from celery_exactonce.stores import open_store
 from celery_exactonce.stores.base import StateStore
 
@@ -192,7 +193,7 @@ class Demo:
         app = demo_app.make_app(layout, node="demo")
         self.config = ExactOnceConfig.from_app(app)
         self.store: StateStore = open_store(self.config)
-        born = jobs.epoch_born(self.store.epoch())
+        born = refs.epoch_born(self.store.epoch())
         self.born = born if born is not None else self.store.now()
 
     def run(self) -> DemoResult:

@@ -26,8 +26,10 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Protocol, runtime_checkable
 
-from celery_exactonce.jobs import CreateResult, Job, JobRef, NewJob, Transition, TransitionResult
+from celery_exactonce.jobs import CreateResult, Job, TransitionResult
+from celery_exactonce.refs import JobRef
 from celery_exactonce.states import State
+from celery_exactonce.writes import NewJob, Transition
 
 #: Version of the key format / schema this code writes. A store holding a
 #: newer version refuses to start (a rolling deploy never mixes formats).
@@ -117,7 +119,7 @@ class StateStore(Protocol):
     def transition(self, ref: JobRef, request: Transition) -> TransitionResult:
         """Compare-and-swap: apply ``request`` if all its guards hold. Atomic.
 
-        The guards and effects are those of :class:`~celery_exactonce.jobs.Transition`
+        The guards and effects are those of :class:`~celery_exactonce.writes.Transition`
         (:func:`~celery_exactonce.jobs.check_transition`, with the lease checked
         in the same atomic step). Terminal records refuse every transition.
         Indexes (state, due, expiry) move with the record.

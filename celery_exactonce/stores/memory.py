@@ -16,19 +16,18 @@ import threading
 from collections.abc import Sequence
 from datetime import datetime, timedelta
 
-from celery_exactonce import exceptions, jobs
+from celery_exactonce import exceptions, jobs, refs, times
 from celery_exactonce.clock import Clock, SystemClock
 from celery_exactonce.jobs import (
     CreateResult,
     CreateStatus,
     Job,
-    JobRef,
-    NewJob,
-    Transition,
     TransitionResult,
     TransitionStatus,
 )
+from celery_exactonce.refs import JobRef
 from celery_exactonce.states import TERMINAL, State
+from celery_exactonce.writes import Lease, NewJob, Transition
 
 
 class InMemoryStore:
@@ -41,7 +40,7 @@ class InMemoryStore:
         retention: float = 7 * 86_400,
         clock: Clock | None = None,
     ) -> None:
-        jobs.validate_identifier(namespace, "namespace", jobs.MAX_NAME_LENGTH)
+        refs.validate_identifier(namespace, "namespace", refs.MAX_NAME_LENGTH)
         if retention <= 0:
             raise exceptions.ConfigurationError("retention must be > 0", setting="retention")
         self._namespace = namespace
@@ -70,7 +69,7 @@ class InMemoryStore:
 
     def now(self) -> datetime:
         self._check_open()
-        return jobs.from_micros(jobs.to_micros(self._clock.now()))
+        return times.from_micros(times.to_micros(self._clock.now()))
 
     def setup(self) -> None:
         self._check_open()
@@ -93,8 +92,8 @@ class InMemoryStore:
         with self._lock:
             self._check_open()
             if self._epoch is None or (replace is not None and self._epoch == replace):
-                born = jobs.to_micros(self._clock.now())
-                self._epoch = f"{jobs.new_token()}{jobs.EPOCH_SEPARATOR}{born}"
+                born = times.to_micros(self._clock.now())
+                self._epoch = f"{refs.new_token()}{refs.EPOCH_SEPARATOR}{born}"
             return self._epoch
 
     def create(self, new: NewJob, *, epoch: str | None = None) -> CreateResult:
@@ -240,7 +239,7 @@ class InMemoryStore:
     # -- leases --------------------------------------------------------------------------
 
     def acquire_lease(self, name: str, token: str, ttl: float) -> bool:
-        jobs.Lease(name, token)  # validates
+        Lease(name, token)  # validates
         with self._lock:
             self._check_open()
             now = self.now()

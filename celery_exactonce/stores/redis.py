@@ -46,17 +46,15 @@ import redis.exceptions as rexc
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from celery_exactonce import exceptions, jobs, metrics
+from celery_exactonce import exceptions, jobs, metrics, refs, times
 from celery_exactonce.jobs import (
     CreateResult,
     CreateStatus,
     Job,
-    JobRef,
-    NewJob,
-    Transition,
     TransitionResult,
     TransitionStatus,
 )
+from celery_exactonce.refs import JobRef
 from celery_exactonce.states import TERMINAL, State
 from celery_exactonce.stores import (
     redact_message,
@@ -66,6 +64,7 @@ from celery_exactonce.stores import (
     validate_namespace,
 )
 from celery_exactonce.stores.base import FORMAT_VERSION
+from celery_exactonce.writes import Lease, NewJob, Transition
 
 _PREFIX_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
@@ -284,7 +283,7 @@ class RedisStore:
     def now(self) -> datetime:
         with self._wrap("TIME"):
             seconds, micros = self._client.time()
-        return jobs.from_micros(int(seconds) * 1_000_000 + int(micros))
+        return times.from_micros(int(seconds) * 1_000_000 + int(micros))
 
     def ping(self) -> bool:
         """Whether Redis answers (raises :class:`StoreUnavailable` when it does not)."""
@@ -345,7 +344,7 @@ class RedisStore:
     # -- epoch and create ----------------------------------------------------------------
 
     def epoch(self, *, replace: str | None = None) -> str:
-        args = [jobs.new_token(), _opt(replace)]
+        args = [refs.new_token(), _opt(replace)]
         with self._wrap("epoch"):
             return _text(self._run("epoch", [self._key("epoch")], args))
 
@@ -375,8 +374,8 @@ class RedisStore:
     def _create_item(self, new: NewJob) -> tuple[list[str], list[Any]]:
         member = str(new.ref)
         fields = self._record_fields(new, new.state.value, new.rev, new.node, new.reason)
-        fire_time = jobs.to_micros_opt(new.fire_time)
-        run_at = jobs.to_micros_opt(new.run_at)
+        fire_time = times.to_micros_opt(new.fire_time)
+        run_at = times.to_micros_opt(new.run_at)
         args = [
             new.entry or "", "" if fire_time is None else fire_time, member, new.state.value,
             "" if run_at is None else run_at, new.node, new.reason, new.rev, len(fields), *fields,
@@ -394,7 +393,7 @@ class RedisStore:
         for name in ("run_id", "entry", "fire_time", "run_at", "deadline", "signature"):
             value = getattr(new, name)
             if value is not None:
-                fields += [name, jobs.to_micros(value) if isinstance(value, datetime) else value]
+                fields += [name, times.to_micros(value) if isinstance(value, datetime) else value]
         return fields
 
     # -- create and enqueue (a broker on this server) ------------------------------------
@@ -476,7 +475,7 @@ class RedisStore:
         with self._wrap("watermarks"):
             marks = self._client.hmget(self._key("wm"), list(entries))
         return {
-            entry: jobs.from_micros(int(_text(mark)))
+            entry: times.from_micros(int(_text(mark)))
             for entry, mark in zip(entries, marks, strict=True)
             if mark is not None
         }
@@ -516,7 +515,7 @@ class RedisStore:
             _opt(request.run_id), _opt(lease.token if lease else None),
             _opt(None if request.stale_for is None else repr(float(request.stale_for))),
             request.new_rev, _opt(request.new_run_id), "1" if request.next_attempt else "0",
-            _opt(jobs.to_micros_opt(request.run_at)),
+            _opt(times.to_micros_opt(request.run_at)),
             _opt(None if request.args is None else _json(request.args)),
             _opt(None if request.kwargs is None else _json(request.kwargs)),
             _opt(request.task),
@@ -552,15 +551,15 @@ class RedisStore:
         age = timedelta(seconds=older_than) // timedelta(microseconds=1)
         keys = [self._state_key(State(state)), self._key("job", "")]
         # The cursor is the index's own (score, member) of the previous page's last job.
-        at, member = (None, None) if after is None else (jobs.to_micros(after[0]), after[1])
+        at, member = (None, None) if after is None else (times.to_micros(after[0]), after[1])
         args = [age, limit, _opt(at), _opt(member)]
         with self._wrap("list_stale"):
             records = self._run("list_stale", keys, args)
         return [_decode_job(flat) for flat in records]
 
     def claim_due(self, limit: int, *, node: str, reason: str = "claimed") -> list[Job]:
-        jobs.validate_identifier(node, "node id", jobs.MAX_NAME_LENGTH)
-        jobs.validate_reason(reason)
+        refs.validate_identifier(node, "node id", refs.MAX_NAME_LENGTH)
+        refs.validate_reason(reason)
         if limit <= 0:
             self._check_open()
             return []
@@ -569,7 +568,7 @@ class RedisStore:
             self._key("job", ""),
         ]  # fmt: skip
         with self._wrap("claim_due"):
-            records = self._run("claim_due", keys, [limit, jobs.new_token(), node, reason])
+            records = self._run("claim_due", keys, [limit, refs.new_token(), node, reason])
         return [_decode_job(flat) for flat in records]
 
     def purge_expired(self, limit: int) -> int:
@@ -583,7 +582,7 @@ class RedisStore:
     # -- leases --------------------------------------------------------------------------
 
     def acquire_lease(self, name: str, token: str, ttl: float) -> bool:
-        jobs.Lease(name, token)  # validates
+        Lease(name, token)  # validates
         with self._wrap("acquire_lease"):
             return bool(self._run("lease_acquire", [self._key("lease", name)], [token, _ms(ttl)]))
 

@@ -4,8 +4,8 @@ A store error raised after a request was sent leaves its outcome unknown
 (:mod:`celery_exactonce.stores.base`). Every writer settles such a write the
 same way, here, and never by guessing: it reads the record back (a few
 tries, with back-off) and asks it whether it holds the write's op id, the
-``new_rev`` of a :class:`~celery_exactonce.jobs.Transition` or the ``rev`` of
-a :class:`~celery_exactonce.jobs.NewJob` (:meth:`~celery_exactonce.jobs.Job.applied`).
+``new_rev`` of a :class:`~celery_exactonce.writes.Transition` or the ``rev`` of
+a :class:`~celery_exactonce.writes.NewJob` (:meth:`~celery_exactonce.jobs.Job.applied`).
 
 :func:`transition`, :func:`transition_many`, :func:`create` and
 :func:`create_many` make the write and answer a :class:`Written`: the store's
@@ -39,13 +39,12 @@ from celery_exactonce.jobs import (
     CreateResult,
     CreateStatus,
     Job,
-    JobRef,
-    NewJob,
-    Transition,
     TransitionResult,
     TransitionStatus,
 )
+from celery_exactonce.refs import JobRef
 from celery_exactonce.stores.base import StateStore
+from celery_exactonce.writes import NewJob, Transition
 
 __all__ = [
     "READ_BACK_DELAY",

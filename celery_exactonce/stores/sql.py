@@ -59,15 +59,9 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from celery_exactonce import jobs
-from celery_exactonce.jobs import (
-    CreateResult,
-    Job,
-    JobRef,
-    NewJob,
-    Transition,
-    TransitionResult,
-)
+from celery_exactonce import times
+from celery_exactonce.jobs import CreateResult, Job, TransitionResult
+from celery_exactonce.refs import JobRef
 from celery_exactonce.states import State
 from celery_exactonce.stores import sql_engine, sql_schema
 from celery_exactonce.stores.sql_core import Slow
@@ -75,6 +69,7 @@ from celery_exactonce.stores.sql_creates import SqlCreates
 from celery_exactonce.stores.sql_leases import SqlLeases
 from celery_exactonce.stores.sql_scans import SqlScans
 from celery_exactonce.stores.sql_transitions import SqlTransitions
+from celery_exactonce.writes import NewJob, Transition
 
 __all__ = ["SqlStore"]
 
@@ -143,7 +138,7 @@ class SqlStore(SqlCreates, SqlTransitions, SqlScans, SqlLeases):
         return self._engine
 
     def now(self) -> datetime:
-        return jobs.from_micros(self._run("now", self._now, write=False))
+        return times.from_micros(self._run("now", self._now, write=False))
 
     def setup(self) -> None:
         """Create absent tables and indexes, record or upgrade the schema version. Idempotent.

@@ -40,7 +40,8 @@ import sqlalchemy as sa
 from sqlalchemy import exc as sa_exc
 
 from celery_exactonce import exceptions
-from celery_exactonce.jobs import Job, JobRef
+from celery_exactonce.jobs import Job
+from celery_exactonce.refs import JobRef
 from celery_exactonce.stores import (
     redact_secrets,
     redact_url,

@@ -33,10 +33,11 @@ from collections.abc import Callable, Sequence
 import sqlalchemy as sa
 from sqlalchemy import exc as sa_exc
 
-from celery_exactonce import jobs
-from celery_exactonce.jobs import CreateResult, CreateStatus, NewJob
+from celery_exactonce import jobs, refs, times
+from celery_exactonce.jobs import CreateResult, CreateStatus
 from celery_exactonce.stores import sql_engine
 from celery_exactonce.stores.sql_core import Rerun, Slow, SqlCore
+from celery_exactonce.writes import NewJob
 
 
 def _lock_order(new: NewJob) -> tuple[str, str]:
@@ -60,7 +61,7 @@ class SqlCreates(SqlCore):
             stored = conn.execute(query).scalar_one_or_none()
             if stored is not None and (replace is None or stored != replace):
                 return str(stored)
-            epoch = f"{jobs.new_token()}{jobs.EPOCH_SEPARATOR}{self._now(conn)}"
+            epoch = f"{refs.new_token()}{refs.EPOCH_SEPARATOR}{self._now(conn)}"
             if stored is None:
                 self._insert_absent(conn, meta, {"namespace": self._namespace, "epoch": epoch})
             else:  # a CAS on the epoch read: of two replacers, one wins
@@ -140,7 +141,7 @@ class SqlCreates(SqlCore):
                 return None  # the record as it is, and the epoch: the transaction reads them
             if row is None:  # the epoch differs: the transaction reads the one stored
                 return None
-            job = jobs.job_from_new(new, jobs.from_micros(row.now_))
+            job = jobs.job_from_new(new, times.from_micros(row.now_))
             return CreateResult(CreateStatus.CREATED, job, epoch=row.stored_)
         stmt, params = self._sql.create_postgresql(self._namespace, new, epoch)
         try:
@@ -153,7 +154,7 @@ class SqlCreates(SqlCore):
         if epoch is not None and stored != epoch:
             return CreateResult(CreateStatus.EPOCH_MISMATCH, epoch=stored)
         if row.created_:
-            job = jobs.job_from_new(new, jobs.from_micros(row.now_))
+            job = jobs.job_from_new(new, times.from_micros(row.now_))
             return CreateResult(CreateStatus.CREATED, job, epoch=stored)
         if row.id is not None:  # the record existed when the statement began
             if brief:
@@ -164,7 +165,7 @@ class SqlCreates(SqlCore):
             return CreateResult(CreateStatus.EXISTS, existing, epoch=stored)
         # Marks only rise, and a record is created only above the mark: with the slot
         # at or below the mark the statement began with, no record can have appeared since.
-        fire = jobs.to_micros_opt(new.fire_time)
+        fire = times.to_micros_opt(new.fire_time)
         if fire is not None and row.mark_ is not None and fire <= row.mark_:
             return CreateResult(CreateStatus.BELOW_WATERMARK, epoch=stored)
         # A create that committed after this statement began (and so is not in its
@@ -210,9 +211,13 @@ class SqlCreates(SqlCore):
         existing = self._select_job(conn, new.ref) if occurrence else None
         if existing is not None:
             return CreateResult(CreateStatus.EXISTS, existing, epoch=stored)
-        if new.fire_time is not None and mark is not None and jobs.to_micros(new.fire_time) <= mark:
+        if (
+            new.fire_time is not None
+            and mark is not None
+            and times.to_micros(new.fire_time) <= mark
+        ):
             return CreateResult(CreateStatus.BELOW_WATERMARK, epoch=stored)
-        job = jobs.job_from_new(new, jobs.from_micros(now))
+        job = jobs.job_from_new(new, times.from_micros(now))
         if not self._insert_absent(conn, self._t.jobs, self._values(job)):
             existing = self._select_job(conn, new.ref)
             if existing is None:
@@ -222,6 +227,6 @@ class SqlCreates(SqlCore):
             conn.execute(
                 wm.update()
                 .where(wm.c.namespace == self._namespace, wm.c.entry == new.entry)
-                .values(fire_time=jobs.to_micros_opt(new.fire_time))
+                .values(fire_time=times.to_micros_opt(new.fire_time))
             )
         return CreateResult(CreateStatus.CREATED, job, epoch=stored)

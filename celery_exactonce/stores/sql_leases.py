@@ -21,8 +21,8 @@ from collections.abc import Callable
 
 import sqlalchemy as sa
 
-from celery_exactonce import jobs
 from celery_exactonce.stores.sql_core import Rerun, SqlCore
+from celery_exactonce.writes import Lease
 
 
 class SqlLeases(SqlCore):
@@ -32,7 +32,7 @@ class SqlLeases(SqlCore):
         self, name: str, token: str, ttl: float
     ) -> Callable[[sa.Connection], bool]:
         """The transaction of ``acquire_lease`` (the name and token checked first)."""
-        jobs.Lease(name, token)  # validates
+        Lease(name, token)  # validates
         leases = self._t.leases
         where = (leases.c.namespace == self._namespace, leases.c.name == name)
 

@@ -29,10 +29,12 @@ from datetime import datetime
 
 import sqlalchemy as sa
 
-from celery_exactonce import jobs
-from celery_exactonce.jobs import Job, JobRef, Transition
+from celery_exactonce import jobs, times
+from celery_exactonce.jobs import Job
+from celery_exactonce.refs import JobRef
 from celery_exactonce.states import State
 from celery_exactonce.stores.sql_core import SqlCore
+from celery_exactonce.writes import Transition
 
 #: Identifiers per ``IN (...)`` list: below every dialect's bound-parameter limit.
 _IN_CHUNK = 500
@@ -57,7 +59,7 @@ class SqlScans(SqlCore):
                     wm.c.fire_time.is_not(None),
                 )
                 found.update(
-                    (row.entry, jobs.from_micros(row.fire_time)) for row in conn.execute(query)
+                    (row.entry, times.from_micros(row.fire_time)) for row in conn.execute(query)
                 )
             return found
 
@@ -78,7 +80,7 @@ class SqlScans(SqlCore):
         if after is not None:
             # (touched_at, space, id) > the cursor, spelt so that the index on
             # (namespace, state, touched_at) bounds the scan: touched_at >= t.
-            t, ref = jobs.to_micros(after[0]), after[1]
+            t, ref = times.to_micros(after[0]), after[1]
             past = [
                 c.touched_at >= t,
                 sa.or_(
@@ -129,7 +131,7 @@ class SqlScans(SqlCore):
             if self._d.locks:
                 query = query.with_for_update(skip_locked=True)
             due = [self._job(row) for row in conn.execute(query)]
-            claimed = [jobs.apply_transition(job, claim(), jobs.from_micros(now)) for job in due]
+            claimed = [jobs.apply_transition(job, claim(), times.from_micros(now)) for job in due]
             if claimed:
                 update = table.update().where(
                     c.namespace == self._namespace,

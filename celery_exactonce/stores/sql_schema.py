@@ -24,8 +24,10 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.dialects import mysql, postgresql
 
-from celery_exactonce import exceptions, jobs
-from celery_exactonce.jobs import HistoryEntry, Job, JobRef, Space
+from celery_exactonce import exceptions, times
+from celery_exactonce.jobs import HistoryEntry, Job
+from celery_exactonce.payload import encode_payload
+from celery_exactonce.refs import JobRef, Space
 from celery_exactonce.states import State
 from celery_exactonce.stores.base import FORMAT_VERSION
 
@@ -223,16 +225,16 @@ def job_values(job: Job, namespace: str, retention: float, *, key: bool = True) 
         "rev": job.rev,
         "attempt": job.attempt,
         "run_id": job.run_id,
-        "payload": jobs.encode_payload(payload_document(job), context=str(job.ref)),
+        "payload": encode_payload(payload_document(job), context=str(job.ref)),
         "entry": job.entry,
-        "fire_time": jobs.to_micros_opt(job.fire_time),
-        "run_at": jobs.to_micros_opt(job.run_at),
-        "deadline": jobs.to_micros_opt(job.deadline),
-        "created_at": jobs.to_micros(job.created_at),
-        "touched_at": jobs.to_micros(job.touched_at),
-        "heartbeat_at": jobs.to_micros_opt(job.heartbeat_at),
-        "terminal_at": jobs.to_micros_opt(job.terminal_at),
-        "expires_at": jobs.to_micros_opt(job.expires_at(retention)),
+        "fire_time": times.to_micros_opt(job.fire_time),
+        "run_at": times.to_micros_opt(job.run_at),
+        "deadline": times.to_micros_opt(job.deadline),
+        "created_at": times.to_micros(job.created_at),
+        "touched_at": times.to_micros(job.touched_at),
+        "heartbeat_at": times.to_micros_opt(job.heartbeat_at),
+        "terminal_at": times.to_micros_opt(job.terminal_at),
+        "expires_at": times.to_micros_opt(job.expires_at(retention)),
         "dispatches": job.dispatches,
         "node": job.node,
         "reason": job.reason,
@@ -258,13 +260,13 @@ def job_from_row(row: sa.Row[Any]) -> Job:
         kwargs=dict(payload["kwargs"]),
         options=dict(payload["options"]),
         entry=m["entry"],
-        fire_time=jobs.from_micros_opt(m["fire_time"]),
-        run_at=jobs.from_micros_opt(m["run_at"]),
-        deadline=jobs.from_micros_opt(m["deadline"]),
-        created_at=jobs.from_micros(m["created_at"]),
-        touched_at=jobs.from_micros(m["touched_at"]),
-        heartbeat_at=jobs.from_micros_opt(m["heartbeat_at"]),
-        terminal_at=jobs.from_micros_opt(m["terminal_at"]),
+        fire_time=times.from_micros_opt(m["fire_time"]),
+        run_at=times.from_micros_opt(m["run_at"]),
+        deadline=times.from_micros_opt(m["deadline"]),
+        created_at=times.from_micros(m["created_at"]),
+        touched_at=times.from_micros(m["touched_at"]),
+        heartbeat_at=times.from_micros_opt(m["heartbeat_at"]),
+        terminal_at=times.from_micros_opt(m["terminal_at"]),
         dispatches=int(m["dispatches"]),
         node=m["node"],
         reason=m["reason"],

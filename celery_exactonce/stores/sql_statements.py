@@ -39,10 +39,12 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from celery_exactonce import jobs
-from celery_exactonce.jobs import HistoryEntry, JobRef, NewJob, Transition
+from celery_exactonce import jobs, times
+from celery_exactonce.jobs import HistoryEntry
+from celery_exactonce.refs import JobRef
 from celery_exactonce.states import TERMINAL, State
 from celery_exactonce.stores import sql_schema
+from celery_exactonce.writes import NewJob, Transition
 
 #: How every history entry starts (``HistoryEntry.to_json`` puts ``from`` first,
 #: and a string value never holds an unescaped quote): counting it counts entries.
@@ -172,7 +174,7 @@ class Statements:
         running, terminal = t.to is State.RUNNING, t.to in TERMINAL
         lease = t.lease
         head, mid, tail = _entry_parts(
-            HistoryEntry(State.PENDING, t.to, jobs.EPOCH, t.node, t.reason, t.new_rev, t.action),
+            HistoryEntry(State.PENDING, t.to, times.EPOCH, t.node, t.reason, t.new_rev, t.action),
             src=True,
         )
         params: dict[str, Any] = {
@@ -190,7 +192,7 @@ class Statements:
         if running:
             params["s_run_id"] = t.new_run_id
         if t.run_at is not None:
-            params["s_run_at"] = jobs.to_micros(t.run_at)
+            params["s_run_at"] = times.to_micros(t.run_at)
         if terminal:
             params["s_ret"] = self._retention_us
         if lease is not None:
@@ -313,7 +315,7 @@ class Statements:
     # -- create --------------------------------------------------------------------------
 
     def _create_params(self, namespace: str, new: NewJob, epoch: str | None) -> dict[str, Any]:
-        job = jobs.job_from_new(new, jobs.EPOCH)
+        job = jobs.job_from_new(new, times.EPOCH)
         values = sql_schema.job_values(job, namespace, 1.0, key=False)
         head, tail = _entry_parts(job.history[0], src=False)
         params = {f"c_{name}": value for name, value in values.items()}

@@ -31,11 +31,13 @@ from collections.abc import Callable, Sequence
 
 import sqlalchemy as sa
 
-from celery_exactonce import jobs
-from celery_exactonce.jobs import JobRef, Transition, TransitionResult, TransitionStatus
+from celery_exactonce import jobs, times
+from celery_exactonce.jobs import TransitionResult, TransitionStatus
+from celery_exactonce.refs import JobRef
 from celery_exactonce.states import TERMINAL
 from celery_exactonce.stores.sql_core import Rerun
 from celery_exactonce.stores.sql_leases import SqlLeases
+from celery_exactonce.writes import Transition
 
 
 class SqlTransitions(SqlLeases):
@@ -113,7 +115,7 @@ class SqlTransitions(SqlLeases):
         lease = request.lease
         if lease is not None and not self._holds(conn, lease.name, lease.token, now):
             return TransitionResult(TransitionStatus.LEASE_LOST, job)
-        at = jobs.from_micros(now)
+        at = times.from_micros(now)
         if not jobs.check_transition(job, request, at):
             return TransitionResult(TransitionStatus.CONFLICT, job)
         updated = jobs.apply_transition(job, request, at)
@@ -138,7 +140,7 @@ class SqlTransitions(SqlLeases):
             job = self._select_job(conn, ref, lock=True)
             if job is None:
                 return False
-            at = jobs.from_micros(self._now(conn))
+            at = times.from_micros(self._now(conn))
             noted = jobs.annotate_job(job, node=node, reason=reason, op_id=op_id, now=at)
             if noted is not job:
                 history = self._values(noted, key=False)["history"]

@@ -15,7 +15,8 @@ from datetime import datetime, timedelta, timezone
 
 from celery_exactonce import ExactOnceConfig, keys
 from celery_exactonce.entries import occurrence_id
-from celery_exactonce.jobs import Job, JobRef, epoch_born
+from celery_exactonce.jobs import Job
+from celery_exactonce.refs import JobRef, epoch_born
 from celery_exactonce.states import State
 from tests.acceptance.harness import BeatProcess, Deployment, Ledger, poll
 

@@ -683,7 +683,7 @@ class Deployment:
 
     def job(self, task_id: str) -> Any:
         """The store's record of the (non-occurrence) job ``task_id``, or ``None``."""
-        from celery_exactonce.jobs import JobRef
+        from celery_exactonce.refs import JobRef
 
         return self.store().get(JobRef.task(task_id))
 

@@ -329,7 +329,7 @@ def noted(app: Celery, tag: str, at_least: int = 1, timeout: float = SHORT_TIMEO
 def stored(app: Celery, task_id: str) -> bool:
     """Whether the app's store has a job of ``task_id`` (never, for plain Celery)."""
     from celery_exactonce import runtime
-    from celery_exactonce.jobs import JobRef
+    from celery_exactonce.refs import JobRef
 
     return runtime.runtime_for(app).store.get(JobRef.task(task_id)) is not None
 

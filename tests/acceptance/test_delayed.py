@@ -23,8 +23,10 @@ import pytest
 import celery_exactonce
 from celery_exactonce import jobs
 from celery_exactonce.exceptions import JobConflict
-from celery_exactonce.jobs import Job, JobRef, NewJob
+from celery_exactonce.jobs import Job
+from celery_exactonce.refs import JobRef
 from celery_exactonce.states import State
+from celery_exactonce.writes import NewJob
 from tests.acceptance.harness import BeatProcess, Deployment, Ledger, holds, poll
 
 pytestmark = [

@@ -15,9 +15,10 @@ import pytest
 from celery_exactonce import metrics, runtime
 from celery_exactonce.dispatch import ENQUEUED, Dispatcher
 from celery_exactonce.exceptions import StoreUnavailable, SubmitAmbiguous
-from celery_exactonce.jobs import Job, JobRef
+from celery_exactonce.jobs import Job
 from celery_exactonce.messages import message_headers
 from celery_exactonce.publisher import CeleryPublisher, PublishFailed
+from celery_exactonce.refs import JobRef
 from celery_exactonce.states import State
 from celery_exactonce.stores.redis import RedisStore
 from tests.acceptance.harness import Deployment, Ledger, holds, poll

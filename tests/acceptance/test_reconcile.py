@@ -32,11 +32,13 @@ from typing import Any
 import pytest
 
 from celery_exactonce.dispatch import DISPATCH_CHUNK
-from celery_exactonce.jobs import HistoryEntry, Job, JobRef, NewJob, Transition
+from celery_exactonce.jobs import HistoryEntry, Job
 from celery_exactonce.messages import GATED_OPTION
 from celery_exactonce.reconciler import REDISPATCH_REASON, REPLAY_REASON
+from celery_exactonce.refs import JobRef
 from celery_exactonce.runtime import runtime_for
 from celery_exactonce.states import State
+from celery_exactonce.writes import NewJob, Transition
 from tests.acceptance.apps.kill_points import killed_jobs
 from tests.acceptance.apps.ledger import EXECUTION_PHASES as EXECUTIONS
 from tests.acceptance.apps.ledger_app import NO_GATE

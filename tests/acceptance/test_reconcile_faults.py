@@ -35,9 +35,11 @@ from typing import Any
 import pytest
 
 from celery_exactonce import reconciler
-from celery_exactonce.jobs import Action, Job, JobRef, NewJob, Transition
+from celery_exactonce.jobs import Job
 from celery_exactonce.messages import GATED_OPTION
+from celery_exactonce.refs import JobRef
 from celery_exactonce.states import State
+from celery_exactonce.writes import Action, NewJob, Transition
 from tests.acceptance.apps.ledger_app import CLOCK_MARK
 from tests.acceptance.apps.store_faults import ACTION as FAULT_ACTION
 from tests.acceptance.apps.store_faults import FAULTS_MARK

@@ -20,7 +20,7 @@ import json
 
 import pytest
 
-from celery_exactonce.jobs import JobRef
+from celery_exactonce.refs import JobRef
 from celery_exactonce.states import State
 from tests.acceptance.harness import Deployment, Ledger
 from tests.support.helpers import poll, tamper

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from celery_exactonce.jobs import JobRef
+from celery_exactonce.refs import JobRef
 from celery_exactonce.states import State
 from tests.acceptance.apps.ledger_app import SLIM
 from tests.acceptance.harness import Deployment, Ledger, Row, poll

@@ -26,12 +26,13 @@ import redis
 from celery import Celery
 
 from celery_exactonce import ExactOnceTask, runtime
-from celery_exactonce.jobs import JobRef, NewJob
 from celery_exactonce.messages import GATED_OPTION
 from celery_exactonce.reconciler import Reconciler
+from celery_exactonce.refs import JobRef
 from celery_exactonce.scheduler import ExactOnceScheduler
 from celery_exactonce.states import State
 from celery_exactonce.stores.redis import RedisStore
+from celery_exactonce.writes import NewJob
 from tests import services
 from tests.benchmarks.beat import BROKER_DB, drop_queue, plain_publish
 

@@ -8,10 +8,12 @@ from decimal import Decimal
 
 import pytest
 
-from celery_exactonce import exceptions, jobs
-from celery_exactonce.jobs import CreateStatus, JobRef, NewJob, Space, epoch_born
+from celery_exactonce import exceptions, payload
+from celery_exactonce.jobs import CreateStatus
+from celery_exactonce.refs import JobRef, Space, epoch_born
 from celery_exactonce.states import State
 from celery_exactonce.stores.base import StateStore
+from celery_exactonce.writes import NewJob
 from tests.support.backends import StoreFactory, lose_data
 from tests.support.helpers import NODE, occurrence, poll, task_job, to
 
@@ -48,8 +50,8 @@ def test_kombu_typed_arguments_are_stored_and_read_back_as_kombu_encodes_them(
     assert store.create(new).created
     job = store.get(new.ref)
     assert job is not None and (job.args, job.kwargs) == (new.args, new.kwargs)
-    assert jobs.decode_payload(job.args) == list(args)
-    assert jobs.decode_payload(job.kwargs) == kwargs
+    assert payload.decode_payload(job.args) == list(args)
+    assert payload.decode_payload(job.kwargs) == kwargs
 
 
 def test_second_create_reports_existing(store: StateStore) -> None:

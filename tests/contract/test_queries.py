@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from celery_exactonce.jobs import Job, JobRef
+from celery_exactonce.jobs import Job
+from celery_exactonce.refs import JobRef
 from celery_exactonce.states import State
 from celery_exactonce.stores.base import StateStore
 from tests.support.backends import StoreFactory

@@ -17,11 +17,13 @@ from typing import Any
 import pytest
 
 from celery_exactonce import exceptions, reconciler
-from celery_exactonce.jobs import Job, JobRef, NewJob
+from celery_exactonce.jobs import Job
 from celery_exactonce.publisher import PublishFailed
 from celery_exactonce.reconciler import LEASE_NAME, PassReport, Reconciler
+from celery_exactonce.refs import JobRef
 from celery_exactonce.states import State
 from celery_exactonce.stores.base import StateStore
+from celery_exactonce.writes import NewJob
 from tests.support.backends import StoreFactory
 from tests.support.helpers import poll, wait_store_past
 from tests.support.reconciling import (

@@ -18,11 +18,13 @@ import pytest
 
 from celery_exactonce import metrics
 from celery_exactonce.dispatch import Dispatcher
-from celery_exactonce.jobs import Job, JobRef, Transition
+from celery_exactonce.jobs import Job
 from celery_exactonce.outcomes import Outcome
+from celery_exactonce.refs import JobRef
 from celery_exactonce.signing import Signer, SigningStore
 from celery_exactonce.states import State
 from celery_exactonce.stores.base import StateStore
+from celery_exactonce.writes import Transition
 from tests.support.helpers import NODE, tamper, task_job
 
 OLD_KEY = "old-signing-key-0123456789abcdef"

@@ -15,7 +15,7 @@ import pytest
 from celery import Celery
 
 from celery_exactonce import ExactOnceTask, JobConflict, metrics, runtime
-from celery_exactonce.jobs import JobRef
+from celery_exactonce.refs import JobRef
 from celery_exactonce.states import State
 from tests.support.backends import StoreFactory
 

@@ -22,11 +22,13 @@ from kombu import Exchange, Queue
 
 from celery_exactonce import exceptions, jobs, messages
 from celery_exactonce.dispatch import ENQUEUED, Dispatcher
-from celery_exactonce.jobs import Job, JobRef, NewJob, Transition
+from celery_exactonce.jobs import Job
 from celery_exactonce.messages import GATED_OPTION
 from celery_exactonce.publisher import CeleryPublisher
+from celery_exactonce.refs import JobRef
 from celery_exactonce.states import State
 from celery_exactonce.stores.redis import Push, PushRefused, RedisStore
+from celery_exactonce.writes import NewJob, Transition
 from tests.integration.redis_server import RedisServer, redis_server
 
 NAMESPACE = "enq"

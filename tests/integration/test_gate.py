@@ -32,11 +32,12 @@ from celery_exactonce import (
     metrics,
     runtime,
 )
-from celery_exactonce.jobs import JobRef, NewJob
 from celery_exactonce.messages import GATED_OPTION, message_headers, replacement_job_id
+from celery_exactonce.refs import JobRef
 from celery_exactonce.scheduler import ExactOnceScheduler
 from celery_exactonce.states import State
 from celery_exactonce.testing import InMemoryStore
+from celery_exactonce.writes import NewJob
 from tests.support.helpers import poll
 from tests.support.reconciling import put
 

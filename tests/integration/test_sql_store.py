@@ -19,11 +19,13 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from celery_exactonce import jobs
-from celery_exactonce.jobs import CreateStatus, JobRef, Transition, TransitionStatus
+from celery_exactonce import jobs, times
+from celery_exactonce.jobs import CreateStatus, TransitionStatus
+from celery_exactonce.refs import JobRef
 from celery_exactonce.states import State
 from celery_exactonce.stores import sql_statements
 from celery_exactonce.stores.sql import SqlStore
+from celery_exactonce.writes import NewJob, Transition
 from tests import services
 from tests.support.backends import store_url
 from tests.support.helpers import occurrence, poll, task_job, to
@@ -191,7 +193,7 @@ def test_a_terminal_record_expires_from_its_slot_or_its_end(store: SqlStore) -> 
                 {"ns": store.namespace, "space": new.ref.space.value, "id": new.ref.id},
             ).scalar_one()
         expected = result.job.expires_at(store.retention)
-        assert expected is not None and stored == jobs.to_micros(expected)
+        assert expected is not None and stored == times.to_micros(expected)
 
 
 def test_a_heartbeat_reads_the_clock_once(store: SqlStore) -> None:
@@ -326,7 +328,7 @@ def test_an_occurrence_id_of_another_entry_fails_the_statement_and_writes_nothin
         first = occurrence("entry-one", fire)
         assert store.create(first).created
         locking = _spy(store, "_create", monkeypatch)
-        other = jobs.NewJob(
+        other = NewJob(
             first.ref, "tasks.tick", State.SCHEDULED, node="n", entry="entry-two", fire_time=fire
         )
         result = store.create(other)
@@ -352,9 +354,9 @@ def test_the_stale_threshold_is_check_transitions(seconds: float) -> None:
     threshold = sql_statements.stale_micros(seconds)
     assert threshold / 1_000_000 >= seconds
     assert (threshold - 1) / 1_000_000 < seconds
-    now = jobs.from_micros(10**15)
+    now = times.from_micros(10**15)
     for age in (threshold - 1, threshold):
-        job = jobs.job_from_new(task_job(), jobs.from_micros(10**15 - age))
+        job = jobs.job_from_new(task_job(), times.from_micros(10**15 - age))
         request = Transition(
             State.DISPATCHED,
             frozenset({State.SCHEDULED}),

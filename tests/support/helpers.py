@@ -10,10 +10,11 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import Any, TypeVar
 
-from celery_exactonce.jobs import JobRef, NewJob, Transition
+from celery_exactonce.refs import JobRef
 from celery_exactonce.states import State
 from celery_exactonce.stores import InMemoryStore
 from celery_exactonce.stores.base import StateStore
+from celery_exactonce.writes import NewJob, Transition
 
 T = TypeVar("T")
 

@@ -17,8 +17,9 @@ from datetime import datetime, timezone
 from typing import Any
 
 from celery_exactonce import exceptions, reconciler
-from celery_exactonce.jobs import Job, JobRef
+from celery_exactonce.jobs import Job
 from celery_exactonce.reconciler import PassReport
+from celery_exactonce.refs import JobRef
 from celery_exactonce.states import State
 from celery_exactonce.testing import FrozenClock, InMemoryStore
 from tests.support.reconciling import (

@@ -21,13 +21,15 @@ from celery import Celery
 from celery_exactonce import exceptions, runtime
 from celery_exactonce.dispatch import Dispatcher
 from celery_exactonce.gate import validate_gated_task
-from celery_exactonce.jobs import Job, JobRef, NewJob, Transition
+from celery_exactonce.jobs import Job
 from celery_exactonce.messages import GATED_OPTION, HEADER_ATTEMPT
 from celery_exactonce.publisher import PublishFailed
 from celery_exactonce.reconciler import Reconciler
+from celery_exactonce.refs import JobRef
 from celery_exactonce.states import State
 from celery_exactonce.stores.base import StateStore
 from celery_exactonce.task import ExactOnceTask
+from celery_exactonce.writes import NewJob, Transition
 
 NODE = "test-node"
 

@@ -21,10 +21,12 @@ import pytest
 from celery import Celery, signals
 
 from celery_exactonce import ExactOnceTask, StoreError, StoreUnavailable, cancel, runtime
-from celery_exactonce.jobs import Job, JobRef, NewJob, Transition
+from celery_exactonce.jobs import Job
 from celery_exactonce.messages import GATED_OPTION
+from celery_exactonce.refs import JobRef
 from celery_exactonce.states import State
 from celery_exactonce.testing import FrozenClock, InMemoryStore
+from celery_exactonce.writes import NewJob, Transition
 
 NAMESPACE = "control-unit"
 

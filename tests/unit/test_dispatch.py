@@ -12,13 +12,15 @@ from celery import Celery
 
 from celery_exactonce import StoreUnavailable, metrics
 from celery_exactonce.dispatch import DISPATCH_CHUNK, Dispatcher
-from celery_exactonce.jobs import Job, JobRef, NewJob
+from celery_exactonce.jobs import Job
 from celery_exactonce.messages import GATED_OPTION, message_headers
 from celery_exactonce.outcomes import Outcome
 from celery_exactonce.publisher import CeleryPublisher, PublishFailed, connection_refused
+from celery_exactonce.refs import JobRef
 from celery_exactonce.retrier import Retrier
 from celery_exactonce.states import State
 from celery_exactonce.testing import InMemoryStore
+from celery_exactonce.writes import NewJob
 from tests.support.helpers import poll
 
 

@@ -21,11 +21,13 @@ from celery import Celery, signals
 from celery.exceptions import Ignore, Reject, Retry
 
 from celery_exactonce import StoreUnavailable, metrics, runtime
-from celery_exactonce.jobs import Job, JobRef, NewJob, Transition
+from celery_exactonce.jobs import Job
 from celery_exactonce.messages import GATED_OPTION, HEADER_GATE_RUNS, message_headers
+from celery_exactonce.refs import JobRef
 from celery_exactonce.states import State
 from celery_exactonce.task import ExactOnceTask
 from celery_exactonce.testing import InMemoryStore
+from celery_exactonce.writes import NewJob, Transition
 
 NAMESPACE = "gate-unit"
 

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
-import uuid
 from datetime import datetime, timezone
-from decimal import Decimal
 
 import pytest
 
-from celery_exactonce import exceptions, jobs
-from celery_exactonce.jobs import JobRef, NewJob, State, Transition
+from celery_exactonce import jobs
+from celery_exactonce.refs import JobRef
+from celery_exactonce.states import State
+from celery_exactonce.writes import NewJob, Transition
 
 NOW = datetime(2026, 11, 24, 12, 0, tzinfo=timezone.utc)
 
@@ -45,32 +45,3 @@ def test_a_transition_applied_is_the_record_dataclasses_replace_builds() -> None
 def test_a_copy_naming_no_field_of_a_job_is_refused() -> None:
     with pytest.raises(TypeError, match="no field 'nope'"):
         jobs._replaced(_job(), nope=1)
-
-
-def test_a_transition_refuses_an_edge_the_table_does_not_have_every_time() -> None:
-    for _ in range(2):  # the second answer comes from the remembered check
-        with pytest.raises(exceptions.InvalidRequest, match="SUCCEEDED → PENDING"):
-            Transition(State.PENDING, [State.SUCCEEDED], node="n", reason="r")
-    request = Transition(State.RUNNING, ["DISPATCHED"], node="n", reason="r", new_run_id="x")
-    assert request.expect == frozenset({State.DISPATCHED})
-
-
-@pytest.mark.parametrize(
-    "value",
-    [
-        {"a": 1, "b": "x", "c": None},
-        [1, "x", 2.5, True],
-        {"when": datetime(2026, 1, 2, tzinfo=timezone.utc), "n": 1},
-        [{"id": uuid.UUID(int=7)}, Decimal("1.5")],
-    ],
-)
-def test_a_stored_payload_decodes_to_what_was_submitted(value: object) -> None:
-    stored = jobs.storable_payload({"args": [value]}, context="t")
-    assert jobs.decode_payload(stored["args"][0]) == value
-
-
-def test_a_flat_payload_decodes_to_itself() -> None:
-    flat = {"a": 1, "b": "x"}
-    assert jobs.decode_payload(flat) is flat
-    typed = {"__type__": "decimal", "__value__": "2"}
-    assert jobs.decode_payload(typed) == Decimal("2")

@@ -7,10 +7,11 @@ from datetime import timedelta
 import pytest
 
 from celery_exactonce import StoreError
-from celery_exactonce.jobs import JobRef, Lease, NewJob, Transition
+from celery_exactonce.refs import JobRef
 from celery_exactonce.states import State
 from celery_exactonce.stores.base import StateStore
 from celery_exactonce.testing import FrozenClock, InMemoryStore
+from celery_exactonce.writes import Lease, NewJob, Transition
 
 NODE = "n"
 

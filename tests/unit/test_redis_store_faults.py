@@ -13,10 +13,11 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from celery_exactonce import exceptions
-from celery_exactonce.jobs import JobRef, NewJob, Transition
+from celery_exactonce.refs import JobRef
 from celery_exactonce.states import State
 from celery_exactonce.stores.base import StateStore
 from celery_exactonce.stores.redis import RedisStore
+from celery_exactonce.writes import NewJob, Transition
 
 PASSWORD = "s3cret-pw"
 

@@ -21,9 +21,10 @@ from celery import Celery
 
 from celery_exactonce import ConfigurationError, StoreError, StoreUnavailable, runtime, signing
 from celery_exactonce.config import ExactOnceConfig
-from celery_exactonce.jobs import JobRef, NewJob
+from celery_exactonce.refs import JobRef
 from celery_exactonce.states import State
 from celery_exactonce.testing import InMemoryStore
+from celery_exactonce.writes import NewJob
 
 #: Nothing listens on port 1: a connection there is refused at once.
 UNREACHABLE_REDIS = "redis://127.0.0.1:1/0"

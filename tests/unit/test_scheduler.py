@@ -14,10 +14,12 @@ from celery.schedules import crontab
 
 from celery_exactonce import StoreUnavailable, metrics, runtime
 from celery_exactonce.entries import occurrence_id
-from celery_exactonce.jobs import Job, JobRef, NewJob
+from celery_exactonce.jobs import Job
 from celery_exactonce.messages import GATED_OPTION
+from celery_exactonce.refs import JobRef
 from celery_exactonce.scheduler import ExactOnceScheduler
 from celery_exactonce.states import State
+from celery_exactonce.writes import NewJob
 from tests.unit.beat_cluster import START, Cluster, every, isolated, refused_at_start
 
 

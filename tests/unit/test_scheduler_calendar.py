@@ -21,9 +21,10 @@ import pytest
 from celery.schedules import crontab, schedule
 
 from celery_exactonce import exceptions, metrics
-from celery_exactonce.jobs import CreateResult, NewJob
+from celery_exactonce.jobs import CreateResult
 from celery_exactonce.scheduler import ExactOnceScheduler
 from celery_exactonce.states import State
+from celery_exactonce.writes import NewJob
 from tests.unit.beat_cluster import START, Cluster, every, isolated
 
 UTC = timezone.utc

@@ -14,8 +14,10 @@ from typing import Any
 import pytest
 
 from celery_exactonce import exceptions, metrics, runtime, scheduler
-from celery_exactonce.jobs import Job, JobRef, NewJob
+from celery_exactonce.jobs import Job
+from celery_exactonce.refs import JobRef
 from celery_exactonce.states import State
+from celery_exactonce.writes import NewJob
 from tests.unit.beat_cluster import Cluster, isolated
 
 TASK = "plain.t"

@@ -7,11 +7,13 @@ from typing import Any
 import pytest
 
 from celery_exactonce.exceptions import StoreUnavailable
-from celery_exactonce.jobs import CreateStatus, JobRef, NewJob, Transition, TransitionStatus
+from celery_exactonce.jobs import CreateStatus, TransitionStatus
+from celery_exactonce.refs import JobRef
 from celery_exactonce.states import State
 from celery_exactonce.stores import settle
 from celery_exactonce.stores.settle import Decision
 from celery_exactonce.testing import InMemoryStore
+from celery_exactonce.writes import NewJob, Transition
 
 REF = JobRef.task("j1")
 

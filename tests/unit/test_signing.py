@@ -18,13 +18,14 @@ import pytest
 from celery_exactonce import exceptions, metrics, runtime
 from celery_exactonce.config import ExactOnceConfig
 from celery_exactonce.dispatch import Dispatcher
-from celery_exactonce.jobs import JobRef, NewJob, Transition
 from celery_exactonce.messages import GATED_OPTION
 from celery_exactonce.outcomes import Outcome
 from celery_exactonce.reconciler import Reconciler
+from celery_exactonce.refs import JobRef
 from celery_exactonce.signing import Signer, SigningStore, signed_content
 from celery_exactonce.states import State
 from celery_exactonce.testing import FrozenClock, InMemoryStore
+from celery_exactonce.writes import NewJob, Transition
 from tests.support.reconciling import GATED, Broker, make_app
 
 KEY = "signing-key-0123456789abcdef"

@@ -16,12 +16,13 @@ import pytest
 from celery import Celery
 
 from celery_exactonce import ExactOnceTask, runtime
-from celery_exactonce.jobs import JobRef, NewJob
 from celery_exactonce.messages import GATED_OPTION, POLICY_OPTION
 from celery_exactonce.policy import task_policy
 from celery_exactonce.reconciler import Reconciler
+from celery_exactonce.refs import JobRef
 from celery_exactonce.states import State
 from celery_exactonce.testing import FrozenClock, InMemoryStore
+from celery_exactonce.writes import NewJob
 from tests.support.reconciling import move
 from tests.unit.beat_cluster import Cluster, every, isolated, refused_at_start
 

@@ -15,11 +15,13 @@ import pytest
 import sqlalchemy as sa
 
 from celery_exactonce import exceptions
-from celery_exactonce.jobs import CreateStatus, JobRef, NewJob, Transition
+from celery_exactonce.jobs import CreateStatus
+from celery_exactonce.refs import JobRef
 from celery_exactonce.states import State
 from celery_exactonce.stores import sql_schema, store_from_url
 from celery_exactonce.stores.base import FORMAT_VERSION, StateStore
 from celery_exactonce.stores.sql import SqlStore
+from celery_exactonce.writes import NewJob, Transition
 
 PASSWORD = "s3cret-pw"
 

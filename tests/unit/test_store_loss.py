@@ -6,11 +6,12 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from celery_exactonce import exceptions, jobs
-from celery_exactonce.jobs import JobRef, NewJob
+from celery_exactonce import exceptions, jobs, refs, times
+from celery_exactonce.refs import JobRef
 from celery_exactonce.states import State
 from celery_exactonce.store_loss import RECHECK_PER_TICK, StoreLossGuard
 from celery_exactonce.testing import FrozenClock, InMemoryStore
+from celery_exactonce.writes import NewJob
 
 NOW = datetime(2026, 6, 1, 12, 0, 0, tzinfo=timezone.utc)
 
@@ -27,7 +28,7 @@ def created(store: InMemoryStore, name: str) -> JobRef:
 
 def test_an_epoch_with_a_birth_time_sets_the_floor_max_skew_after_it() -> None:
     g = guard()
-    g.adopt(f"token{jobs.EPOCH_SEPARATOR}{jobs.to_micros(NOW)}")
+    g.adopt(f"token{refs.EPOCH_SEPARATOR}{times.to_micros(NOW)}")
     assert g.floor == NOW + timedelta(seconds=5)
     assert g.floor_reason == "unprovable"
     assert not g.provable(NOW + timedelta(seconds=5))

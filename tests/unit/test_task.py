@@ -29,13 +29,15 @@ from kombu import Exchange, Queue
 from celery_exactonce import ConfigurationError, StoreUnavailable, metrics, runtime
 from celery_exactonce.call_options import deadline_of, eta_of, storable_options
 from celery_exactonce.gate import validate_gated_task
-from celery_exactonce.jobs import Job, JobRef, NewJob, Space, Transition
+from celery_exactonce.jobs import Job
 from celery_exactonce.messages import GATED_OPTION, POLICY_OPTION, message_headers
 from celery_exactonce.outcomes import Outcome
 from celery_exactonce.policy import task_policy
+from celery_exactonce.refs import JobRef, Space
 from celery_exactonce.states import State
 from celery_exactonce.task import ExactOnceTask
 from celery_exactonce.testing import InMemoryStore
+from celery_exactonce.writes import NewJob, Transition
 
 NAMESPACE = "task-unit"
 UTC = timezone.utc

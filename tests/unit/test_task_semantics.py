@@ -19,11 +19,13 @@ from celery.exceptions import Ignore, Reject, TaskRevokedError
 
 from celery_exactonce import JobConflict, metrics, runtime
 from celery_exactonce.heartbeats import heartbeats
-from celery_exactonce.jobs import Job, JobRef, NewJob
+from celery_exactonce.jobs import Job
 from celery_exactonce.messages import MESSAGE_ID_OPTION, message_headers, replacement_job_id
+from celery_exactonce.refs import JobRef
 from celery_exactonce.states import State
 from celery_exactonce.task import ExactOnceTask
 from celery_exactonce.testing import FrozenClock, InMemoryStore
+from celery_exactonce.writes import NewJob
 from tests.acceptance.harness import holds
 from tests.support.helpers import poll
 

@@ -13,9 +13,11 @@ from typing import Any
 import pytest
 
 from celery_exactonce import exceptions, metrics, reconcile_task
-from celery_exactonce.jobs import Job, JobRef, Transition
+from celery_exactonce.jobs import Job
 from celery_exactonce.reconciler import LEASE_NAME, PassReport
+from celery_exactonce.refs import JobRef
 from celery_exactonce.states import State
+from celery_exactonce.writes import Transition
 from tests.support.reconciler_world import (
     LEASE_TTL,
     REPLAY_AGE,

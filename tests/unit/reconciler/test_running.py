@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 from celery_exactonce import metrics
-from celery_exactonce.jobs import Transition
 from celery_exactonce.states import State
+from celery_exactonce.writes import Transition
 from tests.support.reconciler_world import MICROSECOND, RUNNING_TIMEOUT, World
 from tests.support.reconciling import RERUN, gate
 

@@ -14,8 +14,9 @@ from datetime import datetime, timedelta, timezone
 import pytest
 
 from celery_exactonce import reconciler
-from celery_exactonce.jobs import JobRef, NewJob
+from celery_exactonce.refs import JobRef
 from celery_exactonce.states import State
+from celery_exactonce.writes import NewJob
 from tests.support.reconciler_world import (
     DISPATCH_DEADLINE,
     DISPATCH_TIMEOUT,
