@@ -33,7 +33,7 @@ def cancel(task_id: str, app: Any = None) -> bool:
 
         app = current_app._get_current_object()  # the app itself: the registry keys it weakly
     runtime = runtime_for(app)
-    ref = JobRef.task(task_id)
+    ref = JobRef.submitted(task_id)
     request = Transition(
         State.CANCELLED, CANCELLABLE, node=runtime.node, reason="cancelled by cancel()"
     )

@@ -104,7 +104,7 @@ def job_idempotency_key(job: Job, namespace: str) -> str:
     """
     if job.entry is not None and job.fire_time is not None:
         return keys.idempotency_key(job.entry, job.fire_time, namespace)
-    return keys.idempotency_key(f"job:{job.ref.id}", times.EPOCH, namespace)
+    return keys.idempotency_key(f"job:{job.ref.id}", times.UNIX_EPOCH, namespace)
 
 
 def message_headers(job: Job, namespace: str) -> dict[str, Any]:
@@ -139,7 +139,7 @@ def ref_from_headers(headers: Mapping[str, Any], task_id: str) -> JobRef:
     job_id = str(headers.get(HEADER_JOB_ID) or task_id)
     if headers.get(HEADER_KEY) is not None:
         return JobRef.occurrence(job_id)
-    return JobRef.task(job_id)
+    return JobRef.submitted(job_id)
 
 
 def headers_of(request: Any) -> dict[str, Any]:

@@ -121,7 +121,7 @@ class _Pass:
     #: Whether timeouts may act (not within the grace period after a store error).
     timeouts_ok: bool
     #: The store's time when the page being acted on was listed.
-    now: datetime = times.EPOCH
+    now: datetime = times.UNIX_EPOCH
 
 
 #: What acts on one stale job of a state, in a pass.

@@ -64,7 +64,8 @@ class Space(str, enum.Enum):
     """
 
     OCCURRENCE = "o"
-    TASK = "t"
+    SUBMITTED = "t"
+    """A job submitted under a Celery ``task_id`` (chosen by the caller, or generated)."""
 
     def __str__(self) -> str:
         return self.value
@@ -83,9 +84,12 @@ class JobRef:
         validate_identifier(self.id, "job id", MAX_ID_LENGTH)
 
     @classmethod
-    def task(cls, task_id: str) -> JobRef:
-        """A caller-chosen (or generated) job id."""
-        return cls(Space.TASK, task_id)
+    def submitted(cls, task_id: str) -> JobRef:
+        """The job submitted under ``task_id`` (caller-chosen or generated).
+
+        Not a task name: ``Job.task`` is that. The key space is ``t`` in stored keys.
+        """
+        return cls(Space.SUBMITTED, task_id)
 
     @classmethod
     def occurrence(cls, job_id: str) -> JobRef:

@@ -42,12 +42,9 @@ from zoneinfo import ZoneInfo
 from celery.schedules import crontab, schedule, solar
 
 from celery_exactonce import exceptions
+from celery_exactonce.times import UNIX_EPOCH
 
 UTC = timezone.utc
-
-#: Default origin of interval slots: fixed, so every node (and every restart)
-#: derives the same grid, whatever its start-up time.
-EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 #: Default cap on the slots one call returns: beat asks for bounded windows,
 #: so hitting it means a caller bug or a catch-up that must page (see
@@ -292,7 +289,7 @@ def slots_between(
     end: datetime,
     *,
     tz: tzinfo,
-    origin: datetime = EPOCH,
+    origin: datetime = UNIX_EPOCH,
     limit: int = DEFAULT_LIMIT,
     entry: str = "<unnamed>",
 ) -> list[datetime]:
@@ -314,7 +311,8 @@ def slots_between(
         The app's time zone (a PEP 495 tzinfo such as ``ZoneInfo``), used by a
         crontab that has no zone of its own.
     origin:
-        Aware anchor of interval slots (``origin + k * run_every``).
+        Aware anchor of interval slots (``origin + k * run_every``). The default, the
+        UNIX epoch, is fixed: every node (and every restart) derives the same grid.
     limit:
         At most this many slots are returned: the *earliest* ones. A result of
         exactly ``limit`` slots may be truncated; page on with
@@ -358,7 +356,7 @@ def latest_slot(
     at: datetime,
     *,
     tz: tzinfo,
-    origin: datetime = EPOCH,
+    origin: datetime = UNIX_EPOCH,
     entry: str = "<unnamed>",
 ) -> datetime | None:
     """The last nominal slot ``<= at`` (catch-up policy ``latest``), or None.
@@ -390,7 +388,7 @@ def next_slot(
     after: datetime,
     *,
     tz: tzinfo,
-    origin: datetime = EPOCH,
+    origin: datetime = UNIX_EPOCH,
     entry: str = "<unnamed>",
 ) -> datetime | None:
     """The first nominal slot ``> after`` within :data:`SEARCH_DAYS` days, or None.
@@ -455,7 +453,7 @@ def parse_crontab(entry: str, **fields: Any) -> crontab:
         raise _error(entry, f"invalid crontab field {names}: {exc}") from exc
 
 
-def validate_schedule(entry: str, sched: Any, tz: tzinfo, *, at: datetime = EPOCH) -> None:
+def validate_schedule(entry: str, sched: Any, tz: tzinfo, *, at: datetime = UNIX_EPOCH) -> None:
     """Refuse a schedule beat could not compute slots for, naming the entry.
 
     Checks the type, that an interval is positive, that no crontab field is

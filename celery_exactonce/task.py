@@ -157,10 +157,10 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
         # Results sent by the reply_to backend (rpc://) go to the caller, not to the
         # process that publishes the job when it falls due.
         stored.setdefault("reply_to", self.app.thread_oid)
-        ref = JobRef.task(task_id)
+        ref = JobRef.submitted(task_id)
         nesting = int(options.get("replaced_task_nesting") or 0)
         if nesting:  # a replacement (Task.replace) takes the id of the job it replaces
-            ref = JobRef.task(messages.replacement_job_id(task_id, nesting))
+            ref = JobRef.submitted(messages.replacement_job_id(task_id, nesting))
             stored[messages.MESSAGE_ID_OPTION] = task_id
         eta = call_options.eta_of(options)
         delayed = eta is not None and eta > datetime.now(timezone.utc)
@@ -365,7 +365,7 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
         if run is None or self.request.is_eager:
             return super().on_replace(sig)
         nesting = int(self.request.get("replaced_task_nesting") or 0) + 1
-        run.replaced_by = JobRef.task(messages.replacement_job_id(self.request.id, nesting))
+        run.replaced_by = JobRef.submitted(messages.replacement_job_id(self.request.id, nesting))
         return super().on_replace(sig)  # submits it, then raises Ignore
 
     def _requeue(self, run: _Run, exc: Reject) -> NoReturn:

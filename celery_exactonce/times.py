@@ -2,7 +2,7 @@
 
 Times are timezone-aware UTC :class:`~datetime.datetime` values at microsecond
 precision; stores keep them as integer microseconds since the UNIX epoch
-(:data:`EPOCH`). Here are the conversions both ways, and :func:`require_aware`,
+(:data:`UNIX_EPOCH`). Here are the conversions both ways, and :func:`require_aware`,
 which refuses a naive datetime.
 
 Not here: where "now" comes from (:mod:`celery_exactonce.clock`, or the
@@ -19,12 +19,12 @@ from typing import Any
 from celery_exactonce import exceptions
 
 #: The UNIX epoch, timezone-aware: what stored microseconds count from.
-EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+UNIX_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 
 
 def to_micros(value: datetime) -> int:
     """Integer microseconds since the UNIX epoch of an aware datetime."""
-    delta = require_aware(value, "time") - EPOCH
+    delta = require_aware(value, "time") - UNIX_EPOCH
     return (delta.days * 86_400 + delta.seconds) * 1_000_000 + delta.microseconds
 
 

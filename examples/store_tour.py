@@ -92,7 +92,7 @@ def main(url: str) -> int:
 
         # A delayed job lives in the store until it is due, then one sweeper claims it.
         delayed = NewJob(
-            JobRef.task("send-reminder-42"),
+            JobRef.submitted("send-reminder-42"),
             "mail.remind",
             State.PENDING,
             node="api",

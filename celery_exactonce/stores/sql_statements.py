@@ -174,7 +174,9 @@ class Statements:
         running, terminal = t.to is State.RUNNING, t.to in TERMINAL
         lease = t.lease
         head, mid, tail = _entry_parts(
-            HistoryEntry(State.PENDING, t.to, times.EPOCH, t.node, t.reason, t.new_rev, t.action),
+            HistoryEntry(
+                State.PENDING, t.to, times.UNIX_EPOCH, t.node, t.reason, t.new_rev, t.action
+            ),
             src=True,
         )
         params: dict[str, Any] = {
@@ -315,7 +317,7 @@ class Statements:
     # -- create --------------------------------------------------------------------------
 
     def _create_params(self, namespace: str, new: NewJob, epoch: str | None) -> dict[str, Any]:
-        job = jobs.job_from_new(new, times.EPOCH)
+        job = jobs.job_from_new(new, times.UNIX_EPOCH)
         values = sql_schema.job_values(job, namespace, 1.0, key=False)
         head, tail = _entry_parts(job.history[0], src=False)
         params = {f"c_{name}": value for name, value in values.items()}

@@ -685,7 +685,7 @@ class Deployment:
         """The store's record of the (non-occurrence) job ``task_id``, or ``None``."""
         from celery_exactonce.refs import JobRef
 
-        return self.store().get(JobRef.task(task_id))
+        return self.store().get(JobRef.submitted(task_id))
 
     def record(self, task_id: str) -> Any:
         """:meth:`job`, which must exist."""

@@ -331,7 +331,7 @@ def stored(app: Celery, task_id: str) -> bool:
     from celery_exactonce import runtime
     from celery_exactonce.refs import JobRef
 
-    return runtime.runtime_for(app).store.get(JobRef.task(task_id)) is not None
+    return runtime.runtime_for(app).store.get(JobRef.submitted(task_id)) is not None
 
 
 def final_state(app: Celery, task_id: str, states: tuple[str, ...], timeout: float) -> str:

@@ -191,7 +191,7 @@ def test_three_beat_nodes_sweeping_ten_thousand_due_jobs_dispatch_each_exactly_o
     due = store.now() - timedelta(minutes=1)
     news = [
         NewJob(
-            JobRef.task(f"swept-{index:05d}"),
+            JobRef.submitted(f"swept-{index:05d}"),
             template.task,
             State.PENDING,
             node=template.node,

@@ -365,7 +365,7 @@ def leave_stale(deployment: Deployment) -> tuple[list[str], list[str], list[str]
     kinds = (("s", "gated_record"), ("d", "gated_record"), ("r", "gated_redispatch"))
     news = [
         NewJob(
-            JobRef.task(str(uuid.uuid4())),
+            JobRef.submitted(str(uuid.uuid4())),
             task,
             State.SCHEDULED,
             node=CRASHED,

@@ -402,7 +402,7 @@ def stale_job(state: State, index: int) -> NewJob:
     """A job as a dead node leaves it in ``state`` (``DISPATCHED``: created ``SCHEDULED``)."""
     running = state is State.RUNNING
     return NewJob(
-        JobRef.task(f"stale-{state.value}-{index}-{uuid.uuid4().hex[:6]}"),
+        JobRef.submitted(f"stale-{state.value}-{index}-{uuid.uuid4().hex[:6]}"),
         "gated_redispatch" if state is State.DISPATCHED else "gated_record",
         State.RUNNING if running else State.SCHEDULED,
         node=DEAD_NODE,

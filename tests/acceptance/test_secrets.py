@@ -48,7 +48,7 @@ def test_no_secret_in_any_output_and_a_tampered_job_never_runs(
     plain = deployment.send("gated_record", "hello")
     # ... and a delayed job's args are changed in the store before it is due
     victim = deployment.send("gated_record", "harmless", countdown=4)
-    ref = JobRef.task(victim.id)
+    ref = JobRef.submitted(victim.id)
     poll(lambda: deployment.job(victim.id) is not None)
     tamper(deployment.store(), ref, "args", ["evil"])
 

@@ -56,7 +56,7 @@ def test_a_slim_beat_runs_every_occurrence_and_every_delayed_job_once(
     # and no record the beat touched was failed or left as plain
     store = deployment.store()
     for result in [*delayed, retrying]:
-        job = store.get(JobRef.task(result.id))
+        job = store.get(JobRef.submitted(result.id))
         assert job is not None and job.state is State.SUCCEEDED, job
     for row in occurrences:
         job = store.get(JobRef.occurrence(row.task_id))

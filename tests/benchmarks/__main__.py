@@ -52,7 +52,7 @@ def bench_store(store: StateStore, n: int) -> dict[str, float]:
     past = store.now() - timedelta(minutes=1)
     scheduled = [
         NewJob(
-            JobRef.task(f"s{i}"),
+            JobRef.submitted(f"s{i}"),
             "bench.task",
             State.SCHEDULED,
             node="bench",
@@ -63,7 +63,7 @@ def bench_store(store: StateStore, n: int) -> dict[str, float]:
     ]
     pending = [
         NewJob(
-            JobRef.task(f"p{i}"),
+            JobRef.submitted(f"p{i}"),
             "bench.task",
             State.PENDING,
             node="bench",
@@ -73,7 +73,7 @@ def bench_store(store: StateStore, n: int) -> dict[str, float]:
     ]
     brief = [
         NewJob(
-            JobRef.task(f"b{i}"),
+            JobRef.submitted(f"b{i}"),
             "bench.task",
             State.SCHEDULED,
             node="bench",
@@ -119,7 +119,7 @@ def bench_store(store: StateStore, n: int) -> dict[str, float]:
     for new in pending[: n // 10]:
         store.create(
             NewJob(
-                JobRef.task("q" + new.ref.id),
+                JobRef.submitted("q" + new.ref.id),
                 "bench.task",
                 State.PENDING,
                 node="bench",

@@ -119,7 +119,7 @@ def sweep(count: int, nodes: int) -> float:
             store,
             [
                 NewJob(
-                    JobRef.task(f"d{i}"),
+                    JobRef.submitted(f"d{i}"),
                     TASK,
                     State.PENDING,
                     node="bench",
@@ -171,7 +171,7 @@ def reconcile_pass(total: int, settle: float = 5.0) -> float:
         def running(prefix: str, n: int) -> list[NewJob]:
             return [
                 NewJob(
-                    JobRef.task(f"{prefix}{i}"),
+                    JobRef.submitted(f"{prefix}{i}"),
                     TASK,
                     State.RUNNING,
                     node="bench",

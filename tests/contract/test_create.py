@@ -66,7 +66,7 @@ def test_second_create_reports_existing(store: StateStore) -> None:
 
 
 def test_missing_job_reads_none(store: StateStore) -> None:
-    assert store.get(JobRef.task("nope")) is None
+    assert store.get(JobRef.submitted("nope")) is None
 
 
 def test_occurrence_and_task_ids_are_separate_key_spaces(store: StateStore) -> None:
@@ -75,7 +75,7 @@ def test_occurrence_and_task_ids_are_separate_key_spaces(store: StateStore) -> N
     # A caller choosing the occurrence's id cannot pre-empt the beat slot
     assert store.create(task_job(occ.ref.id)).created
     assert store.create(occ).created
-    task_side = store.get(JobRef(Space.TASK, occ.ref.id))
+    task_side = store.get(JobRef(Space.SUBMITTED, occ.ref.id))
     occ_side = store.get(occ.ref)
     assert task_side is not None and occ_side is not None
     assert (task_side.task, occ_side.task) == ("tasks.add", "tasks.tick")
@@ -87,7 +87,7 @@ def test_occurrence_and_task_ids_are_separate_key_spaces(store: StateStore) -> N
 def test_ids_with_separators_round_trip(store: StateStore, job_id: str) -> None:
     new = task_job(job_id)
     assert store.create(new).created
-    job = store.get(JobRef.task(job_id))
+    job = store.get(JobRef.submitted(job_id))
     assert job is not None and job.ref.id == job_id
 
 
@@ -109,7 +109,7 @@ def test_epoch_is_stable_and_checked(store: StateStore) -> None:
     # A create that holds another epoch writes nothing
     wrong = store.create(task_job("e1"), epoch="not-the-epoch")
     assert wrong.status is CreateStatus.EPOCH_MISMATCH and wrong.epoch == epoch
-    assert store.get(JobRef.task("e1")) is None
+    assert store.get(JobRef.submitted("e1")) is None
     assert store.create(task_job("e1"), epoch=epoch).created
 
 
@@ -188,8 +188,8 @@ def test_invalid_new_jobs_are_refused_before_any_write(store: StateStore) -> Non
     with pytest.raises(exceptions.InvalidPayload, match="timezone-aware"):
         occurrence("e", store.now().replace(tzinfo=None))
     with pytest.raises(exceptions.InvalidRequest, match="cannot be created"):
-        NewJob(JobRef.task("bad"), "t", State.DISPATCHED, node=NODE)
-    assert store.get(JobRef.task("bad")) is None
+        NewJob(JobRef.submitted("bad"), "t", State.DISPATCHED, node=NODE)
+    assert store.get(JobRef.submitted("bad")) is None
 
 
 def test_create_many_is_create_in_turn(store: StateStore) -> None:

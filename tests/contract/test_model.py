@@ -65,7 +65,7 @@ class StoreMachine(RuleBasedStateMachine):
         # A fresh namespace per example: claims must see only this example's jobs
         self.store = self.factory(f"{self.factory.namespace}-{uuid.uuid4().hex[:8]}")
         prefix = uuid.uuid4().hex[:8]
-        self.refs = [JobRef.task(f"{prefix}-{i}") for i in range(4)]
+        self.refs = [JobRef.submitted(f"{prefix}-{i}") for i in range(4)]
         self.model: dict[JobRef, Model] = {}
         self.base = self.store.now() - timedelta(days=1)
         self.ticks = 0

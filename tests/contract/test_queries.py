@@ -24,7 +24,7 @@ def test_list_stale_oldest_first_bounded_by_state_and_age(store: StateStore) -> 
     assert [job.ref for job in stale] == refs[:3]
     assert [job.ref for job in store.list_stale(State.SCHEDULED, 0, 100)] == refs
     assert store.list_stale(State.SCHEDULED, older_than=3600, limit=100) == []
-    assert [j.ref for j in store.list_stale(State.PENDING, 0, 10)] == [JobRef.task("p")]
+    assert [j.ref for j in store.list_stale(State.PENDING, 0, 10)] == [JobRef.submitted("p")]
     assert store.list_stale(State.RUNNING, 0, 10) == []
 
 
@@ -99,7 +99,7 @@ def test_list_stale_after_a_cursor_that_is_no_job(store: StateStore) -> None:
     at, expected = group[0].touched_at, in_listing_order(group)
     # When listed after cursors at that time with refs no job has
     # Then the jobs strictly after the cursor's ref come, in order
-    after_a = store.list_stale(State.SCHEDULED, 0, 100, after=(at, JobRef.task("a0")))
+    after_a = store.list_stale(State.SCHEDULED, 0, 100, after=(at, JobRef.submitted("a0")))
     assert [job.ref for job in after_a] == [r for r in expected if str(r) > "t:a0"]
     # an occurrence ref sorts before every task ref of the same time
     early = store.list_stale(State.SCHEDULED, 0, 100, after=(at, JobRef.occurrence("zzz")))
@@ -116,10 +116,10 @@ def test_list_stale_after_the_end_is_empty(store: StateStore) -> None:
     # When listed after the last one, or after a time past them all
     # Then nothing comes
     assert store.list_stale(State.SCHEDULED, 0, 10, after=(last.touched_at, last.ref)) == []
-    later = (store.now() + timedelta(hours=1), JobRef.task("a"))
+    later = (store.now() + timedelta(hours=1), JobRef.submitted("a"))
     assert store.list_stale(State.SCHEDULED, 0, 10, after=later) == []
     # and a cursor before them all still keeps the age bound and the limit
-    before = (last.touched_at - timedelta(hours=1), JobRef.task("z"))
+    before = (last.touched_at - timedelta(hours=1), JobRef.submitted("z"))
     assert store.list_stale(State.SCHEDULED, 3600, 10, after=before) == []
     assert len(store.list_stale(State.SCHEDULED, 0, 1, after=before)) == 1
     assert store.list_stale(State.SCHEDULED, 0, 0, after=before) == []
@@ -142,7 +142,7 @@ def test_claim_due_in_run_at_order(store: StateStore) -> None:
     assert store.claim_due(10, node=NODE) == []
     assert [j.ref.id for j in store.list_stale(State.PENDING, 0, 10)] == ["future"]
     # A claimed job is a SCHEDULED record like any other
-    got = store.get(JobRef.task("d1"))
+    got = store.get(JobRef.submitted("d1"))
     assert got is not None and got == second[0]
 
 
@@ -150,7 +150,7 @@ def test_released_and_cancelled_pending_jobs(store: StateStore) -> None:
     past = store.now() - timedelta(seconds=1)
     store.create(task_job("rel", state=State.PENDING, run_at=past))
     store.create(task_job("can", state=State.PENDING, run_at=past))
-    cancel = store.get(JobRef.task("can"))
+    cancel = store.get(JobRef.submitted("can"))
     assert cancel is not None
     assert store.transition(cancel.ref, to(State.CANCELLED, State.PENDING, rev=cancel.rev)).applied
     (claimed,) = store.claim_due(10, node=NODE)
@@ -192,7 +192,7 @@ def test_purge_is_bounded(store_factory: StoreFactory) -> None:
         new = task_job(f"t{i}")
         store.create(new)
         store.transition(new.ref, to(State.CANCELLED, State.SCHEDULED))
-    job = store.get(JobRef.task("t4"))
+    job = store.get(JobRef.submitted("t4"))
     assert job is not None and job.terminal_at is not None
     poll(lambda: store.now() - job.terminal_at >= timedelta(seconds=0.05))  # type: ignore[operator]
     assert store.purge_expired(2) == 2

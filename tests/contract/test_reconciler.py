@@ -353,7 +353,7 @@ def test_terminal_records_past_retention_are_purged(store_factory: StoreFactory)
     done = [scene.put(State.SUCCEEDED), scene.put(State.TIMEOUT), scene.put(State.PUBLISHED, PLAIN)]
     later = scene.store.create(
         NewJob(
-            JobRef.task("next-year"),
+            JobRef.submitted("next-year"),
             GATED,
             State.PENDING,
             node=NODE,
@@ -602,7 +602,8 @@ def test_a_store_outage_longer_than_running_timeout_times_out_no_live_job(
 def test_a_hundred_failing_jobs_at_the_head_do_not_starve_the_rest(scene: Scene) -> None:
     # Given 100 stale SCHEDULED jobs whose writes always fail, the oldest of all
     news = [
-        NewJob(JobRef.task(f"poison-{i}"), GATED, State.SCHEDULED, node=NODE) for i in range(100)
+        NewJob(JobRef.submitted(f"poison-{i}"), GATED, State.SCHEDULED, node=NODE)
+        for i in range(100)
     ]
     poison = [result.job for result in scene.store.create_many(news) if result.job]
     refs = {job.ref for job in poison}

@@ -48,7 +48,7 @@ def test_a_submit_creates_the_job_and_dispatches_it_once(app: Celery) -> None:
     # When a gated task is submitted through a broker the store cannot push to
     result = app.tasks["t.add"].apply_async((1, 2), task_id="sub-1")
     # Then the record was created, then written DISPATCHED before the publish
-    job = runtime.runtime_for(app).store.get(JobRef.task("sub-1"))
+    job = runtime.runtime_for(app).store.get(JobRef.submitted("sub-1"))
     assert result.id == "sub-1"
     assert job is not None and job.state is State.DISPATCHED and job.dispatches == 1
     assert [(h.src, h.dst) for h in job.history] == [
@@ -62,15 +62,15 @@ def test_a_submit_creates_the_job_and_dispatches_it_once(app: Celery) -> None:
 def test_a_task_id_submitted_again_is_the_same_job_or_a_conflict(app: Celery) -> None:
     store = runtime.runtime_for(app).store
     app.tasks["t.add"].apply_async((1, 2), task_id="sub-2")
-    before = store.get(JobRef.task("sub-2"))
+    before = store.get(JobRef.submitted("sub-2"))
     # When the same task_id is submitted again with the same payload
     again = app.tasks["t.add"].apply_async((1, 2), task_id="sub-2")
     # Then the existing job stands (read back from the store), counted, not dispatched again
     assert again.id == "sub-2"
-    assert store.get(JobRef.task("sub-2")) == before
+    assert store.get(JobRef.submitted("sub-2")) == before
     assert metrics.COUNTERS.get("resubmitted") == 1
     assert metrics.COUNTERS.get("dispatched") == 1
     # And with another payload it is refused, naming the task_id; nothing changes
     with pytest.raises(JobConflict, match="sub-2"):
         app.tasks["t.add"].apply_async((5, 5), task_id="sub-2")
-    assert store.get(JobRef.task("sub-2")) == before
+    assert store.get(JobRef.submitted("sub-2")) == before

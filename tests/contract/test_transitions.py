@@ -51,7 +51,7 @@ def test_wrong_state_or_rev_conflicts_and_changes_nothing(store: StateStore) -> 
 
 
 def test_missing_record_is_not_found(store: StateStore) -> None:
-    result = store.transition(JobRef.task("ghost"), to(State.DISPATCHED, State.SCHEDULED))
+    result = store.transition(JobRef.submitted("ghost"), to(State.DISPATCHED, State.SCHEDULED))
     assert result.status is TransitionStatus.NOT_FOUND and result.job is None
 
 
@@ -305,7 +305,7 @@ def test_heartbeat_touches_without_changing_rev(store: StateStore) -> None:
     assert beat.heartbeat_at is not None and beat.heartbeat_at > job.touched_at
     assert beat.history == job.history
     assert not store.heartbeat(ref, "other-run")
-    assert not store.heartbeat(JobRef.task("ghost"), "r")
+    assert not store.heartbeat(JobRef.submitted("ghost"), "r")
 
 
 def test_timeout_cas_requires_staleness_by_store_time(store: StateStore) -> None:
@@ -342,7 +342,7 @@ def test_transition_to_running_requires_a_run_id() -> None:
 def test_transition_many_is_transition_in_turn(store: StateStore) -> None:
     a, b = store.create(task_job()).job, store.create(task_job()).job
     assert a is not None and b is not None
-    missing = JobRef.task("tm-missing")
+    missing = JobRef.submitted("tm-missing")
     first = to(State.DISPATCHED, State.SCHEDULED, rev=a.rev)
     results = store.transition_many(
         [
@@ -447,7 +447,7 @@ def test_a_brief_cas_that_is_refused_answers_the_record_as_it_is(store: StateSto
     )
     # and one that finds no record answers NOT_FOUND, with none
     (missing,) = store.transition_many(
-        [(JobRef.task("ghost"), to(State.DISPATCHED, State.SCHEDULED))], brief=True
+        [(JobRef.submitted("ghost"), to(State.DISPATCHED, State.SCHEDULED))], brief=True
     )
     assert (missing.status, missing.job) == (TransitionStatus.NOT_FOUND, None)
 
@@ -472,7 +472,7 @@ def test_a_note_is_appended_to_the_history_and_nothing_else_moves(store: StateSt
     # A repeat of the same note appends nothing; a missing record says so
     assert store.annotate(ref, node=NODE, reason="again", op_id="n1")
     assert store.get(ref) == after
-    assert not store.annotate(JobRef.task("ghost"), node=NODE, reason="x", op_id="n2")
+    assert not store.annotate(JobRef.submitted("ghost"), node=NODE, reason="x", op_id="n2")
     # The record still moves on as before
     assert store.transition(ref, to(State.PUBLISHED, State.DISPATCHED, rev=before.rev)).applied
 

@@ -60,7 +60,7 @@ DEADLINE = datetime(2100, 1, 1, tzinfo=timezone.utc)
 
 def _new(job_id: str = "j1", **options: Any) -> NewJob:
     return NewJob(
-        JobRef.task(job_id),
+        JobRef.submitted(job_id),
         "t.add",
         State.SCHEDULED,
         node="n",
@@ -195,7 +195,7 @@ def test_a_job_is_written_dispatched_with_its_message_in_one_step(server: RedisS
     store = _store(server)
     enqueued = _dispatcher(server, store).enqueue(_new(), reason="apply_async")
     assert enqueued is not None and enqueued.created
-    record = store.get(JobRef.task("j1"))
+    record = store.get(JobRef.submitted("j1"))
     assert record is not None and record.state is State.DISPATCHED and record.dispatches == 1
     assert [(h.src, h.dst) for h in record.history] == [
         (None, State.SCHEDULED),
@@ -224,10 +224,10 @@ def test_a_push_redis_refuses_writes_nothing(server: RedisServer) -> None:
     store = _store(server, user="nolpush")
     dispatcher = _dispatcher(server, store)
     assert dispatcher.enqueue(_new()) is None  # the caller takes the general path
-    assert store.get(JobRef.task("j1")) is None
+    assert store.get(JobRef.submitted("j1")) is None
     assert _queued(server) == 0
     assert dispatcher.enqueue(_new("j2")) is None  # not tried again by this process
-    assert store.get(JobRef.task("j2")) is None
+    assert store.get(JobRef.submitted("j2")) is None
 
 
 def test_a_push_refused_midway_is_undone_and_writes_nothing(server: RedisServer) -> None:
@@ -256,7 +256,7 @@ def test_keys_redis_refuses_write_nothing(server: RedisServer) -> None:
     )
     store = _store(server, user="storeonly")
     assert _dispatcher(server, store).enqueue(_new()) is None
-    assert store.get(JobRef.task("j1")) is None
+    assert store.get(JobRef.submitted("j1")) is None
     assert _queued(server) == 0
 
 
@@ -279,7 +279,7 @@ class LoseAnswer(RedisStore):
                     reason="gate",
                     new_run_id="r1",
                 )
-                assert self.transition(JobRef.task("j1"), gate).applied
+                assert self.transition(JobRef.submitted("j1"), gate).applied
             raise redis.ConnectionError("connection lost")
         return super()._run(name, keys, args)
 
@@ -313,7 +313,7 @@ def test_a_broker_the_capture_cannot_reach_takes_the_general_path(
     store = _store(server)
     dispatcher = _dispatcher(server, store, broker.format(port=server.port))
     assert dispatcher.enqueue(_new()) is None
-    assert store.get(JobRef.task("j1")) is None
+    assert store.get(JobRef.submitted("j1")) is None
 
 
 def test_one_capturing_connection_serves_calls_one_after_another(server: RedisServer) -> None:

@@ -246,13 +246,13 @@ def store_of(app: Celery) -> FlakyStore:
 
 
 def job_state(app: Celery, task_id: str) -> State | None:
-    job = store_of(app).get(JobRef.task(task_id))
+    job = store_of(app).get(JobRef.submitted(task_id))
     return job.state if job else None
 
 
 def republish(app: Celery, task_id: str) -> None:
     """Send the job's message again, as a broker redelivery would."""
-    job = store_of(app).get(JobRef.task(task_id))
+    job = store_of(app).get(JobRef.submitted(task_id))
     assert job is not None
     app.send_task(
         job.task,
@@ -274,7 +274,7 @@ def test_runs_once_and_records_success(app: Celery) -> None:
 def test_heartbeats_keep_a_long_body_fresh(app: Celery) -> None:
     result = app.tasks["t.slow"].delay(0.5)
     poll(lambda: job_state(app, result.id) is State.SUCCEEDED)
-    job = store_of(app).get(JobRef.task(result.id))
+    job = store_of(app).get(JobRef.submitted(result.id))
     assert job is not None and job.heartbeat_at is not None
     gate = next(h for h in job.history if h.dst is State.RUNNING)
     # touched by heartbeats well after the gate, before the body ended
@@ -285,7 +285,7 @@ def test_reject_with_requeue_runs_the_next_attempt_once(app: Celery) -> None:
     result = app.tasks["t.requeue"].delay()
     assert result.get(timeout=10) == "again"
     poll(lambda: job_state(app, result.id) is State.SUCCEEDED)
-    job = store_of(app).get(JobRef.task(result.id))
+    job = store_of(app).get(JobRef.submitted(result.id))
     assert job is not None and job.attempt == 1
     assert [row[2] for row in runs(result.id)] == [0, 1]
 
@@ -294,16 +294,16 @@ def test_a_task_out_of_retries_ends_failed_after_one_run_per_attempt(app: Celery
     result = app.tasks["t.hopeless"].delay()
     poll(lambda: job_state(app, result.id) is State.FAILED)
     assert [row[2] for row in runs(result.id)] == [0, 1, 2]
-    job = store_of(app).get(JobRef.task(result.id))
+    job = store_of(app).get(JobRef.submitted(result.id))
     assert job is not None and job.attempt == 2 and "MaxRetriesExceeded" in job.reason
 
 
 def test_replace_runs_the_replacement_as_a_job_of_its_own(app: Celery) -> None:
     result = app.tasks["t.replacing"].delay()
     assert result.get(timeout=10) == 2  # the caller's result is the replacement's
-    replacement = JobRef.task(replacement_job_id(result.id, 1))
+    replacement = JobRef.submitted(replacement_job_id(result.id, 1))
     poll(lambda: job_state(app, replacement.id) is State.SUCCEEDED)
-    job = store_of(app).get(JobRef.task(result.id))
+    job = store_of(app).get(JobRef.submitted(result.id))
     assert job is not None and job.state is State.SUCCEEDED
     assert job.reason == f"replaced by {replacement}"
     assert [row[0] for row in runs(result.id)] == ["t.replacing", "t.add"]
@@ -356,7 +356,7 @@ def _in_state(app: Celery, state: State) -> str:
     if state is State.PENDING:
         later = store.now() + timedelta(hours=1)
         new = NewJob(
-            JobRef.task(uuid.uuid4().hex),
+            JobRef.submitted(uuid.uuid4().hex),
             "t.add",
             State.PENDING,
             node="test",
@@ -376,7 +376,7 @@ def test_a_delivery_runs_only_if_its_job_waits_for_it(app: Celery, state: State)
     DISPATCHED at its attempt, and is acked unrun (``Ignore``) from every other."""
     # Given a job in ``state``, and a delivery of its current attempt
     task_id = _in_state(app, state)
-    before = store_of(app).get(JobRef.task(task_id))
+    before = store_of(app).get(JobRef.submitted(task_id))
     republish(app, task_id)
     # Then it runs if the job is SCHEDULED or DISPATCHED (its message may land before the
     # DISPATCHED write is seen); from any other state it is acked unrun: no body, no
@@ -389,7 +389,7 @@ def test_a_delivery_runs_only_if_its_job_waits_for_it(app: Celery, state: State)
     poll(lambda: metrics.COUNTERS.get("suppressed_duplicate", where=state.value) == 1)
     assert runs(task_id) == []
     assert app.AsyncResult(task_id).state == "PENDING"  # nothing stored for it
-    assert store_of(app).get(JobRef.task(task_id)) == before
+    assert store_of(app).get(JobRef.submitted(task_id)) == before
 
 
 def test_same_task_id_twice_is_one_job(app: Celery) -> None:
@@ -408,7 +408,7 @@ def test_retry_is_one_run_per_attempt_even_with_stale_redelivery(app: Celery) ->
     result = app.tasks["t.retry"].delay(2)
     poll(lambda: job_state(app, result.id) is State.SUCCEEDED)
     # The attempt-0 message delivered again after the retries: refused (stale attempt)
-    job = store_of(app).get(JobRef.task(result.id))
+    job = store_of(app).get(JobRef.submitted(result.id))
     assert job is not None and job.attempt == 2
     stale = message_headers(job, "gate") | {"exactonce_attempt": 0}
     app.send_task("t.retry", args=(2,), task_id=result.id, headers=stale, retries=0)
@@ -478,7 +478,7 @@ def test_message_with_our_headers_but_no_record_does_not_run(app: Celery) -> Non
 def test_record_of_another_task_is_a_conflict(app: Celery) -> None:
     result = app.tasks["t.other"].delay()
     poll(lambda: job_state(app, result.id) is State.SUCCEEDED)
-    job = store_of(app).get(JobRef.task(result.id))
+    job = store_of(app).get(JobRef.submitted(result.id))
     assert job is not None
     app.send_task("t.add", args=(1, 1), task_id=result.id, headers=message_headers(job, "gate"))
     poll(lambda: metrics.COUNTERS.get("gate_conflict") == 1)
@@ -506,8 +506,8 @@ def test_ambiguous_submit_raises_and_resubmitting_runs_once(app: Celery) -> None
     store.down = False
     # the caller resubmits the same id: the existing job is returned, run once
     app.tasks["t.add"].apply_async((3, 4), task_id="amb-1")
-    poll(lambda: (j := store.get(JobRef.task("amb-1"))) is not None and j.terminal)
-    job = store.get(JobRef.task("amb-1"))
+    poll(lambda: (j := store.get(JobRef.submitted("amb-1"))) is not None and j.terminal)
+    job = store.get(JobRef.submitted("amb-1"))
     assert job is not None and job.state is State.SUCCEEDED
     assert len(runs("amb-1")) == 1
 
@@ -516,7 +516,7 @@ def test_countdown_waits_pending_in_the_store_then_runs_once(app: Celery) -> Non
     # Given a gated task submitted with a countdown
     result = app.tasks["t.add"].apply_async((3, 4), countdown=0.5)
     # Then it waits PENDING in the store (no ETA message on the broker)
-    job = store_of(app).get(JobRef.task(result.id))
+    job = store_of(app).get(JobRef.submitted(result.id))
     assert job is not None and job.state is State.PENDING and job.run_at is not None
     assert runs(result.id) == []
     # and the beat sweep dispatches it once it is due: it runs once
@@ -577,7 +577,7 @@ def test_a_failure_whose_message_cannot_be_stored_still_ends_failed(
     """
     result = app.tasks["t.badname"].delay()
     poll(lambda: job_state(app, result.id) is State.FAILED)
-    job = store_of(app).get(JobRef.task(result.id))
+    job = store_of(app).get(JobRef.submitted(result.id))
     assert job is not None
     assert job.reason == "OSError: cannot read report-\ufffd.csv"
     # The task's own exception is what Celery records

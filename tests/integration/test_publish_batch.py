@@ -42,7 +42,7 @@ def _app(server: RedisServer) -> Celery:
 def _scheduled(store: InMemoryStore, count: int, prefix: str) -> list[Job]:
     news = [
         NewJob(
-            JobRef.task(f"{prefix}-{i}"),
+            JobRef.submitted(f"{prefix}-{i}"),
             "t.plain",
             State.SCHEDULED,
             node="n",

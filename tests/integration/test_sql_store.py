@@ -345,7 +345,7 @@ def test_a_conflict_answers_the_record_as_it_is(store: SqlStore) -> None:
     request = to(State.DISPATCHED, State.SCHEDULED, rev="not-the-rev")
     result = store.transition(new.ref, request)
     assert result.status is TransitionStatus.CONFLICT and result.job == store.get(new.ref)
-    missing = store.transition(JobRef.task("ghost"), request)
+    missing = store.transition(JobRef.submitted("ghost"), request)
     assert missing.status is TransitionStatus.NOT_FOUND and missing.job is None
 
 

@@ -33,7 +33,7 @@ def task_job(
     """A caller-chosen job (``apply_async``), SCHEDULED unless told otherwise."""
     run_id = uuid.uuid4().hex if state is State.RUNNING else None
     return NewJob(
-        ref=JobRef.task(job_id or uuid.uuid4().hex),
+        ref=JobRef.submitted(job_id or uuid.uuid4().hex),
         task=task,
         state=state,
         node=NODE,

@@ -153,7 +153,7 @@ def put(
 ) -> Job:
     """A job of ``task`` brought to ``state`` the way the dispatch path and the gate would."""
     new = NewJob(
-        JobRef.task(job_id or uuid.uuid4().hex),
+        JobRef.submitted(job_id or uuid.uuid4().hex),
         task,
         State.SCHEDULED,
         node=NODE,

@@ -63,7 +63,7 @@ def test_every_reason_is_made_storable_and_capped() -> None:
     )
     assert request.reason.startswith("OSError: \ufffd\ufffd\t\r\nxxx")
     assert len(request.reason) == MAX_REASON_LENGTH and request.reason.endswith("…")
-    new = NewJob(JobRef.task("j"), "t", State.SCHEDULED, node="n", reason=reason)
+    new = NewJob(JobRef.submitted("j"), "t", State.SCHEDULED, node="n", reason=reason)
     assert new.reason == request.reason
 
 
@@ -178,7 +178,7 @@ def test_a_stored_option_send_task_cannot_take_fails_the_job_definitely(
     """
     store = InMemoryStore("ns")
     new = NewJob(
-        JobRef.task("j"),
+        JobRef.submitted("j"),
         "tasks.t",
         State.SCHEDULED,
         node="n",
@@ -199,7 +199,7 @@ def test_celery_publisher_sends_what_plain_celery_would(monkeypatch: pytest.Monk
     """Stored kombu-typed values go to ``send_task`` as the Python values they were."""
     store = InMemoryStore("ns")
     new = NewJob(
-        JobRef.task("typed"),
+        JobRef.submitted("typed"),
         "tasks.t",
         State.SCHEDULED,
         node="n",
@@ -239,7 +239,7 @@ def app() -> Iterator[Celery]:
 
 
 def stored(app: Celery, task_id: str) -> Any:
-    return runtime.runtime_for(app).store.get(JobRef.task(task_id))
+    return runtime.runtime_for(app).store.get(JobRef.submitted(task_id))
 
 
 @pytest.mark.parametrize(

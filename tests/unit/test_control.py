@@ -67,7 +67,7 @@ class World:
     sent: list[str] = field(default_factory=list)
 
     def job(self, job_id: str) -> Job:
-        job = self.store.get(JobRef.task(job_id))
+        job = self.store.get(JobRef.submitted(job_id))
         assert job is not None, f"no job {job_id}"
         return job
 
@@ -76,7 +76,7 @@ class World:
         job_id = uuid.uuid4().hex
         created = self.store.create(
             NewJob(
-                JobRef.task(job_id),
+                JobRef.submitted(job_id),
                 "t.add",
                 State.SCHEDULED,
                 node="n",
@@ -177,7 +177,7 @@ def test_a_job_dispatched_running_or_finished_is_left_as_it_is(world: World, sta
 
 def test_an_unknown_task_id_is_not_cancelled_and_no_record_is_made(world: World) -> None:
     assert cancel("never-submitted", app=world.app) is False
-    assert world.store.get(JobRef.task("never-submitted")) is None
+    assert world.store.get(JobRef.submitted("never-submitted")) is None
 
 
 def test_a_second_cancel_answers_false_and_writes_nothing(world: World) -> None:

@@ -62,7 +62,7 @@ def _counters() -> None:
 
 def scheduled(store: InMemoryStore, gated: bool = True, job_id: str = "j1") -> Job:
     new = NewJob(
-        JobRef.task(job_id),
+        JobRef.submitted(job_id),
         "tasks.t",
         State.SCHEDULED,
         node="n",
@@ -298,7 +298,7 @@ def test_every_publish_of_a_job_with_a_deadline_expires_at_it(
     store = InMemoryStore()
     deadline = store.now() + timedelta(seconds=10)
     new = NewJob(
-        JobRef.task("late"),
+        JobRef.submitted("late"),
         "tasks.t",
         State.SCHEDULED,
         node="n",

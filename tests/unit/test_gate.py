@@ -116,7 +116,7 @@ def world() -> Iterator[World]:
     def late(self: Any, *args: Any) -> str:
         """Its job is timed out (as by the reconciler) while the body runs."""
         world.runs.append((self.name, self.request.id, self.request.retries))
-        job = store.get(JobRef.task(self.request.id))
+        job = store.get(JobRef.submitted(self.request.id))
         assert job is not None
         _move(store, job, State.TIMEOUT, rev=job.rev)
         return "done"
@@ -143,7 +143,7 @@ def dispatched(world: World, task: str = "t.body", attempt: int = 0) -> Job:
     store = world.store
     created = store.create(
         NewJob(
-            JobRef.task(uuid.uuid4().hex),
+            JobRef.submitted(uuid.uuid4().hex),
             task,
             State.SCHEDULED,
             node="n",
@@ -345,7 +345,7 @@ def test_a_foreign_message_is_adopted_after_a_create_that_failed(world: World) -
     # Then it is adopted on the next pass and runs once
     assert outcome == "ran"
     assert world.runs == [("t.body", "foreign-1", 0)]
-    job = world.store.get(JobRef.task("foreign-1"))
+    job = world.store.get(JobRef.submitted("foreign-1"))
     assert job is not None and job.state is State.SUCCEEDED
     assert job.options.get(GATED_OPTION) is True
     assert metrics.COUNTERS.get("adopted") == 1

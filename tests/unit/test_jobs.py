@@ -16,7 +16,9 @@ NOW = datetime(2026, 11, 24, 12, 0, tzinfo=timezone.utc)
 
 
 def _job() -> jobs.Job:
-    new = NewJob(JobRef.task("j1"), "t.add", State.SCHEDULED, node="n", args=[1], kwargs={"k": 2})
+    new = NewJob(
+        JobRef.submitted("j1"), "t.add", State.SCHEDULED, node="n", args=[1], kwargs={"k": 2}
+    )
     return jobs.job_from_new(new, NOW)
 
 

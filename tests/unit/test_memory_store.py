@@ -40,7 +40,7 @@ def test_store_time_is_the_injected_clock(store: InMemoryStore, clock: FrozenClo
 def test_due_and_stale_by_store_time(store: InMemoryStore, clock: FrozenClock) -> None:
     store.create(
         NewJob(
-            JobRef.task("d"),
+            JobRef.submitted("d"),
             "t",
             State.PENDING,
             node=NODE,
@@ -58,16 +58,16 @@ def test_due_and_stale_by_store_time(store: InMemoryStore, clock: FrozenClock) -
 
 
 def test_running_timeout_needs_a_stale_heartbeat(store: InMemoryStore, clock: FrozenClock) -> None:
-    store.create(NewJob(JobRef.task("r"), "t", State.RUNNING, node=NODE, run_id="run"))
+    store.create(NewJob(JobRef.submitted("r"), "t", State.RUNNING, node=NODE, run_id="run"))
     timeout = Transition(
         State.TIMEOUT, frozenset({State.RUNNING}), node=NODE, reason="stale", stale_for=600
     )
     clock.advance(599)
-    assert store.heartbeat(JobRef.task("r"), "run")
+    assert store.heartbeat(JobRef.submitted("r"), "run")
     clock.advance(599)
-    assert not store.transition(JobRef.task("r"), timeout).applied
+    assert not store.transition(JobRef.submitted("r"), timeout).applied
     clock.advance(1)
-    assert store.transition(JobRef.task("r"), timeout).applied
+    assert store.transition(JobRef.submitted("r"), timeout).applied
 
 
 def test_a_clock_stepping_back_expires_nothing(store: InMemoryStore, clock: FrozenClock) -> None:
@@ -79,8 +79,8 @@ def test_a_clock_stepping_back_expires_nothing(store: InMemoryStore, clock: Froz
     transition = Transition(
         State.CANCELLED, frozenset({State.SCHEDULED}), node=NODE, reason="x", lease=Lease("l", "a")
     )
-    store.create(NewJob(JobRef.task("j"), "t", State.SCHEDULED, node=NODE))
-    assert store.transition(JobRef.task("j"), transition).status.value == "lease_lost"
+    store.create(NewJob(JobRef.submitted("j"), "t", State.SCHEDULED, node=NODE))
+    assert store.transition(JobRef.submitted("j"), transition).status.value == "lease_lost"
 
 
 def test_expiry_counts_from_the_later_of_fire_time_and_terminal(clock: FrozenClock) -> None:
@@ -101,4 +101,4 @@ def test_expiry_counts_from_the_later_of_fire_time_and_terminal(clock: FrozenClo
 def test_closed_store_refuses_work(store: InMemoryStore) -> None:
     store.close()
     with pytest.raises(StoreError, match="closed"):
-        store.get(JobRef.task("x"))
+        store.get(JobRef.submitted("x"))

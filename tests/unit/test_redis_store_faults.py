@@ -36,7 +36,7 @@ def store(client: fakeredis.FakeRedis) -> RedisStore:
 
 
 def _new(job_id: str = "j1") -> NewJob:
-    return NewJob(JobRef.task(job_id), "tasks.add", State.SCHEDULED, node="n", args=(1,))
+    return NewJob(JobRef.submitted(job_id), "tasks.add", State.SCHEDULED, node="n", args=(1,))
 
 
 def test_fits_the_protocol(store: RedisStore) -> None:
@@ -94,7 +94,7 @@ def test_refused_connection_on_a_given_client_hides_its_password() -> None:
 def test_disconnected_server_is_unavailable(client: fakeredis.FakeRedis, store: RedisStore) -> None:
     client.connection_pool.connection_kwargs["server"].connected = False
     with pytest.raises(exceptions.StoreUnavailable) as info:
-        store.get(JobRef.task("j1"))
+        store.get(JobRef.submitted("j1"))
     assert isinstance(info.value.__cause__, redis.ConnectionError)
 
 
@@ -127,9 +127,9 @@ def test_response_error_is_a_store_error(client: fakeredis.FakeRedis, store: Red
     # A foreign value where a record should be: Redis answers WRONGTYPE
     client.set("exactonce:{faults}:job:t:j1", "not a hash")
     for call in (
-        lambda: store.get(JobRef.task("j1")),
+        lambda: store.get(JobRef.submitted("j1")),
         lambda: store.transition(
-            JobRef.task("j1"),
+            JobRef.submitted("j1"),
             Transition(State.CANCELLED, frozenset({State.SCHEDULED}), node="n", reason="x"),
         ),
     ):
@@ -143,7 +143,7 @@ def test_response_error_is_a_store_error(client: fakeredis.FakeRedis, store: Red
 def test_closed_store_refuses_use(store: RedisStore) -> None:
     store.close()
     with pytest.raises(exceptions.StoreError, match="closed"):
-        store.get(JobRef.task("j1"))
+        store.get(JobRef.submitted("j1"))
 
 
 def test_newer_key_format_is_refused(client: fakeredis.FakeRedis, store: RedisStore) -> None:

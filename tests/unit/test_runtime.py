@@ -48,7 +48,7 @@ def make_app() -> Iterator[Callable[..., Celery]]:
 
 
 def a_record(store: Any, job_id: str = "r-1") -> None:
-    created = store.create(NewJob(JobRef.task(job_id), "t.x", State.SCHEDULED, node="n"))
+    created = store.create(NewJob(JobRef.submitted(job_id), "t.x", State.SCHEDULED, node="n"))
     assert created.created
 
 
@@ -90,7 +90,7 @@ def test_apps_each_have_their_own_config_and_runtime(make_app: Callable[..., Cel
     # Resetting one app leaves the other's runtime and store alone
     runtime.reset(first)
     assert runtime.runtime_for(second) is two
-    assert two.store.get(JobRef.task("absent")) is None
+    assert two.store.get(JobRef.submitted("absent")) is None
 
 
 # -- the runtime ---------------------------------------------------------------------------
@@ -164,7 +164,7 @@ def test_a_runtime_inherited_across_a_fork_is_rebuilt_the_parents_store_left_ope
     assert rebuilt.store is not inherited.store
     assert runtime.runtime_for(app) is rebuilt
     # and leaves the parent's store open: closing it would close the parent's sockets
-    assert inherited.store.get(JobRef.task("r-1")) is not None
+    assert inherited.store.get(JobRef.submitted("r-1")) is not None
 
 
 def test_reset_closes_the_store_the_runtime_opened(make_app: Callable[..., Celery]) -> None:
@@ -172,11 +172,11 @@ def test_reset_closes_the_store_the_runtime_opened(make_app: Callable[..., Celer
     first = runtime.runtime_for(app)
     runtime.reset(app)
     with pytest.raises(StoreError, match="closed"):
-        first.store.get(JobRef.task("any"))
+        first.store.get(JobRef.submitted("any"))
     # The next use builds a new runtime, with a store of its own
     second = runtime.runtime_for(app)
     assert second is not first
-    assert second.store.get(JobRef.task("any")) is None
+    assert second.store.get(JobRef.submitted("any")) is None
 
 
 def test_reset_leaves_a_store_opened_by_another_process_open(
@@ -186,14 +186,14 @@ def test_reset_leaves_a_store_opened_by_another_process_open(
     inherited = runtime.runtime_for(app)
     inherited.pid = os.getpid() + 1  # built by the parent of a forked child
     runtime.reset(app)
-    assert inherited.store.get(JobRef.task("any")) is None  # still open
+    assert inherited.store.get(JobRef.submitted("any")) is None  # still open
     assert runtime.runtime_for(app) is not inherited
 
 
 def test_reset_of_an_app_never_used_does_nothing(make_app: Callable[..., Celery]) -> None:
     app = make_app()
     runtime.reset(app)
-    assert runtime.runtime_for(app).store.get(JobRef.task("any")) is None
+    assert runtime.runtime_for(app).store.get(JobRef.submitted("any")) is None
 
 
 def test_an_installed_store_is_used_and_never_closed_by_reset(
@@ -267,7 +267,7 @@ def test_a_signing_key_signs_every_write_and_arms_the_dispatcher(
     assert signed.signer is not None and signed.dispatcher.signer is signed.signer
     assert isinstance(signed.store, signing.SigningStore) and signed.store.inner is mine
     a_record(signed.store)
-    record = mine.get(JobRef.task("r-1"))
+    record = mine.get(JobRef.submitted("r-1"))
     assert record is not None and record.signature
     assert signed.signer.problem(record) is None
     # Without a key the store is the one handed in, and nothing is signed

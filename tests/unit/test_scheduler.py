@@ -346,7 +346,7 @@ def test_sigterm_at_any_step_of_a_tick_leaves_no_claim_behind(at: str) -> None:
     assert callable(handler)
     store = cluster.store
     delayed = NewJob(
-        JobRef.task("delayed-1"),
+        JobRef.submitted("delayed-1"),
         "plain.t",
         State.PENDING,
         node="test",

@@ -39,7 +39,7 @@ def small_batches(monkeypatch: pytest.MonkeyPatch) -> tuple[int, int]:
 
 def delay(cluster: Cluster, name: str, run_at: datetime) -> JobRef:
     """A delayed job as ``ExactOnceTask.apply_async(eta=run_at)`` stores it."""
-    ref = JobRef.task(name)
+    ref = JobRef.submitted(name)
     new = NewJob(ref, TASK, State.PENDING, node="client", args=[name], run_at=run_at)
     assert cluster.store.create(new).created
     return ref

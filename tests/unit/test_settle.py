@@ -15,7 +15,7 @@ from celery_exactonce.stores.settle import Decision
 from celery_exactonce.testing import InMemoryStore
 from celery_exactonce.writes import NewJob, Transition
 
-REF = JobRef.task("j1")
+REF = JobRef.submitted("j1")
 
 
 class LossyStore(InMemoryStore):
@@ -166,7 +166,9 @@ def test_a_lost_create_with_no_record_has_no_status(store: LossyStore) -> None:
 
 
 def test_a_lost_batch_is_read_back_write_by_write(store: LossyStore) -> None:
-    news = [NewJob(JobRef.task(f"b{i}"), "tasks.t", State.SCHEDULED, node="n") for i in range(2)]
+    news = [
+        NewJob(JobRef.submitted(f"b{i}"), "tasks.t", State.SCHEDULED, node="n") for i in range(2)
+    ]
     store.create(NewJob(news[0].ref, "tasks.t", State.SCHEDULED, node="n", rev="earlier"))
     store.writes = ["lose"]
     written = settle.create_many(store, news, brief=True)

@@ -76,7 +76,7 @@ def test_a_bad_signing_key_is_refused_naming_it_never_showing_it(value: Any, cul
 
 def new_job(**changes: Any) -> NewJob:
     fields: dict[str, Any] = {
-        "ref": JobRef.task("j1"),
+        "ref": JobRef.submitted("j1"),
         "task": "tasks.t",
         "state": State.SCHEDULED,
         "node": "n",
@@ -96,7 +96,7 @@ def test_the_signature_covers_everything_a_publish_sends() -> None:
     signature = signer.sign(base)
     assert signature.startswith("v1:") and len(signature) == 3 + 64
     for change in (
-        {"ref": JobRef.task("j2")},
+        {"ref": JobRef.submitted("j2")},
         {"task": "tasks.u"},
         {"args": [1, "u"]},
         {"kwargs": {"b": 2, "a": [1.25]}},
@@ -113,8 +113,8 @@ def test_the_signature_covers_everything_a_publish_sends() -> None:
 
 def test_rotation_signs_with_the_first_key_and_verifies_with_any() -> None:
     store = InMemoryStore("ns")
-    old = SigningStore(store, Signer(OLD)).create(new_job(ref=JobRef.task("old"))).job
-    new = SigningStore(store, Signer([KEY, OLD])).create(new_job(ref=JobRef.task("new"))).job
+    old = SigningStore(store, Signer(OLD)).create(new_job(ref=JobRef.submitted("old"))).job
+    new = SigningStore(store, Signer([KEY, OLD])).create(new_job(ref=JobRef.submitted("new"))).job
     assert old is not None and new is not None
     assert new.signature == Signer(KEY).sign(new)
     rotating = Signer([KEY, OLD])
@@ -226,7 +226,7 @@ def test_the_reconciler_never_replays_a_tampered_record(signed: Signed) -> None:
 def test_an_unsigned_record_is_refused_when_a_key_is_configured(signed: Signed) -> None:
     """Written by a node without the key (or stripped): refused, not trusted."""
     unsigned = signed.store.create(
-        new_job(ref=JobRef.task("u1"), task=GATED, deadline=None, options={GATED_OPTION: True})
+        new_job(ref=JobRef.submitted("u1"), task=GATED, deadline=None, options={GATED_OPTION: True})
     ).job
     assert unsigned is not None and unsigned.signature is None
     assert signed.rt.dispatcher.dispatch(unsigned).outcome is Outcome.FAILED

@@ -107,7 +107,7 @@ def test_the_reconciler_of_a_slim_beat_applies_the_policy_the_record_stores() ->
     def long(self: Any) -> None: ...
 
     new = NewJob(
-        JobRef.task(uuid.uuid4().hex),
+        JobRef.submitted(uuid.uuid4().hex),
         "t.long",
         State.SCHEDULED,
         node="client",
@@ -161,14 +161,14 @@ def test_reconciler_reads_the_tasks_attributes_for_a_record_without_a_policy() -
     try:
         store = rt.store
         new = NewJob(
-            JobRef.task("o"), "t.old", State.SCHEDULED, node="n", options={GATED_OPTION: True}
+            JobRef.submitted("o"), "t.old", State.SCHEDULED, node="n", options={GATED_OPTION: True}
         )
         job = store.create(new).job
         assert job is not None
         assert Timeouts.of(rt.config, app.tasks["t.old"], job).redispatch is True
         assert Timeouts.of(rt.config, None, job).redispatch is False
         stored = NewJob(
-            JobRef.task("p"),
+            JobRef.submitted("p"),
             "t.old",
             State.SCHEDULED,
             node="n",

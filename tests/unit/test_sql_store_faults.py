@@ -27,7 +27,7 @@ PASSWORD = "s3cret-pw"
 
 
 def _new(job_id: str = "j1") -> NewJob:
-    return NewJob(JobRef.task(job_id), "tasks.add", State.SCHEDULED, node="n", args=(1,))
+    return NewJob(JobRef.submitted(job_id), "tasks.add", State.SCHEDULED, node="n", args=(1,))
 
 
 def _sqlite(path: Path, namespace: str = "faults", **kwargs: Any) -> SqlStore:
@@ -83,7 +83,7 @@ def test_refused_connection_is_unavailable_without_the_password(url: str) -> Non
     # Nothing listens on port 1: the connection is refused before any byte is sent
     store = SqlStore.from_url(url, namespace="faults", retention=60.0)
     try:
-        for call in (store.now, store.setup, store.ping, lambda: store.get(JobRef.task("x"))):
+        for call in (store.now, store.setup, store.ping, lambda: store.get(JobRef.submitted("x"))):
             with pytest.raises(exceptions.StoreUnavailable) as info:
                 call()
             assert isinstance(info.value.__cause__, sa.exc.OperationalError)
@@ -171,7 +171,7 @@ def test_missing_tables_are_a_store_error_not_unavailable(db: Path) -> None:
     store = _sqlite(db)  # no setup()
     try:
         with pytest.raises(exceptions.StoreError) as info:
-            store.get(JobRef.task("x"))
+            store.get(JobRef.submitted("x"))
         assert not isinstance(info.value, exceptions.StoreUnavailable)
         assert isinstance(info.value.__cause__, sa.exc.OperationalError)
     finally:
@@ -187,7 +187,7 @@ def test_a_held_write_lock_is_unavailable_after_bounded_retries(db: Path) -> Non
         with pytest.raises(exceptions.StoreUnavailable, match="locked"):
             store.create(_new())
         # Reads do not take the write lock (WAL): they still answer
-        assert store.get(JobRef.task("j1")) is None
+        assert store.get(JobRef.submitted("j1")) is None
     finally:
         blocker.execute("ROLLBACK")
         blocker.close()
@@ -222,10 +222,10 @@ def test_drop_namespace_forgets_everything_of_its_namespace_only(db: Path) -> No
         theirs.create(_new())
         assert mine.acquire_lease("reconcile", "tok", 60)
         mine.drop_namespace()
-        assert mine.get(JobRef.task("j1")) is None
+        assert mine.get(JobRef.submitted("j1")) is None
         assert mine.create(_new(), epoch=epoch).status is CreateStatus.EPOCH_MISMATCH
         assert mine.acquire_lease("reconcile", "other", 60)
-        assert theirs.get(JobRef.task("j1")) is not None
+        assert theirs.get(JobRef.submitted("j1")) is not None
         assert theirs.epoch() == theirs_epoch
     finally:
         mine.close()

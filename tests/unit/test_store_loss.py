@@ -21,7 +21,7 @@ def guard() -> StoreLossGuard:
 
 
 def created(store: InMemoryStore, name: str) -> JobRef:
-    ref = JobRef.task(name)
+    ref = JobRef.submitted(name)
     store.create(NewJob(ref, "t", State.SCHEDULED, node="n", reason="test"))
     return ref
 
@@ -57,10 +57,10 @@ def test_a_claim_gone_from_the_store_moves_the_floor_and_replaces_the_epoch() ->
     old_epoch = g.epoch
     kept = created(store, "kept")
     g.claimed(kept, NOW)
-    g.claimed(JobRef.task("forgotten"), NOW)  # never written: the store "forgot" it
+    g.claimed(JobRef.submitted("forgotten"), NOW)  # never written: the store "forgot" it
     found = g.recheck(store, NOW)
     assert found is not None
-    assert found.missing == [JobRef.task("forgotten")]
+    assert found.missing == [JobRef.submitted("forgotten")]
     assert found.floor == g.floor and g.floor is not None and g.floor >= NOW + timedelta(seconds=5)
     assert g.floor_reason == "store_loss"
     assert g.epoch != old_epoch and store.epoch() == g.epoch
@@ -71,7 +71,7 @@ def test_only_the_newest_claims_within_the_window_are_reread() -> None:
     store = InMemoryStore(clock=FrozenClock(NOW))
     g = guard()
     g.adopt(store.epoch())
-    g.claimed(JobRef.task("old-forgotten"), NOW - timedelta(seconds=301))  # out of the window
+    g.claimed(JobRef.submitted("old-forgotten"), NOW - timedelta(seconds=301))  # out of the window
     for i in range(RECHECK_PER_TICK):
         g.claimed(created(store, f"c{i}"), NOW)
     assert g.recheck(store, NOW) is None
@@ -99,6 +99,6 @@ def test_a_store_error_during_the_recheck_propagates() -> None:
 
     store = Failing(clock=FrozenClock(NOW))
     g = guard()
-    g.claimed(JobRef.task("a"), NOW)
+    g.claimed(JobRef.submitted("a"), NOW)
     with pytest.raises(exceptions.StoreUnavailable):
         g.recheck(store, NOW)

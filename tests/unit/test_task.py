@@ -79,13 +79,13 @@ class World:
         return task
 
     def job(self, job_id: str) -> Job:
-        job = self.store.get(JobRef.task(job_id))
+        job = self.store.get(JobRef.submitted(job_id))
         assert job is not None, f"no job {job_id}"
         return job
 
     def put(self, state: State, task: str = "t.add", ref: JobRef | None = None) -> Job:
         """A job of ``task`` brought to ``state`` as the dispatch path and the gate would."""
-        ref = ref or JobRef.task(uuid.uuid4().hex)
+        ref = ref or JobRef.submitted(uuid.uuid4().hex)
         occurrence = {"entry": "every-minute", "fire_time": datetime(2026, 3, 1, tzinfo=UTC)}
         created = self.store.create(
             NewJob(
@@ -506,7 +506,7 @@ def test_a_revoke_seen_by_another_task_or_a_plain_one_changes_nothing(world: Wor
 def test_a_revoked_beat_occurrence_cancels_the_occurrence(world: World) -> None:
     ref = JobRef.occurrence("every-minute@2026-03-01T00:00:00+00:00")
     job = world.put(State.DISPATCHED, ref=ref)
-    twin = world.put(State.DISPATCHED, ref=JobRef.task(ref.id))  # a task job of the same id
+    twin = world.put(State.DISPATCHED, ref=JobRef.submitted(ref.id))  # a task job of the same id
     revoke(world, "t.add", job)
     occurrence = world.store.get(ref)
     assert occurrence is not None and occurrence.state is State.CANCELLED

@@ -53,7 +53,7 @@ class World:
     runs: list[str] = field(default_factory=list)
 
     def job(self, job_id: str) -> Job:
-        job = self.store.get(JobRef.task(job_id))
+        job = self.store.get(JobRef.submitted(job_id))
         assert job is not None, f"no job {job_id}"
         return job
 
@@ -144,14 +144,14 @@ def test_time_limits_the_wrong_way_round_raise_before_anything_is_stored(world: 
     task_id = uuid.uuid4().hex
     with pytest.raises(ValueError, match="soft_time_limit"):
         world.app.tasks["t.limits"].apply_async(task_id=task_id)
-    assert world.store.get(JobRef.task(task_id)) is None and not world.sent
+    assert world.store.get(JobRef.submitted(task_id)) is None and not world.sent
 
 
 def test_wrong_arguments_raise_type_error_before_anything_is_stored(world: World) -> None:
     task_id = uuid.uuid4().hex
     with pytest.raises(TypeError):
         world.app.tasks["t.add"].apply_async((5,), task_id=task_id)
-    assert world.store.get(JobRef.task(task_id)) is None and not world.sent
+    assert world.store.get(JobRef.submitted(task_id)) is None and not world.sent
 
 
 def test_pydantic_models_are_dumped_as_celery_dumps_them(world: World) -> None:
@@ -301,7 +301,7 @@ def test_one_heartbeat_thread_touches_each_running_job_until_it_ends() -> None:
     store = _CountingStore(NAMESPACE)
     rt = runtime.install(app, store)
     try:
-        long_run, short_run = JobRef.task("long"), JobRef.task("short")
+        long_run, short_run = JobRef.submitted("long"), JobRef.submitted("short")
         for ref, run_id in ((long_run, "r1"), (short_run, "r2")):
             store.create(NewJob(ref, "t.add", State.RUNNING, node="n", run_id=run_id))
         beating = heartbeats.start(rt, long_run, "r1")

@@ -43,7 +43,11 @@ def test_fresh_jobs_are_left_alone(world: World) -> None:
     ]
     pending = world.store.create(
         NewJob(
-            JobRef.task("later"), GATED, State.PENDING, node=NODE, run_at=START - timedelta(days=30)
+            JobRef.submitted("later"),
+            GATED,
+            State.PENDING,
+            node=NODE,
+            run_at=START - timedelta(days=30),
         )
     ).job
     assert pending is not None
@@ -166,7 +170,7 @@ def test_terminal_records_past_retention_are_purged_live_ones_never() -> None:
     done.append(world.put(State.PUBLISHED, PLAIN))
     pending = world.store.create(
         NewJob(
-            JobRef.task("next-year"),
+            JobRef.submitted("next-year"),
             GATED,
             State.PENDING,
             node=NODE,
