@@ -87,10 +87,20 @@ _TRANSIENT_REPLIES = ("BUSY", "MASTERDOWN", "NOREPLICAS", "LOADING", "TRYAGAIN")
 SCRIPT_BATCH = 64
 
 _SCRIPTS = (
-    "create", "transition", "heartbeat", "annotate", "list_stale", "claim_due",
-    "purge_expired", "epoch", "lease_acquire", "lease_renew", "lease_release", "setup",
+    "create",
+    "transition",
+    "heartbeat",
+    "annotate",
+    "list_stale",
+    "claim_due",
+    "purge_expired",
+    "epoch",
+    "lease_acquire",
+    "lease_renew",
+    "lease_release",
+    "setup",
     "enqueue",
-)  # fmt: skip
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -378,19 +388,42 @@ class RedisStore:
         fire_time = jobs.to_micros_opt(new.fire_time)
         run_at = jobs.to_micros_opt(new.run_at)
         args = [
-            new.entry or "", "" if fire_time is None else fire_time, member, new.state.value,
-            "" if run_at is None else run_at, new.node, new.reason, new.rev, len(fields), *fields,
-        ]  # fmt: skip
+            new.entry or "",
+            "" if fire_time is None else fire_time,
+            member,
+            new.state.value,
+            "" if run_at is None else run_at,
+            new.node,
+            new.reason,
+            new.rev,
+            len(fields),
+            *fields,
+        ]
         return [self._job_key(new.ref)], args
 
     @staticmethod
     def _record_fields(new: NewJob, state: str, rev: str, node: str, reason: str) -> list[Any]:
         """The fields of the record a create of ``new`` writes, but its times and history."""
         fields: list[Any] = [
-            "ref", str(new.ref), "task", new.task, "state", state, "rev", rev,
-            "node", node, "reason", reason, "args", _json(new.args),
-            "kwargs", _json(new.kwargs), "options", _json(new.options),
-        ]  # fmt: skip
+            "ref",
+            str(new.ref),
+            "task",
+            new.task,
+            "state",
+            state,
+            "rev",
+            rev,
+            "node",
+            node,
+            "reason",
+            reason,
+            "args",
+            _json(new.args),
+            "kwargs",
+            _json(new.kwargs),
+            "options",
+            _json(new.options),
+        ]
         for name in ("run_id", "entry", "fire_time", "run_at", "deadline", "signature"):
             value = getattr(new, name)
             if value is not None:
@@ -434,12 +467,20 @@ class RedisStore:
         keys = [self._job_key(new.ref), self._state_key(State.DISPATCHED)]
         created = _history_entry(None, new.state.value, new.node, new.reason, new.rev)
         dispatched = _history_entry(
-            new.state.value, State.DISPATCHED.value, dispatch.node, dispatch.reason,
+            new.state.value,
+            State.DISPATCHED.value,
+            dispatch.node,
+            dispatch.reason,
             dispatch.new_rev,
-        )  # fmt: skip
+        )
         args: list[Any] = [
-            self._db, push.db, "[" + created, '"},' + dispatched, len(fields) // 2, *fields,
-        ]  # fmt: skip
+            self._db,
+            push.db,
+            "[" + created,
+            '"},' + dispatched,
+            len(fields) // 2,
+            *fields,
+        ]
         for name, key, value in push.commands:
             keys.append(key)
             args += [name, value]
@@ -448,15 +489,18 @@ class RedisStore:
                 reply = self._run("enqueue", keys, args)
             except rexc.NoPermissionError as exc:  # an ACL refused the call: it did not run
                 raise PushRefused(
-                    redact_secrets(f"Redis store {self._where}: enqueue refused: {exc}",
-                                   self._secrets)
-                ) from exc  # fmt: skip
+                    redact_secrets(
+                        f"Redis store {self._where}: enqueue refused: {exc}", self._secrets
+                    )
+                ) from exc
         status = _text(reply[0])
         if status == "push_failed":
             raise PushRefused(
-                redact_secrets(f"Redis store {self._where}: broker push refused: "
-                               f"{_text(reply[1])}", self._secrets)
-            )  # fmt: skip
+                redact_secrets(
+                    f"Redis store {self._where}: broker push refused: {_text(reply[1])}",
+                    self._secrets,
+                )
+            )
         if status == "exists":
             return CreateResult(CreateStatus.EXISTS, _decode_job(reply[1]))
         return CreateResult(CreateStatus.CREATED, None)
@@ -511,18 +555,26 @@ class RedisStore:
             self._key("lease", lease.name) if lease else self._key("nolease"),
         ]
         args = [
-            str(ref), request.to.value, ",".join(s.value for s in request.expect),
-            request.node, request.reason, _opt(request.rev), _opt(request.attempt),
-            _opt(request.run_id), _opt(lease.token if lease else None),
+            str(ref),
+            request.to.value,
+            ",".join(s.value for s in request.expect),
+            request.node,
+            request.reason,
+            _opt(request.rev),
+            _opt(request.attempt),
+            _opt(request.run_id),
+            _opt(lease.token if lease else None),
             _opt(None if request.stale_for is None else repr(float(request.stale_for))),
-            request.new_rev, _opt(request.new_run_id), "1" if request.next_attempt else "0",
+            request.new_rev,
+            _opt(request.new_run_id),
+            "1" if request.next_attempt else "0",
             _opt(jobs.to_micros_opt(request.run_at)),
             _opt(None if request.args is None else _json(request.args)),
             _opt(None if request.kwargs is None else _json(request.kwargs)),
             _opt(request.task),
             _opt(request.signature),
             _opt(None if request.action is None else request.action.value),
-        ]  # fmt: skip
+        ]
         return keys, args
 
     def heartbeat(self, ref: JobRef, run_id: str) -> bool:
@@ -565,9 +617,11 @@ class RedisStore:
             self._check_open()
             return []
         keys = [
-            self._key("due"), self._state_key(State.PENDING), self._state_key(State.SCHEDULED),
+            self._key("due"),
+            self._state_key(State.PENDING),
+            self._state_key(State.SCHEDULED),
             self._key("job", ""),
-        ]  # fmt: skip
+        ]
         with self._wrap("claim_due"):
             records = self._run("claim_due", keys, [limit, jobs.new_token(), node, reason])
         return [_decode_job(flat) for flat in records]
