@@ -1,41 +1,19 @@
 """RedisStore: the job store in Redis, one Lua script per operation.
 
-Every key of a namespace lives under ``{prefix}:{<namespace>}:``, the namespace
-in a Redis Cluster hash tag so all of them share one slot (scripts may touch
-several). With ``base = "{prefix}:{<namespace>}"``:
-
-====================================  ======  ==================================================
-key                                   type    content
-====================================  ======  ==================================================
-``base:job:<space>:<id>``             HASH    one record; scalar fields, ``args``/``kwargs``/
-                                              ``options`` as opaque JSON, ``history`` a JSON array
-``base:state:<STATE>``                ZSET    ``str(JobRef)`` by ``touched_at`` (one per state)
-``base:due``                          ZSET    ``PENDING`` jobs by ``run_at``
-``base:expire``                       ZSET    terminal jobs by ``max(fire_time, terminal_at)
-                                              + retention``
-``base:wm``                           HASH    beat entry -> watermark (``fire_time``)
-``base:epoch``                        STRING  the store epoch
-``base:lease:<name>``                 STRING  the lease token, with a ``PX`` expiry
-``base:meta``                         HASH    ``format_version``, ``namespace``
-====================================  ======  ==================================================
-
-All times are integer microseconds since the UNIX epoch, read from Redis
-``TIME`` inside the scripts. Absent optional fields (``run_id``, ``run_at``...)
-are absent from the hash. Index members are ``str(JobRef)`` (``t:<id>``), and
-a record's key is the job key prefix followed by its member, so ids may hold
-any printable character. The scripts (``stores/lua/*.lua``) take every key as
-``KEYS``; those that walk an index get the job key prefix as a ``KEYS`` entry.
-Redis must run with ``maxmemory-policy noeviction`` (:meth:`RedisStore.check_config`).
+The key layout (every key of a namespace under ``{prefix}:{<namespace>}:``)
+is :mod:`~celery_exactonce.stores.redis_keys`'s; how records, history entries
+and the scripts' arguments and replies are encoded is
+:mod:`~celery_exactonce.stores.redis_codec`'s. All times are integer
+microseconds since the UNIX epoch, read from Redis ``TIME`` inside the
+scripts. Redis must run with ``maxmemory-policy noeviction``
+(:meth:`RedisStore.check_config`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
-import json
 import logging
-import re
 from collections.abc import Iterator, Mapping, Sequence
 from datetime import datetime, timedelta
 from importlib import resources
@@ -55,7 +33,6 @@ from celery_exactonce.jobs import (
     NewJob,
     Transition,
     TransitionResult,
-    TransitionStatus,
 )
 from celery_exactonce.states import TERMINAL, State
 from celery_exactonce.stores import (
@@ -66,8 +43,19 @@ from celery_exactonce.stores import (
     validate_namespace,
 )
 from celery_exactonce.stores.base import FORMAT_VERSION
-
-_PREFIX_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+from celery_exactonce.stores.redis_codec import (
+    as_text,
+    create_args,
+    create_result,
+    decode_job,
+    history_entry,
+    lease_ms,
+    opt,
+    record_fields,
+    transition_args,
+    transition_result,
+)
+from celery_exactonce.stores.redis_keys import RedisKeys, key_base
 
 #: Errors after which retrying may help: the server is unreachable, slow,
 #: loading, failing over or read-only (a replica promoted under us).
@@ -136,59 +124,7 @@ def _lua(name: str) -> str:
     return lua.joinpath(f"{name}.lua").read_text(encoding="utf-8")
 
 
-def _text(value: Any) -> str:
-    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
-
-
-def _opt(value: object | None) -> str:
-    """An optional script argument: ``''`` when absent, ``'=' + value`` when present."""
-    return "" if value is None else f"={value}"
-
-
-#: ASCII-escaped: a lone surrogate in a string round-trips instead of failing to encode.
-#: One encoder for the process (``json.dumps`` with options builds one per call).
-_JSON = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
-
-
-def _json(value: Any) -> str:
-    return _JSON.encode(value)
-
-
-def _history_entry(src: str | None, dst: str, node: str, reason: str, rev: str) -> str:
-    """A history entry as JSON text, open at the end for its time: ``…,"at":"``.
-
-    The text the scripts' ``history_append`` writes (one ``"rev"`` key, ``at``
-    a decimal string), for a script that only has to add the store time.
-    """
-    return f'{_history_head(src, dst, node, reason)}{_json(rev)},"at":"'
-
-
-@functools.lru_cache(maxsize=1024)
-def _history_head(src: str | None, dst: str, node: str, reason: str) -> str:
-    """An entry's text up to its rev (``…,"rev":``), remembered: a process writes few."""
-    return _json({"from": src, "to": dst, "node": node, "reason": reason, "rev": ""})[:-3]
-
-
-def _create_result(reply: Sequence[Any]) -> CreateResult:
-    status = CreateStatus(_text(reply[0]))
-    current = None if reply[1] is None else _text(reply[1])
-    return CreateResult(status, _decode_job(reply[2]) if len(reply) > 2 else None, epoch=current)
-
-
-def _transition_result(reply: Sequence[Any]) -> TransitionResult:
-    status = TransitionStatus(_text(reply[0]))
-    return TransitionResult(status, _decode_job(reply[1]) if len(reply) > 1 else None)
-
-
-def _decode_job(flat: Sequence[Any]) -> Job:
-    """A :class:`~celery_exactonce.jobs.Job` from a record's ``HGETALL`` reply."""
-    data: dict[str, Any] = {_text(flat[i]): _text(flat[i + 1]) for i in range(0, len(flat) - 1, 2)}
-    for field in ("args", "kwargs", "options", "history"):
-        data[field] = json.loads(data.get(field) or "null")
-    return jobs.job_from_json(data)
-
-
-class RedisStore:
+class RedisStore(RedisKeys):
     """A :class:`~celery_exactonce.stores.base.StateStore` in Redis.
 
     Parameters
@@ -214,19 +150,14 @@ class RedisStore:
         prefix: str = "exactonce",
     ) -> None:
         validate_namespace(namespace)
-        if not isinstance(prefix, str) or not _PREFIX_RE.match(prefix):
-            raise exceptions.ConfigurationError(
-                f"exactonce_key_prefix={prefix!r}: a key prefix is 1-64 letters, digits, "
-                "'_', '.' or '-'",
-                setting="exactonce_key_prefix",
-            )
+        base = key_base(prefix, namespace)
         if retention <= 0:
             raise exceptions.ConfigurationError("retention must be > 0", setting="retention")
         self._client = client
         self._namespace = namespace
         self._retention = float(retention)
         self._retention_us = int(retention * 1_000_000)
-        self._base = f"{prefix}:{{{namespace}}}"
+        self._base = base
         # The namespace's fixed keys, built once: every script call passes several.
         self._index_keys = [self._state_key(state) for state in State]
         self._due_key, self._expire_key = self._key("due"), self._key("expire")
@@ -304,7 +235,7 @@ class RedisStore:
     def setup(self) -> None:
         with self._wrap("setup"):
             stored = self._run("setup", [self._key("meta")], [FORMAT_VERSION, self._namespace])
-        version = _text(stored)
+        version = as_text(stored)
         if not version.isdigit() or int(version) > FORMAT_VERSION:
             raise exceptions.SchemaMismatch(
                 f"Redis store {self._where}, namespace {self._namespace!r}: key format "
@@ -355,13 +286,13 @@ class RedisStore:
     # -- epoch and create ----------------------------------------------------------------
 
     def epoch(self, *, replace: str | None = None) -> str:
-        args = [jobs.new_token(), _opt(replace)]
+        args = [jobs.new_token(), opt(replace)]
         with self._wrap("epoch"):
-            return _text(self._run("epoch", [self._key("epoch")], args))
+            return as_text(self._run("epoch", [self._key("epoch")], args))
 
     def create(self, new: NewJob, *, epoch: str | None = None) -> CreateResult:
         with self._wrap("create"):
-            return _create_result(self._run_batched("create", *self._create_batch([new], epoch))[0])
+            return create_result(self._run_batched("create", *self._create_batch([new], epoch))[0])
 
     def create_many(
         self, news: Sequence[NewJob], *, epoch: str | None = None, brief: bool = False
@@ -369,7 +300,7 @@ class RedisStore:
         """One pipelined round trip of ``create`` calls, each job created atomically."""
         batch = self._create_batch(news, epoch, brief)
         with self._wrap("create_many"):
-            return [_create_result(reply) for reply in self._run_batched("create", *batch)]
+            return [create_result(reply) for reply in self._run_batched("create", *batch)]
 
     def _create_batch(
         self, news: Sequence[NewJob], epoch: str | None, brief: bool = False
@@ -378,57 +309,12 @@ class RedisStore:
         shared_keys = [self._key("epoch"), self._key("wm"), self._due_key, *self._index_keys]
         return (
             shared_keys,
-            [_opt(epoch), "1" if brief else "0"],
+            [opt(epoch), "1" if brief else "0"],
             [self._create_item(new) for new in news],
         )
 
     def _create_item(self, new: NewJob) -> tuple[list[str], list[Any]]:
-        member = str(new.ref)
-        fields = self._record_fields(new, new.state.value, new.rev, new.node, new.reason)
-        fire_time = jobs.to_micros_opt(new.fire_time)
-        run_at = jobs.to_micros_opt(new.run_at)
-        args = [
-            new.entry or "",
-            "" if fire_time is None else fire_time,
-            member,
-            new.state.value,
-            "" if run_at is None else run_at,
-            new.node,
-            new.reason,
-            new.rev,
-            len(fields),
-            *fields,
-        ]
-        return [self._job_key(new.ref)], args
-
-    @staticmethod
-    def _record_fields(new: NewJob, state: str, rev: str, node: str, reason: str) -> list[Any]:
-        """The fields of the record a create of ``new`` writes, but its times and history."""
-        fields: list[Any] = [
-            "ref",
-            str(new.ref),
-            "task",
-            new.task,
-            "state",
-            state,
-            "rev",
-            rev,
-            "node",
-            node,
-            "reason",
-            reason,
-            "args",
-            _json(new.args),
-            "kwargs",
-            _json(new.kwargs),
-            "options",
-            _json(new.options),
-        ]
-        for name in ("run_id", "entry", "fire_time", "run_at", "deadline", "signature"):
-            value = getattr(new, name)
-            if value is not None:
-                fields += [name, jobs.to_micros(value) if isinstance(value, datetime) else value]
-        return fields
+        return [self._job_key(new.ref)], create_args(new)
 
     # -- create and enqueue (a broker on this server) ------------------------------------
 
@@ -461,12 +347,12 @@ class RedisStore:
         """
         if not push.commands:
             raise PushRefused(f"enqueue of {new.ref}: no broker command")
-        fields = self._record_fields(
+        fields = record_fields(
             new, State.DISPATCHED.value, dispatch.new_rev, dispatch.node, dispatch.reason
         )
         keys = [self._job_key(new.ref), self._state_key(State.DISPATCHED)]
-        created = _history_entry(None, new.state.value, new.node, new.reason, new.rev)
-        dispatched = _history_entry(
+        created = history_entry(None, new.state.value, new.node, new.reason, new.rev)
+        dispatched = history_entry(
             new.state.value,
             State.DISPATCHED.value,
             dispatch.node,
@@ -493,22 +379,22 @@ class RedisStore:
                         f"Redis store {self._where}: enqueue refused: {exc}", self._secrets
                     )
                 ) from exc
-        status = _text(reply[0])
+        status = as_text(reply[0])
         if status == "push_failed":
             raise PushRefused(
                 redact_secrets(
-                    f"Redis store {self._where}: broker push refused: {_text(reply[1])}",
+                    f"Redis store {self._where}: broker push refused: {as_text(reply[1])}",
                     self._secrets,
                 )
             )
         if status == "exists":
-            return CreateResult(CreateStatus.EXISTS, _decode_job(reply[1]))
+            return CreateResult(CreateStatus.EXISTS, decode_job(reply[1]))
         return CreateResult(CreateStatus.CREATED, None)
 
     def get(self, ref: JobRef) -> Job | None:
         with self._wrap("get"):
             record = dict(self._client.hgetall(self._job_key(ref)))
-        return _decode_job([item for pair in record.items() for item in pair]) if record else None
+        return decode_job([item for pair in record.items() for item in pair]) if record else None
 
     def watermark(self, entry: str) -> datetime | None:
         return self.watermarks([entry]).get(entry)
@@ -520,7 +406,7 @@ class RedisStore:
         with self._wrap("watermarks"):
             marks = self._client.hmget(self._key("wm"), list(entries))
         return {
-            entry: jobs.from_micros(int(_text(mark)))
+            entry: jobs.from_micros(int(as_text(mark)))
             for entry, mark in zip(entries, marks, strict=True)
             if mark is not None
         }
@@ -530,7 +416,7 @@ class RedisStore:
     def transition(self, ref: JobRef, request: Transition) -> TransitionResult:
         with self._wrap("transition"):
             reply = self._run_batched("transition", *self._transition_batch([(ref, request)]))
-        return _transition_result(reply[0])
+        return transition_result(reply[0])
 
     def transition_many(
         self, requests: Sequence[tuple[JobRef, Transition]], *, brief: bool = False
@@ -538,7 +424,7 @@ class RedisStore:
         """One pipelined round trip of ``transition`` calls, each job's CAS atomic."""
         batch = self._transition_batch(requests, brief)
         with self._wrap("transition_many"):
-            return [_transition_result(reply) for reply in self._run_batched("transition", *batch)]
+            return [transition_result(reply) for reply in self._run_batched("transition", *batch)]
 
     def _transition_batch(
         self, requests: Sequence[tuple[JobRef, Transition]], brief: bool = False
@@ -554,28 +440,7 @@ class RedisStore:
             self._job_key(ref),
             self._key("lease", lease.name) if lease else self._key("nolease"),
         ]
-        args = [
-            str(ref),
-            request.to.value,
-            ",".join(s.value for s in request.expect),
-            request.node,
-            request.reason,
-            _opt(request.rev),
-            _opt(request.attempt),
-            _opt(request.run_id),
-            _opt(lease.token if lease else None),
-            _opt(None if request.stale_for is None else repr(float(request.stale_for))),
-            request.new_rev,
-            _opt(request.new_run_id),
-            "1" if request.next_attempt else "0",
-            _opt(jobs.to_micros_opt(request.run_at)),
-            _opt(None if request.args is None else _json(request.args)),
-            _opt(None if request.kwargs is None else _json(request.kwargs)),
-            _opt(request.task),
-            _opt(request.signature),
-            _opt(None if request.action is None else request.action.value),
-        ]
-        return keys, args
+        return keys, transition_args(ref, request)
 
     def heartbeat(self, ref: JobRef, run_id: str) -> bool:
         keys = [self._job_key(ref), self._state_key(State.RUNNING)]
@@ -605,10 +470,10 @@ class RedisStore:
         keys = [self._state_key(State(state)), self._key("job", "")]
         # The cursor is the index's own (score, member) of the previous page's last job.
         at, member = (None, None) if after is None else (jobs.to_micros(after[0]), after[1])
-        args = [age, limit, _opt(at), _opt(member)]
+        args = [age, limit, opt(at), opt(member)]
         with self._wrap("list_stale"):
             records = self._run("list_stale", keys, args)
-        return [_decode_job(flat) for flat in records]
+        return [decode_job(flat) for flat in records]
 
     def claim_due(self, limit: int, *, node: str, reason: str = "claimed") -> list[Job]:
         jobs.validate_identifier(node, "node id", jobs.MAX_NAME_LENGTH)
@@ -624,7 +489,7 @@ class RedisStore:
         ]
         with self._wrap("claim_due"):
             records = self._run("claim_due", keys, [limit, jobs.new_token(), node, reason])
-        return [_decode_job(flat) for flat in records]
+        return [decode_job(flat) for flat in records]
 
     def purge_expired(self, limit: int) -> int:
         if limit <= 0:
@@ -639,30 +504,21 @@ class RedisStore:
     def acquire_lease(self, name: str, token: str, ttl: float) -> bool:
         jobs.Lease(name, token)  # validates
         with self._wrap("acquire_lease"):
-            return bool(self._run("lease_acquire", [self._key("lease", name)], [token, _ms(ttl)]))
+            return bool(
+                self._run("lease_acquire", [self._key("lease", name)], [token, lease_ms(ttl)])
+            )
 
     def renew_lease(self, name: str, token: str, ttl: float) -> bool:
         with self._wrap("renew_lease"):
-            return bool(self._run("lease_renew", [self._key("lease", name)], [token, _ms(ttl)]))
+            return bool(
+                self._run("lease_renew", [self._key("lease", name)], [token, lease_ms(ttl)])
+            )
 
     def release_lease(self, name: str, token: str) -> bool:
         with self._wrap("release_lease"):
             return bool(self._run("lease_release", [self._key("lease", name)], [token]))
 
     # -- internals -----------------------------------------------------------------------
-
-    def _key(self, *parts: str) -> str:
-        return ":".join((self._base, *parts))
-
-    def _job_key(self, ref: JobRef) -> str:
-        return self._key("job", str(ref))
-
-    def _state_key(self, state: State) -> str:
-        return self._key("state", state.value)
-
-    def _state_keys(self) -> list[str]:
-        """Every state index, in :class:`State` order (the scripts' ``STATES``)."""
-        return list(self._index_keys)
 
     def _run(self, name: str, keys: list[str], args: list[Any]) -> Any:
         """Run script ``name``: EVALSHA, and on a server that lacks it, load it and run it again.
@@ -740,7 +596,7 @@ class RedisStore:
         with self._wrap("check_config"):
             try:
                 reply = self._client.config_get("maxmemory-policy")
-                values = {_text(k): _text(v) for k, v in dict(reply).items()}
+                values = {as_text(k): as_text(v) for k, v in dict(reply).items()}
                 if "maxmemory-policy" in values:
                     return values["maxmemory-policy"]
             except rexc.ResponseError:
@@ -748,7 +604,7 @@ class RedisStore:
             try:
                 info = self._client.info("memory")
                 policy = dict(info).get("maxmemory_policy")
-                return None if policy is None else _text(policy)
+                return None if policy is None else as_text(policy)
             except rexc.ResponseError:
                 return None
 
@@ -774,8 +630,3 @@ class RedisStore:
             raise error(message) from exc
         except UnicodeError as exc:  # an identifier redis-py cannot encode (lone surrogate)
             raise exceptions.InvalidPayload(f"{action}: {exc}") from exc
-
-
-def _ms(ttl: float) -> int:
-    """A lease ttl in whole milliseconds, at least 1 (``PX 0`` is an error)."""
-    return max(1, round(ttl * 1000))
