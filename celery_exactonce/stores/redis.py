@@ -3,7 +3,9 @@
 The key layout (every key of a namespace under ``{prefix}:{<namespace>}:``)
 is :mod:`~celery_exactonce.stores.redis_keys`'s; how records, history entries
 and the scripts' arguments and replies are encoded is
-:mod:`~celery_exactonce.stores.redis_codec`'s. All times are integer
+:mod:`~celery_exactonce.stores.redis_codec`'s; building the client from a URL,
+naming its server and reading its config is
+:mod:`~celery_exactonce.stores.redis_client`'s. All times are integer
 microseconds since the UNIX epoch, read from Redis ``TIME`` inside the
 scripts. Redis must run with ``maxmemory-policy noeviction``
 (:meth:`RedisStore.check_config`).
@@ -21,8 +23,6 @@ from typing import Any
 
 import redis
 import redis.exceptions as rexc
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
 from celery_exactonce import exceptions, jobs, metrics
 from celery_exactonce.jobs import (
@@ -36,13 +36,18 @@ from celery_exactonce.jobs import (
 )
 from celery_exactonce.states import TERMINAL, State
 from celery_exactonce.stores import (
-    redact_message,
     redact_secrets,
     redact_url,
     url_secrets,
     validate_namespace,
 )
 from celery_exactonce.stores.base import FORMAT_VERSION
+from celery_exactonce.stores.redis_client import (
+    client_from_url,
+    describe,
+    maxmemory_policy,
+    same_server,
+)
 from celery_exactonce.stores.redis_codec import (
     as_text,
     create_args,
@@ -163,16 +168,7 @@ class RedisStore(RedisKeys):
         self._due_key, self._expire_key = self._key("due"), self._key("expire")
         self._owns_client = False
         self._closed = False
-        kwargs = client.connection_pool.connection_kwargs
-        self._db = int(kwargs.get("db") or 0)
-        self._where = (
-            f"unix://{kwargs['path']}"
-            if kwargs.get("path")
-            else f"redis://{kwargs.get('host', 'localhost')}:{kwargs.get('port', 6379)}"
-            f"/{kwargs.get('db', 0)}"
-        )
-        password = kwargs.get("password")
-        self._secrets: list[str] = [str(password)] if password else []
+        self._db, self._where, self._secrets = describe(client)
         header = _lua_header() + _lua("common")
         self._scripts = {name: client.register_script(header + _lua(name)) for name in _SCRIPTS}
 
@@ -194,15 +190,7 @@ class RedisStore(RedisKeys):
         another writer had won, where the caller must instead settle the
         unknown outcome by reading the record back.
         """
-        kwargs.setdefault("socket_connect_timeout", socket_timeout)
-        kwargs.setdefault("retry", Retry(NoBackoff(), 0))
-        try:
-            client = redis.Redis.from_url(url, socket_timeout=socket_timeout, **kwargs)
-        except (ValueError, TypeError) as exc:
-            raise exceptions.ConfigurationError(
-                f"exactonce_store_url={redact_url(url)!r}: {redact_message(str(exc), url)}",
-                setting="exactonce_store_url",
-            ) from None
+        client = client_from_url(url, socket_timeout, kwargs)
         store = cls(client, namespace=namespace, retention=retention, prefix=prefix)
         store._owns_client = True
         store._where = redact_url(url)
@@ -249,7 +237,8 @@ class RedisStore(RedisKeys):
         Reads ``CONFIG GET``, or ``INFO memory`` when ``CONFIG`` is disabled or
         renamed; when neither is readable, logs a warning and passes.
         """
-        policy = self._maxmemory_policy()
+        with self._wrap("check_config"):
+            policy = maxmemory_policy(self._client)
         if policy is None:
             metrics.event(
                 "store_config_unknown",
@@ -326,13 +315,7 @@ class RedisStore(RedisKeys):
         may only touch its own slot): then :meth:`enqueue` can push to that
         server's broker database.
         """
-        if type(self._client) is not redis.Redis:
-            return None
-        mine = self._client.connection_pool.connection_kwargs
-        where = ("path", "host", "port")
-        if any(mine.get(name) != connection_kwargs.get(name) for name in where):
-            return None
-        return self._db
+        return self._db if same_server(self._client, connection_kwargs) else None
 
     def enqueue(self, new: NewJob, dispatch: Transition, push: Push) -> CreateResult:
         """Create ``new`` straight into ``DISPATCHED`` and run ``push``, atomically.
@@ -591,22 +574,6 @@ class RedisStore(RedisKeys):
             for keys, args in calls:
                 pipe.evalsha(sha, len(keys), *keys, *args)
             return list(pipe.execute(raise_on_error=False))
-
-    def _maxmemory_policy(self) -> str | None:
-        with self._wrap("check_config"):
-            try:
-                reply = self._client.config_get("maxmemory-policy")
-                values = {as_text(k): as_text(v) for k, v in dict(reply).items()}
-                if "maxmemory-policy" in values:
-                    return values["maxmemory-policy"]
-            except rexc.ResponseError:
-                pass  # CONFIG disabled or renamed: ask INFO
-            try:
-                info = self._client.info("memory")
-                policy = dict(info).get("maxmemory_policy")
-                return None if policy is None else as_text(policy)
-            except rexc.ResponseError:
-                return None
 
     def _check_open(self) -> None:
         if self._closed:
