@@ -1,50 +1,63 @@
 """RedisStore: the job store in Redis, one Lua script per operation.
 
-The key layout (every key of a namespace under ``{prefix}:{<namespace>}:``)
-is :mod:`~celery_exactonce.stores.redis_keys`'s; how records, history entries
-and the scripts' arguments and replies are encoded is
-:mod:`~celery_exactonce.stores.redis_codec`'s; building the client from a URL,
-naming its server and reading its config is
-:mod:`~celery_exactonce.stores.redis_client`'s. All times are integer
-microseconds since the UNIX epoch, read from Redis ``TIME`` inside the
-scripts. Redis must run with ``maxmemory-policy noeviction``
-(:meth:`RedisStore.check_config`).
+Every operation of the :class:`~celery_exactonce.stores.base.StateStore`
+contract is defined here, on :class:`RedisStore` itself, and is one round
+trip: one Lua script (``stores/lua/*.lua``, atomic on the server), a plain
+command (``TIME``, ``PING``, ``HGETALL``, ``HMGET``), or, for
+``create_many``/``transition_many``, a pipeline of script calls, each job
+applied atomically. All times are integer microseconds since the UNIX epoch,
+read from Redis ``TIME`` inside the scripts (store time). Redis must run with
+``maxmemory-policy noeviction`` (:meth:`RedisStore.check_config`).
+
+What the operations stand on lives in the classes and functions
+:class:`RedisStore` is made of, one module each:
+
+* :mod:`~celery_exactonce.stores.redis_keys`: the key layout (every key of a
+  namespace under ``{prefix}:{<namespace>}:``, one Redis Cluster slot) and the
+  methods that name the keys;
+* :mod:`~celery_exactonce.stores.redis_core`: the store's state, running a
+  script (``EVALSHA``, reloaded on a server that lacks it; batches pipelined),
+  driver errors turned into store errors;
+* :mod:`~celery_exactonce.stores.redis_client`: the client built from a URL,
+  the server named in messages, whether a broker shares it, its
+  ``maxmemory-policy``;
+* :mod:`~celery_exactonce.stores.redis_codec`: the scripts' arguments (a
+  record's fields, history entries) and replies (records, results);
+* :mod:`~celery_exactonce.stores.redis_enqueue`: the one-step enqueue's
+  :class:`Push`, :class:`PushRefused`, the script's arguments and reply.
+
+Here: the operations, each with the keys it passes and the script it runs.
+They stay here, not in those classes, so that whatever wraps a store class's
+operations (the acceptance tests' fault injection) finds each one in
+``RedisStore.__dict__``. :class:`Push`, :class:`PushRefused` and
+:data:`SCRIPT_BATCH` are importable from here as well. Not here: what the
+operations stand on (the modules above).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime, timedelta
-from importlib import resources
 from typing import Any
 
-import redis
 import redis.exceptions as rexc
 
 from celery_exactonce import exceptions, jobs, metrics
 from celery_exactonce.jobs import (
     CreateResult,
-    CreateStatus,
     Job,
     JobRef,
     NewJob,
     Transition,
     TransitionResult,
 )
-from celery_exactonce.states import TERMINAL, State
-from celery_exactonce.stores import (
-    redact_secrets,
-    redact_url,
-    url_secrets,
-    validate_namespace,
-)
+from celery_exactonce.states import State
+from celery_exactonce.stores import redact_url, url_secrets
 from celery_exactonce.stores.base import FORMAT_VERSION
 from celery_exactonce.stores.redis_client import (
     client_from_url,
-    describe,
     maxmemory_policy,
     same_server,
 )
@@ -53,83 +66,18 @@ from celery_exactonce.stores.redis_codec import (
     create_args,
     create_result,
     decode_job,
-    history_entry,
     lease_ms,
     opt,
-    record_fields,
     transition_args,
     transition_result,
 )
-from celery_exactonce.stores.redis_keys import RedisKeys, key_base
+from celery_exactonce.stores.redis_core import SCRIPT_BATCH
+from celery_exactonce.stores.redis_enqueue import Push, PushRefused, RedisEnqueue
 
-#: Errors after which retrying may help: the server is unreachable, slow,
-#: loading, failing over or read-only (a replica promoted under us).
-_TRANSIENT: tuple[type[Exception], ...] = (
-    rexc.ConnectionError,
-    rexc.TimeoutError,
-    rexc.TryAgainError,
-    rexc.ClusterDownError,
-    rexc.MasterDownError,
-    rexc.ReadOnlyError,
-)
-#: Server replies that mean the same though redis-py has no class for them.
-_TRANSIENT_REPLIES = ("BUSY", "MASTERDOWN", "NOREPLICAS", "LOADING", "TRYAGAIN")
-
-#: Jobs per call of a batch script (``create``, ``transition``): bounds how long one
-#: call holds the server (a few milliseconds) while sparing most per-call costs.
-SCRIPT_BATCH = 64
-
-_SCRIPTS = (
-    "create",
-    "transition",
-    "heartbeat",
-    "annotate",
-    "list_stale",
-    "claim_due",
-    "purge_expired",
-    "epoch",
-    "lease_acquire",
-    "lease_renew",
-    "lease_release",
-    "setup",
-    "enqueue",
-)
+__all__ = ["SCRIPT_BATCH", "Push", "PushRefused", "RedisStore"]
 
 
-@dataclasses.dataclass(frozen=True)
-class Push:
-    """The broker commands of one publish, for a broker on the store's own Redis server.
-
-    ``commands`` are ``(name, key, value)`` as kombu's Redis transport would run
-    them (``lpush``, ``pexpire`` or ``publish``: the script refuses any other);
-    ``db`` is the broker's database.
-    """
-
-    db: int
-    commands: tuple[tuple[str, str, Any], ...]
-
-
-class PushRefused(exceptions.StoreError):
-    """Redis refused a broker command of :meth:`RedisStore.enqueue`: nothing was written."""
-
-
-def _lua_header() -> str:
-    """The Python constants the scripts share, so Lua cannot drift from them."""
-    states = ", ".join(f"'{s.value}'" for s in State)
-    terminal = ", ".join(f"{s.value} = true" for s in State if s in TERMINAL)
-    return (
-        f"local STATES = {{{states}}}\n"
-        f"local TERMINAL = {{{terminal}}}\n"
-        f"local HISTORY_LIMIT = {jobs.HISTORY_LIMIT}\n"
-    )
-
-
-def _lua(name: str) -> str:
-    lua = resources.files("celery_exactonce.stores").joinpath("lua")
-    return lua.joinpath(f"{name}.lua").read_text(encoding="utf-8")
-
-
-class RedisStore(RedisKeys):
+class RedisStore(RedisEnqueue):
     """A :class:`~celery_exactonce.stores.base.StateStore` in Redis.
 
     Parameters
@@ -145,32 +93,6 @@ class RedisStore(RedisKeys):
         The first part of every key (``exactonce_key_prefix``): 1-64 letters,
         digits, ``_``, ``.`` or ``-``.
     """
-
-    def __init__(
-        self,
-        client: redis.Redis,
-        *,
-        namespace: str,
-        retention: float,
-        prefix: str = "exactonce",
-    ) -> None:
-        validate_namespace(namespace)
-        base = key_base(prefix, namespace)
-        if retention <= 0:
-            raise exceptions.ConfigurationError("retention must be > 0", setting="retention")
-        self._client = client
-        self._namespace = namespace
-        self._retention = float(retention)
-        self._retention_us = int(retention * 1_000_000)
-        self._base = base
-        # The namespace's fixed keys, built once: every script call passes several.
-        self._index_keys = [self._state_key(state) for state in State]
-        self._due_key, self._expire_key = self._key("due"), self._key("expire")
-        self._owns_client = False
-        self._closed = False
-        self._db, self._where, self._secrets = describe(client)
-        header = _lua_header() + _lua("common")
-        self._scripts = {name: client.register_script(header + _lua(name)) for name in _SCRIPTS}
 
     @classmethod
     def from_url(
@@ -328,51 +250,13 @@ class RedisStore(RedisKeys):
         when Redis refused a broker command (nothing written). Any other error
         leaves the outcome unknown: read back ``dispatch.new_rev``.
         """
-        if not push.commands:
-            raise PushRefused(f"enqueue of {new.ref}: no broker command")
-        fields = record_fields(
-            new, State.DISPATCHED.value, dispatch.new_rev, dispatch.node, dispatch.reason
-        )
-        keys = [self._job_key(new.ref), self._state_key(State.DISPATCHED)]
-        created = history_entry(None, new.state.value, new.node, new.reason, new.rev)
-        dispatched = history_entry(
-            new.state.value,
-            State.DISPATCHED.value,
-            dispatch.node,
-            dispatch.reason,
-            dispatch.new_rev,
-        )
-        args: list[Any] = [
-            self._db,
-            push.db,
-            "[" + created,
-            '"},' + dispatched,
-            len(fields) // 2,
-            *fields,
-        ]
-        for name, key, value in push.commands:
-            keys.append(key)
-            args += [name, value]
+        keys, args = self._enqueue_call(new, dispatch, push)
         with self._wrap("enqueue"):
             try:
                 reply = self._run("enqueue", keys, args)
             except rexc.NoPermissionError as exc:  # an ACL refused the call: it did not run
-                raise PushRefused(
-                    redact_secrets(
-                        f"Redis store {self._where}: enqueue refused: {exc}", self._secrets
-                    )
-                ) from exc
-        status = as_text(reply[0])
-        if status == "push_failed":
-            raise PushRefused(
-                redact_secrets(
-                    f"Redis store {self._where}: broker push refused: {as_text(reply[1])}",
-                    self._secrets,
-                )
-            )
-        if status == "exists":
-            return CreateResult(CreateStatus.EXISTS, decode_job(reply[1]))
-        return CreateResult(CreateStatus.CREATED, None)
+                raise self._push_refused(f"enqueue refused: {exc}") from exc
+        return self._enqueued(reply)
 
     def get(self, ref: JobRef) -> Job | None:
         with self._wrap("get"):
@@ -412,7 +296,11 @@ class RedisStore(RedisKeys):
     def _transition_batch(
         self, requests: Sequence[tuple[JobRef, Transition]], brief: bool = False
     ) -> tuple[list[Any], list[Any], list[tuple[list[str], list[Any]]]]:
-        """The ``transition`` script's shared keys and arguments, and each job's."""
+        """The ``transition`` script's shared keys and arguments, and each job's.
+
+        A job's keys: its record, and the lease its transition checks (or a
+        key no lease has).
+        """
         shared_keys = [*self._index_keys, self._due_key, self._expire_key]
         shared_args = [self._retention_us, "1" if brief else "0"]
         return shared_keys, shared_args, [self._transition_item(*pair) for pair in requests]
@@ -500,100 +388,3 @@ class RedisStore(RedisKeys):
     def release_lease(self, name: str, token: str) -> bool:
         with self._wrap("release_lease"):
             return bool(self._run("lease_release", [self._key("lease", name)], [token]))
-
-    # -- internals -----------------------------------------------------------------------
-
-    def _run(self, name: str, keys: list[str], args: list[Any]) -> Any:
-        """Run script ``name``: EVALSHA, and on a server that lacks it, load it and run it again.
-
-        What redis-py's ``Script.__call__`` does, without the import and tuple
-        copies it makes per call (a submit runs one script).
-        """
-        script, execute = self._scripts[name], self._client.execute_command
-        try:
-            return execute("EVALSHA", script.sha, len(keys), *keys, *args)  # type: ignore[no-untyped-call]
-        except rexc.NoScriptError:  # a restarted or flushed server: the call did not run
-            script.sha = self._client.script_load(script.script)
-            return execute("EVALSHA", script.sha, len(keys), *keys, *args)  # type: ignore[no-untyped-call]
-
-    def _run_batched(
-        self,
-        name: str,
-        shared_keys: list[Any],
-        shared_args: list[Any],
-        items: Sequence[tuple[list[str], list[Any]]],
-    ) -> list[Any]:
-        """Run a batch script (``create``, ``transition``) over ``items``; a reply per item.
-
-        The script takes its shared keys and arguments, then each item's; items
-        go :data:`SCRIPT_BATCH` to a call, the calls in one pipelined round trip.
-        Each item is applied atomically, not the batch: after an error, which
-        items were applied is unknown (the caller reads them back).
-        """
-        calls: list[tuple[list[str], list[Any]]] = []
-        for start in range(0, len(items), SCRIPT_BATCH):
-            keys, args = list(shared_keys), list(shared_args)
-            for item_keys, item_args in items[start : start + SCRIPT_BATCH]:
-                keys += item_keys
-                args += item_args
-            calls.append((keys, args))
-        if len(calls) == 1:
-            return list(self._run(name, *calls[0]))
-        return [reply for replies in self._run_many(name, calls) for reply in replies]
-
-    def _run_many(self, name: str, calls: Sequence[tuple[list[str], list[Any]]]) -> list[Any]:
-        """Run script ``name`` once per call in one pipelined round trip (not a transaction).
-
-        Any error fails the whole batch (its outcomes unknown): the first error
-        is raised once every reply is in.
-        """
-        if not calls:
-            self._check_open()
-            return []
-        script = self._scripts[name]
-        replies = self._evalsha_many(script.sha, calls)
-        missing = [i for i, reply in enumerate(replies) if isinstance(reply, rexc.NoScriptError)]
-        if missing:  # a restarted or flushed server: those calls did not run; load, run them
-            script.sha = self._client.script_load(script.script)
-            retried = self._evalsha_many(script.sha, [calls[i] for i in missing])
-            for i, reply in zip(missing, retried, strict=True):
-                replies[i] = reply
-        for reply in replies:
-            if isinstance(reply, Exception):
-                raise reply
-        return replies
-
-    def _evalsha_many(self, sha: str, calls: Sequence[tuple[list[str], list[Any]]]) -> list[Any]:
-        """EVALSHA per call in one pipeline; errors come back as values.
-
-        Not ``Script.__call__`` on the pipeline: that costs a ``SCRIPT EXISTS``
-        round trip per batch, where a missing script is rare and shows as
-        ``NoScriptError`` replies (the call did not run) that :meth:`_run_many` handles.
-        """
-        with self._client.pipeline(transaction=False) as pipe:
-            for keys, args in calls:
-                pipe.evalsha(sha, len(keys), *keys, *args)
-            return list(pipe.execute(raise_on_error=False))
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise exceptions.StoreError("the store is closed")
-
-    @contextlib.contextmanager
-    def _wrap(self, action: str) -> Iterator[None]:
-        """Translate driver errors into the package's (the one boundary of this store)."""
-        self._check_open()
-        try:
-            yield
-        except rexc.RedisError as exc:
-            message = redact_secrets(
-                f"Redis store {self._where}: {action} failed: {type(exc).__name__}: {exc}",
-                self._secrets,
-            )
-            transient = isinstance(exc, _TRANSIENT) or (
-                isinstance(exc, rexc.ResponseError) and str(exc).startswith(_TRANSIENT_REPLIES)
-            )
-            error = exceptions.StoreUnavailable if transient else exceptions.StoreError
-            raise error(message) from exc
-        except UnicodeError as exc:  # an identifier redis-py cannot encode (lone surrogate)
-            raise exceptions.InvalidPayload(f"{action}: {exc}") from exc

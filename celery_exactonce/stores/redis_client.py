@@ -13,9 +13,10 @@
 * :func:`maxmemory_policy`: the server's ``maxmemory-policy``, which must be
   ``noeviction``: from ``CONFIG GET``, else ``INFO memory``, else unknown.
 
-Not here: the driver's errors turned into the package's, the scripts run on
-the client, what the store does with a policy it reads
-(:mod:`~celery_exactonce.stores.redis`).
+Not here: the driver's errors turned into the package's and the scripts run
+on the client (:mod:`~celery_exactonce.stores.redis_core`), what the store
+does with a policy it reads
+(:meth:`RedisStore.check_config <celery_exactonce.stores.redis.RedisStore.check_config>`).
 """
 
 from __future__ import annotations

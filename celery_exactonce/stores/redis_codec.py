@@ -17,8 +17,9 @@ are absent from the hash. Here:
   ``decode_responses``).
 
 Not here: the keys each call passes (:mod:`~celery_exactonce.stores.redis_keys`
-and the store's operations), the ``enqueue`` script's arguments and running
-the scripts (:mod:`~celery_exactonce.stores.redis`).
+and the store's operations), the ``enqueue`` script's arguments
+(:mod:`~celery_exactonce.stores.redis_enqueue`), running the scripts
+(:mod:`~celery_exactonce.stores.redis_core`).
 """
 
 from __future__ import annotations
