@@ -1,183 +1,78 @@
 """RedisStore: the job store in Redis, one Lua script per operation.
 
-Every key of a namespace lives under ``{prefix}:{<namespace>}:``, the namespace
-in a Redis Cluster hash tag so all of them share one slot (scripts may touch
-several). With ``base = "{prefix}:{<namespace>}"``:
+Every operation of the :class:`~celery_exactonce.stores.base.StateStore`
+contract is defined here, on :class:`RedisStore` itself, and is one round
+trip: one Lua script (``stores/lua/*.lua``, atomic on the server), a plain
+command (``TIME``, ``PING``, ``HGETALL``, ``HMGET``), or, for
+``create_many``/``transition_many``, a pipeline of script calls, each job
+applied atomically. All times are integer microseconds since the UNIX epoch,
+read from Redis ``TIME`` inside the scripts (store time). Redis must run with
+``maxmemory-policy noeviction`` (:meth:`RedisStore.check_config`).
 
-====================================  ======  ==================================================
-key                                   type    content
-====================================  ======  ==================================================
-``base:job:<space>:<id>``             HASH    one record; scalar fields, ``args``/``kwargs``/
-                                              ``options`` as opaque JSON, ``history`` a JSON array
-``base:state:<STATE>``                ZSET    ``str(JobRef)`` by ``touched_at`` (one per state)
-``base:due``                          ZSET    ``PENDING`` jobs by ``run_at``
-``base:expire``                       ZSET    terminal jobs by ``max(fire_time, terminal_at)
-                                              + retention``
-``base:wm``                           HASH    beat entry -> watermark (``fire_time``)
-``base:epoch``                        STRING  the store epoch
-``base:lease:<name>``                 STRING  the lease token, with a ``PX`` expiry
-``base:meta``                         HASH    ``format_version``, ``namespace``
-====================================  ======  ==================================================
+What the operations stand on lives in the classes and functions
+:class:`RedisStore` is made of, one module each:
 
-All times are integer microseconds since the UNIX epoch, read from Redis
-``TIME`` inside the scripts. Absent optional fields (``run_id``, ``run_at``...)
-are absent from the hash. Index members are ``str(JobRef)`` (``t:<id>``), and
-a record's key is the job key prefix followed by its member, so ids may hold
-any printable character. The scripts (``stores/lua/*.lua``) take every key as
-``KEYS``; those that walk an index get the job key prefix as a ``KEYS`` entry.
-Redis must run with ``maxmemory-policy noeviction`` (:meth:`RedisStore.check_config`).
+* :mod:`~celery_exactonce.stores.redis_keys`: the key layout (every key of a
+  namespace under ``{prefix}:{<namespace>}:``, one Redis Cluster slot) and the
+  methods that name the keys;
+* :mod:`~celery_exactonce.stores.redis_core`: the store's state, running a
+  script (``EVALSHA``, reloaded on a server that lacks it; batches pipelined),
+  driver errors turned into store errors;
+* :mod:`~celery_exactonce.stores.redis_client`: the client built from a URL,
+  the server named in messages, whether a broker shares it, its
+  ``maxmemory-policy``;
+* :mod:`~celery_exactonce.stores.redis_codec`: the scripts' arguments (a
+  record's fields, history entries) and replies (records, results);
+* :mod:`~celery_exactonce.stores.redis_enqueue`: the one-step enqueue's
+  :class:`Push`, :class:`PushRefused`, the script's arguments and reply.
+
+Here: the operations, each with the keys it passes and the script it runs.
+They stay here, not in those classes, so that whatever wraps a store class's
+operations (the acceptance tests' fault injection) finds each one in
+``RedisStore.__dict__``. :class:`Push`, :class:`PushRefused` and
+:data:`SCRIPT_BATCH` are importable from here as well. Not here: what the
+operations stand on (the modules above).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import functools
-import json
 import logging
-import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime, timedelta
-from importlib import resources
 from typing import Any
 
-import redis
 import redis.exceptions as rexc
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
 from celery_exactonce import exceptions, jobs, metrics, refs, times
-from celery_exactonce.jobs import (
-    CreateResult,
-    CreateStatus,
-    Job,
-    TransitionResult,
-    TransitionStatus,
-)
+from celery_exactonce.jobs import CreateResult, Job, TransitionResult
 from celery_exactonce.refs import JobRef
-from celery_exactonce.states import TERMINAL, State
-from celery_exactonce.stores import (
-    redact_message,
-    redact_secrets,
-    redact_url,
-    url_secrets,
-    validate_namespace,
-)
+from celery_exactonce.states import State
+from celery_exactonce.stores import redact_url, url_secrets
 from celery_exactonce.stores.base import FORMAT_VERSION
+from celery_exactonce.stores.redis_client import (
+    client_from_url,
+    maxmemory_policy,
+    same_server,
+)
+from celery_exactonce.stores.redis_codec import (
+    as_text,
+    create_args,
+    create_result,
+    decode_job,
+    lease_ms,
+    opt,
+    transition_args,
+    transition_result,
+)
+from celery_exactonce.stores.redis_core import SCRIPT_BATCH
+from celery_exactonce.stores.redis_enqueue import Push, PushRefused, RedisEnqueue
 from celery_exactonce.writes import Lease, NewJob, Transition
 
-_PREFIX_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
-
-#: Errors after which retrying may help: the server is unreachable, slow,
-#: loading, failing over or read-only (a replica promoted under us).
-_TRANSIENT: tuple[type[Exception], ...] = (
-    rexc.ConnectionError,
-    rexc.TimeoutError,
-    rexc.TryAgainError,
-    rexc.ClusterDownError,
-    rexc.MasterDownError,
-    rexc.ReadOnlyError,
-)
-#: Server replies that mean the same though redis-py has no class for them.
-_TRANSIENT_REPLIES = ("BUSY", "MASTERDOWN", "NOREPLICAS", "LOADING", "TRYAGAIN")
-
-#: Jobs per call of a batch script (``create``, ``transition``): bounds how long one
-#: call holds the server (a few milliseconds) while sparing most per-call costs.
-SCRIPT_BATCH = 64
-
-_SCRIPTS = (
-    "create", "transition", "heartbeat", "annotate", "list_stale", "claim_due",
-    "purge_expired", "epoch", "lease_acquire", "lease_renew", "lease_release", "setup",
-    "enqueue",
-)  # fmt: skip
+__all__ = ["SCRIPT_BATCH", "Push", "PushRefused", "RedisStore"]
 
 
-@dataclasses.dataclass(frozen=True)
-class Push:
-    """The broker commands of one publish, for a broker on the store's own Redis server.
-
-    ``commands`` are ``(name, key, value)`` as kombu's Redis transport would run
-    them (``lpush``, ``pexpire`` or ``publish``: the script refuses any other);
-    ``db`` is the broker's database.
-    """
-
-    db: int
-    commands: tuple[tuple[str, str, Any], ...]
-
-
-class PushRefused(exceptions.StoreError):
-    """Redis refused a broker command of :meth:`RedisStore.enqueue`: nothing was written."""
-
-
-def _lua_header() -> str:
-    """The Python constants the scripts share, so Lua cannot drift from them."""
-    states = ", ".join(f"'{s.value}'" for s in State)
-    terminal = ", ".join(f"{s.value} = true" for s in State if s in TERMINAL)
-    return (
-        f"local STATES = {{{states}}}\n"
-        f"local TERMINAL = {{{terminal}}}\n"
-        f"local HISTORY_LIMIT = {jobs.HISTORY_LIMIT}\n"
-    )
-
-
-def _lua(name: str) -> str:
-    lua = resources.files("celery_exactonce.stores").joinpath("lua")
-    return lua.joinpath(f"{name}.lua").read_text(encoding="utf-8")
-
-
-def _text(value: Any) -> str:
-    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
-
-
-def _opt(value: object | None) -> str:
-    """An optional script argument: ``''`` when absent, ``'=' + value`` when present."""
-    return "" if value is None else f"={value}"
-
-
-#: ASCII-escaped: a lone surrogate in a string round-trips instead of failing to encode.
-#: One encoder for the process (``json.dumps`` with options builds one per call).
-_JSON = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
-
-
-def _json(value: Any) -> str:
-    return _JSON.encode(value)
-
-
-def _history_entry(src: str | None, dst: str, node: str, reason: str, rev: str) -> str:
-    """A history entry as JSON text, open at the end for its time: ``…,"at":"``.
-
-    The text the scripts' ``history_append`` writes (one ``"rev"`` key, ``at``
-    a decimal string), for a script that only has to add the store time.
-    """
-    return f'{_history_head(src, dst, node, reason)}{_json(rev)},"at":"'
-
-
-@functools.lru_cache(maxsize=1024)
-def _history_head(src: str | None, dst: str, node: str, reason: str) -> str:
-    """An entry's text up to its rev (``…,"rev":``), remembered: a process writes few."""
-    return _json({"from": src, "to": dst, "node": node, "reason": reason, "rev": ""})[:-3]
-
-
-def _create_result(reply: Sequence[Any]) -> CreateResult:
-    status = CreateStatus(_text(reply[0]))
-    current = None if reply[1] is None else _text(reply[1])
-    return CreateResult(status, _decode_job(reply[2]) if len(reply) > 2 else None, epoch=current)
-
-
-def _transition_result(reply: Sequence[Any]) -> TransitionResult:
-    status = TransitionStatus(_text(reply[0]))
-    return TransitionResult(status, _decode_job(reply[1]) if len(reply) > 1 else None)
-
-
-def _decode_job(flat: Sequence[Any]) -> Job:
-    """A :class:`~celery_exactonce.jobs.Job` from a record's ``HGETALL`` reply."""
-    data: dict[str, Any] = {_text(flat[i]): _text(flat[i + 1]) for i in range(0, len(flat) - 1, 2)}
-    for field in ("args", "kwargs", "options", "history"):
-        data[field] = json.loads(data.get(field) or "null")
-    return jobs.job_from_json(data)
-
-
-class RedisStore:
+class RedisStore(RedisEnqueue):
     """A :class:`~celery_exactonce.stores.base.StateStore` in Redis.
 
     Parameters
@@ -193,46 +88,6 @@ class RedisStore:
         The first part of every key (``exactonce_key_prefix``): 1-64 letters,
         digits, ``_``, ``.`` or ``-``.
     """
-
-    def __init__(
-        self,
-        client: redis.Redis,
-        *,
-        namespace: str,
-        retention: float,
-        prefix: str = "exactonce",
-    ) -> None:
-        validate_namespace(namespace)
-        if not isinstance(prefix, str) or not _PREFIX_RE.match(prefix):
-            raise exceptions.ConfigurationError(
-                f"exactonce_key_prefix={prefix!r}: a key prefix is 1-64 letters, digits, "
-                "'_', '.' or '-'",
-                setting="exactonce_key_prefix",
-            )
-        if retention <= 0:
-            raise exceptions.ConfigurationError("retention must be > 0", setting="retention")
-        self._client = client
-        self._namespace = namespace
-        self._retention = float(retention)
-        self._retention_us = int(retention * 1_000_000)
-        self._base = f"{prefix}:{{{namespace}}}"
-        # The namespace's fixed keys, built once: every script call passes several.
-        self._index_keys = [self._state_key(state) for state in State]
-        self._due_key, self._expire_key = self._key("due"), self._key("expire")
-        self._owns_client = False
-        self._closed = False
-        kwargs = client.connection_pool.connection_kwargs
-        self._db = int(kwargs.get("db") or 0)
-        self._where = (
-            f"unix://{kwargs['path']}"
-            if kwargs.get("path")
-            else f"redis://{kwargs.get('host', 'localhost')}:{kwargs.get('port', 6379)}"
-            f"/{kwargs.get('db', 0)}"
-        )
-        password = kwargs.get("password")
-        self._secrets: list[str] = [str(password)] if password else []
-        header = _lua_header() + _lua("common")
-        self._scripts = {name: client.register_script(header + _lua(name)) for name in _SCRIPTS}
 
     @classmethod
     def from_url(
@@ -252,15 +107,7 @@ class RedisStore:
         another writer had won, where the caller must instead settle the
         unknown outcome by reading the record back.
         """
-        kwargs.setdefault("socket_connect_timeout", socket_timeout)
-        kwargs.setdefault("retry", Retry(NoBackoff(), 0))
-        try:
-            client = redis.Redis.from_url(url, socket_timeout=socket_timeout, **kwargs)
-        except (ValueError, TypeError) as exc:
-            raise exceptions.ConfigurationError(
-                f"exactonce_store_url={redact_url(url)!r}: {redact_message(str(exc), url)}",
-                setting="exactonce_store_url",
-            ) from None
+        client = client_from_url(url, socket_timeout, kwargs)
         store = cls(client, namespace=namespace, retention=retention, prefix=prefix)
         store._owns_client = True
         store._where = redact_url(url)
@@ -293,7 +140,7 @@ class RedisStore:
     def setup(self) -> None:
         with self._wrap("setup"):
             stored = self._run("setup", [self._key("meta")], [FORMAT_VERSION, self._namespace])
-        version = _text(stored)
+        version = as_text(stored)
         if not version.isdigit() or int(version) > FORMAT_VERSION:
             raise exceptions.SchemaMismatch(
                 f"Redis store {self._where}, namespace {self._namespace!r}: key format "
@@ -307,7 +154,8 @@ class RedisStore:
         Reads ``CONFIG GET``, or ``INFO memory`` when ``CONFIG`` is disabled or
         renamed; when neither is readable, logs a warning and passes.
         """
-        policy = self._maxmemory_policy()
+        with self._wrap("check_config"):
+            policy = maxmemory_policy(self._client)
         if policy is None:
             metrics.event(
                 "store_config_unknown",
@@ -344,13 +192,13 @@ class RedisStore:
     # -- epoch and create ----------------------------------------------------------------
 
     def epoch(self, *, replace: str | None = None) -> str:
-        args = [refs.new_token(), _opt(replace)]
+        args = [refs.new_token(), opt(replace)]
         with self._wrap("epoch"):
-            return _text(self._run("epoch", [self._key("epoch")], args))
+            return as_text(self._run("epoch", [self._key("epoch")], args))
 
     def create(self, new: NewJob, *, epoch: str | None = None) -> CreateResult:
         with self._wrap("create"):
-            return _create_result(self._run_batched("create", *self._create_batch([new], epoch))[0])
+            return create_result(self._run_batched("create", *self._create_batch([new], epoch))[0])
 
     def create_many(
         self, news: Sequence[NewJob], *, epoch: str | None = None, brief: bool = False
@@ -358,7 +206,7 @@ class RedisStore:
         """One pipelined round trip of ``create`` calls, each job created atomically."""
         batch = self._create_batch(news, epoch, brief)
         with self._wrap("create_many"):
-            return [_create_result(reply) for reply in self._run_batched("create", *batch)]
+            return [create_result(reply) for reply in self._run_batched("create", *batch)]
 
     def _create_batch(
         self, news: Sequence[NewJob], epoch: str | None, brief: bool = False
@@ -367,34 +215,12 @@ class RedisStore:
         shared_keys = [self._key("epoch"), self._key("wm"), self._due_key, *self._index_keys]
         return (
             shared_keys,
-            [_opt(epoch), "1" if brief else "0"],
+            [opt(epoch), "1" if brief else "0"],
             [self._create_item(new) for new in news],
         )
 
     def _create_item(self, new: NewJob) -> tuple[list[str], list[Any]]:
-        member = str(new.ref)
-        fields = self._record_fields(new, new.state.value, new.rev, new.node, new.reason)
-        fire_time = times.to_micros_opt(new.fire_time)
-        run_at = times.to_micros_opt(new.run_at)
-        args = [
-            new.entry or "", "" if fire_time is None else fire_time, member, new.state.value,
-            "" if run_at is None else run_at, new.node, new.reason, new.rev, len(fields), *fields,
-        ]  # fmt: skip
-        return [self._job_key(new.ref)], args
-
-    @staticmethod
-    def _record_fields(new: NewJob, state: str, rev: str, node: str, reason: str) -> list[Any]:
-        """The fields of the record a create of ``new`` writes, but its times and history."""
-        fields: list[Any] = [
-            "ref", str(new.ref), "task", new.task, "state", state, "rev", rev,
-            "node", node, "reason", reason, "args", _json(new.args),
-            "kwargs", _json(new.kwargs), "options", _json(new.options),
-        ]  # fmt: skip
-        for name in ("run_id", "entry", "fire_time", "run_at", "deadline", "signature"):
-            value = getattr(new, name)
-            if value is not None:
-                fields += [name, times.to_micros(value) if isinstance(value, datetime) else value]
-        return fields
+        return [self._job_key(new.ref)], create_args(new)
 
     # -- create and enqueue (a broker on this server) ------------------------------------
 
@@ -406,13 +232,7 @@ class RedisStore:
         may only touch its own slot): then :meth:`enqueue` can push to that
         server's broker database.
         """
-        if type(self._client) is not redis.Redis:
-            return None
-        mine = self._client.connection_pool.connection_kwargs
-        where = ("path", "host", "port")
-        if any(mine.get(name) != connection_kwargs.get(name) for name in where):
-            return None
-        return self._db
+        return self._db if same_server(self._client, connection_kwargs) else None
 
     def enqueue(self, new: NewJob, dispatch: Transition, push: Push) -> CreateResult:
         """Create ``new`` straight into ``DISPATCHED`` and run ``push``, atomically.
@@ -425,45 +245,18 @@ class RedisStore:
         when Redis refused a broker command (nothing written). Any other error
         leaves the outcome unknown: read back ``dispatch.new_rev``.
         """
-        if not push.commands:
-            raise PushRefused(f"enqueue of {new.ref}: no broker command")
-        fields = self._record_fields(
-            new, State.DISPATCHED.value, dispatch.new_rev, dispatch.node, dispatch.reason
-        )
-        keys = [self._job_key(new.ref), self._state_key(State.DISPATCHED)]
-        created = _history_entry(None, new.state.value, new.node, new.reason, new.rev)
-        dispatched = _history_entry(
-            new.state.value, State.DISPATCHED.value, dispatch.node, dispatch.reason,
-            dispatch.new_rev,
-        )  # fmt: skip
-        args: list[Any] = [
-            self._db, push.db, "[" + created, '"},' + dispatched, len(fields) // 2, *fields,
-        ]  # fmt: skip
-        for name, key, value in push.commands:
-            keys.append(key)
-            args += [name, value]
+        keys, args = self._enqueue_call(new, dispatch, push)
         with self._wrap("enqueue"):
             try:
                 reply = self._run("enqueue", keys, args)
             except rexc.NoPermissionError as exc:  # an ACL refused the call: it did not run
-                raise PushRefused(
-                    redact_secrets(f"Redis store {self._where}: enqueue refused: {exc}",
-                                   self._secrets)
-                ) from exc  # fmt: skip
-        status = _text(reply[0])
-        if status == "push_failed":
-            raise PushRefused(
-                redact_secrets(f"Redis store {self._where}: broker push refused: "
-                               f"{_text(reply[1])}", self._secrets)
-            )  # fmt: skip
-        if status == "exists":
-            return CreateResult(CreateStatus.EXISTS, _decode_job(reply[1]))
-        return CreateResult(CreateStatus.CREATED, None)
+                raise self._push_refused(f"enqueue refused: {exc}") from exc
+        return self._enqueued(reply)
 
     def get(self, ref: JobRef) -> Job | None:
         with self._wrap("get"):
             record = dict(self._client.hgetall(self._job_key(ref)))
-        return _decode_job([item for pair in record.items() for item in pair]) if record else None
+        return decode_job([item for pair in record.items() for item in pair]) if record else None
 
     def watermark(self, entry: str) -> datetime | None:
         return self.watermarks([entry]).get(entry)
@@ -475,7 +268,7 @@ class RedisStore:
         with self._wrap("watermarks"):
             marks = self._client.hmget(self._key("wm"), list(entries))
         return {
-            entry: times.from_micros(int(_text(mark)))
+            entry: times.from_micros(int(as_text(mark)))
             for entry, mark in zip(entries, marks, strict=True)
             if mark is not None
         }
@@ -485,7 +278,7 @@ class RedisStore:
     def transition(self, ref: JobRef, request: Transition) -> TransitionResult:
         with self._wrap("transition"):
             reply = self._run_batched("transition", *self._transition_batch([(ref, request)]))
-        return _transition_result(reply[0])
+        return transition_result(reply[0])
 
     def transition_many(
         self, requests: Sequence[tuple[JobRef, Transition]], *, brief: bool = False
@@ -493,12 +286,16 @@ class RedisStore:
         """One pipelined round trip of ``transition`` calls, each job's CAS atomic."""
         batch = self._transition_batch(requests, brief)
         with self._wrap("transition_many"):
-            return [_transition_result(reply) for reply in self._run_batched("transition", *batch)]
+            return [transition_result(reply) for reply in self._run_batched("transition", *batch)]
 
     def _transition_batch(
         self, requests: Sequence[tuple[JobRef, Transition]], brief: bool = False
     ) -> tuple[list[Any], list[Any], list[tuple[list[str], list[Any]]]]:
-        """The ``transition`` script's shared keys and arguments, and each job's."""
+        """The ``transition`` script's shared keys and arguments, and each job's.
+
+        A job's keys: its record, and the lease its transition checks (or a
+        key no lease has).
+        """
         shared_keys = [*self._index_keys, self._due_key, self._expire_key]
         shared_args = [self._retention_us, "1" if brief else "0"]
         return shared_keys, shared_args, [self._transition_item(*pair) for pair in requests]
@@ -509,20 +306,7 @@ class RedisStore:
             self._job_key(ref),
             self._key("lease", lease.name) if lease else self._key("nolease"),
         ]
-        args = [
-            str(ref), request.to.value, ",".join(s.value for s in request.expect),
-            request.node, request.reason, _opt(request.rev), _opt(request.attempt),
-            _opt(request.run_id), _opt(lease.token if lease else None),
-            _opt(None if request.stale_for is None else repr(float(request.stale_for))),
-            request.new_rev, _opt(request.new_run_id), "1" if request.next_attempt else "0",
-            _opt(times.to_micros_opt(request.run_at)),
-            _opt(None if request.args is None else _json(request.args)),
-            _opt(None if request.kwargs is None else _json(request.kwargs)),
-            _opt(request.task),
-            _opt(request.signature),
-            _opt(None if request.action is None else request.action.value),
-        ]  # fmt: skip
-        return keys, args
+        return keys, transition_args(ref, request)
 
     def heartbeat(self, ref: JobRef, run_id: str) -> bool:
         keys = [self._job_key(ref), self._state_key(State.RUNNING)]
@@ -552,10 +336,10 @@ class RedisStore:
         keys = [self._state_key(State(state)), self._key("job", "")]
         # The cursor is the index's own (score, member) of the previous page's last job.
         at, member = (None, None) if after is None else (times.to_micros(after[0]), after[1])
-        args = [age, limit, _opt(at), _opt(member)]
+        args = [age, limit, opt(at), opt(member)]
         with self._wrap("list_stale"):
             records = self._run("list_stale", keys, args)
-        return [_decode_job(flat) for flat in records]
+        return [decode_job(flat) for flat in records]
 
     def claim_due(self, limit: int, *, node: str, reason: str = "claimed") -> list[Job]:
         refs.validate_identifier(node, "node id", refs.MAX_NAME_LENGTH)
@@ -564,12 +348,14 @@ class RedisStore:
             self._check_open()
             return []
         keys = [
-            self._key("due"), self._state_key(State.PENDING), self._state_key(State.SCHEDULED),
+            self._key("due"),
+            self._state_key(State.PENDING),
+            self._state_key(State.SCHEDULED),
             self._key("job", ""),
-        ]  # fmt: skip
+        ]
         with self._wrap("claim_due"):
             records = self._run("claim_due", keys, [limit, refs.new_token(), node, reason])
-        return [_decode_job(flat) for flat in records]
+        return [decode_job(flat) for flat in records]
 
     def purge_expired(self, limit: int) -> int:
         if limit <= 0:
@@ -584,143 +370,16 @@ class RedisStore:
     def acquire_lease(self, name: str, token: str, ttl: float) -> bool:
         Lease(name, token)  # validates
         with self._wrap("acquire_lease"):
-            return bool(self._run("lease_acquire", [self._key("lease", name)], [token, _ms(ttl)]))
+            return bool(
+                self._run("lease_acquire", [self._key("lease", name)], [token, lease_ms(ttl)])
+            )
 
     def renew_lease(self, name: str, token: str, ttl: float) -> bool:
         with self._wrap("renew_lease"):
-            return bool(self._run("lease_renew", [self._key("lease", name)], [token, _ms(ttl)]))
+            return bool(
+                self._run("lease_renew", [self._key("lease", name)], [token, lease_ms(ttl)])
+            )
 
     def release_lease(self, name: str, token: str) -> bool:
         with self._wrap("release_lease"):
             return bool(self._run("lease_release", [self._key("lease", name)], [token]))
-
-    # -- internals -----------------------------------------------------------------------
-
-    def _key(self, *parts: str) -> str:
-        return ":".join((self._base, *parts))
-
-    def _job_key(self, ref: JobRef) -> str:
-        return self._key("job", str(ref))
-
-    def _state_key(self, state: State) -> str:
-        return self._key("state", state.value)
-
-    def _state_keys(self) -> list[str]:
-        """Every state index, in :class:`State` order (the scripts' ``STATES``)."""
-        return list(self._index_keys)
-
-    def _run(self, name: str, keys: list[str], args: list[Any]) -> Any:
-        """Run script ``name``: EVALSHA, and on a server that lacks it, load it and run it again.
-
-        What redis-py's ``Script.__call__`` does, without the import and tuple
-        copies it makes per call (a submit runs one script).
-        """
-        script, execute = self._scripts[name], self._client.execute_command
-        try:
-            return execute("EVALSHA", script.sha, len(keys), *keys, *args)  # type: ignore[no-untyped-call]
-        except rexc.NoScriptError:  # a restarted or flushed server: the call did not run
-            script.sha = self._client.script_load(script.script)
-            return execute("EVALSHA", script.sha, len(keys), *keys, *args)  # type: ignore[no-untyped-call]
-
-    def _run_batched(
-        self,
-        name: str,
-        shared_keys: list[Any],
-        shared_args: list[Any],
-        items: Sequence[tuple[list[str], list[Any]]],
-    ) -> list[Any]:
-        """Run a batch script (``create``, ``transition``) over ``items``; a reply per item.
-
-        The script takes its shared keys and arguments, then each item's; items
-        go :data:`SCRIPT_BATCH` to a call, the calls in one pipelined round trip.
-        Each item is applied atomically, not the batch: after an error, which
-        items were applied is unknown (the caller reads them back).
-        """
-        calls: list[tuple[list[str], list[Any]]] = []
-        for start in range(0, len(items), SCRIPT_BATCH):
-            keys, args = list(shared_keys), list(shared_args)
-            for item_keys, item_args in items[start : start + SCRIPT_BATCH]:
-                keys += item_keys
-                args += item_args
-            calls.append((keys, args))
-        if len(calls) == 1:
-            return list(self._run(name, *calls[0]))
-        return [reply for replies in self._run_many(name, calls) for reply in replies]
-
-    def _run_many(self, name: str, calls: Sequence[tuple[list[str], list[Any]]]) -> list[Any]:
-        """Run script ``name`` once per call in one pipelined round trip (not a transaction).
-
-        Any error fails the whole batch (its outcomes unknown): the first error
-        is raised once every reply is in.
-        """
-        if not calls:
-            self._check_open()
-            return []
-        script = self._scripts[name]
-        replies = self._evalsha_many(script.sha, calls)
-        missing = [i for i, reply in enumerate(replies) if isinstance(reply, rexc.NoScriptError)]
-        if missing:  # a restarted or flushed server: those calls did not run; load, run them
-            script.sha = self._client.script_load(script.script)
-            retried = self._evalsha_many(script.sha, [calls[i] for i in missing])
-            for i, reply in zip(missing, retried, strict=True):
-                replies[i] = reply
-        for reply in replies:
-            if isinstance(reply, Exception):
-                raise reply
-        return replies
-
-    def _evalsha_many(self, sha: str, calls: Sequence[tuple[list[str], list[Any]]]) -> list[Any]:
-        """EVALSHA per call in one pipeline; errors come back as values.
-
-        Not ``Script.__call__`` on the pipeline: that costs a ``SCRIPT EXISTS``
-        round trip per batch, where a missing script is rare and shows as
-        ``NoScriptError`` replies (the call did not run) that :meth:`_run_many` handles.
-        """
-        with self._client.pipeline(transaction=False) as pipe:
-            for keys, args in calls:
-                pipe.evalsha(sha, len(keys), *keys, *args)
-            return list(pipe.execute(raise_on_error=False))
-
-    def _maxmemory_policy(self) -> str | None:
-        with self._wrap("check_config"):
-            try:
-                reply = self._client.config_get("maxmemory-policy")
-                values = {_text(k): _text(v) for k, v in dict(reply).items()}
-                if "maxmemory-policy" in values:
-                    return values["maxmemory-policy"]
-            except rexc.ResponseError:
-                pass  # CONFIG disabled or renamed: ask INFO
-            try:
-                info = self._client.info("memory")
-                policy = dict(info).get("maxmemory_policy")
-                return None if policy is None else _text(policy)
-            except rexc.ResponseError:
-                return None
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise exceptions.StoreError("the store is closed")
-
-    @contextlib.contextmanager
-    def _wrap(self, action: str) -> Iterator[None]:
-        """Translate driver errors into the package's (the one boundary of this store)."""
-        self._check_open()
-        try:
-            yield
-        except rexc.RedisError as exc:
-            message = redact_secrets(
-                f"Redis store {self._where}: {action} failed: {type(exc).__name__}: {exc}",
-                self._secrets,
-            )
-            transient = isinstance(exc, _TRANSIENT) or (
-                isinstance(exc, rexc.ResponseError) and str(exc).startswith(_TRANSIENT_REPLIES)
-            )
-            error = exceptions.StoreUnavailable if transient else exceptions.StoreError
-            raise error(message) from exc
-        except UnicodeError as exc:  # an identifier redis-py cannot encode (lone surrogate)
-            raise exceptions.InvalidPayload(f"{action}: {exc}") from exc
-
-
-def _ms(ttl: float) -> int:
-    """A lease ttl in whole milliseconds, at least 1 (``PX 0`` is an error)."""
-    return max(1, round(ttl * 1000))

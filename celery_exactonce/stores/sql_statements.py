@@ -58,14 +58,43 @@ _COMMA, _CLOSE = "','", "']'"
 """SQL literals of the history's separator and end."""
 
 _JOB_COLUMNS = (
-    "namespace", "space", "id", "task", "state", "rev", "attempt", "run_id", "payload", "entry",
-    "fire_time", "run_at", "deadline", "created_at", "touched_at", "heartbeat_at", "terminal_at",
-    "expires_at", "dispatches", "node", "reason", "history",
-)  # fmt: skip
+    "namespace",
+    "space",
+    "id",
+    "task",
+    "state",
+    "rev",
+    "attempt",
+    "run_id",
+    "payload",
+    "entry",
+    "fire_time",
+    "run_at",
+    "deadline",
+    "created_at",
+    "touched_at",
+    "heartbeat_at",
+    "terminal_at",
+    "expires_at",
+    "dispatches",
+    "node",
+    "reason",
+    "history",
+)
 _INTEGERS = frozenset(
-    {"attempt", "fire_time", "run_at", "deadline", "created_at", "touched_at", "heartbeat_at",
-     "terminal_at", "expires_at", "dispatches"}
-)  # fmt: skip
+    {
+        "attempt",
+        "fire_time",
+        "run_at",
+        "deadline",
+        "created_at",
+        "touched_at",
+        "heartbeat_at",
+        "terminal_at",
+        "expires_at",
+        "dispatches",
+    }
+)
 
 
 def _encode(value: Any) -> str:
@@ -180,16 +209,28 @@ class Statements:
             src=True,
         )
         params: dict[str, Any] = {
-            "k_ns": namespace, "k_space": ref.space.value, "k_id": ref.id,
-            "s_to": t.to.value, "s_rev": t.new_rev, "s_node": t.node, "s_reason": t.reason,
-            "e_head": head, "e_mid": mid, "e_tail": tail, "h_mark": ENTRY_MARK,
-            "h_min": len(ENTRY_MARK), "h_full": len(ENTRY_MARK) * jobs.HISTORY_LIMIT,
+            "k_ns": namespace,
+            "k_space": ref.space.value,
+            "k_id": ref.id,
+            "s_to": t.to.value,
+            "s_rev": t.new_rev,
+            "s_node": t.node,
+            "s_reason": t.reason,
+            "e_head": head,
+            "e_mid": mid,
+            "e_tail": tail,
+            "h_mark": ENTRY_MARK,
+            "h_min": len(ENTRY_MARK),
+            "h_full": len(ENTRY_MARK) * jobs.HISTORY_LIMIT,
             **{f"x{i}": state for i, state in enumerate(expect)},
-        }  # fmt: skip
+        }
         guards = {
-            "rev": t.rev, "attempt": t.attempt, "run_id": t.run_id, "task": t.task,
+            "rev": t.rev,
+            "attempt": t.attempt,
+            "run_id": t.run_id,
+            "task": t.task,
             "stale": None if t.stale_for is None else stale_micros(t.stale_for),
-        }  # fmt: skip
+        }
         params.update((f"g_{name}", value) for name, value in guards.items() if value is not None)
         if running:
             params["s_run_id"] = t.new_run_id
@@ -200,10 +241,17 @@ class Statements:
         if lease is not None:
             params.update(l_name=lease.name, l_token=lease.token)
         shape = (
-            "transition", brief, len(expect), tuple(g for g, v in guards.items() if v is not None),
-            lease is not None, t.next_attempt, running, t.run_at is not None, terminal,
+            "transition",
+            brief,
+            len(expect),
+            tuple(g for g, v in guards.items() if v is not None),
+            lease is not None,
+            t.next_attempt,
+            running,
+            t.run_at is not None,
+            terminal,
             t.to is State.DISPATCHED,
-        )  # fmt: skip
+        )
         answers = ("one",) if brief else _JOB_COLUMNS
         return self._text(
             shape, lambda: self._transition_sql(shape), answers if self._pg else ()
@@ -222,9 +270,12 @@ class Statements:
             f" ELSE {self._but_last(history)} END"
         )
         entry = self._concat(
-            cast("e_head", "history"), state, cast("e_mid", "history"), now,
+            cast("e_head", "history"),
+            state,
+            cast("e_mid", "history"),
+            now,
             cast("e_tail", "history"),
-        )  # fmt: skip
+        )
         # MySQL assigns left to right, later assignments seeing earlier ones: the history
         # (which reads the old state) goes first; the others read only their own column.
         sets = [f"{history} = {self._concat(kept, _COMMA, entry, _CLOSE)}"]
@@ -297,9 +348,12 @@ class Statements:
     ) -> tuple[sa.TextClause | sa.TextualSelect, dict[str, Any]]:
         """Touch a RUNNING job of ``run_id``: one row changed means it was touched."""
         params = {
-            "k_ns": namespace, "k_space": ref.space.value, "k_id": ref.id,
-            "g_state": State.RUNNING.value, "g_run_id": run_id,
-        }  # fmt: skip
+            "k_ns": namespace,
+            "k_space": ref.space.value,
+            "k_id": ref.id,
+            "g_state": State.RUNNING.value,
+            "g_run_id": run_id,
+        }
 
         def build() -> str:
             c, now = self._col, self._now
@@ -322,9 +376,12 @@ class Statements:
         head, tail = _entry_parts(job.history[0], src=False)
         params = {f"c_{name}": value for name, value in values.items()}
         params.update(
-            k_ns=namespace, k_space=new.ref.space.value, k_id=new.ref.id,
-            h_head=f"[{head}", h_tail=f"{tail}]",
-        )  # fmt: skip
+            k_ns=namespace,
+            k_space=new.ref.space.value,
+            k_id=new.ref.id,
+            h_head=f"[{head}",
+            h_tail=f"{tail}]",
+        )
         if epoch is not None:
             params["epoch"] = epoch
         return params

@@ -1,0 +1,227 @@
+"""What every operation of the Redis store stands on: its state, its scripts, its errors.
+
+:class:`RedisCore` is the base of :class:`~celery_exactonce.stores.redis.RedisStore`
+(through :class:`~celery_exactonce.stores.redis_enqueue.RedisEnqueue`). It
+holds what the constructor checks and builds (the namespace, the retention,
+the key base and the fixed keys, the place named in errors, the scripts), and:
+
+* **scripts**: one Lua script per operation (``stores/lua/<name>.lua``), each
+  after ``common.lua`` and a header of the Python constants the scripts share
+  (the states, the terminal ones, the history limit), registered on the
+  client. :meth:`RedisCore._run` runs one with ``EVALSHA``; on a server that
+  lacks it (restarted or flushed: the call did not run) it loads it and runs
+  it again. :meth:`RedisCore._run_batched` runs a batch script (``create``,
+  ``transition``) :data:`SCRIPT_BATCH` jobs to a call, the calls pipelined in
+  one round trip (:meth:`RedisCore._run_many`);
+* **errors**: :meth:`RedisCore._wrap`, the one boundary of the store, turns
+  driver errors into ``StoreUnavailable`` (retrying may help: the server is
+  unreachable, slow, loading, failing over or read-only) or ``StoreError``,
+  secrets blanked, and an identifier redis-py cannot encode into
+  ``InvalidPayload``; an operation on a closed store is refused (``StoreError``).
+
+All times are integer microseconds since the UNIX epoch, read from Redis
+``TIME`` inside the scripts.
+
+Not here: the operations themselves (:mod:`~celery_exactonce.stores.redis`),
+the key layout (:mod:`~celery_exactonce.stores.redis_keys`), building the
+client and reading the server's config
+(:mod:`~celery_exactonce.stores.redis_client`), the scripts' arguments and
+replies (:mod:`~celery_exactonce.stores.redis_codec`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from importlib import resources
+from typing import Any
+
+import redis
+import redis.exceptions as rexc
+
+from celery_exactonce import exceptions, jobs
+from celery_exactonce.states import TERMINAL, State
+from celery_exactonce.stores import redact_secrets, validate_namespace
+from celery_exactonce.stores.redis_client import describe
+from celery_exactonce.stores.redis_keys import RedisKeys, key_base
+
+#: Errors after which retrying may help: the server is unreachable, slow,
+#: loading, failing over or read-only (a replica promoted under us).
+_TRANSIENT: tuple[type[Exception], ...] = (
+    rexc.ConnectionError,
+    rexc.TimeoutError,
+    rexc.TryAgainError,
+    rexc.ClusterDownError,
+    rexc.MasterDownError,
+    rexc.ReadOnlyError,
+)
+#: Server replies that mean the same though redis-py has no class for them.
+_TRANSIENT_REPLIES = ("BUSY", "MASTERDOWN", "NOREPLICAS", "LOADING", "TRYAGAIN")
+
+#: Jobs per call of a batch script (``create``, ``transition``): bounds how long one
+#: call holds the server (a few milliseconds) while sparing most per-call costs.
+SCRIPT_BATCH = 64
+
+_SCRIPTS = (
+    "create",
+    "transition",
+    "heartbeat",
+    "annotate",
+    "list_stale",
+    "claim_due",
+    "purge_expired",
+    "epoch",
+    "lease_acquire",
+    "lease_renew",
+    "lease_release",
+    "setup",
+    "enqueue",
+)
+
+
+def _lua_header() -> str:
+    """The Python constants the scripts share, so Lua cannot drift from them."""
+    states = ", ".join(f"'{s.value}'" for s in State)
+    terminal = ", ".join(f"{s.value} = true" for s in State if s in TERMINAL)
+    return (
+        f"local STATES = {{{states}}}\n"
+        f"local TERMINAL = {{{terminal}}}\n"
+        f"local HISTORY_LIMIT = {jobs.HISTORY_LIMIT}\n"
+    )
+
+
+def _lua(name: str) -> str:
+    lua = resources.files("celery_exactonce.stores").joinpath("lua")
+    return lua.joinpath(f"{name}.lua").read_text(encoding="utf-8")
+
+
+class RedisCore(RedisKeys):
+    """The state of a Redis store, its scripts and its error boundary.
+
+    The arguments are those of :class:`~celery_exactonce.stores.redis.RedisStore`.
+    """
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        *,
+        namespace: str,
+        retention: float,
+        prefix: str = "exactonce",
+    ) -> None:
+        validate_namespace(namespace)
+        base = key_base(prefix, namespace)
+        if retention <= 0:
+            raise exceptions.ConfigurationError("retention must be > 0", setting="retention")
+        self._client = client
+        self._namespace = namespace
+        self._retention = float(retention)
+        self._retention_us = int(retention * 1_000_000)
+        self._base = base
+        # The namespace's fixed keys, built once: every script call passes several.
+        self._index_keys = [self._state_key(state) for state in State]
+        self._due_key, self._expire_key = self._key("due"), self._key("expire")
+        self._owns_client = False
+        self._closed = False
+        self._db, self._where, self._secrets = describe(client)
+        header = _lua_header() + _lua("common")
+        self._scripts = {name: client.register_script(header + _lua(name)) for name in _SCRIPTS}
+
+    # -- scripts -------------------------------------------------------------------------
+
+    def _run(self, name: str, keys: list[str], args: list[Any]) -> Any:
+        """Run script ``name``: EVALSHA, and on a server that lacks it, load it and run it again.
+
+        What redis-py's ``Script.__call__`` does, without the import and tuple
+        copies it makes per call (a submit runs one script).
+        """
+        script, execute = self._scripts[name], self._client.execute_command
+        try:
+            return execute("EVALSHA", script.sha, len(keys), *keys, *args)  # type: ignore[no-untyped-call]
+        except rexc.NoScriptError:  # a restarted or flushed server: the call did not run
+            script.sha = self._client.script_load(script.script)
+            return execute("EVALSHA", script.sha, len(keys), *keys, *args)  # type: ignore[no-untyped-call]
+
+    def _run_batched(
+        self,
+        name: str,
+        shared_keys: list[Any],
+        shared_args: list[Any],
+        items: Sequence[tuple[list[str], list[Any]]],
+    ) -> list[Any]:
+        """Run a batch script (``create``, ``transition``) over ``items``; a reply per item.
+
+        The script takes its shared keys and arguments, then each item's; items
+        go :data:`SCRIPT_BATCH` to a call, the calls in one pipelined round trip.
+        Each item is applied atomically, not the batch: after an error, which
+        items were applied is unknown (the caller reads them back).
+        """
+        calls: list[tuple[list[str], list[Any]]] = []
+        for start in range(0, len(items), SCRIPT_BATCH):
+            keys, args = list(shared_keys), list(shared_args)
+            for item_keys, item_args in items[start : start + SCRIPT_BATCH]:
+                keys += item_keys
+                args += item_args
+            calls.append((keys, args))
+        if len(calls) == 1:
+            return list(self._run(name, *calls[0]))
+        return [reply for replies in self._run_many(name, calls) for reply in replies]
+
+    def _run_many(self, name: str, calls: Sequence[tuple[list[str], list[Any]]]) -> list[Any]:
+        """Run script ``name`` once per call in one pipelined round trip (not a transaction).
+
+        Any error fails the whole batch (its outcomes unknown): the first error
+        is raised once every reply is in.
+        """
+        if not calls:
+            self._check_open()
+            return []
+        script = self._scripts[name]
+        replies = self._evalsha_many(script.sha, calls)
+        missing = [i for i, reply in enumerate(replies) if isinstance(reply, rexc.NoScriptError)]
+        if missing:  # a restarted or flushed server: those calls did not run; load, run them
+            script.sha = self._client.script_load(script.script)
+            retried = self._evalsha_many(script.sha, [calls[i] for i in missing])
+            for i, reply in zip(missing, retried, strict=True):
+                replies[i] = reply
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
+        return replies
+
+    def _evalsha_many(self, sha: str, calls: Sequence[tuple[list[str], list[Any]]]) -> list[Any]:
+        """EVALSHA per call in one pipeline; errors come back as values.
+
+        Not ``Script.__call__`` on the pipeline: that costs a ``SCRIPT EXISTS``
+        round trip per batch, where a missing script is rare and shows as
+        ``NoScriptError`` replies (the call did not run) that :meth:`_run_many` handles.
+        """
+        with self._client.pipeline(transaction=False) as pipe:
+            for keys, args in calls:
+                pipe.evalsha(sha, len(keys), *keys, *args)
+            return list(pipe.execute(raise_on_error=False))
+
+    # -- errors --------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise exceptions.StoreError("the store is closed")
+
+    @contextlib.contextmanager
+    def _wrap(self, action: str) -> Iterator[None]:
+        """Translate driver errors into the package's (the one boundary of this store)."""
+        self._check_open()
+        try:
+            yield
+        except rexc.RedisError as exc:
+            message = redact_secrets(
+                f"Redis store {self._where}: {action} failed: {type(exc).__name__}: {exc}",
+                self._secrets,
+            )
+            transient = isinstance(exc, _TRANSIENT) or (
+                isinstance(exc, rexc.ResponseError) and str(exc).startswith(_TRANSIENT_REPLIES)
+            )
+            error = exceptions.StoreUnavailable if transient else exceptions.StoreError
+            raise error(message) from exc
+        except UnicodeError as exc:  # an identifier redis-py cannot encode (lone surrogate)
+            raise exceptions.InvalidPayload(f"{action}: {exc}") from exc
