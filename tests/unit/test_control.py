@@ -18,7 +18,7 @@ from typing import Any
 
 import celery._state
 import pytest
-from celery import Celery, signals
+from celery import Celery
 
 from celery_exactonce import ExactOnceTask, StoreError, StoreUnavailable, cancel, runtime
 from celery_exactonce.jobs import Job
@@ -27,6 +27,7 @@ from celery_exactonce.refs import JobRef
 from celery_exactonce.states import State
 from celery_exactonce.testing import FrozenClock, InMemoryStore
 from celery_exactonce.writes import NewJob, Transition
+from tests.support.publishing import publishing
 
 NAMESPACE = "control-unit"
 
@@ -123,12 +124,8 @@ def world() -> Iterator[World]:
     def capture(sender: Any = None, headers: Any = None, **_kw: Any) -> None:
         world.sent.append(headers["id"])
 
-    signals.before_task_publish.connect(capture, weak=False)
-    try:
+    with publishing(app, capture):
         yield world
-    finally:
-        signals.before_task_publish.disconnect(capture)
-        runtime.reset(app)
 
 
 def delayed(world: World, seconds: float = 60.0) -> str:

@@ -28,6 +28,7 @@ from celery_exactonce.states import State
 from celery_exactonce.task import ExactOnceTask
 from celery_exactonce.testing import InMemoryStore
 from celery_exactonce.writes import NewJob, Transition
+from tests.support.publishing import publishing
 
 NAMESPACE = "gate-unit"
 
@@ -129,13 +130,8 @@ def world() -> Iterator[World]:
         if headers and headers.get(HEADER_GATE_RUNS) is not None:
             world.sent_back.append(dict(headers))
 
-    signals.before_task_publish.connect(capture, weak=False)
-    metrics.COUNTERS.reset()
-    try:
+    with publishing(app, capture):
         yield world
-    finally:
-        signals.before_task_publish.disconnect(capture)
-        runtime.reset(app)
 
 
 def dispatched(world: World, task: str = "t.body", attempt: int = 0) -> Job:

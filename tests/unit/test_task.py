@@ -26,7 +26,7 @@ import pytest
 from celery import Celery, signals
 from kombu import Exchange, Queue
 
-from celery_exactonce import ConfigurationError, StoreUnavailable, metrics, runtime
+from celery_exactonce import ConfigurationError, StoreUnavailable, runtime
 from celery_exactonce.call_options import deadline_of, eta_of, storable_options
 from celery_exactonce.gate import validate_gated_task
 from celery_exactonce.jobs import Job
@@ -38,6 +38,7 @@ from celery_exactonce.states import State
 from celery_exactonce.task import ExactOnceTask
 from celery_exactonce.testing import InMemoryStore
 from celery_exactonce.writes import NewJob, Transition
+from tests.support.publishing import publishing
 
 NAMESPACE = "task-unit"
 UTC = timezone.utc
@@ -152,13 +153,8 @@ def world() -> Iterator[World]:
     def capture(sender: Any = None, headers: Any = None, **_kw: Any) -> None:
         world.sent.append((headers["id"], dict(headers)))
 
-    signals.before_task_publish.connect(capture, weak=False)
-    metrics.COUNTERS.reset()
-    try:
+    with publishing(app, capture):
         yield world
-    finally:
-        signals.before_task_publish.disconnect(capture)
-        runtime.reset(app)
 
 
 def near(instant: datetime | None, expected: datetime, *, within: float = 5.0) -> bool:

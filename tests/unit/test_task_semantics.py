@@ -14,7 +14,7 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import pytest
-from celery import Celery, signals
+from celery import Celery
 from celery.exceptions import Ignore, Reject, TaskRevokedError
 
 from celery_exactonce import JobConflict, metrics, runtime
@@ -28,6 +28,7 @@ from celery_exactonce.testing import FrozenClock, InMemoryStore
 from celery_exactonce.writes import NewJob
 from tests.acceptance.harness import holds
 from tests.support.helpers import poll
+from tests.support.publishing import publishing
 
 NAMESPACE = "semantics-unit"
 
@@ -131,13 +132,8 @@ def world() -> Iterator[World]:
     def capture(sender: Any = None, headers: Any = None, body: Any = None, **_kw: Any) -> None:
         world.sent.append((headers["id"], dict(headers), body))
 
-    signals.before_task_publish.connect(capture, weak=False)
-    metrics.COUNTERS.reset()
-    try:
+    with publishing(app, capture):
         yield world
-    finally:
-        signals.before_task_publish.disconnect(capture)
-        runtime.reset(app)
 
 
 def test_time_limits_the_wrong_way_round_raise_before_anything_is_stored(world: World) -> None:

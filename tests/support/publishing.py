@@ -1,0 +1,26 @@
+"""Watching what an app publishes, for the unit tests' in-process worlds."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from celery import Celery, signals
+
+from celery_exactonce import metrics, runtime
+
+
+@contextlib.contextmanager
+def publishing(app: Celery, capture: Callable[..., Any]) -> Iterator[None]:
+    """``capture`` sees every message published while inside (Celery's ``before_task_publish``).
+
+    The counters start from zero; on the way out the app's runtime is reset.
+    """
+    signals.before_task_publish.connect(capture, weak=False)
+    metrics.COUNTERS.reset()
+    try:
+        yield
+    finally:
+        signals.before_task_publish.disconnect(capture)
+        runtime.reset(app)
