@@ -15,7 +15,7 @@ far it has decided the entry's slots, the store-loss floor) and returns a
   claim (``latest`` by default, the newest ``catchup_limit`` with ``all``,
   ``none``); ``max_lateness`` skips slots that are too late (``catchup``).
 
-Every skipped slot is counted, once per tick and reason (:class:`SkipTally`).
+Every skipped slot is counted, once per tick and reason (:mod:`~celery_exactonce.skips`).
 
 Not here: the claims (:mod:`~celery_exactonce.scheduler`), the job of a slot
 (:mod:`~celery_exactonce.entries`).
@@ -24,7 +24,6 @@ Not here: the claims (:mod:`~celery_exactonce.scheduler`), the job of a slot
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
 from datetime import datetime, timedelta, tzinfo
 from typing import Any
 
@@ -32,14 +31,6 @@ from celery_exactonce import slots
 from celery_exactonce.config import ExactOnceConfig
 from celery_exactonce.entries import EntryPolicy
 from celery_exactonce.writes import NewJob
-
-#: Why slots were skipped, by the ``where`` label of ``slot_skipped``.
-WHY = {
-    "catchup": "the catch-up policy",
-    "window": "they left window_lookback unclaimed",
-    "unprovable": "at or before the store epoch's birth + max_skew: a new (or wiped) store",
-    "store_loss": "store loss: unprovable",
-}
 
 
 @dataclasses.dataclass
@@ -60,7 +51,7 @@ class Plan:
     #: Fire times to claim, and the jobs the scheduler builds for them.
     claim: list[datetime] = dataclasses.field(default_factory=list)
     claims: list[NewJob] = dataclasses.field(default_factory=list)
-    #: ``(where, fire times)`` skipped by the plan (see :data:`WHY`).
+    #: ``(where, fire times)`` skipped by the plan (see :data:`~celery_exactonce.skips.WHY`).
     skipped: list[tuple[str, list[datetime]]] = dataclasses.field(default_factory=list)
     failed: list[datetime] = dataclasses.field(default_factory=list)
 
@@ -133,42 +124,3 @@ def select(
         claim = [f for f in due if f >= on_time]
         return claim, too_late + [f for f in due if f < on_time]
     return due[-1:], too_late + due[:-1]
-
-
-@dataclasses.dataclass(frozen=True)
-class SkipReport:
-    """Every slot skipped for one reason in a tick: the ``slot_skipped`` event's content."""
-
-    where: str
-    total: int
-    entries: int
-    #: The first entry noted, and its first and last skipped slot.
-    entry: str
-    first: datetime
-    last: datetime
-
-    @property
-    def message(self) -> str:
-        more = f" and {self.entries - 1} more entries" if self.entries > 1 else ""
-        return (
-            f"{self.total} slot(s) skipped ({WHY[self.where]}): {self.entry} from "
-            f"{self.first.isoformat()} to {self.last.isoformat()}{more}"
-        )
-
-
-class SkipTally:
-    """The slots skipped in a tick, by reason, until :meth:`reports` drains them."""
-
-    def __init__(self) -> None:
-        self._skips: dict[str, list[tuple[str, datetime, datetime, int]]] = {}
-
-    def add(self, name: str, fires: list[datetime], where: str) -> None:
-        self._skips.setdefault(where, []).append((name, fires[0], fires[-1], len(fires)))
-
-    def reports(self) -> Iterator[SkipReport]:
-        """One report per reason, in the order first noted; the tally is empty after."""
-        skips, self._skips = self._skips, {}
-        for where, noted in skips.items():
-            name, first, last, _ = noted[0]
-            total = sum(n for *_, n in noted)
-            yield SkipReport(where, total, len(noted), name, first, last)

@@ -64,10 +64,11 @@ from celery_exactonce import (
 from celery_exactonce.conflicts import ConflictWatch
 from celery_exactonce.entries import ENTRY_OPTIONS, INTERNAL_OPTION, EntryPolicy, entry_of, fire_of
 from celery_exactonce.jobs import Job
-from celery_exactonce.planner import Plan, SkipTally
+from celery_exactonce.planner import Plan
 from celery_exactonce.policy import task_policy
 from celery_exactonce.reconcile_task import RECONCILE_TASK, BeatRunner
 from celery_exactonce.runtime import Runtime
+from celery_exactonce.skips import SkipTally
 from celery_exactonce.store_loss import StoreLossGuard
 from celery_exactonce.stores import redact_url
 from celery_exactonce.task import ExactOnceTask
@@ -280,7 +281,7 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
             return interval
         plans = [plan for name, entry in popped if (plan := self._plan(name, entry, now)).due]
         self._claim_and_dispatch(plans, now)
-        self._report_skips()
+        self._skips.report()
         for name, entry in popped:
             self._push(name, entry, now)
         if self._sweep():
@@ -384,40 +385,13 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
         return plan
 
     def _skipped(self, name: str, fires: list[datetime], where: str) -> None:
-        """Note skipped slots: logged per entry at debug, reported once per tick.
+        """Note skipped slots (:meth:`SkipTally.note`), but for beat's own entries.
 
-        Beat's own entries are not counted: a reconcile pass that is not needed
-        again after downtime is no lost work.
+        A reconcile pass that is not needed again after downtime is no lost work.
         """
         policy = self._policies.get(name)
-        if policy is not None and policy.internal:
-            return
-        metrics.event(
-            "slot_skipped_entry",
-            f"{name}: {len(fires)} slot(s) from {fires[0].isoformat()} to "
-            f"{fires[-1].isoformat()} skipped ({where})",
-            level=logging.DEBUG,
-            entry=name,
-            where=where,
-            slots=len(fires),
-            first=fires[0].isoformat(),
-            last=fires[-1].isoformat(),
-        )
-        self._skips.add(name, fires, where)
-
-    def _report_skips(self) -> None:
-        """One ``slot_skipped`` event per reason per tick, counting every skipped slot."""
-        for report in self._skips.reports():
-            metrics.event(
-                "slot_skipped",
-                report.message,
-                labels={"where": report.where},
-                count=report.total,
-                entry=report.entry,
-                entries=report.entries,
-                first=report.first.isoformat(),
-                last=report.last.isoformat(),
-            )
+        if policy is None or not policy.internal:
+            self._skips.note(name, fires, where)
 
     def _occurrence(self, name: str, entry: Any, policy: EntryPolicy, fire: datetime) -> NewJob:
         new = entries.occurrence(

@@ -6,7 +6,8 @@ from datetime import datetime, timedelta, timezone
 
 from celery_exactonce.config import ExactOnceConfig
 from celery_exactonce.entries import EntryPolicy
-from celery_exactonce.planner import Plan, SkipTally, plan, select
+from celery_exactonce.planner import Plan, plan, select
+from celery_exactonce.skips import SkipTally
 
 NOW = datetime(2026, 6, 1, 12, 0, 0, tzinfo=timezone.utc)
 CONFIG = ExactOnceConfig(store_url="memory://", window_lookback=300.0, catchup_limit=3)
