@@ -30,7 +30,7 @@ from celery_exactonce import exceptions, messages, metrics, refs
 from celery_exactonce.jobs import Job
 from celery_exactonce.policy import check_timeouts, task_policy, task_timeouts
 from celery_exactonce.refs import JobRef
-from celery_exactonce.runtime import Runtime, config_for
+from celery_exactonce.runtime import Runtime, config_for, runtime_for
 from celery_exactonce.states import State
 from celery_exactonce.stores import settle
 from celery_exactonce.writes import NewJob, Transition
@@ -338,3 +338,48 @@ def validate_gated_task(task: Task) -> None:
         config_for(task.app), task_timeouts(task), prefix=f"{task.name}: task attribute "
     )
     task._exactonce_validated = True
+
+
+def record_revoke(task: Any, request: Any, *, terminated: bool, expired: bool) -> None:
+    """Revoke and ``expires`` end the job ``CANCELLED`` (no redispatch loop).
+
+    Only for the attempt the revoked message carries: an expired copy of an
+    earlier attempt says nothing of the attempt the job is at now. A job
+    already ``RUNNING`` is cancelled only by a revoke with ``terminate=True``.
+    """
+    runtime = runtime_for(task.app)
+    headers = {
+        **messages.headers_of(getattr(request, "request_dict", None) or {}),
+        **messages.headers_of(request),
+    }
+    ref = messages.ref_from_headers(headers, request.id)
+    attempt = int(headers.get(messages.HEADER_ATTEMPT, getattr(request, "retries", 0) or 0))
+    try:
+        job = runtime.store.get(ref)
+        if job is None or job.terminal or job.task != task.name or job.attempt != attempt:
+            return
+        if job.state is State.RUNNING:
+            if not terminated:
+                return
+            guard: dict[str, Any] = {"run_id": job.run_id}
+        else:
+            guard = {"rev": job.rev}
+        runtime.store.transition(
+            ref,
+            Transition(
+                State.CANCELLED,
+                frozenset({job.state}),
+                node=runtime.node,
+                reason="expired" if expired else "revoked",
+                attempt=attempt,
+                task=task.name,
+                **guard,
+            ),
+        )
+    except exceptions.StoreError as exc:
+        metrics.event(
+            "revoke_write_failed",
+            f"could not record the revoke of {ref}: {exc}",
+            level=logging.WARNING,
+            job_id=ref.id,
+        )

@@ -40,7 +40,7 @@ from celery import Task, signals
 from celery.exceptions import Ignore, Reject, Retry
 
 from celery_exactonce import call_options, exceptions, jobs, messages, metrics, refs
-from celery_exactonce.gate import Delivery, raw_republish, validate_gated_task
+from celery_exactonce.gate import Delivery, raw_republish, record_revoke, validate_gated_task
 from celery_exactonce.heartbeats import heartbeats
 from celery_exactonce.jobs import CreateStatus, Job
 from celery_exactonce.outcomes import Enqueued
@@ -438,51 +438,11 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
 
 
 def _on_revoked(
-    sender: Any = None, request: Any = None, terminated: bool = False, **_kw: Any
+    sender: Any = None, request: Any = None, terminated: bool = False, **kw: Any
 ) -> None:
-    """Revoke and ``expires`` end the job ``CANCELLED`` (no redispatch loop).
-
-    Only for the attempt the revoked message carries: an expired copy of an
-    earlier attempt says nothing of the attempt the job is at now.
-    """
-    if not isinstance(sender, ExactOnceTask) or request is None:
-        return
-    runtime = runtime_for(sender.app)
-    headers = {
-        **messages.headers_of(getattr(request, "request_dict", None) or {}),
-        **messages.headers_of(request),
-    }
-    ref = messages.ref_from_headers(headers, request.id)
-    attempt = int(headers.get(messages.HEADER_ATTEMPT, getattr(request, "retries", 0) or 0))
-    try:
-        job = runtime.store.get(ref)
-        if job is None or job.terminal or job.task != sender.name or job.attempt != attempt:
-            return
-        if job.state is State.RUNNING:
-            if not terminated:
-                return
-            guard: dict[str, Any] = {"run_id": job.run_id}
-        else:
-            guard = {"rev": job.rev}
-        runtime.store.transition(
-            ref,
-            Transition(
-                State.CANCELLED,
-                frozenset({job.state}),
-                node=runtime.node,
-                reason="revoked" if not _kw.get("expired") else "expired",
-                attempt=attempt,
-                task=sender.name,
-                **guard,
-            ),
-        )
-    except exceptions.StoreError as exc:
-        metrics.event(
-            "revoke_write_failed",
-            f"could not record the revoke of {ref}: {exc}",
-            level=logging.WARNING,
-            job_id=ref.id,
-        )
+    """Celery's ``task_revoked``: a gated job's revoke or expiry is recorded (``record_revoke``)."""
+    if isinstance(sender, ExactOnceTask) and request is not None:
+        record_revoke(sender, request, terminated=terminated, expired=bool(kw.get("expired")))
 
 
 signals.task_revoked.connect(_on_revoked, weak=False)
