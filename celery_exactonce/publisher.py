@@ -10,7 +10,6 @@ kombu's publish retry off, batched where the transport batches. A failure is
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import errno
 import logging
 import os
@@ -20,6 +19,14 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol
 
 from celery_exactonce import messages, metrics
+from celery_exactonce.capture import (
+    PUSH_COMMANDS,
+    CaptureChannel,
+    Captured,
+    Capturing,
+    declared_once,
+    redis_broker,
+)
 from celery_exactonce.jobs import Job
 from celery_exactonce.messages import CALL_OPTIONS, INTERNAL_OPTIONS, check_options
 from celery_exactonce.payload import decode_payload
@@ -102,7 +109,7 @@ class CeleryPublisher:
         self.timeout = timeout
         self._local = threading.local()
         self._capture_lock = threading.Lock()
-        self._captures: list[_Capturing] = []
+        self._captures: list[Capturing] = []
         self._capture_pid = os.getpid()
         self._capturable: bool | None = None
 
@@ -222,7 +229,7 @@ class CeleryPublisher:
             commands, target.channel.commands = target.channel.commands, []
             self._release(target)
         if not commands or any(
-            len(args) != 2 or name not in _PUSH_COMMANDS for name, *args in commands
+            len(args) != 2 or name not in PUSH_COMMANDS for name, *args in commands
         ):
             return None
         pushed = tuple((name, target.prefix + str(key), value) for name, key, value in commands)
@@ -230,7 +237,7 @@ class CeleryPublisher:
 
     def _capture_target(
         self, shares_server: Callable[[Mapping[str, Any]], int | None]
-    ) -> _Capturing | None:
+    ) -> Capturing | None:
         """A capturing channel and producer for this call, or ``None``: not capturable.
 
         Kept in a free list for the process (:meth:`_release` gives one back),
@@ -251,25 +258,25 @@ class CeleryPublisher:
                 return self._captures.pop()
         connection = self.app.connection_for_write()
         where = {"host": connection.hostname, "port": connection.port, "path": None}
-        target: _Capturing | None = None
+        target: Capturing | None = None
         if connection.transport.driver_type == "redis" and shares_server(where) is not None:
             try:  # connects: a broker that is down is left to the general path, this time
                 real = connection.default_channel
             except Exception:
                 connection.release()
                 return None
-            broker = _redis_broker(real)
+            broker = redis_broker(real)
             if broker is not None and shares_server(real.pool.connection_kwargs) is not None:
-                capture = _CaptureChannel(real)
+                capture = CaptureChannel(real)
                 producer = self.app.amqp.Producer(capture)
-                producer.maybe_declare = _declared_once(producer)
-                target = _Capturing(capture, producer, *broker)
+                producer.maybe_declare = declared_once(producer)
+                target = Capturing(capture, producer, *broker)
         if target is None:
             connection.release()
             self._capturable = False
         return target
 
-    def _release(self, target: _Capturing) -> None:
+    def _release(self, target: Capturing) -> None:
         with self._capture_lock:
             if self._capture_pid == os.getpid():
                 self._captures.append(target)
@@ -370,106 +377,3 @@ class CeleryPublisher:
         except Exception as exc:
             return exc
         return None
-
-
-#: kombu's Redis commands of a publish that an atomic enqueue runs (``PublishBatch.add``).
-_PUSH_COMMANDS = frozenset({"lpush", "pexpire", "publish"})
-
-
-@dataclasses.dataclass(frozen=True)
-class Captured:
-    """A message built by :meth:`CeleryPublisher.capture`, not sent."""
-
-    #: What ``send_task`` returned (its ``AsyncResult``).
-    sent: Any
-    #: The broker's Redis database.
-    db: int
-    #: kombu's Redis commands for it, ``(name, key, value)``, in order, each key
-    #: with the broker's ``global_keyprefix`` as kombu's client would send it.
-    commands: tuple[tuple[str, str, Any], ...]
-
-
-@dataclasses.dataclass
-class _Capturing:
-    """A capturing channel, its producer, and the broker's database and key prefix."""
-
-    channel: _CaptureChannel
-    producer: Any
-    db: int
-    prefix: str
-
-
-def _redis_broker(channel: Any) -> tuple[int, str] | None:
-    """The database and key prefix of a kombu Redis channel whose commands can be captured.
-
-    Only kombu's plain Redis transport (not Sentinel's), in a kombu whose
-    publish batches route a message into commands (``PublishBatch``, kombu
-    5.7). A ``global_keyprefix`` is what kombu's client would put before the
-    key of each command as it sends it: the capture puts it there itself, for
-    the commands kombu's client prefixes that way (else ``None``).
-    """
-    try:
-        from kombu.transport import redis as kombu_redis
-    except ImportError:  # pragma: no cover - redis-py is a dependency
-        return None
-    if type(channel) is not kombu_redis.Channel or not hasattr(kombu_redis, "PublishBatch"):
-        return None
-    prefix = str(getattr(channel, "global_keyprefix", "") or "")
-    if prefix:
-        prefixed = getattr(kombu_redis, "GlobalKeyPrefixMixin", None)
-        simple = {name.lower() for name in getattr(prefixed, "PREFIXED_SIMPLE_COMMANDS", ())}
-        if not simple >= _PUSH_COMMANDS:
-            return None
-    return int(channel.pool.connection_kwargs.get("db") or 0), prefix
-
-
-def _declared_once(producer: Any) -> Callable[..., Any]:
-    """``producer.maybe_declare``, answering an entity already declared on its connection at once.
-
-    kombu's own answers the same (``False``, nothing declared) after binding a
-    copy of the entity to the channel, which it throws away: for a queue and
-    its exchange, a tenth of building a message. Anything not declared yet
-    goes to kombu's.
-    """
-    declare = producer.maybe_declare
-
-    def maybe_declare(entity: Any, retry: bool = False, **retry_policy: Any) -> Any:
-        connection = producer.channel.connection
-        if (
-            entity
-            and connection is not None
-            and entity.can_cache_declaration
-            and hash(entity) in connection.client.declared_entities
-        ):
-            return False
-        return declare(entity, retry, **retry_policy)
-
-    return maybe_declare
-
-
-class _CaptureChannel:
-    """A kombu Redis channel that turns a publish into commands and sends none.
-
-    Everything but the publish is the real channel's (declaring a queue,
-    looking an exchange's bindings up). A publish goes to the real channel's
-    ``basic_publish`` with this channel as its ``_publish_batch`` (kombu
-    5.7's ``PublishBatch`` protocol): kombu's Redis transport then hands the
-    commands it would run to :meth:`add` instead of running them. A
-    producer's own batches are off (``supports_batch_publish``), so every
-    publish comes here.
-    """
-
-    supports_batch_publish = False
-
-    def __init__(self, channel: Any) -> None:
-        self.real = channel
-        self.commands: list[tuple[Any, ...]] = []
-
-    def basic_publish(self, message: Any, **kwargs: Any) -> Any:
-        return self.real.basic_publish(message, _publish_batch=self, **kwargs)
-
-    def add(self, name: str, *args: Any) -> None:
-        self.commands.append((name, *args))
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.real, name)
