@@ -31,23 +31,20 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Mapping, Sequence
-from datetime import datetime, timezone
 from typing import Any
 
 from celery_exactonce import exceptions, jobs, messages, metrics, signing
 from celery_exactonce.jobs import Job, TransitionStatus
 from celery_exactonce.messages import GATED_OPTION
+from celery_exactonce.one_step import OneStep
 from celery_exactonce.outcomes import DispatchResult, Enqueued, Outcome
 from celery_exactonce.publisher import Publisher, PublishFailed
 from celery_exactonce.retrier import Retrier
 from celery_exactonce.states import State
 from celery_exactonce.stores import settle
 from celery_exactonce.stores.base import StateStore
-from celery_exactonce.stores.redis import Push, PushRefused
 from celery_exactonce.writes import Action, Lease, NewJob, Transition
 
-#: How a history tells a dispatch written with its message (:meth:`Dispatcher.enqueue`).
-ENQUEUED = "(record and message in one step)"
 #: Jobs per ``DISPATCHED`` write in :meth:`Dispatcher.dispatch_many`: at most this
 #: many are left ``DISPATCHED`` without a message if the process dies mid-chunk.
 DISPATCH_CHUNK = 32
@@ -73,8 +70,7 @@ class Dispatcher:
         self.signer = signer
         if retrier is not None:
             retrier.bind(self)
-        #: Set once the store's Redis refused an :meth:`enqueue` push (an ACL, say).
-        self._no_enqueue = False
+        self._one_step = OneStep(self)
 
     def dispatch(
         self,
@@ -222,81 +218,12 @@ class Dispatcher:
     def enqueue(
         self, new: NewJob, *, reason: str = "dispatch", call: Mapping[str, Any] | None = None
     ) -> Enqueued | None:
-        """Create ``new`` (``SCHEDULED``) already ``DISPATCHED``, with its message, in one call.
+        """Create ``new`` already ``DISPATCHED``, with its message, in one call (:class:`OneStep`).
 
-        Where the broker is a Redis on the store's own server (a
-        :class:`~celery_exactonce.stores.redis.RedisStore`, and a publisher that
-        can :meth:`~celery_exactonce.publisher.CeleryPublisher.capture` the
-        message kombu would push), one script writes the record and pushes the
-        message: both exist or neither does, so no publish is ambiguous and
-        none needs a rollback. ``None`` where this cannot be done (another
-        broker, a signing key, a deadline already past, a push Redis refused):
-        the caller takes the general path, :meth:`dispatch` after a create.
-
-        Raises :class:`~celery_exactonce.exceptions.StoreError` when the
-        outcome is unknown (the answer was lost and the record could not be
-        read back, or was not there yet).
+        ``None`` where this cannot be done: the caller takes the general path,
+        :meth:`dispatch` after a create.
         """
-        enqueue = getattr(self.store, "enqueue", None)
-        shares_server = getattr(self.store, "shares_server", None)
-        capture = getattr(self.publisher, "capture", None)
-        if enqueue is None or shares_server is None or capture is None or self._no_enqueue:
-            return None
-        capturable = getattr(self.publisher, "capturable", None)
-        if capturable is not None and not capturable():  # known before building anything
-            return None
-        if new.state is not State.SCHEDULED or self.signer is not None:
-            return None
-        request = Transition(
-            State.DISPATCHED,
-            frozenset({State.SCHEDULED}),
-            node=self.node,
-            reason=f"{reason} {ENQUEUED}",
-            rev=new.rev,
-        )
-        now = datetime.now(timezone.utc)
-        job = jobs.apply_transition(jobs.job_from_new(new, now), request, now)
-        if job.deadline is not None and job.deadline <= now:
-            return None  # the general path records the expiry
-        headers = messages.message_headers(job, self.store.namespace)
-        try:
-            captured = capture(job, headers, call or {}, shares_server)
-        except PublishFailed:
-            return None  # the general path fails the job, with the reason
-        if captured is None:
-            return None
-        try:
-            result = enqueue(new, request, Push(captured.db, captured.commands))
-        except PushRefused as exc:
-            self._no_enqueue = True
-            metrics.event(
-                "enqueue_refused",
-                f"the store's Redis refused to push a message to the broker's database ({exc}): "
-                "this process publishes through the broker connection from now on",
-                level=logging.WARNING,
-                job_id=new.ref.id,
-            )
-            return None
-        except exceptions.StoreError:
-            back = settle.read_back(self.store, new.ref, request.new_rev)
-            if back.job is None:  # none yet, or unreadable: the script may still run
-                raise
-            if back.decision is settle.Decision.NOT_APPLIED:
-                return Enqueued(back.job, created=False, sent=captured.sent)
-            # Ours, perhaps already moved on by a worker's gate (superseded).
-            result = jobs.CreateResult(jobs.CreateStatus.CREATED, back.job)
-        if not result.created:
-            assert result.job is not None  # noqa: S101 (an existing record comes back)
-            return Enqueued(result.job, created=False, sent=captured.sent)
-        metrics.event(
-            "dispatched",
-            f"job {job.ref} created and published in one step",
-            level=logging.DEBUG,
-            job_id=job.ref.id,
-            task=job.task,
-            attempt=0,
-        )
-        return Enqueued(result.job or job, created=True, sent=captured.sent)
+        return self._one_step.enqueue(new, reason=reason, call=call)
 
     def publish(self, job: Job, *, extra: Mapping[str, Any] | None = None) -> DispatchResult:
         """Publish ``job``, which this caller just wrote ``DISPATCHED`` (its ``rev`` is ours).

@@ -13,10 +13,11 @@ from typing import Any
 import pytest
 
 from celery_exactonce import metrics, runtime
-from celery_exactonce.dispatch import ENQUEUED, Dispatcher
+from celery_exactonce.dispatch import Dispatcher
 from celery_exactonce.exceptions import StoreUnavailable, SubmitAmbiguous
 from celery_exactonce.jobs import Job
 from celery_exactonce.messages import message_headers
+from celery_exactonce.one_step import ENQUEUED
 from celery_exactonce.publisher import CeleryPublisher, PublishFailed
 from celery_exactonce.refs import JobRef
 from celery_exactonce.states import State

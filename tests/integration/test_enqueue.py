@@ -21,9 +21,10 @@ from celery import Celery
 from kombu import Exchange, Queue
 
 from celery_exactonce import exceptions, jobs, messages
-from celery_exactonce.dispatch import ENQUEUED, Dispatcher
+from celery_exactonce.dispatch import Dispatcher
 from celery_exactonce.jobs import Job
 from celery_exactonce.messages import GATED_OPTION
+from celery_exactonce.one_step import ENQUEUED
 from celery_exactonce.publisher import CeleryPublisher
 from celery_exactonce.refs import JobRef
 from celery_exactonce.states import State
