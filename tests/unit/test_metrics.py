@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
@@ -93,3 +94,21 @@ def test_every_counted_or_logged_event_goes_through_metrics_event() -> None:
             if bumps or logs:
                 offenders.append(f"{path.relative_to(package)}:{call.lineno} {ast.unparse(func)}")
     assert offenders == []
+
+
+def test_every_event_the_package_emits_is_in_the_events_reference() -> None:
+    """docs/reference/events.md has a row for each action ``metrics.event`` is called with."""
+    package = Path(metrics.__file__).parent
+    actions = set()
+    for path in package.rglob("*.py"):
+        if "demo" in path.parts:
+            continue
+        for call in _calls(ast.parse(path.read_text(encoding="utf-8"))):
+            func = call.func
+            named = isinstance(func, ast.Attribute) and func.attr == "event" and call.args
+            if named and isinstance(call.args[0], ast.Constant):
+                actions.add(call.args[0].value)
+    reference = (package.parent / "docs" / "reference" / "events.md").read_text(encoding="utf-8")
+    documented = set(re.findall(r"^\| `(\w+)` \|", reference, re.MULTILINE))
+    assert len(actions) > 20
+    assert sorted(actions - documented) == []
