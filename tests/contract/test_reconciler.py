@@ -7,7 +7,6 @@ timestamps (a job's history) rather than on this process's clock.
 
 from __future__ import annotations
 
-import random
 import threading
 import time
 from collections.abc import Callable
@@ -35,6 +34,7 @@ from tests.support.reconciling import (
     Broker,
     HookedStore,
     current,
+    flaky_writes,
     gate,
     make_app,
     move,
@@ -514,31 +514,7 @@ def test_with_a_tenth_of_writes_failing_a_pass_is_bounded_and_nothing_runs_twice
     ]
     jobs = [scene.put(state, task) for state, task in kinds for _ in range(6)]
     scene.wait_stale(jobs[-1], RUNNING_TIMEOUT)
-    rng, lock = random.Random(7), threading.Lock()
-    writes = (
-        "transition",
-        "transition_many",
-        "acquire_lease",
-        "renew_lease",
-        "release_lease",
-        "purge_expired",
-    )
-
-    def roll() -> float:
-        with lock:
-            return rng.random()
-
-    def before(*args: Any, **kwargs: Any) -> None:
-        if roll() < 0.05:
-            raise exceptions.StoreUnavailable("injected: write refused")
-
-    def after(result: Any, *args: Any, **kwargs: Any) -> Any:
-        if roll() < 0.05:
-            raise exceptions.StoreUnavailable("injected: write applied, answer lost")
-        return result
-
-    for name in writes:
-        scene.hooked.before[name], scene.hooked.after[name] = before, after
+    flaky_writes(scene.hooked, rate=0.10, seed=7)
     # When passes run
     errors = 0
     for _ in range(15):

@@ -8,6 +8,7 @@ Used by ``tests/unit/reconciler/`` (InMemoryStore + FrozenClock, through
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 import uuid
@@ -272,3 +273,44 @@ class HookedStore:
     @property
     def retention(self) -> float:
         return self.inner.retention
+
+
+def flaky_writes(hooked: HookedStore, rate: float, seed: int) -> Callable[[], None]:
+    """Make ``rate`` of the store's writes fail, half before and half after applying.
+
+    Returns a function that ends the faults.
+    """
+    rng = random.Random(seed)
+    lock = threading.Lock()
+    writes = (
+        "transition",
+        "transition_many",
+        "acquire_lease",
+        "renew_lease",
+        "release_lease",
+        "purge_expired",
+    )
+
+    def roll() -> float:
+        with lock:
+            return rng.random()
+
+    def before(*args: Any, **kwargs: Any) -> None:
+        if roll() < rate / 2:
+            raise exceptions.StoreUnavailable("injected: write refused")
+
+    def after(result: Any, *args: Any, **kwargs: Any) -> Any:
+        if roll() < rate / 2:
+            raise exceptions.StoreUnavailable("injected: write applied, answer lost")
+        return result
+
+    for name in writes:
+        hooked.before[name] = before
+        hooked.after[name] = after
+
+    def stop() -> None:
+        for name in writes:
+            hooked.before.pop(name, None)
+            hooked.after.pop(name, None)
+
+    return stop

@@ -8,57 +8,12 @@ clock, so a live job whose heartbeats failed meanwhile is never timed out.
 
 from __future__ import annotations
 
-import random
-import threading
 import time
-from collections.abc import Callable
-from typing import Any
 
-from celery_exactonce import exceptions, metrics
+from celery_exactonce import metrics
 from celery_exactonce.states import State
 from tests.support.reconciler_world import RUNNING_TIMEOUT, World
-from tests.support.reconciling import GATED, PLAIN, RERUN, entries
-
-
-def flaky_writes(world: World, rate: float, seed: int) -> Callable[[], None]:
-    """Make ``rate`` of the store's writes fail, half before and half after applying.
-
-    Returns a function that ends the faults.
-    """
-    rng = random.Random(seed)
-    lock = threading.Lock()
-    writes = (
-        "transition",
-        "transition_many",
-        "acquire_lease",
-        "renew_lease",
-        "release_lease",
-        "purge_expired",
-    )
-
-    def roll() -> float:
-        with lock:
-            return rng.random()
-
-    def before(*args: Any, **kwargs: Any) -> None:
-        if roll() < rate / 2:
-            raise exceptions.StoreUnavailable("injected: write refused")
-
-    def after(result: Any, *args: Any, **kwargs: Any) -> Any:
-        if roll() < rate / 2:
-            raise exceptions.StoreUnavailable("injected: write applied, answer lost")
-        return result
-
-    for name in writes:
-        world.hooked.before[name] = before
-        world.hooked.after[name] = after
-
-    def stop() -> None:
-        for name in writes:
-            world.hooked.before.pop(name, None)
-            world.hooked.after.pop(name, None)
-
-    return stop
+from tests.support.reconciling import GATED, PLAIN, RERUN, entries, flaky_writes
 
 
 def test_with_a_tenth_of_writes_failing_passes_stay_bounded_and_nothing_runs_twice(
@@ -75,7 +30,7 @@ def test_with_a_tenth_of_writes_failing_passes_stay_bounded_and_nothing_runs_twi
     ]
     jobs = [world.put(state, task) for state, task in kinds for _ in range(40)]
     world.advance(RUNNING_TIMEOUT)
-    stop = flaky_writes(world, rate=0.10, seed=20260301)
+    stop = flaky_writes(world.hooked, rate=0.10, seed=20260301)
     errors = 0
     # When passes run, a minute apart
     for _ in range(40):
