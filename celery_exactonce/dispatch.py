@@ -258,7 +258,9 @@ class Dispatcher:
             return self._publish_failed(job, exc)
         metrics.event(
             "dispatched",
-            f"job {job.ref} published (attempt {job.attempt})",
+            "job %s published (attempt %s)",
+            job.ref,
+            job.attempt,
             level=logging.DEBUG,
             job_id=job.ref.id,
             task=job.task,

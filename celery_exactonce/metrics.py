@@ -76,7 +76,7 @@ COUNTERS = Counters()
 def event(
     action: str,
     message: str,
-    *,
+    *args: Any,
     level: int = logging.INFO,
     labels: Mapping[str, str] | None = None,
     sentry: bool = False,
@@ -87,7 +87,9 @@ def event(
 ) -> None:
     """Count ``action`` (``count`` times), log ``message`` once with ``extra={"action": …}``.
 
-    ``also`` names broader events this one counts as too (same labels; the
+    ``args`` are ``message``'s ``%`` arguments, formatted only if the record is
+    written (a hot path's debug event costs no formatting). ``also`` names
+    broader events this one counts as too (same labels; the
     record lists them under ``also``). With ``sentry=True`` the event also goes
     to Sentry, tagged with the action, the labels and the job id, if the host
     app initialised Sentry.
@@ -101,9 +103,10 @@ def event(
             extra["count"] = count
         if also:
             extra["also"] = list(also)
-        logger.log(level, message, extra=extra, exc_info=exc_info)
+        logger.log(level, message, *args, extra=extra, exc_info=exc_info)
     if sentry:
-        report_to_sentry(action, message, {**dict(labels or {}), **fields}, exc_info)
+        text = message % args if args else message
+        report_to_sentry(action, text, {**dict(labels or {}), **fields}, exc_info)
 
 
 def report_to_sentry(

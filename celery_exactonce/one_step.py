@@ -132,7 +132,8 @@ class OneStep:
             return Enqueued(result.job, created=False, sent=captured.sent)
         metrics.event(
             "dispatched",
-            f"job {job.ref} created and published in one step",
+            "job %s created and published in one step",
+            job.ref,
             level=logging.DEBUG,
             job_id=job.ref.id,
             task=job.task,

@@ -112,3 +112,14 @@ def test_every_event_the_package_emits_is_in_the_events_reference() -> None:
     documented = set(re.findall(r"^\| `(\w+)` \|", reference, re.MULTILINE))
     assert len(actions) > 20
     assert sorted(actions - documented) == []
+
+
+def test_an_events_arguments_are_formatted_into_its_record(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    metrics.COUNTERS.reset()
+    with caplog.at_level(logging.DEBUG, logger="celery_exactonce"):
+        metrics.event("dispatched", "job %s published (attempt %s)", "t:j1", 2, level=logging.DEBUG)
+    (record,) = caplog.records
+    assert record.getMessage() == "job t:j1 published (attempt 2)"
+    assert metrics.COUNTERS.get("dispatched") == 1
