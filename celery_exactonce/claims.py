@@ -8,7 +8,7 @@ holds the slot), *refused* (an epoch mismatch: the store lost data) or
 *failed* (a store error, and no record read back: the slot stays undecided).
 
 Not here: which slots to claim (:mod:`~celery_exactonce.planner`), what beat
-does with each outcome (:mod:`~celery_exactonce.scheduler`).
+does with each outcome (:mod:`~celery_exactonce.claimer`).
 """
 
 from __future__ import annotations

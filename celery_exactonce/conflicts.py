@@ -6,7 +6,7 @@ runs. A node that finds a slot claimed by such a record logs a
 ``claim_conflict`` warning (at most once per entry every :data:`RECHECK`
 seconds) and notes it on the record.
 
-Not here: the claims themselves (:mod:`~celery_exactonce.scheduler`).
+Not here: the claims themselves (:mod:`~celery_exactonce.claimer`).
 """
 
 from __future__ import annotations

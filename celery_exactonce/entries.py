@@ -13,8 +13,8 @@ Per-entry overrides live under ``options["exactonce"]`` (:class:`EntryPolicy`):
 ``{"catchup": "all", "max_lateness": 600, "deadline": 300}``.
 
 Not here: which slots are due and which to claim (:mod:`~celery_exactonce.planner`),
-the claims themselves and Celery's scheduler interface
-(:mod:`~celery_exactonce.scheduler`).
+the claims themselves (:mod:`~celery_exactonce.claimer`) and Celery's scheduler
+interface (:mod:`~celery_exactonce.scheduler`).
 """
 
 from __future__ import annotations

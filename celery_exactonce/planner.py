@@ -17,7 +17,7 @@ far it has decided the entry's slots, the store-loss floor) and returns a
 
 Every skipped slot is counted, once per tick and reason (:mod:`~celery_exactonce.skips`).
 
-Not here: the claims (:mod:`~celery_exactonce.scheduler`), the job of a slot
+Not here: the claims (:mod:`~celery_exactonce.claimer`), the job of a slot
 (:mod:`~celery_exactonce.entries`).
 """
 
@@ -54,6 +54,8 @@ class Plan:
     #: ``(where, fire times)`` skipped by the plan (see :data:`~celery_exactonce.skips.WHY`).
     skipped: list[tuple[str, list[datetime]]] = dataclasses.field(default_factory=list)
     failed: list[datetime] = dataclasses.field(default_factory=list)
+    #: Fire times the claims found claimed: won by this node, or by another before it.
+    claimed: list[datetime] = dataclasses.field(default_factory=list)
 
     def decided_to(self) -> datetime:
         if not self.due:

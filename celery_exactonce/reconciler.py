@@ -42,11 +42,14 @@ backoff) before this reconciler tries it again.
 Per task, as attributes: ``exactonce_dispatch_timeout``,
 ``exactonce_dispatch_deadline``, ``exactonce_running_timeout``,
 ``exactonce_redispatch``, ``exactonce_rerun``.
+
+Not here: what a pass reports and logs, and what its handlers share
+(:mod:`~celery_exactonce.passes`); a task's limits (:mod:`~celery_exactonce.policy`);
+running passes on beat or as a task (:mod:`~celery_exactonce.reconcile_task`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import time
@@ -54,10 +57,12 @@ from collections.abc import Callable, Mapping
 from datetime import datetime
 from typing import Any
 
-from celery_exactonce import exceptions, jobs, metrics, refs, times
+from celery_exactonce import exceptions, jobs, metrics, refs
 from celery_exactonce.jobs import Job
 from celery_exactonce.messages import GATED_OPTION
 from celery_exactonce.outcomes import Outcome
+from celery_exactonce.passes import Pass, count_actions, count_store_error, report_pass
+from celery_exactonce.passes import PassReport as PassReport  # noqa: PLC0414  (run_pass's)
 from celery_exactonce.policy import Timeouts, youngest_ages
 from celery_exactonce.refs import JobRef
 from celery_exactonce.runtime import Runtime
@@ -91,50 +96,8 @@ RETRY_BACKOFF = 5.0
 RETRY_BACKOFF_MAX = 300.0
 
 
-@dataclasses.dataclass
-class PassReport:
-    """What one pass did. ``ran`` is ``False`` when another node held the lease."""
-
-    ran: bool = False
-    stale: dict[str, int] = dataclasses.field(default_factory=dict)
-    replayed: int = 0
-    redispatched: int = 0
-    rerun: int = 0
-    timed_out: int = 0
-    failed: int = 0
-    cancelled: int = 0
-    expired: int = 0
-    errors: int = 0
-    skipped: int = 0
-    lease_lost: bool = False
-
-    def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
-@dataclasses.dataclass
-class _Pass:
-    """The state of one pass, handed to every handler."""
-
-    report: PassReport
-    lease: Lease
-    #: Whether timeouts may act (not within the grace period after a store error).
-    timeouts_ok: bool
-    #: The store's time when the page being acted on was listed.
-    now: datetime = times.UNIX_EPOCH
-
-
 #: What acts on one stale job of a state, in a pass.
-Handler = Callable[[_Pass, Job], None]
-
-
-def _count(job: Job, action: Action) -> int:
-    """How many of the job's (capped) history entries record ``action``.
-
-    Replays and redispatches each add entries far below the history cap
-    before their own cap is reached, so the count is exact where it matters.
-    """
-    return sum(1 for entry in job.history if entry.action is action)
+Handler = Callable[[Pass, Job], None]
 
 
 class Reconciler:
@@ -170,7 +133,7 @@ class Reconciler:
             return report
         report.ran = True
         try:
-            self._pass(_Pass(report, lease, timeouts_ok=self._monotonic() >= self._grace_end()))
+            self._pass(Pass(report, lease, timeouts_ok=self._monotonic() >= self._grace_end()))
         except exceptions.LeaseLost:
             report.lease_lost = True
             metrics.event(
@@ -183,10 +146,10 @@ class Reconciler:
                 store.release_lease(lease.name, lease.token)
             except exceptions.StoreError as exc:
                 self._store_error(report, exc, "lease")
-        self._report(report)
+        report_pass(report)
         return report
 
-    def _pass(self, run: _Pass) -> None:
+    def _pass(self, run: Pass) -> None:
         dispatch_age, running_age = self._ages()
         self._each(run, State.SCHEDULED, self.runtime.config.replay_age, self._scheduled)
         self._each(run, State.DISPATCHED, dispatch_age, self._dispatched)
@@ -197,7 +160,7 @@ class Reconciler:
         except exceptions.StoreError as exc:
             self._store_error(run.report, exc, "purge")
 
-    def _each(self, run: _Pass, state: State, older_than: float, act: Handler) -> None:
+    def _each(self, run: Pass, state: State, older_than: float, act: Handler) -> None:
         """Act on up to :data:`LIST_PAGES` pages of stale ``state`` jobs, from its cursor.
 
         The listing is in ``(touched_at, ref)`` order, not by what is due: jobs
@@ -224,7 +187,7 @@ class Reconciler:
                 return
             self._cursors[state] = (stale[-1].touched_at, stale[-1].ref)
 
-    def _act_on(self, run: _Pass, stale: list[Job], act: Handler) -> None:
+    def _act_on(self, run: Pass, stale: list[Job], act: Handler) -> None:
         """``act(run, job)`` on each listed job not backing off."""
         now = self._monotonic()
         for i, job in enumerate(stale):
@@ -245,14 +208,14 @@ class Reconciler:
 
     # -- per state -----------------------------------------------------------------------
 
-    def _scheduled(self, run: _Pass, job: Job) -> None:
+    def _scheduled(self, run: Pass, job: Job) -> None:
         """Replay a ``SCHEDULED`` job that nobody dispatched (crash between claim and publish)."""
         report = run.report
         if job.deadline is not None and run.now >= job.deadline:
             if self._move(run, job, State.CANCELLED, "deadline passed before replay"):
                 report.cancelled += 1
             return
-        replays = _count(job, Action.REPLAY)
+        replays = count_actions(job, Action.REPLAY)
         if replays >= MAX_REPLAYS:
             reason = f"replayed {replays} times without running"
             if self._move(run, job, State.FAILED, reason):
@@ -286,7 +249,7 @@ class Reconciler:
         elif result.outcome is Outcome.EXPIRED:
             report.cancelled += 1
 
-    def _dispatched(self, run: _Pass, job: Job) -> None:
+    def _dispatched(self, run: Pass, job: Job) -> None:
         limits = self._timeouts(job)
         age = (run.now - job.touched_at).total_seconds()
         if not job.options.get(GATED_OPTION):
@@ -299,7 +262,7 @@ class Reconciler:
             return
         if not limits.redispatch or run.report.redispatched >= REDISPATCH_BUDGET:
             return
-        redispatches = _count(job, Action.REDISPATCH)
+        redispatches = count_actions(job, Action.REDISPATCH)
         backoff = limits.dispatch_timeout * 2 ** min(redispatches, 16)
         if redispatches >= MAX_REDISPATCHES or age < backoff:
             return
@@ -316,11 +279,11 @@ class Reconciler:
         if self._publish_after(job, request):
             run.report.redispatched += 1
 
-    def _running(self, run: _Pass, job: Job) -> None:
+    def _running(self, run: Pass, job: Job) -> None:
         limits = self._timeouts(job)
         if (run.now - job.touched_at).total_seconds() < limits.running_timeout:
             return
-        reruns = _count(job, Action.RERUN)
+        reruns = count_actions(job, Action.RERUN)
         if limits.rerun and job.options.get(GATED_OPTION) and reruns < MAX_RERUNS:
             request = Transition(
                 State.DISPATCHED,
@@ -349,7 +312,7 @@ class Reconciler:
         self.runtime.dispatcher.publish(result)
         return True
 
-    def _time_out(self, run: _Pass, job: Job, reason: str, stale_for: float) -> None:
+    def _time_out(self, run: Pass, job: Job, reason: str, stale_for: float) -> None:
         if self._move(run, job, State.TIMEOUT, reason, stale_for=stale_for):
             run.report.timed_out += 1
             metrics.event(
@@ -363,7 +326,7 @@ class Reconciler:
             )
 
     def _move(
-        self, run: _Pass, job: Job, state: State, reason: str, *, stale_for: float | None = None
+        self, run: Pass, job: Job, state: State, reason: str, *, stale_for: float | None = None
     ) -> bool:
         """CAS ``job`` from the state and rev it was listed with to ``state``; whether it did."""
         request = Transition(
@@ -428,25 +391,6 @@ class Reconciler:
         self, report: PassReport, exc: BaseException, where: str, *, outage: bool = True
     ) -> None:
         """Count a store error; an ``outage`` (not one job's write) starts the grace period."""
-        report.errors += 1
         if outage:
             self.runtime.note_store_error(self._monotonic())
-        metrics.event(
-            "reconcile_store_error",
-            f"reconciler: store error ({where}): {exc}",
-            level=logging.WARNING,
-            detail=where,
-        )
-
-    def _report(self, report: PassReport) -> None:
-        for state, count in report.stale.items():
-            if count:
-                metrics.event(
-                    "stale_jobs",
-                    f"reconcile pass: {count} stale {state} job(s) listed",
-                    level=logging.DEBUG,
-                    labels={"state": state},
-                    count=count,
-                )
-        figures = {k: v for k, v in report.as_dict().items() if v}
-        metrics.event("reconcile_pass", f"reconcile pass: {figures}", figures=figures)
+        count_store_error(report, exc, where)

@@ -8,15 +8,18 @@ durable watermark, and dispatches the claims it won through the dispatch path
 (docs/design/protocol.md, "Beat").
 
 This module is the Celery adapter: the heap of entries keyed by next slot (the
-cost of a tick follows the due entries, not all of them), the tick, the
-claims in batches (:meth:`StateStore.create_many`) and their dispatch in
-batches (:meth:`Dispatcher.dispatch_many`), the sweep of delayed jobs, and
-SIGTERM. What it decides with lives elsewhere, as values:
+cost of a tick follows the due entries, not all of them), how far this node
+has decided each entry, the tick, the sweep of delayed jobs, and SIGTERM. What
+it decides with lives elsewhere, as values, in modules that never call back
+into it:
 
 * :mod:`~celery_exactonce.entries`: each entry's policy and checks (a bad
   entry is refused at start-up, naming it), and the job of a slot;
 * :mod:`~celery_exactonce.planner`: which due slots to claim and which to
   skip, and why (every skipped slot is counted);
+* :mod:`~celery_exactonce.claimer`: the planned slots claimed in batches
+  (:meth:`StateStore.create_many`), the won ones dispatched in batches
+  (:meth:`Dispatcher.dispatch_many`), and what each answer means for the node;
 * :mod:`~celery_exactonce.store_loss`: the epoch, the floor and the re-check
   of recent claims that keep a store that lost data from being claimed twice;
 * :mod:`~celery_exactonce.conflicts`: slots found claimed by another app's
@@ -45,25 +48,16 @@ import heapq
 import logging
 import signal
 import threading
+from collections.abc import Mapping
 from datetime import datetime, timedelta, timezone
 from typing import Any
 from zoneinfo import ZoneInfo
 
 from celery import beat
 
-from celery_exactonce import (
-    claims,
-    entries,
-    exceptions,
-    metrics,
-    planner,
-    reconcile_task,
-    slots,
-    startup,
-)
-from celery_exactonce.conflicts import ConflictWatch
-from celery_exactonce.entries import ENTRY_OPTIONS, INTERNAL_OPTION, EntryPolicy, entry_of, fire_of
-from celery_exactonce.jobs import Job
+from celery_exactonce import entries, exceptions, metrics, planner, reconcile_task, slots, startup
+from celery_exactonce.claimer import Claimer, fail_closed
+from celery_exactonce.entries import ENTRY_OPTIONS, INTERNAL_OPTION, EntryPolicy
 from celery_exactonce.planner import Plan
 from celery_exactonce.policy import task_policy
 from celery_exactonce.reconcile_task import RECONCILE_TASK, BeatRunner
@@ -72,10 +66,7 @@ from celery_exactonce.skips import SkipTally
 from celery_exactonce.store_loss import StoreLossGuard
 from celery_exactonce.stores import redact_url
 from celery_exactonce.task import ExactOnceTask
-from celery_exactonce.writes import NewJob
 
-#: Claims per ``create_many`` round trip.
-CLAIM_BATCH = 500
 #: Delayed jobs claimed per ``claim_due`` call, and at most this many calls per tick.
 SWEEP_BATCH = 500
 SWEEP_MAX_BATCHES = 20
@@ -98,12 +89,14 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
             max_skew=self._config.max_skew, window_lookback=self._config.window_lookback
         )
         self._skips = SkipTally()
-        self._conflicts = ConflictWatch(self._runtime.store, self._runtime.node)
         self._policies: dict[str, EntryPolicy] = {}
-        self._reconcile_runner = (
+        self._claimer = Claimer(
+            self._runtime,
+            self._guard,
+            self._skips,
             BeatRunner(self._runtime, threaded=self.reconcile_in_thread)
             if self._config.reconcile_on == "beat"
-            else None
+            else None,
         )
         self._due: list[tuple[datetime, str]] = []
         self._heap_ready = False
@@ -118,9 +111,13 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
     # -- celery.beat.Scheduler interface ---------------------------------------------
 
     def setup_schedule(self) -> None:
+        self._setup_entries(self.app.conf.beat_schedule)
+
+    def _setup_entries(self, schedule: Mapping[str, Any]) -> None:
+        """Start from ``schedule`` and beat's own entries, each checked (a bad one raises)."""
         reconcile_task.register_task(self.app)
         internal = self._internal_entries()
-        self.merge_inplace({**self.app.conf.beat_schedule, **internal})
+        self.merge_inplace({**schedule, **internal})
         now = self._runtime.store.now()
         for name, entry in self.schedule.items():
             self._validate(name, entry, now, internal=name in internal)
@@ -182,6 +179,43 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
         previous = dict(self.schedule)
         super().update_from_dict(dict_)
         self._changed(list(dict_), previous)
+
+    def _note_skipped(self) -> None:
+        """Report the tick's skipped slots, and keep a record of them in the store.
+
+        The record is for people (the admin); a store error loses it, not a slot.
+        """
+        records = self._skips.records(self._runtime.node)
+        self._skips.report()
+        if not records:
+            return
+        try:
+            self._runtime.store.note_skipped(records)
+        except exceptions.StoreError as exc:
+            metrics.event(
+                "skipped_not_recorded",
+                f"{len(records)} record(s) of skipped slots not kept in the store ({exc})",
+                level=logging.WARNING,
+            )
+
+    def _forget(self, name: str) -> None:
+        """An entry taken out of ``self.schedule``: drop its policy, rebuild the heap next tick."""
+        self._policies.pop(name, None)
+        self._heap_ready = False
+
+    def _tick_started(self, now: datetime) -> None:
+        """A tick read the store's clock (``now``) and will plan next; the schedule may change.
+
+        Nothing to do here: a scheduler that keeps its entries elsewhere (the
+        django-celery-beat one) reads them again, with the tick's store time.
+        """
+
+    def _claimed(self, plans: list[Plan]) -> None:
+        """After a tick's claims and their dispatch; each plan's :attr:`Plan.claimed` slots.
+
+        Nothing to do here: a scheduler that keeps its entries elsewhere (the
+        django-celery-beat one) records their runs.
+        """
 
     def _changed(self, names: list[str], previous: dict[str, Any]) -> None:
         """Entries added or replaced at run time: validate them, rebuild the heap next tick.
@@ -250,7 +284,8 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
                 self._guard.adopt(store.epoch())
             forgotten = self._guard.recheck(store, now)
         except exceptions.StoreError as exc:
-            self._fail_closed("tick_read", "beat cannot reach the store: nothing claimed", exc)
+            what = "beat cannot reach the store: nothing claimed"
+            fail_closed(self._runtime, "tick_read", what, exc)
             return interval
         if forgotten is not None:
             metrics.event(
@@ -261,6 +296,7 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
                 labels={"where": "recheck"},
                 sentry=True,
             )
+        self._tick_started(now)
         if not self._heap_ready:
             self._due = []
             for name, entry in self.schedule.items():
@@ -277,11 +313,15 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
         except exceptions.StoreError as exc:
             for name, entry in popped:
                 self._push(name, entry, now)
-            self._fail_closed("tick_read", "beat cannot read the watermarks: nothing claimed", exc)
+            what = "beat cannot read the watermarks: nothing claimed"
+            fail_closed(self._runtime, "tick_read", what, exc)
             return interval
         plans = [plan for name, entry in popped if (plan := self._plan(name, entry, now)).due]
-        self._claim_and_dispatch(plans, now)
-        self._skips.report()
+        self._claimer.claim_and_dispatch(plans, now, self._policies)
+        for plan in plans:  # what failed on a store error stays undecided (fail closed)
+            self._decided[plan.name] = plan.decided_to()
+        self._claimed(plans)
+        self._note_skipped()
         for name, entry in popped:
             self._push(name, entry, now)
         if self._sweep():
@@ -289,21 +329,6 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
         if self._due:
             return max(0.0, min(interval, (self._due[0][0] - now).total_seconds()))
         return interval
-
-    def _fail_closed(self, phase: str, what: str, exc: BaseException) -> None:
-        """A store error stopped part of a tick: nothing of it was claimed or dispatched.
-
-        The reconciler's grace starts (this process met a store error), and
-        ``fail_closed`` is counted under ``phase``; the next tick tries again.
-        """
-        self._runtime.note_store_error()
-        metrics.event(
-            "fail_closed",
-            f"{what} ({exc})",
-            level=logging.WARNING,
-            labels={"phase": phase},
-            exc_info=exc,
-        )
 
     def _sweep(self) -> bool:
         """Dispatch due delayed jobs, after the slots; whether more may be due.
@@ -322,7 +347,7 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
                 claimed = runtime.store.claim_due(SWEEP_BATCH, node=runtime.node, reason="sweep")
             except exceptions.StoreError as exc:
                 what = "delayed-job sweep cannot claim: nothing dispatched"
-                self._fail_closed("sweep_claim", what, exc)
+                fail_closed(runtime, "sweep_claim", what, exc)
                 return False
             if claimed:
                 runtime.dispatcher.dispatch_many(claimed, reason="sweep")
@@ -380,97 +405,6 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
         if decided is not None:
             self._decided[name] = plan.start
         for where, fires in plan.skipped:
-            self._skipped(name, fires, where)
-        plan.claims = [self._occurrence(name, entry, policy, fire) for fire in plan.claim]
+            self._claimer.skipped(name, fires, where, self._policies)
+        plan.claims = [self._claimer.occurrence(name, entry, policy, fire) for fire in plan.claim]
         return plan
-
-    def _skipped(self, name: str, fires: list[datetime], where: str) -> None:
-        """Note skipped slots (:meth:`SkipTally.note`), but for beat's own entries.
-
-        A reconcile pass that is not needed again after downtime is no lost work.
-        """
-        policy = self._policies.get(name)
-        if policy is None or not policy.internal:
-            self._skips.note(name, fires, where)
-
-    def _occurrence(self, name: str, entry: Any, policy: EntryPolicy, fire: datetime) -> NewJob:
-        new = entries.occurrence(
-            name,
-            entry,
-            fire,
-            policy,
-            namespace=self._runtime.store.namespace,
-            node=self._runtime.node,
-        )
-        # Signed here, not only by the store: a won claim is dispatched as built from this.
-        signer = self._runtime.signer
-        return new if signer is None else signer.sign_new(new)
-
-    def _claim_and_dispatch(self, plans: list[Plan], now: datetime) -> None:
-        """Claim the planned slots in batches, dispatch the won ones, note what is decided.
-
-        A claim that failed on a store error is planned again by the next tick
-        inside the window (fail closed); see :class:`~celery_exactonce.planner.Plan`.
-        Beat's own entries (the reconciler's) run on beat's runner, if it has one.
-        """
-        claims = [(plan, new) for plan in plans for new in plan.claims]
-        for i in range(0, len(claims), CLAIM_BATCH):
-            won = self._claim_batch(claims[i : i + CLAIM_BATCH], now)
-            if self._reconcile_runner is not None:
-                for job in [job for job in won if self._internal(job)]:
-                    won.remove(job)
-                    self._reconcile_runner.start(job)
-            if won:
-                self._runtime.dispatcher.dispatch_many(won, reason="beat")
-        for plan in plans:
-            self._decided[plan.name] = plan.decided_to()
-
-    def _internal(self, job: Job) -> bool:
-        policy = self._policies.get(job.entry or "")
-        return policy is not None and policy.internal
-
-    def _claim_batch(self, batch: list[tuple[Plan, NewJob]], now: datetime) -> list[Job]:
-        """Claim the batch (:func:`claims.claim`); the jobs this node won (``SCHEDULED``)."""
-        guard = self._guard
-        plans: dict[str, Plan] = {}
-        provable: list[NewJob] = []
-        for plan, new in batch:  # a loss found earlier in this tick moved the floor
-            plans[plan.name] = plan
-            if guard.provable(fire_of(new)):
-                provable.append(new)
-            else:
-                self._skipped(plan.name, [fire_of(new)], guard.floor_reason)
-        if not provable:
-            return []
-        claimed = claims.claim(self._runtime.store, provable, epoch=guard.epoch, now=now)
-        if claimed.error is not None and claimed.failed:
-            what = (
-                f"{len(claimed.failed)} claim(s) failed on a store error: "
-                "not dispatched, retried next tick"
-            )
-            self._fail_closed("claim_write", what, claimed.error)
-        elif claimed.error is not None:
-            self._runtime.note_store_error()  # the reconciler's grace
-        for new in claimed.failed:
-            plans[entry_of(new)].failed.append(fire_of(new))
-        for new, _ in claimed.won:
-            guard.claimed(new.ref, fire_of(new))
-        if claimed.refused:
-            self._store_lost(claimed.refused)
-        if claimed.taken:
-            self._conflicts.check(claimed.taken, now)
-        return [job for _, job in claimed.won]
-
-    def _store_lost(self, lost: list[NewJob]) -> None:
-        """Claims refused for an epoch mismatch: skip them, count, and adopt the new epoch."""
-        metrics.event(
-            "store_loss_detected",
-            f"the store lost its data (epoch changed): {len(lost)} slot(s) can no longer be "
-            "proven unclaimed and are skipped",
-            level=logging.ERROR,
-            labels={"where": "epoch"},
-            sentry=True,
-        )
-        for new in lost:
-            self._skipped(entry_of(new), [fire_of(new)], "store_loss")
-        self._guard.epoch_refused(self._runtime.store)

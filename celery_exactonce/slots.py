@@ -19,6 +19,9 @@ Supported schedules:
   the ``tz`` argument. ``nowfun`` does not choose the zone, as in Celery.
 * ``celery.schedules.solar``: the events Celery's ``solar`` computes with
   ``ephem``, each searched from the UTC midnight of its own day.
+* :class:`~celery_exactonce.schedules.at`: its one instant;
+  :class:`~celery_exactonce.schedules.bounded`: its inner schedule's slots
+  within its bounds, or the first one at or after its start.
 
 DST, for crontab: a *fixed-hour* job (the hour field is not all 24
 hours) fires once on both change days: a wall time inside a spring-forward gap
@@ -29,19 +32,21 @@ inside a fall-back fold fires at its first occurrence (``fold=0``) only. A
 *wildcard-hour* job fires at every real instant whose wall time matches: both
 occurrences of a folded wall time fire, and a wall time inside a gap does not
 exist, so it does not fire.
+
+This module checks a schedule and picks its kind; the intervals and solar
+events are computed here, the crontab's wall-clock search in
+:mod:`celery_exactonce.cron_slots`.
 """
 
 from __future__ import annotations
 
-import sys
-from bisect import bisect_left, bisect_right
-from datetime import date, datetime, time, timedelta, timezone, tzinfo
+from datetime import datetime, time, timedelta, timezone, tzinfo
 from typing import Any
-from zoneinfo import ZoneInfo
 
 from celery.schedules import crontab, schedule, solar
 
-from celery_exactonce import exceptions
+from celery_exactonce import cron_slots, exceptions, schedules
+from celery_exactonce.cron_slots import SEARCH_DAYS
 from celery_exactonce.times import UNIX_EPOCH
 
 UTC = timezone.utc
@@ -51,23 +56,20 @@ UTC = timezone.utc
 #: :func:`slots_between`), not a schedule to enumerate in one list.
 DEFAULT_LIMIT = 10_000
 
-#: How far :func:`latest_slot` and :func:`validate_schedule` search for a
-#: crontab slot: four years covers every expression that fires at least once
-#: per leap cycle (e.g. 29 February); rarer ones (29 February on a Monday) are
-#: refused as configuration errors rather than silently never firing.
-SEARCH_DAYS = 4 * 366
+__all__ = [
+    "DEFAULT_LIMIT",
+    "SEARCH_DAYS",
+    "latest_slot",
+    "next_slot",
+    "parse_crontab",
+    "slots_between",
+    "validate_schedule",
+]
 
 _SETTING = "beat_schedule"
 _CRON_FIELDS = ("minute", "hour", "day_of_week", "day_of_month", "month_of_year")
 _ONE_US = timedelta(microseconds=1)
 _ONE_DAY = timedelta(days=1)
-_ONE_MINUTE = timedelta(minutes=1)
-_LATEST_SPANS = (
-    timedelta(hours=2),
-    timedelta(days=2),
-    timedelta(days=64),
-    timedelta(days=SEARCH_DAYS),
-)
 _MIDNIGHT = time(0, 0)
 
 
@@ -114,135 +116,10 @@ def _interval_slots(
     return [origin + timedelta(microseconds=k * period) for k in range(first, last + 1)]
 
 
-# -- crontab ---------------------------------------------------------------------------
-
-
-def _zone_of(sched: crontab, tz: tzinfo) -> tzinfo:
-    """The zone a crontab is evaluated in: its own, else the app's ``tz``."""
-    own = vars(sched).get("tz")  # set on the instance (django-celery-beat does)
-    if own is None and getattr(sched, "_app", None) is not None:
-        own = sched.app.timezone
-    zone: Any = own if own is not None else tz
-    if isinstance(zone, str):
-        return ZoneInfo(zone)
-    if not isinstance(zone, ZoneInfo) and isinstance(getattr(zone, "zone", None), str):
-        return ZoneInfo(zone.zone)  # pytz: localize() semantics; use PEP 495 instead
-    return zone  # type: ignore[no-any-return]
-
-
-def _transition(before: datetime, after: datetime, zone: tzinfo) -> datetime:
-    """The first instant in ``(before, after]`` with the offset ``after`` has."""
-    target = after.astimezone(zone).utcoffset()
-    lo, hi = int(before.timestamp()), int(after.timestamp())  # whole seconds: tzdata's grid
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if datetime.fromtimestamp(mid, zone).utcoffset() == target:
-            hi = mid
-        else:
-            lo = mid
-    return datetime.fromtimestamp(hi, UTC)
-
-
-def _locate(wall: datetime, zone: tzinfo) -> tuple[datetime, datetime, bool]:
-    """``(first, last, in_gap)``: the UTC instants a naive wall time names.
-
-    Ordinary: ``first == last``. Fold: the two occurrences. Gap: both are the
-    first valid instant after the gap, and ``in_gap`` is True. Both ``first``
-    and ``last`` are non-decreasing in ``wall``, which the pruning relies on.
-    """
-    early = wall.replace(tzinfo=zone, fold=0).astimezone(UTC)
-    late = wall.replace(tzinfo=zone, fold=1).astimezone(UTC)
-    if early <= late:
-        return early, late, False
-    # PEP 495 in a gap: fold=0 applies the offset before it (a later instant).
-    boundary = _transition(late, early, zone)
-    return boundary, boundary, True
-
-
-def _day_matches(sched: crontab, day: date) -> bool:
-    return (
-        day.month in sched.month_of_year
-        and day.day in sched.day_of_month
-        and day.isoweekday() % 7 in sched.day_of_week  # Celery: Sunday is 0
-    )
-
-
-def _day_slots(
-    sched: crontab, zone: tzinfo, day: date, lo: datetime, hi: datetime
-) -> list[datetime]:
-    """The sorted slots in ``(lo, hi]`` whose wall time falls on ``day``."""
-    midnight = datetime.combine(day, _MIDNIGHT)
-    day_first, _, day_gap = _locate(midnight, zone)
-    next_first, next_last, next_gap = _locate(midnight + _ONE_DAY, zone)
-    if next_last <= lo or day_first > hi:
-        return []  # every instant of this wall day lies outside the window
-    hours, minutes = sorted(sched.hour), sorted(sched.minute)
-    if not (day_gap or next_gap) and next_first == next_last == day_first + _ONE_DAY:
-        # No offset change this day (tzdata never has two that cancel out within
-        # one): wall minute-of-day n is day_first + n minutes, so bisect the window.
-        first_n = 0 if lo < day_first else (lo - day_first) // _ONE_MINUTE + 1
-        last_n = min(24 * 60 - 1, (hi - day_first) // _ONE_MINUTE)
-        found: list[datetime] = []
-        for hour in hours[bisect_left(hours, first_n // 60) : bisect_right(hours, last_n // 60)]:
-            low = bisect_left(minutes, first_n - hour * 60)
-            high = bisect_right(minutes, last_n - hour * 60)
-            found.extend(day_first + (hour * 60 + m) * _ONE_MINUTE for m in minutes[low:high])
-        return found
-    # A change day: resolve each wall time (hours out of reach pruned; both bounds
-    # of _locate are non-decreasing in the wall time).
-    wildcard_hour = len(hours) == 24
-    candidates: set[datetime] = set()
-    for hour in hours:
-        hour_start = midnight + timedelta(hours=hour)
-        if _locate(hour_start + timedelta(hours=1), zone)[1] <= lo:
-            continue
-        if _locate(hour_start, zone)[0] > hi:
-            break
-        for minute in minutes:
-            first, last, in_gap = _locate(hour_start.replace(minute=minute), zone)
-            if in_gap and wildcard_hour:
-                continue  # that wall time never happens: no slot
-            candidates.add(first)
-            if wildcard_hour:
-                candidates.add(last)  # the second occurrence of a folded hour is real too
-    return sorted(s for s in candidates if lo < s <= hi)
-
-
 def _check_cron_sets(entry: str, sched: crontab) -> None:
     for field in _CRON_FIELDS:
         if not getattr(sched, field, None):
             raise _error(entry, f"crontab field {field} matches nothing: it can never fire")
-
-
-def _cron_slots(
-    sched: crontab, zone: tzinfo, start: datetime, end: datetime, limit: int
-) -> list[datetime]:
-    day = start.astimezone(zone).date() - _ONE_DAY  # a wall day holds instants of days ±1
-    last_day = end.astimezone(zone).date() + _ONE_DAY
-    found: list[datetime] = []
-    while day <= last_day:
-        next_day = day + _ONE_DAY
-        if _day_matches(sched, day):
-            found.extend(_day_slots(sched, zone, day, start, end))
-            if len(found) >= limit:
-                # Later wall days only yield instants >= their first one (monotone
-                # resolution), so whatever lies below it is final.
-                floor = _locate(datetime.combine(next_day, _MIDNIGHT), zone)[0]
-                settled = sorted(s for s in set(found) if s < floor)
-                if len(settled) >= limit:
-                    return settled[:limit]
-        day = next_day
-    return sorted(set(found))[:limit]
-
-
-def _latest_cron(sched: crontab, zone: tzinfo, at: datetime) -> datetime | None:
-    # Widening windows: a dense expression is settled by the first (cheap) one,
-    # a sparse one by a later window with few slots in it.
-    for span in _LATEST_SPANS:
-        found = _cron_slots(sched, zone, at - span, at, sys.maxsize)
-        if found:
-            return found[-1]
-    return None
 
 
 # -- solar -----------------------------------------------------------------------------
@@ -278,6 +155,50 @@ def _solar_slots(
             cursor = event + timedelta(minutes=1)
         day += _ONE_DAY
     return sorted(set(found))[:limit]
+
+
+# -- bounded schedules ------------------------------------------------------------------
+
+
+def _first_bounded(sched: schedules.bounded, **kwargs: Any) -> datetime | None:
+    """The first slot of the inner schedule at or after ``sched.start``, within its end."""
+    assert sched.start is not None  # noqa: S101  (first_only requires a start)
+    first = next_slot(sched.schedule, sched.start - _ONE_US, **kwargs)
+    if first is None or (sched.end is not None and first > sched.end):
+        return None
+    return first
+
+
+def _bounded_slots(
+    sched: schedules.at | schedules.bounded,
+    start: datetime,
+    end: datetime,
+    *,
+    limit: int,
+    **kwargs: Any,
+) -> list[datetime]:
+    if isinstance(sched, schedules.at):
+        return [sched.instant] if start < sched.instant <= end else []
+    if sched.first_only:
+        first = _first_bounded(sched, **kwargs)
+        return [first] if first is not None and start < first <= end else []
+    if sched.start is not None:
+        start = max(start, sched.start - _ONE_US)
+    if sched.end is not None:
+        end = min(end, sched.end)
+    if end <= start:
+        return []
+    return slots_between(sched.schedule, start, end, limit=limit, **kwargs)
+
+
+def _latest_bounded(sched: schedules.bounded, at: datetime, **kwargs: Any) -> datetime | None:
+    if sched.first_only:
+        first = _first_bounded(sched, **kwargs)
+        return first if first is not None and first <= at else None
+    latest = latest_slot(sched.schedule, at if sched.end is None else min(at, sched.end), **kwargs)
+    if latest is None or (sched.start is not None and latest < sched.start):
+        return None
+    return latest
 
 
 # -- public API ------------------------------------------------------------------------
@@ -340,12 +261,14 @@ def slots_between(
     start, end = start.astimezone(UTC), end.astimezone(UTC)
     if end <= start:
         return []
+    if isinstance(sched, (schedules.at, schedules.bounded)):
+        return _bounded_slots(sched, start, end, tz=tz, origin=origin, limit=limit, entry=entry)
     period = _period_us(entry, sched)
     if period is not None:
         return _interval_slots(period, start, end, origin, limit)
     if isinstance(sched, crontab):
         _check_cron_sets(entry, sched)
-        return _cron_slots(sched, _zone_of(sched, tz), start, end, limit)
+        return cron_slots.between(sched, cron_slots.zone_of(sched, tz), start, end, limit)
     if isinstance(sched, solar):
         return _solar_slots(entry, sched, start, end, limit)
     raise _unsupported(entry, sched)
@@ -370,13 +293,17 @@ def latest_slot(
     _require_aware("at", at)
     _require_aware("origin", origin)
     at = at.astimezone(UTC)
+    if isinstance(sched, schedules.at):
+        return sched.instant if sched.instant <= at else None
+    if isinstance(sched, schedules.bounded):
+        return _latest_bounded(sched, at, tz=tz, origin=origin, entry=entry)
     period = _period_us(entry, sched)
     if period is not None:
         origin = origin.astimezone(UTC)
         return origin + timedelta(microseconds=(at - origin) // _ONE_US // period * period)
     if isinstance(sched, crontab):
         _check_cron_sets(entry, sched)
-        return _latest_cron(sched, _zone_of(sched, tz), at)
+        return cron_slots.latest(sched, cron_slots.zone_of(sched, tz), at)
     if isinstance(sched, solar):
         found = _solar_slots(entry, sched, at - 2 * _ONE_DAY, at, DEFAULT_LIMIT)
         return found[-1] if found else None
@@ -413,7 +340,7 @@ def _unsupported(entry: str, sched: Any) -> exceptions.ConfigurationError:
     return _error(
         entry,
         f"unsupported schedule type {kind}: use a celery crontab, schedule or solar, "
-        "a timedelta, or a number of seconds",
+        "a celery_exactonce.schedules cron, at or bounded, a timedelta, or a number of seconds",
     )
 
 
@@ -467,6 +394,12 @@ def validate_schedule(entry: str, sched: Any, tz: tzinfo, *, at: datetime = UNIX
     ConfigurationError
         The schedule is unusable; the message names ``entry`` and the reason.
     """
+    if isinstance(sched, schedules.at):
+        return
+    if isinstance(sched, schedules.bounded):
+        inner_at = at if sched.start is None else max(at, sched.start)
+        validate_schedule(entry, sched.schedule, tz, at=inner_at)
+        return
     if _period_us(entry, sched) is not None:
         return
     if isinstance(sched, crontab):

@@ -21,8 +21,9 @@ What this leaves open (a store that forgot only its last writes, for about
 one tick) is in docs/design/protocol.md, "Store loss".
 
 :class:`StoreLossGuard` reads the store it is given and returns what it found
-as values; the scheduler reports them. Not here: the claims themselves, and
-which slots are due (:mod:`~celery_exactonce.planner`).
+as values; beat reports them (the scheduler, the claimer). Not here: the claims
+themselves (:mod:`~celery_exactonce.claimer`), and which slots are due
+(:mod:`~celery_exactonce.planner`).
 """
 
 from __future__ import annotations

@@ -24,6 +24,13 @@ run at most once per attempt whatever the broker redelivers
   ``PENDING`` in the store with its ``run_at``, and a beat node
   (``ExactOnceScheduler``) dispatches it when it falls due. Delayed jobs need
   at least one ``celery beat -S exactonce`` running.
+
+Not here: a delivery's writes at the gate and a revoke's
+(:mod:`~celery_exactonce.gate`), the heartbeats
+(:mod:`~celery_exactonce.heartbeats`), what a call's options become in the job
+(:mod:`~celery_exactonce.call_options`), creating the job's record and judging
+one already there (:mod:`~celery_exactonce.submit`), the dispatch
+(:mod:`~celery_exactonce.dispatch`).
 """
 
 from __future__ import annotations
@@ -39,11 +46,10 @@ from typing import Any, NoReturn
 from celery import Task, signals
 from celery.exceptions import Ignore, Reject, Retry
 
-from celery_exactonce import call_options, exceptions, jobs, messages, metrics, refs
+from celery_exactonce import call_options, messages, metrics, refs, submit
 from celery_exactonce.gate import Delivery, raw_republish, record_revoke, validate_gated_task
 from celery_exactonce.heartbeats import heartbeats
-from celery_exactonce.jobs import CreateStatus, Job
-from celery_exactonce.outcomes import Enqueued
+from celery_exactonce.jobs import Job
 from celery_exactonce.policy import task_policy
 from celery_exactonce.refs import JobRef
 from celery_exactonce.runtime import Runtime, runtime_for
@@ -178,15 +184,22 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
             deadline=call_options.deadline_of(options.get("expires")),
             reason="apply_async (delayed)" if delayed else "apply_async",
         )
-        enqueued = None if delayed else self._enqueue(runtime, new, call)
+        enqueued = None if delayed else submit.enqueue(runtime, new, call)
         if enqueued is not None and enqueued.created:
             return enqueued.sent  # one store call wrote the record and pushed the message
         if enqueued is not None:  # the job existed: nothing was pushed
             job = enqueued.job
-            self._resubmitted(job, new)
+            submit.resubmitted(job, new)
             call = {**call, "add_to_parent": False}  # building the message added it already
         else:
-            job = self._create(runtime, new)
+            job = submit.create(runtime, new)
+            on_commit = submit.after_commit(runtime)
+            if on_commit is not None and job.state is State.SCHEDULED:
+                # In the caller's transaction: published once it commits; a rollback
+                # leaves no job and no message; a crash in between leaves the job
+                # SCHEDULED for the reconciler.
+                on_commit(lambda: self._dispatch_after_commit(runtime, job, call))
+                return self._result(task_id, call, ignore_result=bool(options.get("ignore_result")))
         sent = None
         if job.state is State.SCHEDULED:
             # Ours, or a resubmission of a job whose first submit was ambiguous or
@@ -197,6 +210,10 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
         if enqueued is not None:
             return enqueued.sent
         return self._result(task_id, call, ignore_result=bool(options.get("ignore_result")))
+
+    @staticmethod
+    def _dispatch_after_commit(runtime: Runtime, job: Job, call: Mapping[str, Any]) -> None:
+        runtime.dispatcher.dispatch(job, reason="apply_async (on commit)", call=call)
 
     def _before_send(
         self,
@@ -237,69 +254,6 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
         if parent is not None:
             parent.add_trail(result)
         return result
-
-    @staticmethod
-    def _enqueue(runtime: Runtime, new: NewJob, call: Mapping[str, Any]) -> Enqueued | None:
-        """The one-call submit where the broker shares the store's Redis, or ``None``."""
-        try:
-            return runtime.dispatcher.enqueue(new, reason="apply_async", call=call)
-        except exceptions.StoreError as exc:
-            raise exceptions.SubmitAmbiguous(new.ref.id) from exc
-
-    def _create(self, runtime: Runtime, new: NewJob) -> Job:
-        """Create ``new`` (one read back if the answer is lost: the caller resubmits).
-
-        Brief: a created record is not sent back, it is ``new`` as created, on
-        this process's clock (as a brief ``DISPATCHED`` write computes its
-        record), but where a signing key is set (the store signs the record).
-        A job that exists is read.
-        """
-        brief = runtime.dispatcher.signer is None
-        result = settle.create(runtime.store, new, brief=brief, tries=1)
-        if result.applied and result.job is None:
-            return jobs.job_from_new(new, datetime.now(timezone.utc))
-        job, decision = result.job, result.decision
-        if job is None and result.error is None and result.status is CreateStatus.EXISTS:
-            back = settle.read_back(runtime.store, new.ref, new.rev, tries=1)
-            job, decision = back.job, back.decision
-        if job is None:
-            raise exceptions.SubmitAmbiguous(new.ref.id) from result.error
-        if decision is not settle.Decision.APPLIED:
-            self._resubmitted(job, new)
-        return job
-
-    def _resubmitted(self, job: Job, new: NewJob) -> None:
-        """A ``task_id`` submitted again: the same job (logged, counted), or a conflict.
-
-        The same task and payload is the same job: it is not run again (a frozen
-        signature applied twice runs once). Another task or payload, or the
-        same one in another group, chord or chain (a frozen signature reused in a
-        second canvas, which would wait forever for a part that never runs
-        again), is refused with :class:`~celery_exactonce.exceptions.JobConflict`.
-        """
-        if (job.task, job.args, job.kwargs) != (new.task, new.args, new.kwargs):
-            raise exceptions.JobConflict(
-                f"task_id {new.ref.id!r} already exists as {job.task} with another payload"
-            )
-        differ = [
-            name
-            for name in call_options.CANVAS_OPTIONS
-            if call_options.canvas(new.options, name) != call_options.canvas(job.options, name)
-        ]
-        if differ:
-            raise exceptions.JobConflict(
-                f"task_id {new.ref.id!r} already exists as a part of another canvas (its "
-                f"{differ[0]} differs): a frozen signature runs in one canvas only; build the "
-                "signature again for each canvas"
-            )
-        metrics.event(
-            "resubmitted",
-            f"{job.task} {new.ref.id} submitted again: the existing job "
-            f"({job.state}) stands, not run again",
-            job_id=new.ref.id,
-            task=job.task,
-            state=str(job.state),
-        )
 
     def _retry_next_attempt(
         self,

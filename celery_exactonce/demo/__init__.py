@@ -3,6 +3,8 @@
 * :mod:`~celery_exactonce.demo.run` starts two beat nodes and a worker on this
   machine (no servers), SIGKILLs one beat half-way through and gathers what
   happened;
+* :mod:`~celery_exactonce.demo.processes` starts one of those processes in its
+  own session, watches it and stops it;
 * :mod:`~celery_exactonce.demo.app` is the Celery app those processes run
   (``celery -A celery_exactonce.demo.app``), configured from the environment;
 * :mod:`~celery_exactonce.demo.report` turns a run into the report (text or JSON).

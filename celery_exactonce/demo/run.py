@@ -24,41 +24,37 @@ Slots outside the window that ran are reported as ``outside_window``.
 Duplicates are counted over every body run, inside the window or not.
 
 Exit status: 0, 1 when any occurrence ran twice, 2 when the demo could not run.
+
+Not here: starting, watching and stopping one process
+(:mod:`~celery_exactonce.demo.processes`), the app the processes run
+(:mod:`~celery_exactonce.demo.app`), the report's arithmetic and text
+(:mod:`~celery_exactonce.demo.report`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import importlib.util
 import json
 import math
-import os
 import shutil
-import signal
-import site
-import subprocess
-import sys
 import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from typing import TypeVar
 
-import celery_exactonce
-from celery_exactonce import exceptions, keys, refs, slots
+from celery_exactonce import keys, refs, slots
 from celery_exactonce.config import ExactOnceConfig
 from celery_exactonce.demo import app as demo_app
+from celery_exactonce.demo.processes import POLL_INTERVAL, Child, DemoError, poll
 from celery_exactonce.demo.report import DemoResult, Execution, Kill, Slot, build_report
 from celery_exactonce.entries import occurrence_id
 from celery_exactonce.jobs import Job
 from celery_exactonce.refs import JobRef
 from celery_exactonce.stores import open_store
 from celery_exactonce.stores.base import StateStore
-
-_T = TypeVar("_T")
 
 UTC = timezone.utc
 
@@ -72,112 +68,7 @@ GRACE = demo_app.TICK_INTERVAL + demo_app.MAX_SKEW
 #: Shortest run that leaves a window on both sides of the kill.
 MIN_SECONDS = 6.0
 READY_TIMEOUT = 60.0
-STOP_TIMEOUT = 15.0
 DRAIN_TIMEOUT = 30.0
-POLL_INTERVAL = 0.1
-
-
-class DemoError(exceptions.ExactOnceError):
-    """The demo could not run: a process did not start, or died."""
-
-
-# -- child processes ------------------------------------------------------------------
-
-
-class Child:
-    """One ``celery`` process of the demo, in its own session, its output in a log file."""
-
-    def __init__(self, name: str, command: list[str], layout: demo_app.Layout) -> None:
-        self.name = name
-        self.log_path = layout.workdir / f"{name}.log"
-        argv = [sys.executable, "-m", "celery", "-A", "celery_exactonce.demo.app", *command]
-        with open(self.log_path, "wb") as log:
-            self.process = subprocess.Popen(  # noqa: S603 (argv: this interpreter, fixed words)
-                argv,
-                cwd=layout.workdir,
-                env=_child_env(layout, name),
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
-    def alive(self) -> bool:
-        return self.process.poll() is None
-
-    def log_tail(self, lines: int = 20) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace")
-        except FileNotFoundError:
-            return ""
-        return "\n".join(text.splitlines()[-lines:])
-
-    def check_alive(self) -> None:
-        """Raise :class:`DemoError` with the end of the log if the process has exited."""
-        if not self.alive():
-            raise DemoError(
-                f"{self.name} (pid {self.pid}) exited with status {self.process.returncode}; "
-                f"the end of {self.log_path}:\n{self.log_tail()}"
-            )
-
-    def kill(self) -> None:
-        """SIGKILL the process and anything it started; reap it. Safe to repeat."""
-        if self.process.returncode is not None:
-            return  # reaped: its pid (and group id) may belong to someone else by now
-        if hasattr(os, "killpg"):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.pid, signal.SIGKILL)
-        else:  # pragma: no cover - not POSIX
-            self.process.kill()
-        self.process.wait(timeout=STOP_TIMEOUT)
-
-    def stop(self, timeout: float = STOP_TIMEOUT) -> bool:
-        """SIGTERM, then SIGKILL after ``timeout`` s; whether it exited on the SIGTERM."""
-        if self.alive():
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self.kill()
-                return False
-        return True
-
-
-def _child_env(layout: demo_app.Layout, node: str) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(
-        {
-            demo_app.ENV_WORKDIR: str(layout.workdir),
-            demo_app.ENV_NODE: node,
-            "PYTHONUNBUFFERED": "1",
-        }
-    )
-    # A source checkout run without an install: the children (whose current
-    # folder is the work folder) must import this same package.
-    root = str(Path(celery_exactonce.__file__).resolve().parents[1])
-    site_dirs = {*site.getsitepackages(), site.getusersitepackages()}
-    if root not in site_dirs:
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-    return env
-
-
-def _poll(check: Callable[[], _T | None], timeout: float, what: str) -> _T:
-    """Call ``check`` until it returns something truthy; :class:`DemoError` after ``timeout`` s."""
-    deadline = time.monotonic() + timeout
-    while True:
-        found = check()
-        if found:
-            return found
-        if time.monotonic() > deadline:
-            raise DemoError(f"{what}: not within {timeout:g} s")
-        time.sleep(POLL_INTERVAL)
-
-
-# -- the run ---------------------------------------------------------------------------
 
 
 class Demo:
@@ -236,7 +127,7 @@ class Demo:
             lines = worker.log_tail(200).splitlines()
             return any("demo-worker@" in line and line.endswith(" ready.") for line in lines)
 
-        _poll(ready, READY_TIMEOUT, f"the worker to be ready (see {worker.log_path})")
+        poll(ready, READY_TIMEOUT, f"the worker to be ready (see {worker.log_path})")
         self.progress(f"worker ready (pid {worker.pid}); starting {' and '.join(BEATS)}")
         for name in BEATS:
             self.children[name] = Child(
@@ -248,7 +139,7 @@ class Demo:
                 child.check_alive()
             return any(self.store.watermark(entry) is not None for entry in demo_app.ENTRIES)
 
-        _poll(first_claim, READY_TIMEOUT, "a beat node to claim a first slot")
+        poll(first_claim, READY_TIMEOUT, "a beat node to claim a first slot")
         start = max(self.store.now(), self.born + timedelta(seconds=self.config.max_skew))
         self.progress(f"first slot claimed; running {self.seconds:g} s")
         return start
@@ -288,7 +179,7 @@ class Demo:
             return not any(_in_flight(job) for job in self._records().values())
 
         try:
-            _poll(drained, DRAIN_TIMEOUT, "the worker to drain the queue")
+            poll(drained, DRAIN_TIMEOUT, "the worker to drain the queue")
         except DemoError as exc:
             self.progress(str(exc))
             return False

@@ -15,9 +15,10 @@ from pathlib import Path
 import celery_exactonce
 
 PACKAGE = Path(celery_exactonce.__file__).parent
-#: The modules above the dispatcher: the Celery task, the scheduler, what runs
-#: the reconcile task, the start-up checks, the package's front (``__init__``,
-#: ``__main__``, ``control``) and the demo. Every other module is below them.
+#: The modules above the dispatcher: the Celery task, the schedulers (ours and the
+#: django-celery-beat one), what runs the reconcile task, the start-up checks,
+#: the package's front (``__init__``, ``__main__``, ``control``) and the demo.
+#: Every other module is below them.
 ABOVE = {
     "celery_exactonce",
     "celery_exactonce.__main__",
@@ -26,6 +27,7 @@ ABOVE = {
     "celery_exactonce.reconcile_task",
     "celery_exactonce.startup",
     "celery_exactonce.control",
+    "celery_exactonce.contrib.django_celery_beat",
 }
 
 

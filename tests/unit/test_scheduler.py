@@ -382,3 +382,25 @@ def test_sigterm_at_any_step_of_a_tick_leaves_no_claim_behind(at: str) -> None:
     assert left == [], [job.ref for job in left]
     assert {job.entry for job in cluster.broker.sent} >= {"a", "b"}
     assert store.get(delayed.ref).state in (State.PENDING, State.PUBLISHED)  # type: ignore[union-attr]
+
+
+def test_skipped_slots_are_recorded_in_the_store_once_per_entry_and_tick() -> None:
+    # Given two entries that skip what they miss, on two nodes
+    schedule = {
+        "minutely": {**every(60), "options": {"exactonce": {"catchup": "none"}}},
+        "hourly": {**every(3600), "options": {"exactonce": {"catchup": "none"}}},
+    }
+    with isolated():
+        cluster = Cluster(schedule, nodes=2)
+        cluster.tick_all()
+        # When every node was down for ten minutes
+        cluster.clock.advance(600)
+        cluster.tick_all()
+        # Then the store holds a record per entry, reason and tick of each node that
+        # skipped slots: the nine missed minutes, older than the window or caught up past
+        records = cluster.store.skipped()
+        assert {r.entry for r in records} == {"minutely"}
+        first_node = [(r.where, r.count) for r in reversed(records)][:2]
+        assert sorted(first_node) == [("catchup", 4), ("window", 5)]
+        assert all(r.last - r.first == timedelta(minutes=r.count - 1) for r in records)
+        assert {r.node for r in records} == {cluster.nodes[0]._runtime.node}

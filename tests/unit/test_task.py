@@ -38,6 +38,7 @@ from celery_exactonce.states import State
 from celery_exactonce.task import ExactOnceTask
 from celery_exactonce.testing import InMemoryStore
 from celery_exactonce.writes import NewJob, Transition
+from tests.support.helpers import move
 from tests.support.publishing import publishing
 
 NAMESPACE = "task-unit"
@@ -109,19 +110,6 @@ class World:
         for to in path:
             job = move(self.store, job, to)
         return job
-
-
-def move(store: InMemoryStore, job: Job, to: State) -> Job:
-    """CAS ``job`` to ``to`` (on its rev; into RUNNING as the gate does, out of it on the run)."""
-    guards: dict[str, Any] = {"rev": job.rev}
-    if to is State.RUNNING:
-        guards = {"new_run_id": uuid.uuid4().hex, "attempt": job.attempt}
-    elif job.state is State.RUNNING:
-        guards = {"run_id": job.run_id}
-    request = Transition(to, frozenset({job.state}), node="n", reason="test", **guards)
-    result = store.transition(job.ref, request)
-    assert result.applied and result.job is not None, (job.ref, to, result.status)
-    return result.job
 
 
 @pytest.fixture

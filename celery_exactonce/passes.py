@@ -1,0 +1,93 @@
+"""A reconcile pass as values: what it did, what its handlers share, and its records.
+
+* :class:`PassReport`: what one pass did (``Reconciler.run_pass`` returns it);
+* :class:`Pass`: the state of one pass, handed to every handler (its report,
+  its lease, whether timeouts may act, the store's time of the page);
+* :func:`count_actions`: what earlier passes did to a job, from its history
+  (the caps on replays, redispatches and re-runs count them);
+* the records: :func:`count_store_error` (``reconcile_store_error``) and
+  :func:`report_pass` (``stale_jobs``, ``reconcile_pass``), at the end of a pass.
+
+Not here: what a pass does to each stale job, its bounds and its lease
+(:mod:`~celery_exactonce.reconciler`); running passes on beat or as a task
+(:mod:`~celery_exactonce.reconcile_task`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from datetime import datetime
+from typing import Any
+
+from celery_exactonce import metrics, times
+from celery_exactonce.jobs import Job
+from celery_exactonce.writes import Action, Lease
+
+
+@dataclasses.dataclass
+class PassReport:
+    """What one pass did. ``ran`` is ``False`` when another node held the lease."""
+
+    ran: bool = False
+    stale: dict[str, int] = dataclasses.field(default_factory=dict)
+    replayed: int = 0
+    redispatched: int = 0
+    rerun: int = 0
+    timed_out: int = 0
+    failed: int = 0
+    cancelled: int = 0
+    expired: int = 0
+    errors: int = 0
+    skipped: int = 0
+    lease_lost: bool = False
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class Pass:
+    """The state of one pass, handed to every handler."""
+
+    report: PassReport
+    lease: Lease
+    #: Whether timeouts may act (not within the grace period after a store error).
+    timeouts_ok: bool
+    #: The store's time when the page being acted on was listed.
+    now: datetime = times.UNIX_EPOCH
+
+
+def count_actions(job: Job, action: Action) -> int:
+    """How many of the job's (capped) history entries record ``action``.
+
+    Replays and redispatches each add entries far below the history cap
+    before their own cap is reached, so the count is exact where it matters.
+    """
+    return sum(1 for entry in job.history if entry.action is action)
+
+
+def count_store_error(report: PassReport, exc: BaseException, where: str) -> None:
+    """Count a store error the pass met ``where`` in ``report``, and log it."""
+    report.errors += 1
+    metrics.event(
+        "reconcile_store_error",
+        f"reconciler: store error ({where}): {exc}",
+        level=logging.WARNING,
+        detail=where,
+    )
+
+
+def report_pass(report: PassReport) -> None:
+    """The records of a pass that ran: the stale jobs listed per state (debug), then its figures."""
+    for state, count in report.stale.items():
+        if count:
+            metrics.event(
+                "stale_jobs",
+                f"reconcile pass: {count} stale {state} job(s) listed",
+                level=logging.DEBUG,
+                labels={"state": state},
+                count=count,
+            )
+    figures = {k: v for k, v in report.as_dict().items() if v}
+    metrics.event("reconcile_pass", f"reconcile pass: {figures}", figures=figures)
