@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
 
+from celery_exactonce import times
 from celery_exactonce.refs import (
     MAX_NAME_LENGTH,
     JobRef,
@@ -365,3 +366,44 @@ def job_from_json(data: Mapping[str, Any]) -> Job:
         history=tuple(HistoryEntry.from_json(h) for h in data.get("history") or ()),
         signature=data.get("signature") or None,
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class SkippedSlots:
+    """Slots of one beat entry a node skipped in one tick, for one reason, as the store keeps them.
+
+    ``where`` is the reason (``catchup``, ``window``, ``unprovable``,
+    ``store_loss``), ``first`` and ``last`` the range, ``count`` the slots in
+    it, ``at`` the store time it was noted (set by the store).
+    """
+
+    entry: str
+    where: str
+    first: datetime
+    last: datetime
+    count: int
+    node: str
+    at: datetime | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "entry": self.entry,
+            "where": self.where,
+            "first": times.to_micros(self.first),
+            "last": times.to_micros(self.last),
+            "count": self.count,
+            "node": self.node,
+            "at": times.to_micros_opt(self.at),
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> SkippedSlots:
+        return cls(
+            entry=str(data["entry"]),
+            where=str(data["where"]),
+            first=times.from_micros(int(data["first"])),
+            last=times.from_micros(int(data["last"])),
+            count=int(data["count"]),
+            node=str(data["node"]),
+            at=times.from_micros_opt(data.get("at")),
+        )

@@ -31,7 +31,7 @@ from datetime import datetime
 from typing import Any
 
 from celery_exactonce import exceptions, times
-from celery_exactonce.jobs import CreateResult, Job, TransitionResult
+from celery_exactonce.jobs import CreateResult, Job, SkippedSlots, TransitionResult
 from celery_exactonce.refs import JobRef
 from celery_exactonce.states import State
 from celery_exactonce.stores.base import StateStore
@@ -217,6 +217,12 @@ class SigningStore:
 
     def watermarks(self, entries: Sequence[str]) -> dict[str, datetime]:
         return self.inner.watermarks(entries)
+
+    def note_skipped(self, skipped: Sequence[SkippedSlots]) -> None:
+        self.inner.note_skipped(skipped)
+
+    def skipped(self, limit: int = 100) -> list[SkippedSlots]:
+        return self.inner.skipped(limit)
 
     def list_stale(
         self,

@@ -3,8 +3,9 @@
 Every slot a node skips is counted (``slot_skipped``, the counter grows by
 the number of slots), with the reason as the ``where`` label: see
 :data:`WHY`. Each entry's own range is a debug record of its own
-(``slot_skipped_entry``). Not here: which slots are skipped
-(:mod:`~celery_exactonce.planner`).
+(``slot_skipped_entry``), and :meth:`SkipTally.records` gives the tick's
+ranges as the store keeps them (:meth:`StateStore.note_skipped`, for the
+admin). Not here: which slots are skipped (:mod:`~celery_exactonce.planner`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import Iterator
 from datetime import datetime
 
 from celery_exactonce import metrics
+from celery_exactonce.jobs import SkippedSlots
 
 #: Why slots were skipped, by the ``where`` label of ``slot_skipped``.
 WHY = {
@@ -77,6 +79,14 @@ class SkipTally:
             last=fires[-1].isoformat(),
         )
         self.add(name, fires, where)
+
+    def records(self, node: str) -> list[SkippedSlots]:
+        """The tick's skipped ranges, one per entry and reason, as the store keeps them."""
+        return [
+            SkippedSlots(name, where, first, last, count, node)
+            for where, noted in self._skips.items()
+            for name, first, last, count in noted
+        ]
 
     def report(self) -> None:
         """One ``slot_skipped`` event per reason (:meth:`reports`), counting every slot."""

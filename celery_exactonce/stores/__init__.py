@@ -58,7 +58,7 @@ _SQL_DRIVERS = {
 _REDIS_SCHEMES = frozenset({"redis", "rediss", "unix"})
 
 #: URL schemes (before any ``+driver``) that name a store.
-KNOWN_SCHEMES = frozenset({"memory", *_REDIS_SCHEMES, *_SQL_DRIVERS})
+KNOWN_SCHEMES = frozenset({"memory", "django", *_REDIS_SCHEMES, *_SQL_DRIVERS})
 
 
 def validate_namespace(namespace: object, setting: str = "exactonce_namespace") -> str:
@@ -274,7 +274,7 @@ def store_from_url(
     if not isinstance(url, str) or "://" not in url:
         raise exceptions.ConfigurationError(
             f"exactonce_store_url={redact_url(str(url))!r} is not a URL "
-            "(expected redis://, postgresql://, mysql://, sqlite:/// or memory://)",
+            "(expected redis://, postgresql://, mysql://, sqlite:///, django:// or memory://)",
             setting="exactonce_store_url",
         )
     scheme = url.split("://", 1)[0].lower()
@@ -287,6 +287,10 @@ def store_from_url(
             url, namespace=namespace, retention=retention, **options
         )
         return store
+    if base == "django":
+        module = _import("celery_exactonce.contrib.django.store", "django")
+        store = module.DjangoStore.from_url(url, namespace=namespace, retention=retention)
+        return store
     if base in _SQL_DRIVERS:
         driver, extra = _SQL_DRIVERS[base]
         sa_url = url if "+" in scheme else driver + url[len(scheme) :]
@@ -297,7 +301,7 @@ def store_from_url(
         return store
     raise exceptions.ConfigurationError(
         f"exactonce_store_url={redact_url(url)!r}: unknown scheme {scheme!r} "
-        "(expected redis://, postgresql://, mysql://, sqlite:/// or memory://)",
+        "(expected redis://, postgresql://, mysql://, sqlite:///, django:// or memory://)",
         setting="exactonce_store_url",
     )
 

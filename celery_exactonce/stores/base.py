@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Protocol, runtime_checkable
 
-from celery_exactonce.jobs import CreateResult, Job, TransitionResult
+from celery_exactonce.jobs import CreateResult, Job, SkippedSlots, TransitionResult
 from celery_exactonce.refs import JobRef
 from celery_exactonce.states import State
 from celery_exactonce.writes import NewJob, Transition
@@ -34,6 +34,9 @@ from celery_exactonce.writes import NewJob, Transition
 #: Version of the key format / schema this code writes. A store holding a
 #: newer version refuses to start (a rolling deploy never mixes formats).
 FORMAT_VERSION = 1
+
+#: The most records of skipped slots a namespace keeps (:meth:`StateStore.note_skipped`).
+SKIPPED_KEPT = 1000
 
 
 @runtime_checkable
@@ -165,6 +168,19 @@ class StateStore(Protocol):
 
     def watermarks(self, entries: Sequence[str]) -> dict[str, datetime]:
         """The watermarks of ``entries`` that have one, in one round trip (a few for SQL)."""
+        ...
+
+    def note_skipped(self, skipped: Sequence[SkippedSlots]) -> None:
+        """Keep a record of each range of skipped slots, stamped with the store time.
+
+        Records are kept for the retention (the memory and Redis stores keep the
+        newest :data:`SKIPPED_KEPT` at most); they say what beat did not run,
+        for people (the admin, the CLI). Nothing of the protocol reads them.
+        """
+        ...
+
+    def skipped(self, limit: int = 100) -> list[SkippedSlots]:
+        """The newest records of :meth:`note_skipped`, newest first, at most ``limit``."""
         ...
 
     def list_stale(

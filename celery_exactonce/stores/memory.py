@@ -11,6 +11,7 @@ tests can move store time without sleeping.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import threading
 from collections.abc import Sequence
@@ -22,11 +23,13 @@ from celery_exactonce.jobs import (
     CreateResult,
     CreateStatus,
     Job,
+    SkippedSlots,
     TransitionResult,
     TransitionStatus,
 )
 from celery_exactonce.refs import JobRef
 from celery_exactonce.states import TERMINAL, State
+from celery_exactonce.stores.base import SKIPPED_KEPT
 from celery_exactonce.writes import Lease, NewJob, Transition
 
 
@@ -56,6 +59,7 @@ class InMemoryStore:
         self._watermarks: dict[str, datetime] = {}
         self._leases: dict[str, tuple[str, datetime]] = {}
         self._epoch: str | None = None
+        self._skipped: collections.deque[SkippedSlots] = collections.deque(maxlen=SKIPPED_KEPT)
 
     # -- properties ------------------------------------------------------------------
 
@@ -178,6 +182,19 @@ class InMemoryStore:
             return {e: self._watermarks[e] for e in entries if e in self._watermarks}
 
     # -- queries and sweeps --------------------------------------------------------------
+
+    def note_skipped(self, skipped: Sequence[SkippedSlots]) -> None:
+        with self._lock:
+            self._check_open()
+            at = self.now()
+            self._skipped.extend(dataclasses.replace(record, at=at) for record in skipped)
+
+    def skipped(self, limit: int = 100) -> list[SkippedSlots]:
+        with self._lock:
+            self._check_open()
+            cutoff = self.now() - timedelta(seconds=self._retention)
+            kept = [r for r in reversed(self._skipped) if r.at is not None and r.at >= cutoff]
+            return kept[: max(0, limit)]
 
     def list_stale(
         self,

@@ -37,6 +37,8 @@ operations stand on (the modules above).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import json
 import logging
 from collections.abc import Mapping, Sequence
 from datetime import datetime, timedelta
@@ -45,11 +47,11 @@ from typing import Any
 import redis.exceptions as rexc
 
 from celery_exactonce import exceptions, jobs, metrics, refs, times
-from celery_exactonce.jobs import CreateResult, Job, TransitionResult
+from celery_exactonce.jobs import CreateResult, Job, SkippedSlots, TransitionResult
 from celery_exactonce.refs import JobRef
 from celery_exactonce.states import State
 from celery_exactonce.stores import redact_url, url_secrets
-from celery_exactonce.stores.base import FORMAT_VERSION
+from celery_exactonce.stores.base import FORMAT_VERSION, SKIPPED_KEPT
 from celery_exactonce.stores.redis_client import (
     client_from_url,
     maxmemory_policy,
@@ -272,6 +274,34 @@ class RedisStore(RedisEnqueue):
             for entry, mark in zip(entries, marks, strict=True)
             if mark is not None
         }
+
+    # -- skipped slots ------------------------------------------------------------------
+
+    def note_skipped(self, skipped: Sequence[SkippedSlots]) -> None:
+        if not skipped:
+            self._check_open()
+            return
+        at = self.now()
+        records = [
+            json.dumps(dataclasses.replace(r, at=at).to_json(), separators=(",", ":"))
+            for r in skipped
+        ]
+        key = self._key("skipped")
+        with self._wrap("note_skipped"):
+            pipe = self._client.pipeline(transaction=True)
+            pipe.lpush(key, *records)
+            pipe.ltrim(key, 0, SKIPPED_KEPT - 1)
+            pipe.execute()
+
+    def skipped(self, limit: int = 100) -> list[SkippedSlots]:
+        if limit <= 0:
+            self._check_open()
+            return []
+        cutoff = self.now() - timedelta(seconds=self._retention)
+        with self._wrap("skipped"):
+            raw = self._client.lrange(self._key("skipped"), 0, limit - 1)
+        records = [SkippedSlots.from_json(json.loads(as_text(item))) for item in raw]
+        return [r for r in records if r.at is not None and r.at >= cutoff]
 
     # -- transitions ---------------------------------------------------------------------
 

@@ -44,7 +44,9 @@ made of, one module each:
 Beside them: :mod:`~celery_exactonce.stores.sql_engine` (what differs per
 dialect, the engine :meth:`SqlStore.from_url` builds, its pool checks),
 :mod:`~celery_exactonce.stores.sql_schema` (the tables) and
-:mod:`~celery_exactonce.stores.sql_statements` (the one-statement writes).
+:mod:`~celery_exactonce.stores.sql_statements` (the one-statement writes, on
+:mod:`~celery_exactonce.stores.sql_statement_core` and
+:mod:`~celery_exactonce.stores.sql_statement_creates`).
 
 Not here: anything done inside a transaction. The operations themselves stay
 here, not in those classes, so that whatever wraps a store class's operations
@@ -60,7 +62,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from celery_exactonce import times
-from celery_exactonce.jobs import CreateResult, Job, TransitionResult
+from celery_exactonce.jobs import CreateResult, Job, SkippedSlots, TransitionResult
 from celery_exactonce.refs import JobRef
 from celery_exactonce.states import State
 from celery_exactonce.stores import sql_engine, sql_schema
@@ -121,7 +123,7 @@ class SqlStore(SqlCreates, SqlTransitions, SqlScans, SqlLeases):
         return store
 
     def __repr__(self) -> str:
-        return f"SqlStore({self._where}, namespace={self._namespace!r})"
+        return f"{type(self).__name__}({self._where}, namespace={self._namespace!r})"
 
     # -- properties and housekeeping ---------------------------------------------------
 
@@ -253,6 +255,16 @@ class SqlStore(SqlCreates, SqlTransitions, SqlScans, SqlLeases):
             self._check_usable()
             return {}
         return self._run("watermarks", self._watermarks_op(entries), write=False)
+
+    def note_skipped(self, skipped: Sequence[SkippedSlots]) -> None:
+        if not skipped:
+            self._check_usable()
+            return
+        self._run("note_skipped", self._note_skipped_op(skipped))
+
+    def skipped(self, limit: int = 100) -> list[SkippedSlots]:
+        op = self._skipped_op(limit)
+        return self._run("skipped", op, write=False) if limit > 0 else self._empty([])
 
     def list_stale(
         self,

@@ -86,6 +86,14 @@ class SqlCore:
     The arguments are those of :class:`~celery_exactonce.stores.sql.SqlStore`.
     """
 
+    #: Whether the store begins and ends its own transactions on the engine's
+    #: connections (SQLite: ``BEGIN IMMEDIATE``). The Django store runs inside
+    #: Django's transactions instead.
+    owns_transactions = True
+    #: Errors after which :meth:`_run` runs the transaction again, when the driver's
+    #: code says the database rolled it back (a deadlock, a lock wait, "locked").
+    _rerun_errors: tuple[type[BaseException], ...] = (sa_exc.DBAPIError,)
+
     def __init__(
         self,
         engine: sa.Engine,
@@ -146,7 +154,7 @@ class SqlCore:
         self._owns_engine = False
         self._closed = False
         self._pid = os.getpid()
-        if engine.dialect.name == "sqlite":
+        if engine.dialect.name == "sqlite" and self.owns_transactions:
             sql_engine.install_sqlite_listeners(engine)
         _LIVE.add(self)
 
@@ -169,27 +177,30 @@ class SqlCore:
             self._check_usable()
             for attempt in range(_ATTEMPTS):
                 try:
-                    with self._engine.connect() as conn:
-                        if autocommit:
-                            conn.execution_options(isolation_level="AUTOCOMMIT")
-                        elif not write:
-                            conn.execution_options(**{sql_engine.READ: True})
-                        with conn.begin():
-                            return fn(conn)
+                    return self._attempt(fn, write=write, autocommit=autocommit)
                 except Rerun:
                     if attempt + 1 == _ATTEMPTS:
                         raise exceptions.StoreUnavailable(
                             f"{op} on {self._where}: kept racing with concurrent writers"
                         ) from None
-                except sa_exc.DBAPIError as exc:
-                    if (
-                        attempt + 1 == _ATTEMPTS
-                        or sql_engine.error_code(exc.orig) not in self._d.retry
-                    ):
+                except self._rerun_errors as exc:
+                    # SQLAlchemy's errors hold the driver's in ``orig``; others chain it.
+                    orig = getattr(exc, "orig", None) or exc.__cause__ or exc
+                    if attempt + 1 == _ATTEMPTS or sql_engine.error_code(orig) not in self._d.retry:
                         raise
                 # Full jitter: concurrent losers do not retry in lockstep.
                 time.sleep(random.uniform(0, _BACKOFF * 2**attempt))  # noqa: S311 (not crypto)
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def _attempt(self, fn: Callable[[sa.Connection], _T], *, write: bool, autocommit: bool) -> _T:
+        """Run ``fn`` once, in a transaction of its own (``autocommit``: none, see :meth:`_run`)."""
+        with self._engine.connect() as conn:
+            if autocommit:
+                conn.execution_options(isolation_level="AUTOCOMMIT")
+            elif not write:
+                conn.execution_options(**{sql_engine.READ: True})
+            with conn.begin():
+                return fn(conn)
 
     def _run_idempotent(self, op: str, fn: Callable[[], None]) -> None:
         """Run ``fn`` (idempotent, no one transaction) under the guard, again while unavailable."""

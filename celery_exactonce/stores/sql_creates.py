@@ -6,8 +6,9 @@ that decides a create inside its transaction. A create goes one of two ways:
 * **one statement** (PostgreSQL, any job; MariaDB ≥ 10.5 with
   ``INSERT … RETURNING``, jobs that are not occurrences):
   :meth:`SqlCreates._create_fast` runs the ``INSERT … SELECT`` of
-  :mod:`~celery_exactonce.stores.sql_statements`, which checks the epoch (and,
-  on PostgreSQL, advances an occurrence's watermark in the same statement).
+  :mod:`~celery_exactonce.stores.sql_statement_creates`, which checks the
+  epoch (and, on PostgreSQL, advances an occurrence's watermark in the same
+  statement).
   What one statement cannot decide (a record a competing create committed
   after the statement began; on MariaDB a duplicate key or another epoch) it
   leaves, having written nothing, to the locking way;
@@ -23,7 +24,7 @@ never deadlock; once a one-statement create aborts the batch's transaction
 Not here: which transaction a create runs in (autocommit or not, one create
 or a batch: :mod:`~celery_exactonce.stores.sql`), running and retrying it
 (:mod:`~celery_exactonce.stores.sql_core`), the statements' SQL
-(:mod:`~celery_exactonce.stores.sql_statements`).
+(:mod:`~celery_exactonce.stores.sql_statement_creates`).
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ from datetime import datetime
 import sqlalchemy as sa
 
 from celery_exactonce import jobs, times
-from celery_exactonce.jobs import Job
+from celery_exactonce.jobs import Job, SkippedSlots
 from celery_exactonce.refs import JobRef
 from celery_exactonce.states import State
 from celery_exactonce.stores.sql_core import SqlCore
@@ -42,6 +42,64 @@ _IN_CHUNK = 500
 
 class SqlScans(SqlCore):
     """Watermarks, stale, due and expired jobs, inside their transaction."""
+
+    def _note_skipped_op(self, skipped: Sequence[SkippedSlots]) -> Callable[[sa.Connection], None]:
+        """The transaction of ``note_skipped``: the records, and the expired ones pruned."""
+        table = self._t.skipped
+
+        def op(conn: sa.Connection) -> None:
+            now = self._now(conn)
+            conn.execute(
+                table.insert(),
+                [
+                    {
+                        "namespace": self._namespace,
+                        "entry": r.entry,
+                        "reason": r.where,
+                        "first_slot": times.to_micros(r.first),
+                        "last_slot": times.to_micros(r.last),
+                        "slots": r.count,
+                        "node": r.node,
+                        "noted_at": now,
+                    }
+                    for r in skipped
+                ],
+            )
+            conn.execute(
+                table.delete().where(
+                    table.c.namespace == self._namespace,
+                    table.c.noted_at < now - int(self._retention * 1_000_000),
+                )
+            )
+
+        return op
+
+    def _skipped_op(self, limit: int) -> Callable[[sa.Connection], list[SkippedSlots]]:
+        """The transaction of ``skipped``: the newest records within the retention."""
+        table = self._t.skipped
+
+        def op(conn: sa.Connection) -> list[SkippedSlots]:
+            cutoff = self._now(conn) - int(self._retention * 1_000_000)
+            query = (
+                sa.select(table)
+                .where(table.c.namespace == self._namespace, table.c.noted_at >= cutoff)
+                .order_by(table.c.seq.desc())
+                .limit(limit)
+            )
+            return [
+                SkippedSlots(
+                    entry=row.entry,
+                    where=row.reason,
+                    first=times.from_micros(row.first_slot),
+                    last=times.from_micros(row.last_slot),
+                    count=int(row.slots),
+                    node=row.node,
+                    at=times.from_micros(row.noted_at),
+                )
+                for row in conn.execute(query)
+            ]
+
+        return op
 
     def _watermarks_op(
         self, entries: Sequence[str]

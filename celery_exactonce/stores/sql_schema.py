@@ -46,11 +46,12 @@ class Tables:
     leases: sa.Table
     meta: sa.Table
     schema: sa.Table
+    skipped: sa.Table
 
     @property
     def per_namespace(self) -> tuple[sa.Table, ...]:
         """The tables whose rows belong to a namespace (all but the schema version)."""
-        return (self.jobs, self.watermarks, self.leases, self.meta)
+        return (self.jobs, self.watermarks, self.leases, self.meta, self.skipped)
 
 
 def _key(length: int) -> sa.types.TypeEngine[str]:
@@ -132,7 +133,30 @@ def build(prefix: str, *, mysql_collation: str = "utf8mb4_bin") -> Tables:
         sa.Column("version", sa.Integer, nullable=False),
         **opts,
     )
-    return Tables(prefix, md, jobs, watermarks, leases, meta, schema)
+    # Records of skipped slots, for people (note_skipped): appended, read newest first,
+    # pruned past the retention. Made by setup() like every table (create_all, checkfirst),
+    # so a database of schema version 1 made before it gets it without an upgrade.
+    skipped = sa.Table(
+        f"{prefix}skipped",
+        md,
+        sa.Column(
+            "seq",
+            sa.BigInteger().with_variant(sa.Integer(), "sqlite"),
+            primary_key=True,
+            autoincrement=True,
+        ),
+        sa.Column("namespace", _key(64), nullable=False),
+        sa.Column("entry", sa.String(255), nullable=False),
+        sa.Column("reason", sa.String(16), nullable=False),
+        sa.Column("first_slot", sa.BigInteger, nullable=False),
+        sa.Column("last_slot", sa.BigInteger, nullable=False),
+        sa.Column("slots", sa.Integer, nullable=False),
+        sa.Column("node", sa.String(255), nullable=False),
+        sa.Column("noted_at", sa.BigInteger, nullable=False),
+        sa.Index(f"{prefix}skipped_recent", "namespace", "noted_at"),
+        **opts,
+    )
+    return Tables(prefix, md, jobs, watermarks, leases, meta, schema, skipped)
 
 
 def mysql_collation(dialect: sa.Dialect) -> str:

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import Any, TypeVar
 
+from celery_exactonce.jobs import Job
 from celery_exactonce.refs import JobRef
 from celery_exactonce.states import State
 from celery_exactonce.stores import InMemoryStore
@@ -60,6 +61,19 @@ def occurrence(entry: str, fire_time: datetime, task: str = "tasks.tick") -> New
 def to(state: State, *expect: State, **guards: object) -> Transition:
     """A transition request to ``state`` from any of ``expect``."""
     return Transition(state, frozenset(expect), node=NODE, reason="test", **guards)  # type: ignore[arg-type]
+
+
+def move(store: StateStore, job: Job, to: State) -> Job:
+    """CAS ``job`` to ``to`` (on its rev; into RUNNING as the gate does, out of it on the run)."""
+    guards: dict[str, Any] = {"rev": job.rev}
+    if to is State.RUNNING:
+        guards = {"new_run_id": uuid.uuid4().hex, "attempt": job.attempt}
+    elif job.state is State.RUNNING:
+        guards = {"run_id": job.run_id}
+    request = Transition(to, frozenset({job.state}), node="n", reason="test", **guards)
+    result = store.transition(job.ref, request)
+    assert result.applied and result.job is not None, (job.ref, to, result.status)
+    return result.job
 
 
 def poll(check: Callable[[], T | None], timeout: float = 10.0, interval: float = 0.02) -> T:
