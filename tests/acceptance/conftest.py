@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests import services
+from tests.acceptance.django_project import django_database  # noqa: F401  (a fixture)
 from tests.acceptance.harness import (
     BROKERS,
     MATRIX,

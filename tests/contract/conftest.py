@@ -6,17 +6,23 @@ import pytest
 
 from celery_exactonce.stores.base import StateStore
 from tests import services
-from tests.support.backends import BACKENDS, StoreFactory
+from tests.support.backends import BACKENDS, DJANGO_BACKENDS, StoreFactory
 
 
 def _need(backend: str) -> None:
     if backend in ("redis", "postgres", "mysql"):
         services.need(backend)
+    if backend == "django-postgres":
+        services.need("postgres")
 
 
 @pytest.fixture(params=BACKENDS)
 def backend(request: pytest.FixtureRequest) -> str:
     _need(request.param)
+    if request.param in DJANGO_BACKENDS:  # pytest-django blocks the ORM's connections
+        blocker = request.getfixturevalue("django_db_blocker")
+        blocker.unblock()
+        request.addfinalizer(blocker.restore)
     return str(request.param)
 
 

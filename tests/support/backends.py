@@ -12,10 +12,14 @@ from celery_exactonce.stores import InMemoryStore, store_from_url
 from celery_exactonce.stores.base import StateStore
 from tests import services
 
-BACKENDS = ("memory", "redis", "postgres", "mysql", "sqlite")
+BACKENDS = ("memory", "redis", "postgres", "mysql", "sqlite", "django-sqlite", "django-postgres")
 
 #: Backends reachable from several processes (the memory store lives in one).
 SHARED_BACKENDS = ("redis", "postgres", "mysql", "sqlite")
+
+#: The ``django://`` stores: the SQL store on a Django connection (the test settings'
+#: ``store_sqlite`` and ``store_postgres`` aliases, :mod:`tests.django_tests.settings`).
+DJANGO_BACKENDS = {"django-sqlite": "store_sqlite", "django-postgres": "store_postgres"}
 
 
 def store_url(backend: str, tmpdir: str) -> str:
@@ -24,15 +28,40 @@ def store_url(backend: str, tmpdir: str) -> str:
         return "memory://"
     if backend == "sqlite":
         return f"sqlite:///{os.path.join(tmpdir, 'exactonce.db')}"
+    if backend in DJANGO_BACKENDS:
+        return f"django://{DJANGO_BACKENDS[backend]}"
     return services.SERVICE_URLS[backend]
 
 
 def make_store(backend: str, url: str, namespace: str, retention: float = 3600.0) -> StateStore:
     if backend == "memory":
         return InMemoryStore(namespace, retention=retention)
+    if backend in DJANGO_BACKENDS:
+        migrate_django_store(DJANGO_BACKENDS[backend])
     store = store_from_url(url, namespace=namespace, retention=retention)
     store.setup()
     return store
+
+
+def migrate_django_store(alias: str) -> None:
+    """Django set up in this process (a spawned racer's too), and the store's tables on ``alias``.
+
+    The tables are made as the app's migration makes them; the migration
+    itself is tested with Django's own machinery (tests/django_tests).
+    """
+    import django
+    from django.conf import settings
+
+    if not settings.configured:
+        from tests.django_tests.settings import in_process
+
+        settings.configure(**in_process())
+    django.setup()
+    from celery_exactonce.contrib.django import tables
+    from celery_exactonce.contrib.django.store import engine_for
+    from celery_exactonce.stores import sql_schema
+
+    sql_schema.create(engine_for(alias), sql_schema.build(tables.prefix()), f"django {alias}")
 
 
 def lose_data(store: Any) -> None:

@@ -275,6 +275,8 @@ def _record_occurrence(task: Task, ledger_path: str, args: Any) -> None:
     meta = {
         "entry": _header(task, "exactonce_key"),
         "fire_time": _header(task, "exactonce_fire_time"),
+        # django-celery-beat's rows (stock beat's too) name themselves in a header.
+        "row": _header(task, "periodic_task_name"),
         # The gate sets request.idempotency_key; a plain task only has the header.
         "idempotency_key": getattr(task.request, "idempotency_key", None)
         or _header(task, "idempotency_key"),

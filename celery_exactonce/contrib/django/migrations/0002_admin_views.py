@@ -1,0 +1,12 @@
+"""The admin's read-only views of the jobs and the watermarks, each with a one-column key."""
+
+from __future__ import annotations
+
+from django.db import migrations
+
+from celery_exactonce.contrib.django import tables
+
+
+class Migration(migrations.Migration):  # type: ignore[misc]  # django is untyped here
+    dependencies = (("celery_exactonce", "0001_initial"),)
+    operations = (migrations.RunPython(tables.create_views, tables.drop_views),)

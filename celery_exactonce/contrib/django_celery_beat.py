@@ -1,0 +1,233 @@
+"""Beat on django-celery-beat's ``PeriodicTask`` rows, on any number of nodes.
+
+``celery beat -S exactonce-django`` (or ``beat_scheduler = "exactonce-django"``)
+runs the rows an admin edits with the guarantee ``beat_schedule`` entries have
+under ``-S exactonce``: each occurrence is claimed in the store by one node and
+dispatched once, with no leader.
+
+* **Rows as entries.** Every enabled row is an entry named by the row's name
+  (:mod:`~celery_exactonce.contrib.periodic_tasks`): interval, crontab (in its
+  own ``timezone``), solar and clocked schedules; ``start_time``, ``expires``
+  and ``expire_seconds``, ``one_off``; ``queue``, ``exchange``,
+  ``routing_key``, ``priority``, ``headers``; ``args`` and ``kwargs`` JSON.
+* **Changes while beat runs.** Each tick reads django-celery-beat's change
+  marker (one row); when it moved, or every five minutes, the rows are read
+  again. An edited schedule moves the entry's future slots, and no slot at or
+  below its watermark fires again; a disabled or deleted row fires no more; a
+  renamed row is a new entry, which starts after the row's ``last_run_at``
+  (its slots up to then ran under the old name). A row beat cannot run (arguments that are not
+  JSON, a task beat refuses) is left out with an ``entry_refused`` error; the
+  others keep running.
+* **Runs counted once.** ``last_run_at`` and ``total_run_count`` advance once
+  per occurrence, by a guarded ``UPDATE`` from each node that decided its slot,
+  so the admin shows the truth. A one-off row (``one_off``, or clocked) fires
+  its one slot across all nodes and is then disabled, once.
+* **Settings entries.** ``beat_schedule`` is written into rows at start-up, as
+  django-celery-beat does, and their ``options["exactonce"]`` apply to those
+  rows. An entry no row can hold (an ``at`` or ``bounded`` schedule) runs from
+  the settings.
+
+Not here: the slots, the claims and the dispatch, which are the
+:class:`~celery_exactonce.scheduler.ExactOnceScheduler`'s.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import datetime, timedelta
+from typing import Any
+
+from celery_exactonce import exceptions, metrics
+from celery_exactonce.contrib import periodic_tasks
+from celery_exactonce.entries import ENTRY_OPTIONS
+from celery_exactonce.planner import Plan
+from celery_exactonce.scheduler import ExactOnceScheduler
+
+__all__ = ["DatabaseScheduler"]
+
+#: Seconds after which the rows are read again even if the marker did not move
+#: (a change made with ``QuerySet.update`` does not move it), as django-celery-beat does.
+FULL_READ_INTERVAL = 300.0
+
+
+class DatabaseScheduler(ExactOnceScheduler):
+    """An :class:`ExactOnceScheduler` whose entries are django-celery-beat's rows."""
+
+    def __init__(self, app: Any, *args: Any, **kwargs: Any) -> None:
+        self._rows: dict[str, Any] = {}  # entry name -> the row it was read from
+        self._definitions: dict[str, str] = {}  # entry name -> what it was built from
+        self._overrides: dict[str, dict[str, Any]] = {}
+        self._settings_entries: dict[str, Any] = {}
+        self._marker: datetime | None = None
+        self._read_at: datetime | None = None
+        self._unrecorded: list[tuple[int, datetime]] = []
+        super().__init__(app, *args, **kwargs)
+
+    # -- celery.beat.Scheduler interface ---------------------------------------------
+
+    def setup_schedule(self) -> None:
+        """Write ``beat_schedule`` into rows, then read every enabled row."""
+        self._settings_entries = self._write_settings_entries(self.app.conf.beat_schedule)
+        self._setup_entries(self._settings_entries)
+        self._refresh(self._runtime.store.now(), force=True)
+
+    def _tick_started(self, now: datetime) -> None:
+        """Read the rows again if they changed, and count runs a failed write left, first."""
+        self._refresh(now)
+        self._record_pending()
+
+    @property
+    def info(self) -> str:
+        return f"{super().info}\n    . rows -> django_celery_beat.PeriodicTask"
+
+    # -- the rows --------------------------------------------------------------------
+
+    def _write_settings_entries(self, entries: dict[str, Any]) -> dict[str, Any]:
+        """Write each settings entry into its row; those no row can hold, to run as they are."""
+        from django_celery_beat.schedulers import ModelEntry
+
+        kept: dict[str, Any] = {}
+        for name, fields in entries.items():
+            options = dict(fields.get("options") or {})
+            overrides = options.pop(ENTRY_OPTIONS, None)
+            try:
+                ModelEntry.from_entry(name, app=self.app, **{**fields, "options": options})
+            except (ValueError, TypeError):  # a schedule no row holds: run from the settings
+                kept[name] = fields
+                continue
+            if overrides:
+                self._overrides[name] = dict(overrides)
+        return kept
+
+    def _refresh(self, now: datetime, *, force: bool = False) -> None:
+        """Read the rows again if the marker moved (or ``force``, or it is time, on store time)."""
+        from django.db import DatabaseError, close_old_connections, connection
+
+        due = self._read_at is None or now - self._read_at >= timedelta(seconds=FULL_READ_INTERVAL)
+        try:
+            if not connection.in_atomic_block:  # never close a caller's transaction
+                close_old_connections()
+            marker = periodic_tasks.last_change()
+            if not (force or due or marker != self._marker):
+                return
+            rows = periodic_tasks.enabled_rows()
+        except DatabaseError as exc:
+            metrics.event(
+                "schedule_read_failed",
+                f"the periodic tasks cannot be read: the schedule stays as it was ({exc})",
+                level=logging.WARNING,
+                exc_info=exc,
+            )
+            return
+        self._marker, self._read_at = marker, now
+        self._apply(rows, now)
+
+    def _apply(self, rows: list[Any], now: datetime) -> None:
+        """Make the schedule what the rows say: add, replace and remove entries."""
+        fresh = {row.name: row for row in rows if row.name not in self._settings_entries}
+        for name in [n for n in self._rows if n not in fresh]:
+            self._drop(name)
+        spent = timedelta(seconds=self._config.window_lookback)
+        for name, row in fresh.items():
+            if row.expires is not None and periodic_tasks.aware(row.expires) + spent <= now:
+                self._disable(name, row.pk, "expired")  # its last slot is out of the window
+            definition = _definition(row, self._overrides.get(name))
+            if self._definitions.get(name) == definition and name in self.schedule:
+                self._rows[name] = row
+                continue
+            try:
+                entry = periodic_tasks.entry_of(row, self._overrides.get(name))
+                self.update_from_dict({name: entry})
+            except exceptions.ConfigurationError as exc:
+                self._drop(name)
+                self._definitions[name] = definition  # not refused again until it changes
+                metrics.event(
+                    "entry_refused",
+                    f"{exc}: this row does not run; the others do",
+                    level=logging.ERROR,
+                    sentry=True,
+                )
+                continue
+            self._rows[name], self._definitions[name] = row, definition
+            if row.last_run_at is not None:  # a renamed row: its runs so far are not new slots
+                ran = periodic_tasks.aware(row.last_run_at)
+                if name not in self._decided or self._decided[name] < ran:
+                    self._decided[name] = ran
+
+    def _drop(self, name: str) -> None:
+        self._rows.pop(name, None)
+        self._definitions.pop(name, None)
+        if self.schedule.pop(name, None) is not None:
+            self._forget(name)
+
+    # -- what beat writes back ---------------------------------------------------------
+
+    def _claimed(self, plans: list[Plan]) -> None:
+        """Count each slot found claimed in its row; disable a one-off that has run."""
+        for plan in plans:
+            row = self._rows.get(plan.name)
+            if row is None or not plan.claimed:
+                continue
+            self._unrecorded.extend((row.pk, fire) for fire in plan.claimed)
+            if periodic_tasks.is_one_off(row):
+                self._disable(row.name, row.pk, "one-off ran")
+        self._record_pending()
+
+    def _record_pending(self) -> None:
+        """Write the runs not yet counted, oldest first; a failed write is tried next tick."""
+        from django.db import DatabaseError
+
+        pending, self._unrecorded = sorted(self._unrecorded, key=lambda run: run[1]), []
+        for i, (pk, fire) in enumerate(pending):
+            try:
+                periodic_tasks.record_run(pk, fire)
+            except DatabaseError as exc:
+                self._unrecorded = pending[i:]
+                metrics.event(
+                    "row_update_failed",
+                    f"{len(pending) - i} run(s) not yet counted in their rows: tried again "
+                    f"next tick ({exc})",
+                    level=logging.WARNING,
+                )
+                return
+
+    def _disable(self, name: str, pk: int, why: str) -> None:
+        from django.db import DatabaseError
+
+        try:
+            disabled = periodic_tasks.disable(pk)
+        except DatabaseError as exc:
+            metrics.event(
+                "row_update_failed",
+                f"periodic task {name!r} ({why}) could not be disabled: "
+                f"its slots have run all the same ({exc})",
+                level=logging.WARNING,
+            )
+            return
+        if disabled:
+            metrics.event("row_disabled", f"periodic task {name!r} disabled: {why}")
+
+
+def _definition(row: Any, overrides: dict[str, Any] | None) -> str:
+    """What an entry is built from, to tell a changed row from one saved unchanged."""
+    fields = (
+        row.task,
+        row.args,
+        row.kwargs,
+        row.queue,
+        row.exchange,
+        row.routing_key,
+        row.priority,
+        row.headers,
+        row.expires,
+        row.expire_seconds,
+        row.one_off,
+        row.start_time,
+        row.date_changed if row.one_off else None,
+        row.interval_id and (row.interval.every, row.interval.period),
+        row.crontab_id and str(row.crontab),
+        row.solar_id and (row.solar.event, row.solar.latitude, row.solar.longitude),
+        row.clocked_id and row.clocked.clocked_time,
+        sorted((overrides or {}).items()),
+    )
+    return repr(fields)

@@ -1,0 +1,200 @@
+"""django-celery-beat's rows as beat entries, and what beat writes back to them.
+
+A ``PeriodicTask`` row becomes the entry a ``beat_schedule`` dict would be
+(:func:`entry_of`): its schedule as slots every node computes alike
+(:mod:`celery_exactonce.schedules`), its arguments from their JSON, its
+publish options. The row's name is the entry's key, so a renamed row is a new
+entry. What beat writes back (:func:`record_run`, :func:`disable`) is one
+guarded ``UPDATE`` each, with no ``save()``: no signal fires, so a run does not
+make every node reload the schedule.
+
+Not here: when to read the rows and how the schedule changes in beat
+(:mod:`celery_exactonce.contrib.django_celery_beat`).
+
+Everything here needs Django set up with ``django_celery_beat`` installed; the
+models are imported when first used.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timedelta
+from typing import Any
+
+from celery_exactonce import exceptions
+from celery_exactonce.entries import ENTRY_OPTIONS
+from celery_exactonce.schedules import at, bounded, cron
+
+#: The header django-celery-beat adds to every message of a row, kept for the
+#: tools that read it.
+NAME_HEADER = "periodic_task_name"
+
+_SETTING = "django_celery_beat.PeriodicTask"
+
+
+def refused(name: str, message: str) -> exceptions.ConfigurationError:
+    """A row beat cannot run, named as an entry is."""
+    return exceptions.ConfigurationError(f"periodic task {name!r}: {message}", setting=_SETTING)
+
+
+def aware(value: datetime) -> datetime:
+    """A datetime from a row as an aware one (a naive one is in Django's ``TIME_ZONE``)."""
+    from django.utils import timezone
+
+    if timezone.is_naive(value):
+        made: datetime = timezone.make_aware(value, timezone.get_default_timezone())
+        return made
+    return value
+
+
+def stored(value: datetime) -> datetime:
+    """An aware datetime as a row stores it (naive, in ``TIME_ZONE``, without ``USE_TZ``)."""
+    from django.conf import settings
+    from django.utils import timezone
+
+    if settings.USE_TZ:
+        return value
+    naive: datetime = timezone.make_naive(value, timezone.get_default_timezone())
+    return naive
+
+
+def _json(name: str, field: str, text: str | None, default: str, kind: type) -> Any:
+    try:
+        value = json.loads(text or default)
+    except ValueError as exc:
+        raise refused(name, f"{field} is not JSON: {exc}") from exc
+    if not isinstance(value, kind):
+        raise refused(name, f"{field} must be a JSON {kind.__name__}, got {type(value).__name__}")
+    return value
+
+
+def _crontab_of(name: str, row: Any) -> Any:
+    """The row's crontab as a :class:`~celery_exactonce.schedules.cron`, else Celery's own."""
+    fields = (row.minute, row.hour, row.day_of_month, row.month_of_year, row.day_of_week)
+    try:
+        return cron(" ".join(str(field).strip() for field in fields), tz=row.timezone)
+    except exceptions.ConfigurationError as exc:
+        try:  # Celery's syntax where cron's differs (django-celery-beat checks the fields)
+            return row.schedule
+        except (ValueError, TypeError):
+            raise refused(name, f"crontab: {exc}") from exc
+
+
+def schedule_of(row: Any) -> Any:
+    """The schedule of a ``PeriodicTask`` row, bounded by its start, expiry and one-off."""
+    name = row.name
+    if row.interval_id is not None:
+        interval = row.interval
+        try:
+            inner: Any = timedelta(**{interval.period: interval.every})
+        except (TypeError, OverflowError) as exc:
+            raise refused(name, f"interval {interval.every} {interval.period}: {exc}") from exc
+    elif row.crontab_id is not None:
+        inner = _crontab_of(name, row.crontab)
+    elif row.solar_id is not None:
+        inner = row.solar.schedule
+    elif row.clocked_id is not None:
+        inner = at(aware(row.clocked.clocked_time))
+    else:
+        raise refused(name, "has no schedule (interval, crontab, solar or clocked)")
+    start = None if row.start_time is None else aware(row.start_time)
+    end = None if row.expires is None else aware(row.expires)
+    one_off = bool(row.one_off) and not isinstance(inner, at)
+    if one_off and start is None:
+        # The first slot after the row's last change: every node reads the same row.
+        start = aware(row.date_changed)
+    if start is None and end is None and not one_off:
+        return inner
+    return bounded(inner, start=start, end=end, first_only=one_off)
+
+
+def entry_of(row: Any, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The ``beat_schedule`` entry of a ``PeriodicTask`` row.
+
+    ``overrides`` is the ``options["exactonce"]`` of the ``beat_schedule``
+    entry the row was written from, if any; ``expire_seconds`` becomes the
+    entry's ``deadline`` (seconds after the slot), ``expires`` the message's.
+
+    Raises
+    ------
+    ConfigurationError
+        The row cannot be run (its arguments are not JSON, its crontab does
+        not parse, it has no schedule); the message names it.
+    """
+    name = row.name
+    options: dict[str, Any] = {
+        key: getattr(row, key)
+        for key in ("queue", "exchange", "routing_key", "priority")
+        if getattr(row, key) not in (None, "")
+    }
+    headers = _json(name, "headers", row.headers, "{}", dict)
+    options["headers"] = {**headers, NAME_HEADER: name}
+    if row.expires is not None:
+        options["expires"] = aware(row.expires)
+    policy = dict(overrides or {})
+    if row.expire_seconds is not None:
+        policy.setdefault("deadline", row.expire_seconds)
+    if policy:
+        options[ENTRY_OPTIONS] = policy
+    return {
+        "task": row.task,
+        "schedule": schedule_of(row),
+        "args": _json(name, "args", row.args, "[]", list),
+        "kwargs": _json(name, "kwargs", row.kwargs, "{}", dict),
+        "options": options,
+    }
+
+
+def is_one_off(row: Any) -> bool:
+    """Whether the row runs once: ``one_off``, or a clocked schedule."""
+    return bool(row.one_off) or row.clocked_id is not None
+
+
+def enabled_rows() -> list[Any]:
+    """Every enabled ``PeriodicTask`` row, with its schedule's row."""
+    from django_celery_beat.models import PeriodicTask
+
+    rows = PeriodicTask.objects
+    return list(rows.filter(enabled=True).select_related("interval", "crontab", "solar", "clocked"))
+
+
+def last_change() -> datetime | None:
+    """django-celery-beat's change marker: when a row was last saved or deleted."""
+    from django_celery_beat.models import PeriodicTasks
+
+    changes = PeriodicTasks.objects
+    found = changes.filter(ident=1).values_list("last_update", flat=True).first()
+    return None if found is None else aware(found)
+
+
+def record_run(pk: int, fire: datetime) -> bool:
+    """Count one run of row ``pk`` at slot ``fire``, unless a run at or after it is counted.
+
+    Every node that decided the slot (the one that won its claim, and any
+    that found it claimed) calls this; the guard makes the count grow once
+    per slot, whichever comes first. Whether this call counted it.
+    """
+    from django.db.models import F, Q
+    from django_celery_beat.models import PeriodicTask
+
+    rows = PeriodicTask.objects
+    when = stored(fire)
+    return bool(
+        rows.filter(Q(last_run_at__isnull=True) | Q(last_run_at__lt=when), pk=pk).update(
+            last_run_at=when, total_run_count=F("total_run_count") + 1
+        )
+    )
+
+
+def disable(pk: int) -> bool:
+    """Disable row ``pk`` (a one-off that ran), once; the other nodes are told to reload.
+
+    Whether this call disabled it.
+    """
+    from django_celery_beat.models import PeriodicTask, PeriodicTasks
+
+    rows = PeriodicTask.objects
+    if not rows.filter(pk=pk, enabled=True).update(enabled=False):
+        return False
+    PeriodicTasks.update_changed()
+    return True

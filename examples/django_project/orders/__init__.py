@@ -1,0 +1,1 @@
+"""Orders, and the periodic report on them."""

@@ -1,0 +1,269 @@
+"""Real ``celery beat -S exactonce-django`` processes on django-celery-beat's rows.
+
+Two beats and a worker over one Django database (SQLite, then PostgreSQL),
+20 ``PeriodicTask`` rows (intervals, crontabs, clocked one-offs, interval
+one-offs) for a minute, while the test creates, edits, disables, renames and
+deletes rows through the ORM and SIGKILLs one beat and starts another. The
+ledger the task bodies write must show every occurrence run once, each one-off
+once, and each row's ``total_run_count`` must be its runs in the ledger.
+
+The control: two stock django-celery-beat ``DatabaseScheduler`` beats on the
+same kind of rows run the occurrences twice, which is what the test above
+would see if the guarantee failed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections import Counter
+from collections.abc import Mapping
+from datetime import datetime, timedelta, timezone
+from typing import Any
+from zoneinfo import ZoneInfo
+
+import pytest
+
+from celery_exactonce import slots
+from tests.acceptance import beats as b
+from tests.acceptance.django_project import DjangoBeat, DjangoDatabase
+from tests.acceptance.harness import (
+    Deployment,
+    Ledger,
+    poll,
+)
+
+UTC = timezone.utc
+RUN_SECONDS = 60
+#: Store-time seconds into the run at which the test changes rows, or a beat.
+CREATE_AT, DISABLE_AT, KILL_AT, DELETE_AT = 10, 20, 25, 40
+#: As in test_beat.py: slots this close to the start or the stop are outside the window.
+START_MARGIN, END_MARGIN = 3, 4
+
+
+def start_beat(deployment: Deployment, database: DjangoDatabase, scheduler: str) -> DjangoBeat:
+    env = {
+        **deployment.env,
+        **database.env(),
+        "EXACTONCE_ACC_BEAT_EVERY": "0",  # no settings entries: the rows only
+        "EXACTONCE_ACC_EXTRA_CONF": json.dumps({"exactonce_reconcile_on": "beat"}),
+    }
+    beat = DjangoBeat(env, deployment.tmp_path, f"beat-{len(deployment.beats) + 1}", scheduler)
+    deployment.beats.append(beat)
+    return beat.start()
+
+
+# -- rows ------------------------------------------------------------------------------------
+
+
+def interval(seconds: int) -> Any:
+    from django_celery_beat.models import IntervalSchedule
+
+    return IntervalSchedule.objects.get_or_create(every=seconds, period="seconds")[0]
+
+
+def add(name: str, task: str = "gated_beat", **fields: Any) -> Any:
+    from django_celery_beat.models import PeriodicTask
+
+    if not {"interval", "crontab", "clocked"} & set(fields):
+        fields["interval"] = interval(2)
+    return PeriodicTask.objects.create(name=name, task=task, args=json.dumps([name]), **fields)
+
+
+def rows() -> dict[str, Any]:
+    from django_celery_beat.models import PeriodicTask
+
+    return {row.name: row for row in PeriodicTask.objects.all()}
+
+
+def runs_by_row(ledger: Ledger, names: Mapping[str, int]) -> Counter[int]:
+    """Runs in the ledger per row (by pk), under every name the row had."""
+    found: Counter[int] = Counter()
+    for row in ledger.rows(phase="run"):
+        name = row.meta.get("row")
+        if name in names:
+            found[names[name]] += 1
+    return found
+
+
+# -- the run ---------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.acceptance_matrix(brokers=("redis",), stores=("redis",))
+def test_two_beats_run_edited_rows_once_through_a_sigkill(
+    deployment: Deployment, ledger: Ledger, gate: None, django_database: DjangoDatabase
+) -> None:
+    from django_celery_beat.models import PeriodicTask
+
+    # Given 20 rows: intervals, crontabs, clocked one-offs and interval one-offs
+    deployment.start_worker(concurrency=4)
+    deployment.store()
+    now = b.store_now(deployment)
+    start = now + timedelta(seconds=10)  # the beats are up by then
+    names = given_twenty_rows(start)
+    # ... and two beats on them
+    beats = [start_beat(deployment, django_database, "exactonce-django") for _ in range(2)]
+    for beat in beats:
+        beat.wait_ready()
+    b.run_until(deployment, start, beats)
+    floor = b.claim_floor(deployment)
+
+    # When rows are created, edited, disabled, renamed and deleted while they run,
+    # and one beat is SIGKILLed and another started
+    b.run_until(deployment, start + timedelta(seconds=CREATE_AT), beats)
+    for name in ("n01", "n02"):
+        names[name] = add(name, interval=interval(3)).pk
+    edited = PeriodicTask.objects.get(name="i01")
+    edited.interval = interval(4)
+    edited.save()
+    b.run_until(deployment, start + timedelta(seconds=DISABLE_AT), beats)
+    disabled = PeriodicTask.objects.get(name="i02")
+    disabled.enabled = False
+    disabled.save()
+    renamed = PeriodicTask.objects.get(name="i03")
+    renamed.name = "i03-renamed"
+    renamed.save()
+    names["i03-renamed"] = renamed.pk
+    b.run_until(deployment, start + timedelta(seconds=KILL_AT), beats)
+    beats[0].kill()
+    kills = {beats[0].node: b.store_now(deployment)}
+    beats[0] = start_beat(deployment, django_database, "exactonce-django")
+    beats[0].wait_ready()
+    b.run_until(deployment, start + timedelta(seconds=DELETE_AT), beats)
+    PeriodicTask.objects.get(name="i04").delete()
+    b.run_until(deployment, start + timedelta(seconds=RUN_SECONDS), beats)
+    for beat in beats:
+        beat.kill()
+    stopped = b.store_now(deployment)
+    kills.update({beat.node: stopped for beat in beats})
+
+    # Then no occurrence ran twice, anywhere in the run
+    b.assert_no_duplicates(ledger)
+    # ... the untouched every-2-seconds rows ran every slot of the window (a claim the
+    # SIGKILL or the stop cut off before its publish, the documented window, aside)
+    window = (
+        max(start, floor) + timedelta(seconds=START_MARGIN),
+        stopped - timedelta(seconds=END_MARGIN),
+    )
+    steady = [f"i{i:02}" for i in range(5, 13)]
+    expected = {
+        (name, fire)
+        for name in steady
+        for fire in slots.slots_between(timedelta(seconds=2), *window, tz=UTC)
+    }
+    orphans = b.unpublished_claims(deployment, expected - set(ledger.occurrences()), kills)
+    b.wait_executed(ledger, expected - orphans)
+    b.assert_each_ran_once(deployment, ledger, expected - orphans)
+    # ... each one-off ran once and is disabled, and the edited rows followed their edits
+    assert_one_offs_ran_once(ledger, start)
+    assert_rows_followed_the_edits(ledger, names, start)
+    # ... and every row counts what ran of it
+    assert_each_row_counts_its_runs(deployment, ledger, names, kills)
+
+
+def given_twenty_rows(start: datetime) -> dict[str, int]:
+    """12 rows every 2 s, 4 every minute, 2 clocked and 2 interval one-offs; pk by name."""
+    from django_celery_beat.models import ClockedSchedule, CrontabSchedule
+
+    minutely = CrontabSchedule.objects.create(minute="*", timezone=ZoneInfo("UTC"))
+    for i in range(1, 13):
+        add(f"i{i:02}", task="plain_beat" if i % 4 == 0 else "gated_beat")
+    for i in range(1, 5):
+        add(f"c{i:02}", crontab=minutely)
+    for i, at in enumerate((25, 45), start=1):
+        clocked = ClockedSchedule.objects.create(clocked_time=start + timedelta(seconds=at))
+        add(f"k{i:02}", clocked=clocked, one_off=True)
+    for i, at in enumerate((15, 35), start=1):
+        add(
+            f"o{i:02}", interval=interval(5), one_off=True, start_time=start + timedelta(seconds=at)
+        )
+    names = {name: row.pk for name, row in rows().items()}
+    assert len(names) == 20
+    return names
+
+
+def assert_one_offs_ran_once(ledger: Ledger, start: datetime) -> None:
+    final = rows()
+    occurrences = ledger.occurrences()
+    for name in ("k01", "k02", "o01", "o02"):
+        assert len([o for o in occurrences if o[0] == name]) == 1, name
+        assert final[name].enabled is False, name
+    assert {fire for name, fire in occurrences if name == "k01"} == {start + timedelta(seconds=25)}
+
+
+def assert_rows_followed_the_edits(
+    ledger: Ledger, names: Mapping[str, int], start: datetime
+) -> None:
+    """The disabled, renamed and deleted rows stopped, the new ones ran, the edited one moved."""
+    after = {name: [f for n, f in ledger.occurrences() if n == name] for name in names}
+    assert max(after["i02"]) <= start + timedelta(seconds=DISABLE_AT + 1)
+    assert max(after["i03"]) <= start + timedelta(seconds=DISABLE_AT + 1)
+    assert after["i03-renamed"] and min(after["i03-renamed"]) > max(after["i03"])
+    assert max(after["i04"]) <= start + timedelta(seconds=DELETE_AT + 1)
+    assert len(after["n01"]) >= 10
+    edited_after = [f for f in after["i01"] if f > start + timedelta(seconds=CREATE_AT + 1)]
+    assert edited_after and all(f.timestamp() % 4 == 0 for f in edited_after)
+
+
+def assert_each_row_counts_its_runs(
+    deployment: Deployment, ledger: Ledger, names: Mapping[str, int], kills: Mapping[str, datetime]
+) -> None:
+    """``total_run_count`` is the row's runs in the ledger, plus its claims a SIGKILL or
+    the stop cut off unpublished (counted when claimed; they never run)."""
+    from django_celery_beat.models import PeriodicTask
+
+    cut_off = Counter(names[name] for name, _ in _unpublished(deployment, names, kills))
+
+    def counted() -> dict[int, tuple[int, int]]:
+        runs = runs_by_row(ledger, names)
+        return {
+            row.pk: (row.total_run_count, runs[row.pk] + cut_off[row.pk])
+            for row in PeriodicTask.objects.all()
+        }
+
+    with contextlib.suppress(AssertionError):
+        poll(lambda: all(a == b_ for a, b_ in counted().values()), timeout=30, interval=0.5)
+    assert all(a == b_ for a, b_ in counted().values()), counted()
+
+
+def _unpublished(
+    deployment: Deployment, names: Mapping[str, int], kills: Mapping[str, datetime]
+) -> set[tuple[str, datetime]]:
+    """Claims a SIGKILL (or the final stop) cut off before their publish, of any row."""
+    candidates = set()
+    for killed in kills.values():
+        second = killed.replace(microsecond=0)
+        for back in range(int(b.TICK_SPAN.total_seconds()) + 2):
+            candidates |= {(name, second - timedelta(seconds=back)) for name in names}
+    return b.unpublished_claims(deployment, candidates, kills)
+
+
+# -- the control ---------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.acceptance_matrix(brokers=("redis",), stores=("redis",))
+@pytest.mark.parametrize("django_database", ["sqlite"], indirect=True)  # the control runs once
+def test_control_two_stock_django_celery_beat_schedulers_run_each_occurrence_twice(
+    deployment: Deployment, ledger: Ledger, gate: None, django_database: DjangoDatabase
+) -> None:
+    # Given 4 rows every 2 seconds and two stock beats
+    deployment.start_worker(concurrency=4)
+    names = {f"s{i}": add(f"s{i}", task="plain_beat").pk for i in range(1, 5)}
+    beats = [
+        start_beat(deployment, django_database, "django_celery_beat.schedulers:DatabaseScheduler")
+        for _ in range(2)
+    ]
+    for beat in beats:
+        beat.wait_ready()
+    # When they run for 20 seconds
+    started = b.store_now(deployment)
+    b.run_until(deployment, started + timedelta(seconds=20), beats)
+    for beat in beats:
+        beat.kill()
+    # Then each row ran about twice per 2 seconds: every occurrence twice
+    runs = runs_by_row(ledger, names)
+    assert all(runs[pk] >= 16 for pk in names.values()), runs
+    counts = {row.name: row.total_run_count for row in rows().values()}
+    print(f"stock beats: runs per row {dict(runs)}, total_run_count {counts}")

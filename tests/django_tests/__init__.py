@@ -1,0 +1,1 @@
+"""Tests of the Django integrations (django-celery-beat rows, the Django app)."""

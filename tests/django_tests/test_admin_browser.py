@@ -1,0 +1,94 @@
+"""The admin in a real headless browser: log in, list the jobs, filter, open a job.
+
+Chromium and its driver are Debian's (``chromium``, ``chromium-driver``;
+``.ci/run`` installs them), driven by Selenium, against pytest-django's live
+server. Without them the test is skipped (failed under
+``EXACTONCE_REQUIRE_SERVICES``), as a test without its server is.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from celery_exactonce.stores.base import StateStore
+from tests import services
+from tests.django_tests.test_admin import jobs_in_every_state
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
+
+
+@pytest.fixture
+def browser() -> Iterator[Any]:
+    if not (shutil.which(CHROMIUM) and shutil.which(CHROMEDRIVER)):
+        message = (
+            "chromium and chromedriver are not installed (apt-get install chromium chromium-driver)"
+        )
+        if services.required():
+            pytest.fail(message, pytrace=False)
+        pytest.skip(message)
+    webdriver = pytest.importorskip("selenium.webdriver")
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for argument in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"):
+        options.add_argument(argument)
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    driver.set_page_load_timeout(30)
+    driver.implicitly_wait(10)  # an element is looked for until the page that has it is there
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def arrived(browser: Any, part: str, timeout: float = 15.0) -> None:
+    """Wait until the browser shows a page whose URL has ``part`` (a click navigated)."""
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    WebDriverWait(browser, timeout).until(lambda driver: part in driver.current_url)
+    WebDriverWait(browser, timeout).until(
+        lambda driver: driver.execute_script("return document.readyState") == "complete"
+    )
+
+
+def test_an_operator_lists_filters_and_opens_jobs_in_a_browser(
+    alias: str, live_server: Any, browser: Any, store: StateStore
+) -> None:
+    from django.contrib.auth.models import User
+    from selenium.webdriver.common.by import By
+
+    made = jobs_in_every_state(store)
+    User.objects.create_superuser("operator", "op@example.com", "s3cret-pw")
+    # Given an operator who logs in through the admin's form
+    browser.get(f"{live_server.url}/admin/login/?next=/admin/celery_exactonce/job/")
+    browser.find_element(By.NAME, "username").send_keys("operator")
+    browser.find_element(By.NAME, "password").send_keys("s3cret-pw")
+    browser.find_element(By.CSS_SELECTOR, "input[type=submit]").click()
+    arrived(browser, "/admin/celery_exactonce/job/")
+    # Then the job list shows a job in every state
+    rows = browser.find_elements(By.CSS_SELECTOR, "#result_list tbody tr")
+    assert len(rows) == len(made) + 1  # and the beat occurrence
+    listed = browser.find_element(By.ID, "result_list").text
+    for state in made:
+        assert state.value in listed
+    # When the operator filters by state, then by age
+    browser.find_element(By.LINK_TEXT, "RUNNING").click()
+    arrived(browser, "state=RUNNING")
+    rows = browser.find_elements(By.CSS_SELECTOR, "#result_list tbody tr")
+    assert [r.text.split()[0] for r in rows] == ["job-running"]
+    browser.find_element(By.LINK_TEXT, "in the last hour").click()
+    arrived(browser, "age=hour")
+    assert "job-running" in browser.find_element(By.ID, "result_list").text
+    # And opens the job: its record, its idempotency key and its history, read-only
+    browser.find_element(By.LINK_TEXT, "job-running").click()
+    arrived(browser, "/change/")
+    page = browser.find_element(By.ID, "content").text
+    assert "RUNNING" in page and "idempotency key" in page.lower()
+    assert "SCHEDULED → DISPATCHED" in page or "SCHEDULED →" in page
+    assert not browser.find_elements(By.NAME, "_save")

@@ -1,0 +1,264 @@
+"""The django-celery-beat scheduler: several nodes on rows edited while they run.
+
+Nodes are :class:`DatabaseScheduler` instances of one app on an InMemoryStore
+and a frozen clock (:mod:`tests.unit.beat_cluster`), reading the rows of the
+test's database (SQLite, then PostgreSQL). What they dispatch is counted at
+the fake broker and compared with the rows' ``total_run_count``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import Counter
+from collections.abc import Iterator
+from datetime import datetime, timedelta, timezone
+from typing import Any
+from zoneinfo import ZoneInfo
+
+import pytest
+
+from celery_exactonce import metrics
+from celery_exactonce.contrib.django_celery_beat import DatabaseScheduler
+from celery_exactonce.jobs import Job
+from tests.unit.beat_cluster import Cluster, isolated, register_plain_tasks
+
+UTC = timezone.utc
+START = datetime(2026, 6, 1, 12, 0, 0, tzinfo=UTC)
+
+
+@pytest.fixture(autouse=True)
+def _isolated() -> Iterator[None]:
+    with isolated():
+        yield
+
+
+class DjangoCluster(Cluster):
+    """A :class:`Cluster` whose nodes are django-celery-beat schedulers."""
+
+    def __init__(self, nodes: int = 3, schedule: dict[str, Any] | None = None, **conf: Any):
+        self._count = nodes
+        super().__init__(schedule or {}, nodes=0, **conf)
+        register_plain_tasks(self.app, {t: {"task": t} for t in ("plain.t", "plain.u")})
+        self.nodes = [DatabaseScheduler(self.app) for _ in range(nodes)]
+
+    def by_row(self, pks: dict[str, int]) -> Counter[int]:
+        """Occurrences the broker received, per row: ``pks`` maps every name a row had."""
+        names = [job.options["headers"]["periodic_task_name"] for job in self.broker.sent]
+        return Counter(pks[name] for name in names)
+
+
+def interval(seconds: int) -> Any:
+    from django_celery_beat.models import IntervalSchedule
+
+    return IntervalSchedule.objects.get_or_create(every=seconds, period="seconds")[0]
+
+
+def add_row(name: str, **fields: Any) -> Any:
+    from django_celery_beat.models import PeriodicTask
+
+    if not {"interval", "crontab", "solar", "clocked"} & set(fields):
+        fields["interval"] = interval(10)
+    return PeriodicTask.objects.create(name=name, task=fields.pop("task", "plain.t"), **fields)
+
+
+def counts() -> dict[str, int]:
+    from django_celery_beat.models import PeriodicTask
+
+    return dict(PeriodicTask.objects.values_list("name", "total_run_count"))
+
+
+def duplicates(sent: list[Job]) -> list[str]:
+    return [job_id for job_id, n in Counter(job.ref.id for job in sent).items() if n > 1]
+
+
+def test_three_nodes_dispatch_each_row_slot_once_and_count_it_once(alias: str) -> None:
+    from django_celery_beat.models import CrontabSchedule
+
+    add_row("every10", args=json.dumps([1]))
+    add_row("every30", interval=interval(30), kwargs=json.dumps({"k": "v"}))
+    tab = CrontabSchedule.objects.create(minute="*", hour="*", timezone=ZoneInfo("UTC"))
+    add_row("minutely", crontab=tab, queue="reports")
+    cluster = DjangoCluster(nodes=3, start=START)
+    cluster.tick_all()
+    cluster.run_until(START + timedelta(minutes=5), step=1, rotate=True)
+    assert duplicates(cluster.broker.sent) == []
+    # The slots from the first tick's (at START) to the last one's, each once
+    assert cluster.fired("every10") == [START + timedelta(seconds=s) for s in range(0, 301, 10)]
+    assert len(cluster.fired("every30")) == 11
+    assert cluster.fired("minutely") == [START + timedelta(minutes=m) for m in range(6)]
+    assert counts() == {"every10": 31, "every30": 11, "minutely": 6}
+    sent = {job.entry: job for job in cluster.broker.sent}
+    assert sent["every10"].args == [1]
+    assert sent["every30"].kwargs == {"k": "v"}
+    assert sent["minutely"].options["queue"] == "reports"
+
+
+def test_edits_apply_on_every_node_within_a_tick_and_past_slots_never_refire(alias: str) -> None:
+    from django_celery_beat.models import PeriodicTask
+
+    add_row("edited")
+    add_row("disabled")
+    add_row("renamed")
+    add_row("deleted")
+    pks = dict(PeriodicTask.objects.values_list("name", "pk"))
+    cluster = DjangoCluster(nodes=3, start=START)
+    cluster.tick_all()
+    cluster.run_until(START + timedelta(seconds=60), step=1, rotate=True)
+    assert counts() == {"edited": 7, "disabled": 7, "renamed": 7, "deleted": 7}
+    # When each row is edited through the ORM, as the admin saves it
+    edited = PeriodicTask.objects.get(name="edited")
+    edited.interval = interval(20)
+    edited.save()
+    disabled = PeriodicTask.objects.get(name="disabled")
+    disabled.enabled = False
+    disabled.save()
+    renamed = PeriodicTask.objects.get(name="renamed")
+    renamed.name = "renamed-2"
+    renamed.save()
+    PeriodicTask.objects.get(name="deleted").delete()
+    add_row("added", interval=interval(15))
+    cluster.run_until(START + timedelta(seconds=120), step=1, rotate=True)
+    # Then every node follows them from its next tick
+    assert duplicates(cluster.broker.sent) == []
+    after = START + timedelta(seconds=60)
+    assert [f for f in cluster.fired("edited") if f > after] == [
+        after + timedelta(seconds=s) for s in (20, 40, 60)
+    ]
+    assert [f for f in cluster.fired("disabled") if f > after] == []
+    assert [f for f in cluster.fired("deleted") if f > after] == []
+    assert [f for f in cluster.fired("renamed") if f > after] == []
+    assert len([f for f in cluster.fired("renamed-2") if f > after]) == 6
+    assert [f for f in cluster.fired("added") if f > after] == [
+        after + timedelta(seconds=s) for s in (15, 30, 45, 60)
+    ]
+    # And each row counts what ran of it, under every name it had
+    rows = dict(PeriodicTask.objects.values_list("name", "pk"))
+    by_row = cluster.by_row({**pks, **rows})
+    assert {name: by_row[pk] for name, pk in rows.items()} == counts()
+    assert counts()["renamed-2"] == 13
+
+
+def test_a_one_off_fires_once_across_the_nodes_then_is_disabled_once(alias: str) -> None:
+    from django_celery_beat.models import ClockedSchedule, PeriodicTask
+
+    clocked = ClockedSchedule.objects.create(clocked_time=START + timedelta(seconds=30))
+    add_row("clocked", clocked=clocked, one_off=True)
+    add_row("one-off", interval=interval(20), one_off=True, start_time=START)
+    cluster = DjangoCluster(nodes=3, start=START)
+    cluster.tick_all()
+    cluster.run_until(START + timedelta(seconds=90), step=1, rotate=True)
+    assert cluster.fired("clocked") == [START + timedelta(seconds=30)]
+    assert cluster.fired("one-off") == [START]
+    rows = {row.name: row for row in PeriodicTask.objects.all()}
+    assert [(r.enabled, r.total_run_count) for r in rows.values()] == [(False, 1), (False, 1)]
+    assert metrics.COUNTERS.get("row_disabled") == 2
+
+
+def test_a_row_beat_cannot_run_is_left_out_and_the_others_run(
+    alias: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    from django_celery_beat.models import PeriodicTask
+
+    add_row("good")
+    add_row("bad-args", args="[1, ")
+    add_row("unknown-task", task="nobody.registers.this")
+    cluster = DjangoCluster(nodes=2, start=START)
+    with caplog.at_level(logging.ERROR, logger="celery_exactonce"):
+        cluster.tick_all()
+        cluster.run_until(START + timedelta(seconds=30), step=1)
+    assert len(cluster.fired("good")) == 4
+    assert cluster.fired("bad-args") == cluster.fired("unknown-task") == []
+    refused = [
+        r.getMessage() for r in caplog.records if getattr(r, "action", "") == "entry_refused"
+    ]
+    assert any("periodic task 'bad-args': args is not JSON" in m for m in refused)
+    assert any("'unknown-task'" in m and "not registered" in m for m in refused)
+    # Refused once per node, not at every tick; fixed, it runs from the next tick
+    assert len(refused) == 4
+    bad = PeriodicTask.objects.get(name="bad-args")
+    bad.args = "[1]"
+    bad.save()
+    cluster.run_until(START + timedelta(seconds=60), step=1)
+    assert cluster.fired("bad-args") == [START + timedelta(seconds=s) for s in (30, 40, 50, 60)]
+
+
+def test_settings_entries_are_written_into_rows_and_keep_their_overrides(alias: str) -> None:
+    from django_celery_beat.models import PeriodicTask
+
+    schedule = {
+        "from-settings": {
+            "task": "plain.u",
+            "schedule": timedelta(seconds=10),
+            "options": {"queue": "q1", "exactonce": {"catchup": "none"}},
+        }
+    }
+    cluster = DjangoCluster(nodes=2, start=START, schedule=schedule)
+    row = PeriodicTask.objects.get(name="from-settings")
+    assert (row.task, row.queue, row.interval.every) == ("plain.u", "q1", 10)
+    cluster.tick_all()
+    cluster.run_until(START + timedelta(seconds=30), step=1)
+    assert len(cluster.fired("from-settings")) == 4
+    policy = cluster.nodes[0]._policies["from-settings"]
+    assert policy.catchup == "none"
+
+
+def test_an_expired_row_stops_and_is_disabled_once_its_last_slot_is_past(alias: str) -> None:
+    from django_celery_beat.models import PeriodicTask
+
+    add_row("expiring", expires=START + timedelta(seconds=25))
+    cluster = DjangoCluster(nodes=2, start=START, exactonce_window_lookback=30)
+    cluster.tick_all()
+    cluster.run_until(START + timedelta(seconds=50), step=1)
+    assert cluster.fired("expiring") == [START + timedelta(seconds=s) for s in (0, 10, 20)]
+    assert PeriodicTask.objects.get(name="expiring").enabled is True  # 20 s is in the window
+    cluster.run_until(START + timedelta(seconds=56), step=1)
+    # The change marker did not move: the five-minute read finds it
+    cluster.clock.advance(300)
+    cluster.tick_all()
+    row = PeriodicTask.objects.get(name="expiring")
+    assert (row.enabled, row.total_run_count) == (False, 3)
+    assert metrics.COUNTERS.get("row_disabled") == 1
+
+
+def test_scenario_73_two_hundred_rows_edited_while_three_nodes_run(alias: str) -> None:
+    # SCENARIOS 73: edits apply on every node within a tick, past slots never re-fire,
+    # total_run_count matches the runs
+    from django_celery_beat.models import PeriodicTask
+
+    for i in range(200):
+        add_row(f"row-{i:03}", interval=interval(10))
+    pks = dict(PeriodicTask.objects.values_list("name", "pk"))
+    cluster = DjangoCluster(nodes=3, start=START)
+    cluster.tick_all()
+    cluster.run_until(START + timedelta(seconds=60), step=1, rotate=True)
+    edited_at = cluster.clock.now()
+    # When every row is edited (as the admin saves it): even rows every 15 s, odd ones
+    # disabled, and ten renamed
+    for row in PeriodicTask.objects.all():
+        index = int(row.name.rsplit("-", 1)[1])
+        if index % 2:
+            row.enabled = False
+        else:
+            row.interval = interval(15)
+        if index < 20 and index % 2 == 0:
+            row.name = f"renamed-{index:03}"
+            pks[row.name] = row.pk
+        row.save()
+    # Then the next tick of every node runs the new rows: an odd row fires no more, an
+    # even one only on the 15-second grid, and none fires a slot at or before the edit
+    sent_before = len(cluster.broker.sent)
+    cluster.run_until(edited_at + timedelta(seconds=1), step=1, rotate=True)
+    for node in cluster.nodes:
+        assert not any(name.startswith("row-") and int(name[4:]) % 2 for name in node.schedule)
+    cluster.run_until(edited_at + timedelta(seconds=60), step=1, rotate=True)
+    after = cluster.broker.sent[sent_before:]
+    assert after, "nothing fired after the edit"
+    assert all(job.fire_time > edited_at for job in after)
+    assert all(job.fire_time.timestamp() % 15 == 0 for job in after)
+    assert not [job for job in after if int(job.entry.rsplit("-", 1)[1]) % 2]
+    assert duplicates(cluster.broker.sent) == []
+    by_row = cluster.by_row(pks)
+    assert {row.pk: row.total_run_count for row in PeriodicTask.objects.all()} == {
+        pk: by_row[pk] for pk in set(pks.values())
+    }
