@@ -18,9 +18,15 @@ year field, ``L`` (last day), ``W`` (nearest weekday), ``#`` (nth weekday) and
 ``H`` (hashed) fields. Every refusal is a
 :class:`~celery_exactonce.exceptions.ConfigurationError` naming the
 expression and the field (``0 0 30 2 *`` names both day fields: 30 February
-never comes). Beat names the entry when it checks the schedule: an expression
-that fires less than once in four years (29 February on a Monday) is refused
-there.
+never comes).
+
+Beat raises it, naming the entry too, when it checks its schedule at start:
+``beat entry 'nightly': cron expression '0 3 * * 1-5x': field day_of_week
+…``. Building a bad :class:`cron` does not raise: the schedule keeps its
+error (:attr:`cron.error`) until beat refuses it or it is used, so a typo in
+one beat schedule stops beat with the entry named, never a worker that
+imports the same configuration. An expression that fires less than once in
+four years (29 February on a Monday) is refused by beat in the same way.
 
 Stock ``celery beat`` runs a :class:`cron` too: it is a ``crontab`` whose
 "now" is read in its own zone.
@@ -157,34 +163,55 @@ class cron(crontab):  # type: ignore[misc]  # celery is untyped; lower case as i
         The zone the expression is read in: a name (``"Europe/Berlin"``) or a
         ``tzinfo``. ``None`` reads it in the app's ``timezone``.
 
-    Raises
-    ------
-    ConfigurationError
-        The expression or the zone is invalid; the message names the
-        expression and the field.
+    A bad expression or zone does not raise here: it is kept in :attr:`error`.
+    Beat refuses the entry at start with that error and the entry's name, and
+    using the schedule (``is_due``, ``remaining_estimate``) raises it.
     """
+
+    #: Why the expression or the zone is unusable (naming the expression and the
+    #: field), or ``None`` for a good one.
+    error: exceptions.ConfigurationError | None = None
 
     def __init__(
         self, expr: str, tz: str | tzinfo | None = None, *, app: Any = None, nowfun: Any = None
     ) -> None:
-        if not isinstance(expr, str):
-            raise _error(expr, f"must be a string, got {type(expr).__name__}")
-        sets = _expand(expr, _fields_of(expr))
-        zone = _zone(tz, expr)
         self.expr = expr
+        self._given_tz = tz
+        try:
+            if not isinstance(expr, str):
+                raise _error(expr, f"must be a string, got {type(expr).__name__}")
+            sets, zone = _expand(expr, _fields_of(expr)), _zone(tz, expr)
+            if zone is not None:
+                nowfun = nowfun or self._now_in_zone
+            try:
+                super().__init__(**sets, app=app, nowfun=nowfun)
+            except ValueError as exc:  # a day of the month no month of the expression has
+                raise _error(expr, f"fields day_of_month and month_of_year: {exc}") from exc
+        except exceptions.ConfigurationError as exc:
+            self.error = exc
+            super().__init__(app=app, nowfun=nowfun)  # a well-formed crontab that never runs
+            return
         if zone is not None:
             self.tz = zone  # read by the slots, and by Celery's own crontab
-            nowfun = nowfun or self._now_in_zone
-        try:
-            super().__init__(**sets, app=app, nowfun=nowfun)
-        except ValueError as exc:  # a day of the month no month of the expression has
-            raise _error(expr, f"fields day_of_month and month_of_year: {exc}") from exc
+
+    def _usable(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def remaining_estimate(self, last_run_at: datetime) -> Any:
+        """Celery's estimate; raises :attr:`error` for a bad expression."""
+        self._usable()
+        return super().remaining_estimate(last_run_at)
 
     def _now_in_zone(self) -> datetime:
         return datetime.now(self.tz)
 
     def is_due(self, last_run_at: datetime) -> Any:
-        """Celery's rule, with ``last_run_at`` read in this schedule's zone."""
+        """Celery's rule, with ``last_run_at`` read in this schedule's zone.
+
+        Raises :attr:`error` for a bad expression.
+        """
+        self._usable()
         if "tz" in vars(self):
             last_run_at = last_run_at.astimezone(self.tz)
         return super().is_due(last_run_at)
@@ -194,13 +221,17 @@ class cron(crontab):  # type: ignore[misc]  # celery is untyped; lower case as i
         return getattr(zone, "key", zone)
 
     def __repr__(self) -> str:
+        if self.error is not None:
+            return f"<cron: {self.expr!r} (invalid)>"
         zone = self._zone_key()
         return f"<cron: {self.expr!r}{f' {zone}' if zone is not None else ''}>"
 
     def __reduce__(self) -> tuple[type, tuple[str, str | tzinfo | None]]:
-        return (self.__class__, (self.expr, self._zone_key()))
+        return (self.__class__, (self.expr, self._given_tz if self.error else self._zone_key()))
 
     def __eq__(self, other: object) -> bool:
+        if isinstance(other, cron) and (self.error or other.error):
+            return (self.expr, str(self.error)) == (other.expr, str(other.error))
         if isinstance(other, cron):
             return (self.minute, self.hour, self.day_of_month, self.month_of_year) == (
                 other.minute,

@@ -383,7 +383,8 @@ def parse_crontab(entry: str, **fields: Any) -> crontab:
 def validate_schedule(entry: str, sched: Any, tz: tzinfo, *, at: datetime = UNIX_EPOCH) -> None:
     """Refuse a schedule beat could not compute slots for, naming the entry.
 
-    Checks the type, that an interval is positive, that no crontab field is
+    Checks the type, that a :class:`~celery_exactonce.schedules.cron` parsed,
+    that an interval is positive, that no crontab field is
     empty, that a crontab has a slot within :data:`SEARCH_DAYS` days after
     ``at`` (pass the current time at start-up; an expression that fires less
     often than that, e.g. 29 February on a Monday, is refused), and that a
@@ -394,6 +395,8 @@ def validate_schedule(entry: str, sched: Any, tz: tzinfo, *, at: datetime = UNIX
     ConfigurationError
         The schedule is unusable; the message names ``entry`` and the reason.
     """
+    if isinstance(sched, schedules.cron) and sched.error is not None:
+        raise _error(entry, str(sched.error)) from sched.error
     if isinstance(sched, schedules.at):
         return
     if isinstance(sched, schedules.bounded):

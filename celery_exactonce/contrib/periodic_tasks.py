@@ -71,13 +71,13 @@ def _json(name: str, field: str, text: str | None, default: str, kind: type) -> 
 def _crontab_of(name: str, row: Any) -> Any:
     """The row's crontab as a :class:`~celery_exactonce.schedules.cron`, else Celery's own."""
     fields = (row.minute, row.hour, row.day_of_month, row.month_of_year, row.day_of_week)
-    try:
-        return cron(" ".join(str(field).strip() for field in fields), tz=row.timezone)
-    except exceptions.ConfigurationError as exc:
-        try:  # Celery's syntax where cron's differs (django-celery-beat checks the fields)
-            return row.schedule
-        except (ValueError, TypeError):
-            raise refused(name, f"crontab: {exc}") from exc
+    sched = cron(" ".join(str(field).strip() for field in fields), tz=row.timezone)
+    if sched.error is None:
+        return sched
+    try:  # Celery's syntax where cron's differs (django-celery-beat checks the fields)
+        return row.schedule
+    except (ValueError, TypeError):
+        raise refused(name, f"crontab: {sched.error}") from sched.error
 
 
 def schedule_of(row: Any) -> Any:

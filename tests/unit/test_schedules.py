@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from celery_exactonce import exceptions, slots
 from celery_exactonce.schedules import at, bounded, cron
-from tests.unit.beat_cluster import Cluster, isolated
+from tests.unit.beat_cluster import Cluster, isolated, refused_at_start
 
 UTC = timezone.utc
 BERLIN = ZoneInfo("Europe/Berlin")
@@ -82,11 +82,31 @@ def test_an_expression_is_the_crontab_celery_would_build(
         ("H * * * *", "minute", "'H' (hashed values)"),
     ],
 )
-def test_a_bad_field_is_named_with_the_expression(expr: str, field: str, words: str) -> None:
+def test_a_bad_field_is_named_with_the_expression_and_the_entry(
+    expr: str, field: str, words: str
+) -> None:
+    sched = cron(expr)  # a bad expression is kept, not raised: beat names its entry
+    assert sched.error is not None
+    assert f"cron expression {expr!r}: field {field} " in str(sched.error)
+    assert words in str(sched.error)
     with pytest.raises(exceptions.ConfigurationError) as caught:
-        cron(expr)
-    assert f"cron expression {expr!r}: field {field} " in str(caught.value)
-    assert words in str(caught.value)
+        slots.validate_schedule("nightly", sched, UTC)
+    assert str(caught.value).startswith(f"beat entry 'nightly': cron expression {expr!r}: ")
+    assert f"field {field} " in str(caught.value)
+
+
+def test_beat_refuses_to_start_on_a_bad_cron_naming_the_entry_and_the_field() -> None:
+    """The building of the schedule raised nothing; beat's start-up check names both."""
+    schedule = {
+        "rollup": {"task": "plain.t", "schedule": cron("*/15 * * * *")},
+        "nightly": {"task": "plain.t", "schedule": cron("0 3 * * 1-5x")},
+    }
+    with isolated(), refused_at_start() as refusal:
+        Cluster(schedule, nodes=1)
+    message = str(refusal[0])
+    assert message.startswith("beat entry 'nightly': cron expression '0 3 * * 1-5x': ")
+    assert "field day_of_week ('1-5x')" in message
+    assert refusal[0].setting == "beat_schedule"
 
 
 @pytest.mark.parametrize(
@@ -100,16 +120,28 @@ def test_a_bad_field_is_named_with_the_expression(expr: str, field: str, words: 
     ],
 )
 def test_a_malformed_expression_is_refused(expr: str, words: str) -> None:
-    with pytest.raises(exceptions.ConfigurationError, match=r"^cron expression ") as caught:
-        cron(expr)
-    assert words in str(caught.value)
+    error = cron(expr).error
+    assert error is not None
+    assert str(error).startswith(f"cron expression {expr!r}: ")
+    assert words in str(error)
 
 
 def test_a_bad_zone_or_a_non_string_is_refused() -> None:
-    with pytest.raises(exceptions.ConfigurationError, match="unknown time zone 'Mars/Olympus'"):
-        cron("0 3 * * *", tz="Mars/Olympus")
-    with pytest.raises(exceptions.ConfigurationError, match="must be a string, got int"):
-        cron(5)  # type: ignore[arg-type]
+    assert "unknown time zone 'Mars/Olympus'" in str(cron("0 3 * * *", tz="Mars/Olympus").error)
+    assert "must be a string, got int" in str(cron(5).error)  # type: ignore[arg-type]
+
+
+def test_a_bad_expression_raises_its_error_when_used_and_keeps_it_through_a_pickle() -> None:
+    sched = cron("0 25 * * *", tz="Europe/Berlin")
+    now = datetime(2026, 1, 1, tzinfo=UTC)
+    for use in (sched.is_due, sched.remaining_estimate):
+        with pytest.raises(exceptions.ConfigurationError, match="field hour"):
+            use(now)
+    assert repr(sched) == "<cron: '0 25 * * *' (invalid)>"
+    again = pickle.loads(pickle.dumps(sched))  # noqa: S301
+    assert again == sched and str(again.error) == str(sched.error)
+    assert cron("0 3 * * *", tz="Mars/Olympus") != cron("0 3 * * *")
+    assert cron("0 3 * * *").error is None
 
 
 def test_an_expression_that_never_fires_is_refused_naming_the_entry() -> None:
