@@ -161,6 +161,7 @@ class Claimer:
             plans[entry_of(new)].failed.append(fire_of(new))
         for new, _ in claimed.won:
             guard.claimed(new.ref, fire_of(new))
+            plans[entry_of(new)].won.append(fire_of(new))
         for new, _ in [*claimed.won, *claimed.taken]:
             plans[entry_of(new)].claimed.append(fire_of(new))
         if claimed.refused:

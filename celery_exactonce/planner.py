@@ -56,6 +56,8 @@ class Plan:
     failed: list[datetime] = dataclasses.field(default_factory=list)
     #: Fire times the claims found claimed: won by this node, or by another before it.
     claimed: list[datetime] = dataclasses.field(default_factory=list)
+    #: Those of :attr:`claimed` this node won.
+    won: list[datetime] = dataclasses.field(default_factory=list)
 
     def decided_to(self) -> datetime:
         if not self.due:

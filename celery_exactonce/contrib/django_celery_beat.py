@@ -60,7 +60,7 @@ class DatabaseScheduler(ExactOnceScheduler):
         self._settings_entries: dict[str, Any] = {}
         self._marker: datetime | None = None
         self._read_at: datetime | None = None
-        self._unrecorded: list[tuple[int, datetime]] = []
+        self._unrecorded: list[tuple[int, datetime, bool]] = []  # (pk, slot, won)
         super().__init__(app, *args, **kwargs)
 
     # -- celery.beat.Scheduler interface ---------------------------------------------
@@ -119,8 +119,22 @@ class DatabaseScheduler(ExactOnceScheduler):
                 exc_info=exc,
             )
             return
+        if self._read_at is None:
+            why = "start"
+        elif marker != self._marker:
+            why = "changed"
+        else:
+            why = "forced" if force else "periodic"
         self._marker, self._read_at = marker, now
         self._apply(rows, now)
+        metrics.event(
+            "schedule_reloaded",
+            "periodic tasks read (%s): %d row(s) run",
+            why,
+            len(self._rows),
+            why=why,
+            rows=len(self._rows),
+        )
 
     def _apply(self, rows: list[Any], now: datetime) -> None:
         """Make the schedule what the rows say: add, replace and remove entries."""
@@ -168,7 +182,8 @@ class DatabaseScheduler(ExactOnceScheduler):
             row = self._rows.get(plan.name)
             if row is None or not plan.claimed:
                 continue
-            self._unrecorded.extend((row.pk, fire) for fire in plan.claimed)
+            won = set(plan.won)
+            self._unrecorded.extend((row.pk, fire, fire in won) for fire in plan.claimed)
             if periodic_tasks.is_one_off(row):
                 self._disable(row.name, row.pk, "one-off ran")
         self._record_pending()
@@ -178,9 +193,9 @@ class DatabaseScheduler(ExactOnceScheduler):
         from django.db import DatabaseError
 
         pending, self._unrecorded = sorted(self._unrecorded, key=lambda run: run[1]), []
-        for i, (pk, fire) in enumerate(pending):
+        for i, (pk, fire, won) in enumerate(pending):
             try:
-                periodic_tasks.record_run(pk, fire)
+                periodic_tasks.record_run(pk, fire, won=won)
             except DatabaseError as exc:
                 self._unrecorded = pending[i:]
                 metrics.event(

@@ -167,20 +167,27 @@ def last_change() -> datetime | None:
     return None if found is None else aware(found)
 
 
-def record_run(pk: int, fire: datetime) -> bool:
+def record_run(pk: int, fire: datetime, *, won: bool) -> bool:
     """Count one run of row ``pk`` at slot ``fire``, unless a run at or after it is counted.
 
-    Every node that decided the slot (the one that won its claim, and any
-    that found it claimed) calls this; the guard makes the count grow once
-    per slot, whichever comes first. Whether this call counted it.
+    Every node that decided the slot calls this: the one that won its claim
+    (``won``), and any that found it claimed, so that a winner killed before
+    its call is counted all the same. The guard makes the count grow once per
+    slot, whichever comes first. A row whose ``last_run_at`` is empty (never
+    run, or disabled since: django-celery-beat empties it on every save of a
+    disabled row) is counted by the winner alone, since a slot counted before
+    the field was emptied cannot be told from a new one. Whether this call
+    counted it.
     """
     from django.db.models import F, Q
     from django_celery_beat.models import PeriodicTask
 
-    rows = PeriodicTask.objects
     when = stored(fire)
+    after = (
+        Q(last_run_at__lt=when) | Q(last_run_at__isnull=True) if won else Q(last_run_at__lt=when)
+    )
     return bool(
-        rows.filter(Q(last_run_at__isnull=True) | Q(last_run_at__lt=when), pk=pk).update(
+        PeriodicTask.objects.filter(after, pk=pk).update(
             last_run_at=when, total_run_count=F("total_run_count") + 1
         )
     )

@@ -161,12 +161,31 @@ def test_a_run_is_counted_once_per_slot_whoever_records_it(alias: str) -> None:
 
     row = _row()
     first, second = _utc(2026, 5, 1, 0, 0, 10), _utc(2026, 5, 1, 0, 0, 20)
-    assert periodic_tasks.record_run(row.pk, first) is True
-    assert periodic_tasks.record_run(row.pk, first) is False  # a second node, same slot
-    assert periodic_tasks.record_run(row.pk, second) is True
-    assert periodic_tasks.record_run(row.pk, first) is False  # late and out of order
+    assert periodic_tasks.record_run(row.pk, first, won=False) is False  # never run: the winner's
+    assert periodic_tasks.record_run(row.pk, first, won=True) is True
+    assert periodic_tasks.record_run(row.pk, first, won=False) is False  # a second node, same slot
+    assert periodic_tasks.record_run(row.pk, second, won=False) is True  # a killed winner's slot
+    assert periodic_tasks.record_run(row.pk, first, won=False) is False  # late and out of order
     counted = PeriodicTask.objects.get(pk=row.pk)
     assert (counted.total_run_count, counted.last_run_at) == (2, second)
+
+
+def test_a_disabled_row_emptied_by_its_save_is_not_counted_again_by_a_late_node(
+    alias: str,
+) -> None:
+    # django-celery-beat empties last_run_at whenever a disabled row is saved: a node
+    # that finds the slot claimed afterwards must not count it a second time
+    from django_celery_beat.models import PeriodicTask
+
+    row = _row()
+    slot = _utc(2026, 5, 1, 0, 0, 10)
+    assert periodic_tasks.record_run(row.pk, slot, won=True) is True
+    row = PeriodicTask.objects.get(pk=row.pk)
+    row.enabled = False
+    row.save()
+    assert PeriodicTask.objects.get(pk=row.pk).last_run_at is None
+    assert periodic_tasks.record_run(row.pk, slot, won=False) is False
+    assert PeriodicTask.objects.get(pk=row.pk).total_run_count == 1
 
 
 def test_disabling_a_one_off_happens_once_and_moves_the_marker(alias: str) -> None:
