@@ -18,7 +18,12 @@ from celery import Celery, states
 from celery_exactonce import JobConflict, runtime
 from celery_exactonce.eager import direct_key
 from celery_exactonce.jobs import Job
-from celery_exactonce.messages import HEADER_IDEMPOTENCY_KEY, message_headers, submitted_key
+from celery_exactonce.messages import (
+    HEADER_IDEMPOTENCY_KEY,
+    POLICY_OPTION,
+    message_headers,
+    submitted_key,
+)
 from celery_exactonce.refs import JobRef
 from celery_exactonce.states import State
 from celery_exactonce.task import ExactOnceTask
@@ -251,6 +256,20 @@ def test_apply_without_eager_mode_adopts_the_run_and_refuses_it_twice(
     assert len(RUNS) == 1
     job = job_of(store, "adopted")
     assert job.state is State.SUCCEEDED and job.history[0].reason == "adopted at the gate"
+
+
+def test_a_run_adopted_at_the_gate_stores_its_tasks_policy(
+    stored: tuple[Celery, InMemoryStore],
+) -> None:
+    app, store = stored
+
+    @app.task(base=ExactOnceTask, shared=False, name="t.tuned", exactonce_redispatch=True)
+    def tuned() -> None:
+        """A task that opts in to redispatch."""
+
+    app.conf.task_always_eager = False
+    tuned.apply(task_id="tuned")
+    assert job_of(store, "tuned").options[POLICY_OPTION] == {"redispatch": True}
 
 
 def test_an_eager_body_that_submits_another_task_records_both(
