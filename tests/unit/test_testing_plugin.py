@@ -10,16 +10,19 @@ A user's suite run by pytest on the fixtures alone: tests/acceptance/test_testin
 
 from __future__ import annotations
 
+from datetime import datetime, timezone
 from typing import Any
 
 import pytest
 from celery import Celery
 
-from celery_exactonce import ConfigurationError, ExactOnceTask, runtime
+from celery_exactonce import ConfigurationError, ExactOnceTask, idempotency_key, runtime
+from celery_exactonce.refs import JobRef
 from celery_exactonce.states import State
 from celery_exactonce.testing import ExactOnceJobs, FrozenClock, InMemoryStore, configured
 from celery_exactonce.testing.apps import patched_settings
 from celery_exactonce.testing.jobs import describe
+from celery_exactonce.writes import NewJob
 
 # -- this suite, on the plugin's fixtures ------------------------------------------------------
 
@@ -51,8 +54,14 @@ def test_this_suite_uses_the_fixtures_in_both_modes(
 
 
 def test_the_app_is_put_back_after_a_test() -> None:
+    with configured(APP, InMemoryStore("plugin-unit"), eager=False):
+        assert APP.conf.exactonce_store_url == "memory://"
+        assert APP.conf.task_always_eager is False
+        assert APP.conf.broker_url == "memory://"
+        assert runtime.installed(APP) is not None
     assert APP.conf.exactonce_store_url == "redis://127.0.0.1:9/0"
     assert "task_always_eager" not in APP.conf.changes
+    assert "broker_url" not in APP.conf.changes
     assert runtime.installed(APP) is None
 
 
@@ -111,6 +120,17 @@ def test_the_helpers_fail_with_what_they_found(helpers: Any) -> None:
     assert jobs.by_state("PENDING") == []
     with pytest.raises(TypeError, match="a task id, a result or a task"):
         jobs.get(42)
+
+
+def test_a_beat_occurrence_is_found_by_its_task_id(helpers: Any) -> None:
+    app, _run, jobs = helpers
+    fire = datetime(2026, 3, 1, tzinfo=timezone.utc)
+    ref = JobRef.occurrence(f"nightly@{fire.isoformat()}")
+    new = NewJob(ref, "h.run", State.SCHEDULED, node="n", entry="nightly", fire_time=fire)
+    runtime.runtime_for(app).store.create(new)
+    assert jobs.get(ref.id).ref == ref
+    assert jobs.key_of(ref.id) == idempotency_key("nightly", fire, "default")
+    assert jobs.by_task("h.run") == [jobs.get(ref.id)]
 
 
 def test_wait_gives_up_naming_the_jobs_still_moving(helpers: Any) -> None:
