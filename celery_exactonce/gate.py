@@ -163,7 +163,7 @@ class Delivery:
             args=list(args),
             kwargs=dict(kwargs),
             run_id=run_id,
-            options={messages.GATED_OPTION: True, messages.POLICY_OPTION: task_policy(self)},
+            options={messages.GATED_OPTION: True, messages.POLICY_OPTION: task_policy(self.task)},
             reason="adopted at the gate",
         )
         result = runtime.store.create(new)

@@ -104,7 +104,12 @@ def job_idempotency_key(job: Job, namespace: str) -> str:
     """
     if job.entry is not None and job.fire_time is not None:
         return keys.idempotency_key(job.entry, job.fire_time, namespace)
-    return keys.idempotency_key(f"job:{job.ref.id}", times.UNIX_EPOCH, namespace)
+    return submitted_key(job.ref.id, namespace)
+
+
+def submitted_key(task_id: str, namespace: str) -> str:
+    """The idempotency key of the job ``task_id`` submitted (not a beat occurrence)."""
+    return keys.idempotency_key(f"job:{task_id}", times.UNIX_EPOCH, namespace)
 
 
 def message_headers(job: Job, namespace: str) -> dict[str, Any]:

@@ -100,6 +100,13 @@ def runtime_for(app: Any, *, setup: bool = True) -> Runtime:
         return runtime
 
 
+def installed(app: Any) -> Runtime | None:
+    """The runtime of ``app`` already built in this process, or ``None`` (no I/O, no config)."""
+    with _lock:
+        runtime = _runtimes.get(app)
+    return runtime if runtime is not None and runtime.pid == os.getpid() else None
+
+
 def install(app: Any, store: StateStore, config: ExactOnceConfig | None = None) -> Runtime:
     """Use ``store`` for ``app`` in this process (tests, embedding: e.g. an InMemoryStore)."""
     runtime = Runtime(app, config or config_for(app), store)

@@ -4,12 +4,16 @@
 :class:`~celery_exactonce.writes.NewJob`), then writes it here, with plain
 functions of the process's runtime:
 
+* :func:`before_send`: what Celery's ``apply_async`` does before it sends;
+* :func:`new_job`: the job a call makes, from what Celery's ``apply_async``
+  would have sent;
 * :func:`enqueue`: the one-step submit (record and message in one store call)
   where the broker shares the store's Redis, or ``None``;
 * :func:`create`: create if absent, reading the record back once if the
   answer is lost; a record it cannot tell raises ``SubmitAmbiguous``;
 * :func:`resubmitted`: a ``task_id`` submitted again is the same job (logged
   and counted, not run again) or a ``JobConflict``;
+* :func:`result_of`: the ``AsyncResult`` of a job not published now;
 * :func:`after_commit`: where the store wrote the job inside the caller's open
   transaction (the ``django://`` store), how to dispatch it once that commits.
 
@@ -20,16 +24,120 @@ and what Celery's ``apply_async`` does around it (:mod:`~celery_exactonce.task`)
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime, timezone
 from typing import Any
 
-from celery_exactonce import call_options, exceptions, jobs, metrics
+from celery_exactonce import call_options, exceptions, jobs, messages, metrics
 from celery_exactonce.jobs import CreateStatus, Job
 from celery_exactonce.outcomes import Enqueued
+from celery_exactonce.policy import task_policy
+from celery_exactonce.refs import JobRef
 from celery_exactonce.runtime import Runtime
+from celery_exactonce.states import State
 from celery_exactonce.stores import settle
 from celery_exactonce.writes import NewJob
+
+
+def before_send(
+    task: Any,
+    args: Sequence[Any] | None,
+    kwargs: Mapping[str, Any] | None,
+    shadow: str | None,
+    options: Mapping[str, Any],
+) -> tuple[Sequence[Any] | None, Mapping[str, Any] | None, str | None, dict[str, Any]]:
+    """What Celery's ``Task.apply_async`` does before it sends, before anything is stored.
+
+    The time limits' ``ValueError``; the argument check (``TypeError``) when
+    ``typing`` is on; the shadow name; the task's own execution options
+    (``queue``, ``expires``, ``time_limit``...) under the call's;
+    ``pydantic=True`` arguments dumped; ``ignore_result`` defaulted.
+    """
+    if task.soft_time_limit and task.time_limit and task.soft_time_limit > task.time_limit:
+        raise ValueError("soft_time_limit must be less than or equal to time_limit")
+    if task.typing:
+        check = getattr(task, "__header__", None)
+        if check is not None:
+            check(*(args or ()), **(kwargs or {}))
+    shadow = shadow or task.shadow_name(args, kwargs, options)
+    merged = {**task._get_exec_options(), **options}
+    dump = getattr(task, "_dump_pydantic_arguments", None)
+    if dump is not None and merged.get("serializer") != "pickle":
+        args, kwargs = dump(args, kwargs)
+    merged.setdefault("ignore_result", task.ignore_result)
+    return args, kwargs, shadow, merged
+
+
+def result_of(task: Any, task_id: str, call: Mapping[str, Any], options: Mapping[str, Any]) -> Any:
+    """The ``AsyncResult`` ``send_task`` would have returned, for a job not published now."""
+    ignore_result = bool(options.get("ignore_result"))
+    result = call["result_cls"](task_id)
+    result.ignored = ignore_result
+    if not ignore_result:
+        with task.app.producer_or_acquire(None) as producer:
+            task.app.backend.on_task_call(producer, task_id)
+    parent = task.app.current_worker_task if call["add_to_parent"] else None
+    if parent is not None:
+        parent.add_trail(result)
+    return result
+
+
+def new_job(
+    task: Any,
+    node: str,
+    task_id: str,
+    args: Sequence[Any] | None,
+    kwargs: Mapping[str, Any] | None,
+    *,
+    link: Any,
+    link_error: Any,
+    shadow: str | None,
+    options: Mapping[str, Any],
+    eager: bool = False,
+) -> NewJob:
+    """The job an ``apply_async`` of gated ``task`` makes (``options`` as Celery's own).
+
+    ``PENDING`` until its ``eta`` when that is in the future, else
+    ``SCHEDULED``. ``eager``: the call runs in this process now, as Celery's
+    eager mode runs it whatever its ``eta`` (never ``PENDING``).
+
+    Raises
+    ------
+    InvalidPayload
+        An option the dispatch path sets itself, or a payload not storable as JSON.
+    """
+    stored = call_options.storable_options(options)
+    messages.check_options(stored, context=f"{task.name}.apply_async")
+    for name, value in (("link", link), ("link_error", link_error)):
+        if value is not None:
+            stored[name] = [dict(s) for s in (value if isinstance(value, list) else [value])]
+    if shadow is not None:
+        stored["shadow"] = shadow
+    # Results sent by the reply_to backend (rpc://) go to the caller, not to the
+    # process that publishes the job when it falls due.
+    stored.setdefault("reply_to", task.app.thread_oid)
+    ref = JobRef.submitted(task_id)
+    nesting = int(options.get("replaced_task_nesting") or 0)
+    if nesting:  # a replacement (Task.replace) takes the id of the job it replaces
+        ref = JobRef.submitted(messages.replacement_job_id(task_id, nesting))
+        stored[messages.MESSAGE_ID_OPTION] = task_id
+    eta = call_options.eta_of(options)
+    delayed = not eager and eta is not None and eta > datetime.now(timezone.utc)
+    stored[messages.GATED_OPTION] = True
+    stored[messages.POLICY_OPTION] = task_policy(task)
+    reason = "apply_async (eager)" if eager else "apply_async"
+    return NewJob(
+        ref,
+        task.name,
+        State.PENDING if delayed else State.SCHEDULED,
+        node=node,
+        args=list(args or ()),
+        kwargs=dict(kwargs or {}),
+        options=stored,
+        run_at=eta if delayed else None,
+        deadline=call_options.deadline_of(options.get("expires")),
+        reason=f"{reason} (delayed)" if delayed else reason,
+    )
 
 
 def enqueue(runtime: Runtime, new: NewJob, call: Mapping[str, Any]) -> Enqueued | None:

@@ -30,7 +30,8 @@ Not here: a delivery's writes at the gate and a revoke's
 (:mod:`~celery_exactonce.heartbeats`), what a call's options become in the job
 (:mod:`~celery_exactonce.call_options`), creating the job's record and judging
 one already there (:mod:`~celery_exactonce.submit`), the dispatch
-(:mod:`~celery_exactonce.dispatch`).
+(:mod:`~celery_exactonce.dispatch`), eager mode, ``apply()`` and direct calls,
+and the idempotency key they carry (:mod:`~celery_exactonce.eager`).
 """
 
 from __future__ import annotations
@@ -46,16 +47,15 @@ from typing import Any, NoReturn
 from celery import Task, signals
 from celery.exceptions import Ignore, Reject, Retry
 
-from celery_exactonce import call_options, messages, metrics, refs, submit
+from celery_exactonce import call_options, eager, messages, metrics, refs, submit
 from celery_exactonce.gate import Delivery, raw_republish, record_revoke, validate_gated_task
 from celery_exactonce.heartbeats import heartbeats
 from celery_exactonce.jobs import Job
-from celery_exactonce.policy import task_policy
 from celery_exactonce.refs import JobRef
 from celery_exactonce.runtime import Runtime, runtime_for
 from celery_exactonce.states import State
 from celery_exactonce.stores import settle
-from celery_exactonce.writes import NewJob, Transition
+from celery_exactonce.writes import Transition
 
 
 @dataclasses.dataclass
@@ -113,9 +113,10 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
             ``task_id`` exists with a different task or payload.
         """
         raw_attempt = raw_republish.get()
-        if self.app.conf.task_always_eager or raw_attempt is not None:
-            if raw_attempt is not None:
-                options["retries"] = raw_attempt  # the same attempt, delivered again
+        if raw_attempt is None and self.app.conf.task_always_eager:
+            return self._apply_eagerly(args, kwargs, task_id, link, link_error, shadow, options)
+        if raw_attempt is not None:
+            options["retries"] = raw_attempt  # the same attempt, delivered again
             return super().apply_async(
                 args,
                 kwargs,
@@ -136,6 +137,24 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
             return self._retry_next_attempt(run, args, kwargs, options)
         return self._submit(args, kwargs, task_id, link, link_error, shadow, options)
 
+    def _apply_eagerly(
+        self,
+        args: Sequence[Any] | None,
+        kwargs: Mapping[str, Any] | None,
+        task_id: str | None,
+        link: Any,
+        link_error: Any,
+        shadow: str | None,
+        options: dict[str, Any],
+    ) -> Any:
+        """Eager mode: the body runs now, in this process (:mod:`~celery_exactonce.eager`)."""
+        task_id = task_id or str(uuid.uuid4())
+        call = {"link": link, "link_error": link_error, "shadow": shadow}
+        ignored = eager.submit_eagerly(self, task_id, args, kwargs, call, options)
+        if ignored is not None:
+            return ignored  # the job was there: the same job, not run again
+        return super().apply_async(args, kwargs, task_id=task_id, **call, **options)
+
     def _submit(
         self,
         args: Sequence[Any] | None,
@@ -146,44 +165,25 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
         shadow: str | None,
         options: dict[str, Any],
     ) -> Any:
-        args, kwargs, shadow, options = self._before_send(args, kwargs, shadow, options)
+        args, kwargs, shadow, options = submit.before_send(self, args, kwargs, shadow, options)
         runtime = runtime_for(self.app)
         task_id = task_id or str(uuid.uuid4())
         call = {
             "result_cls": options.get("result_cls") or self.AsyncResult,
             "add_to_parent": options.get("add_to_parent", True),
         }
-        stored = call_options.storable_options(options)
-        messages.check_options(stored, context=f"{self.name}.apply_async")
-        for name, value in (("link", link), ("link_error", link_error)):
-            if value is not None:
-                stored[name] = [dict(s) for s in (value if isinstance(value, list) else [value])]
-        if shadow is not None:
-            stored["shadow"] = shadow
-        # Results sent by the reply_to backend (rpc://) go to the caller, not to the
-        # process that publishes the job when it falls due.
-        stored.setdefault("reply_to", self.app.thread_oid)
-        ref = JobRef.submitted(task_id)
-        nesting = int(options.get("replaced_task_nesting") or 0)
-        if nesting:  # a replacement (Task.replace) takes the id of the job it replaces
-            ref = JobRef.submitted(messages.replacement_job_id(task_id, nesting))
-            stored[messages.MESSAGE_ID_OPTION] = task_id
-        eta = call_options.eta_of(options)
-        delayed = eta is not None and eta > datetime.now(timezone.utc)
-        stored[messages.GATED_OPTION] = True
-        stored[messages.POLICY_OPTION] = task_policy(self)
-        new = NewJob(
-            ref,
-            self.name,
-            State.PENDING if delayed else State.SCHEDULED,
-            node=runtime.node,
-            args=list(args or ()),
-            kwargs=dict(kwargs or {}),
-            options=stored,
-            run_at=eta if delayed else None,
-            deadline=call_options.deadline_of(options.get("expires")),
-            reason="apply_async (delayed)" if delayed else "apply_async",
+        new = submit.new_job(
+            self,
+            runtime.node,
+            task_id,
+            args,
+            kwargs,
+            link=link,
+            link_error=link_error,
+            shadow=shadow,
+            options=options,
         )
+        delayed = new.state is State.PENDING
         enqueued = None if delayed else submit.enqueue(runtime, new, call)
         if enqueued is not None and enqueued.created:
             return enqueued.sent  # one store call wrote the record and pushed the message
@@ -199,7 +199,7 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
                 # leaves no job and no message; a crash in between leaves the job
                 # SCHEDULED for the reconciler.
                 on_commit(lambda: self._dispatch_after_commit(runtime, job, call))
-                return self._result(task_id, call, ignore_result=bool(options.get("ignore_result")))
+                return submit.result_of(self, task_id, call, options)
         sent = None
         if job.state is State.SCHEDULED:
             # Ours, or a resubmission of a job whose first submit was ambiguous or
@@ -209,51 +209,11 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
             return sent  # send_task's own result: subscribed, ``ignored`` and parent set
         if enqueued is not None:
             return enqueued.sent
-        return self._result(task_id, call, ignore_result=bool(options.get("ignore_result")))
+        return submit.result_of(self, task_id, call, options)
 
     @staticmethod
     def _dispatch_after_commit(runtime: Runtime, job: Job, call: Mapping[str, Any]) -> None:
         runtime.dispatcher.dispatch(job, reason="apply_async (on commit)", call=call)
-
-    def _before_send(
-        self,
-        args: Sequence[Any] | None,
-        kwargs: Mapping[str, Any] | None,
-        shadow: str | None,
-        options: Mapping[str, Any],
-    ) -> tuple[Sequence[Any] | None, Mapping[str, Any] | None, str | None, dict[str, Any]]:
-        """What Celery's ``Task.apply_async`` does before it sends, before anything is stored.
-
-        The time limits' ``ValueError``; the argument check (``TypeError``) when
-        ``typing`` is on; the shadow name; the task's own execution options
-        (``queue``, ``expires``, ``time_limit``...) under the call's;
-        ``pydantic=True`` arguments dumped; ``ignore_result`` defaulted.
-        """
-        if self.soft_time_limit and self.time_limit and self.soft_time_limit > self.time_limit:
-            raise ValueError("soft_time_limit must be less than or equal to time_limit")
-        if self.typing:
-            check = getattr(self, "__header__", None)
-            if check is not None:
-                check(*(args or ()), **(kwargs or {}))
-        shadow = shadow or self.shadow_name(args, kwargs, options)
-        merged = {**self._get_exec_options(), **options}
-        dump = getattr(self, "_dump_pydantic_arguments", None)
-        if dump is not None and merged.get("serializer") != "pickle":
-            args, kwargs = dump(args, kwargs)
-        merged.setdefault("ignore_result", self.ignore_result)
-        return args, kwargs, shadow, merged
-
-    def _result(self, task_id: str, call: Mapping[str, Any], *, ignore_result: bool) -> Any:
-        """The ``AsyncResult`` ``send_task`` would have returned, for a job not published now."""
-        result = call["result_cls"](task_id)
-        result.ignored = ignore_result
-        if not ignore_result:
-            with self.app.producer_or_acquire(None) as producer:
-                self.app.backend.on_task_call(producer, task_id)
-        parent = self.app.current_worker_task if call["add_to_parent"] else None
-        if parent is not None:
-            parent.add_trail(result)
-        return result
 
     def _retry_next_attempt(
         self,
@@ -263,6 +223,7 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
         options: dict[str, Any],
         *,
         reason: str = "retry",
+        publish: bool = True,
     ) -> Any:
         """Celery's retry re-publishes the task: make it the next attempt of the job first."""
         runtime = runtime_for(self.app)
@@ -302,9 +263,22 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
                 job_id=run.ref.id,
             )
             return self.AsyncResult(self.request.id)
-        if job.state is State.DISPATCHED:  # a delayed retry waits PENDING for the sweep
+        if publish and job.state is State.DISPATCHED:  # a delayed retry waits PENDING
             runtime.dispatcher.publish(job, extra={"eta": eta} if eta is not None else None)
         return self.AsyncResult(self.request.id)
+
+    def _retry_eagerly(self, run: _Run, exc: Retry) -> None:
+        """An eager retry: the next attempt of the job, which Celery's ``apply`` then runs.
+
+        Celery runs ``exc.sig`` in this process once this run ends, with our
+        headers as this run had them: they must name the next attempt.
+        """
+        sig = exc.sig
+        if sig is None:
+            return
+        self._retry_next_attempt(run, sig.args, sig.kwargs, {}, publish=False)
+        headers = dict(sig.options.get("headers") or {})
+        sig.options["headers"] = {**headers, messages.HEADER_ATTEMPT: run.attempt + 1}
 
     def on_replace(self, sig: Any) -> Any:
         """Submit the replacement through the store, then end this run (``Task.replace``).
@@ -341,12 +315,22 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
 
     # -- the gate --------------------------------------------------------------------
 
+    @property
+    def request(self) -> Any:
+        """Celery's request; outside any call (``task.run()``) one carrying the direct key."""
+        top = self.request_stack.top
+        return top if top is not None else eager.outside_request(self)
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         request = self.request
-        if request.called_directly or request.is_eager:
+        if request.called_directly:  # ``task(...)``: no job, no gate (celery_exactonce.eager)
+            return eager.call_directly(self, args, kwargs)
+        runtime = eager.in_process_runtime(self.app) if request.is_eager else None
+        if request.is_eager and runtime is None:  # no store in this process: none is opened
+            request.idempotency_key = eager.run_key(self.app, request.id)
             return self.run(*args, **kwargs)
         validate_gated_task(self)
-        runtime = runtime_for(self.app, setup=False)
+        runtime = runtime or runtime_for(self.app, setup=False)
         headers = messages.headers_of(request)
         ref = messages.ref_from_headers(headers, request.id)
         attempt = int(headers.get(messages.HEADER_ATTEMPT, request.retries or 0))
@@ -366,8 +350,10 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
         beat = heartbeats.start(runtime, ref, run_id)
         try:
             result = self.run(*args, **kwargs)
-        except Retry:
-            raise  # the retry already made this the next attempt of the job
+        except Retry as exc:
+            if request.is_eager:  # Celery runs the retry itself, once this run has ended
+                self._retry_eagerly(run, exc)
+            raise  # in a worker, the retry already made this the next attempt of the job
         except Ignore:
             if run.replaced_by is not None:
                 replaced = f"replaced by {run.replaced_by}"
@@ -376,7 +362,8 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
                 delivery.finish(State.CANCELLED, "the body raised Ignore")
             raise
         except Reject as exc:
-            if exc.requeue and self.acks_late:  # acked at once, a message cannot go back
+            if exc.requeue and self.acks_late and not request.is_eager:
+                # (acked at once, a message cannot go back; nor can an eager run)
                 self._requeue(run, exc)
             delivery.finish(State.FAILED, f"rejected: {exc.reason}")
             raise

@@ -1,9 +1,8 @@
-"""Helpers for testing code that uses celery-exactonce.
+"""FrozenClock: a clock that moves only when a test moves it.
 
-* :class:`InMemoryStore` (re-exported): the whole store contract in a dict.
-* :class:`FrozenClock`: a clock that moves only when told to, to give the
-  in-memory store (and anything that takes a :class:`~celery_exactonce.clock.Clock`)
-  a time that tests control without sleeping.
+Give it to an :class:`~celery_exactonce.stores.memory.InMemoryStore` (or
+anything that takes a :class:`~celery_exactonce.clock.Clock`) for a store
+time that tests control without sleeping.
 """
 
 from __future__ import annotations
@@ -12,9 +11,8 @@ import threading
 from datetime import datetime, timedelta, timezone
 
 from celery_exactonce import times
-from celery_exactonce.stores.memory import InMemoryStore
 
-__all__ = ["FrozenClock", "InMemoryStore"]
+__all__ = ["FrozenClock"]
 
 
 class FrozenClock:

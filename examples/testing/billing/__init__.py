@@ -1,0 +1,1 @@
+"""A small billing app: the project whose tests examples/testing/tests are."""
