@@ -39,6 +39,7 @@ from typing import Any, Protocol
 
 from celery_exactonce import claims, entries, metrics
 from celery_exactonce.conflicts import ConflictWatch
+from celery_exactonce.dispatch import BEAT_REASON
 from celery_exactonce.entries import EntryPolicy, entry_of, fire_of
 from celery_exactonce.jobs import Job
 from celery_exactonce.planner import Plan
@@ -62,6 +63,7 @@ def fail_closed(runtime: Runtime, phase: str, what: str, exc: BaseException) -> 
 
     The reconciler's grace starts (this process met a store error), and
     ``fail_closed`` is counted under ``phase``; the next tick tries again.
+    Sentry hears of it once per burst (:data:`metrics.SENTRY_BURSTS`).
     """
     runtime.note_store_error()
     metrics.event(
@@ -69,6 +71,7 @@ def fail_closed(runtime: Runtime, phase: str, what: str, exc: BaseException) -> 
         f"{what} ({exc})",
         level=logging.WARNING,
         labels={"phase": phase},
+        sentry=True,
         exc_info=exc,
     )
 
@@ -100,15 +103,19 @@ class Claimer:
         return new if signer is None else signer.sign_new(new)
 
     def skipped(
-        self, name: str, fires: list[datetime], where: str, policies: Mapping[str, EntryPolicy]
+        self,
+        name: str,
+        fires: list[datetime],
+        where: str,
+        policies: Mapping[str, EntryPolicy],
+        task: str | None = None,
     ) -> None:
-        """Note skipped slots (:meth:`SkipTally.note`), but for beat's own entries.
-
-        A reconcile pass that is not needed again after downtime is no lost work.
+        """Note skipped slots of ``name`` (of ``task``, :meth:`SkipTally.note`), but for beat's
+        own entries: a reconcile pass that is not needed again after downtime is no lost work.
         """
         policy = policies.get(name)
         if policy is None or not policy.internal:
-            self._skips.note(name, fires, where)
+            self._skips.note(name, fires, where, task)
 
     def claim_and_dispatch(
         self, plans: list[Plan], now: datetime, policies: Mapping[str, EntryPolicy]
@@ -128,7 +135,7 @@ class Claimer:
                     won.remove(job)
                     self._runner.start(job)
             if won:
-                self._runtime.dispatcher.dispatch_many(won, reason="beat")
+                self._runtime.dispatcher.dispatch_many(won, reason=BEAT_REASON)
 
     def _claim_batch(
         self,
@@ -145,7 +152,7 @@ class Claimer:
             if guard.provable(fire_of(new)):
                 provable.append(new)
             else:
-                self.skipped(plan.name, [fire_of(new)], guard.floor_reason, policies)
+                self.skipped(plan.name, [fire_of(new)], guard.floor_reason, policies, new.task)
         if not provable:
             return []
         claimed = claims.claim(self._runtime.store, provable, epoch=guard.epoch, now=now)
@@ -180,7 +187,7 @@ class Claimer:
             sentry=True,
         )
         for new in lost:
-            self.skipped(entry_of(new), [fire_of(new)], "store_loss", policies)
+            self.skipped(entry_of(new), [fire_of(new)], "store_loss", policies, new.task)
         self._guard.epoch_refused(self._runtime.store)
 
 
