@@ -18,6 +18,9 @@ is noted here too:
 * a slot found claimed by another app's entry of the same name is reported
   (:mod:`~celery_exactonce.conflicts`).
 
+With Sentry Crons on (:mod:`~celery_exactonce.crons`), each slot's job carries
+its check-in headers, and the node that won the claim opens the check-in.
+
 Every slot beat skips is noted through :meth:`Claimer.skipped`, but for beat's
 own entries. :func:`fail_closed` records a part of a tick that a store error
 stopped (the scheduler's reads and its sweep use it too).
@@ -32,6 +35,7 @@ how far each entry is decided, the heap and the tick
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Mapping
 from datetime import datetime
@@ -39,6 +43,7 @@ from typing import Any, Protocol
 
 from celery_exactonce import claims, entries, metrics
 from celery_exactonce.conflicts import ConflictWatch
+from celery_exactonce.crons import Crons
 from celery_exactonce.dispatch import BEAT_REASON
 from celery_exactonce.entries import EntryPolicy, entry_of, fire_of
 from celery_exactonce.jobs import Job
@@ -87,6 +92,7 @@ class Claimer:
         self._skips = skips
         self._runner = runner
         self._conflicts = ConflictWatch(runtime.store, runtime.node)
+        self._crons = Crons(runtime.app)
 
     def occurrence(self, name: str, entry: Any, policy: EntryPolicy, fire: datetime) -> NewJob:
         """The job of ``entry``'s slot at ``fire`` (:func:`entries.occurrence`), signed."""
@@ -98,6 +104,11 @@ class Claimer:
             namespace=self._runtime.store.namespace,
             node=self._runtime.node,
         )
+        if not policy.internal:
+            monitor = self._crons.headers(name, entry.schedule, new.ref.id)
+            if monitor is not None:  # Sentry Crons: the same headers on every publish of it
+                headers = {**dict(new.options.get("headers") or {}), **monitor}
+                new = dataclasses.replace(new, options={**new.options, "headers": headers})
         # Signed here, not only by the store: a won claim is dispatched as built from this.
         signer = self._runtime.signer
         return new if signer is None else signer.sign_new(new)
@@ -135,6 +146,7 @@ class Claimer:
                     won.remove(job)
                     self._runner.start(job)
             if won:
+                self._crons.in_progress(won)
                 self._runtime.dispatcher.dispatch_many(won, reason=BEAT_REASON)
 
     def _claim_batch(
