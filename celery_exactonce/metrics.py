@@ -29,7 +29,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 logger = logging.getLogger("celery_exactonce")
@@ -91,14 +91,15 @@ class Bursts:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        #: ``(action, labels)`` -> monotonic time of the last report sent, reports held since.
+        #: The seconds bursts are measured in (a test may step its own).
+        self.clock: Callable[[], float] = time.monotonic
+        #: ``(action, labels)`` -> the clock's time of the last report sent, reports held since.
         self._last: dict[tuple[str, tuple[tuple[str, str], ...]], tuple[float, int]] = {}
 
-    def admit(
-        self, action: str, labels: Mapping[str, str] | None, window: float, now: float
-    ) -> int | None:
+    def admit(self, action: str, labels: Mapping[str, str] | None, window: float) -> int | None:
         """``None``: hold this report back; else send it, and this many were held before it."""
         key = (action, tuple(sorted((k, str(v)) for k, v in (labels or {}).items())))
+        now = self.clock()
         with self._lock:
             sent_at, held = self._last.get(key, (None, 0))
             if sent_at is not None and now - sent_at < window:
@@ -150,7 +151,7 @@ def event(
         tags = {**dict(labels or {}), **fields}
         window = SENTRY_BURSTS.get(action)
         if window is not None:
-            held = BURSTS.admit(action, labels, window, time.monotonic())
+            held = BURSTS.admit(action, labels, window)
             if held is None:
                 return
             if held:
@@ -173,7 +174,10 @@ def report_to_sentry(
     it. ``level`` is the record's: an error, or else a warning in Sentry.
     """
     sentry_sdk = sys.modules.get("sentry_sdk")
-    if sentry_sdk is None or not sentry_sdk.get_client().is_active():
+    if sentry_sdk is None:
+        return False
+    client = sentry_sdk.get_client()
+    if not client.is_active() or getattr(client, "transport", None) is None:  # no DSN
         return False
     with sentry_sdk.new_scope() as scope:
         scope.set_tag("exactonce.action", action)
