@@ -23,15 +23,19 @@ host app initialised Sentry with the Celery integration and
 ``exclude_beat_tasks`` and the schedules a monitor can follow are Sentry's
 own (an interval under a minute or of seconds is not monitored, as under
 stock beat). Beat's own entries (the reconciler's) are never monitored.
+If Sentry's side fails here (an SDK whose internals differ), check-ins stop
+on that node (``crons_failed``, once) and beat goes on.
 """
 
 from __future__ import annotations
 
+import logging
 import sys
 import uuid
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from celery_exactonce import metrics
 from celery_exactonce.jobs import Job
 from celery_exactonce.schedules import bounded
 
@@ -70,20 +74,37 @@ class Crons:
         self._app = app
         #: Each entry's monitor config, by entry name, with the schedule it was made of.
         self._configs: dict[str, tuple[str, dict[str, Any]]] = {}
+        #: Set once Sentry's side failed here: monitoring is off for this node, beat goes on.
+        self._off = False
 
     def headers(self, name: str, schedule: Any, job_id: str) -> dict[str, Any] | None:
         """The ``sentry-monitor-*`` headers of ``name``'s occurrence ``job_id``, if monitored."""
+        if self._off:
+            return None
         found = integration()
         if found is None:
             return None
-        from sentry_sdk.utils import match_regex_list
+        try:
+            from sentry_sdk.utils import match_regex_list
 
-        if match_regex_list(name, found.exclude_beat_tasks):
+            if match_regex_list(name, found.exclude_beat_tasks):
+                return None
+            config = self._config(name, schedule)
+        except Exception as exc:  # an SDK that differs: no check-ins, never a lost slot
+            self._failed(exc)
             return None
-        config = self._config(name, schedule)
         if not config:
             return None
         return {SLUG: name, CONFIG: config, CHECK_IN: check_in_id(job_id)}
+
+    def _failed(self, exc: BaseException) -> None:
+        self._off = True
+        metrics.event(
+            "crons_failed",
+            f"Sentry Crons check-ins are off on this beat node: {type(exc).__name__}: {exc}",
+            level=logging.WARNING,
+            exc_info=exc,
+        )
 
     def _config(self, name: str, schedule: Any) -> dict[str, Any]:
         """Sentry's monitor config of the schedule (empty: Sentry cannot follow it), kept.
@@ -105,24 +126,24 @@ class Crons:
         self._configs[name] = (seen, config)
         return config
 
-    @staticmethod
-    def in_progress(jobs: Iterable[Job]) -> None:
+    def in_progress(self, jobs: Iterable[Job]) -> None:
         """Open the check-in of each occurrence this node won and is about to dispatch."""
-        checkin: Any = None
-        for job in jobs:
-            headers = job.options.get("headers")
-            if not isinstance(headers, Mapping) or CHECK_IN not in headers:
-                continue
-            if checkin is None:
-                if integration() is None:
-                    return
-                from sentry_sdk.crons import MonitorStatus, capture_checkin
+        monitored = [
+            headers
+            for job in jobs
+            if isinstance(headers := job.options.get("headers"), Mapping) and CHECK_IN in headers
+        ]
+        if not monitored or self._off or integration() is None:
+            return
+        try:
+            from sentry_sdk.crons import MonitorStatus, capture_checkin
 
-                checkin = (capture_checkin, MonitorStatus.IN_PROGRESS)
-            capture, status = checkin
-            capture(
-                monitor_slug=headers[SLUG],
-                monitor_config=headers.get(CONFIG),
-                check_in_id=headers[CHECK_IN],
-                status=status,
-            )
+            for headers in monitored:
+                capture_checkin(
+                    monitor_slug=headers[SLUG],
+                    monitor_config=headers.get(CONFIG),
+                    check_in_id=headers[CHECK_IN],
+                    status=MonitorStatus.IN_PROGRESS,
+                )
+        except Exception as exc:  # never in the way of the dispatch
+            self._failed(exc)

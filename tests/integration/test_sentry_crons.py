@@ -22,13 +22,15 @@ from celery import Celery
 from celery.contrib.testing.worker import start_worker
 from celery.schedules import crontab
 from sentry_sdk.integrations.celery import CeleryIntegration
+from sentry_sdk.integrations.celery import beat as sentry_beat
 from sentry_sdk.transport import Transport
 
-from celery_exactonce import ExactOnceTask, crons, runtime
+from celery_exactonce import ExactOnceTask, crons, metrics, runtime
 from celery_exactonce.jobs import Job
 from celery_exactonce.scheduler import ExactOnceScheduler
 from celery_exactonce.testing import FrozenClock, InMemoryStore
 from tests.support.helpers import poll
+from tests.unit.beat_cluster import Cluster, every, isolated
 
 START = datetime(2026, 6, 1, 12, 0, 0, tzinfo=timezone.utc)
 MINUTES = 5
@@ -191,3 +193,20 @@ def test_beat_never_imports_sentry_sdk_itself() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+def test_a_failing_sdk_turns_check_ins_off_on_the_node_and_beat_goes_on(
+    transport: Capture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def changed(*_args: Any, **_kwargs: Any) -> Any:
+        raise AttributeError("an SDK whose internals changed")
+
+    monkeypatch.setattr(sentry_beat, "_get_monitor_config", changed)
+    with isolated():
+        cluster = Cluster({"minutely": every(60)}, nodes=2)
+        cluster.run(240, step=20)
+        assert len(cluster.fired("minutely")) >= 4
+        assert metrics.COUNTERS.get("crons_failed") in (1, 2)  # at most once per node
+    assert all("headers" not in job.options for job in cluster.broker.sent)
+    sentry_sdk.flush(timeout=5)
+    assert transport.check_ins == []
