@@ -18,6 +18,9 @@ is noted here too:
 * a slot found claimed by another app's entry of the same name is reported
   (:mod:`~celery_exactonce.conflicts`).
 
+With Sentry Crons on (:mod:`~celery_exactonce.crons`), each slot's job carries
+its check-in headers, and the node that won the claim opens the check-in.
+
 Every slot beat skips is noted through :meth:`Claimer.skipped`, but for beat's
 own entries. :func:`fail_closed` records a part of a tick that a store error
 stopped (the scheduler's reads and its sweep use it too).
@@ -32,6 +35,7 @@ how far each entry is decided, the heap and the tick
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Mapping
 from datetime import datetime
@@ -39,6 +43,8 @@ from typing import Any, Protocol
 
 from celery_exactonce import claims, entries, metrics
 from celery_exactonce.conflicts import ConflictWatch
+from celery_exactonce.crons import Crons
+from celery_exactonce.dispatch import BEAT_REASON
 from celery_exactonce.entries import EntryPolicy, entry_of, fire_of
 from celery_exactonce.jobs import Job
 from celery_exactonce.planner import Plan
@@ -62,6 +68,7 @@ def fail_closed(runtime: Runtime, phase: str, what: str, exc: BaseException) -> 
 
     The reconciler's grace starts (this process met a store error), and
     ``fail_closed`` is counted under ``phase``; the next tick tries again.
+    Sentry hears of it once per burst (:data:`metrics.SENTRY_BURSTS`).
     """
     runtime.note_store_error()
     metrics.event(
@@ -69,6 +76,7 @@ def fail_closed(runtime: Runtime, phase: str, what: str, exc: BaseException) -> 
         f"{what} ({exc})",
         level=logging.WARNING,
         labels={"phase": phase},
+        sentry=True,
         exc_info=exc,
     )
 
@@ -84,6 +92,7 @@ class Claimer:
         self._skips = skips
         self._runner = runner
         self._conflicts = ConflictWatch(runtime.store, runtime.node)
+        self._crons = Crons(runtime.app)
 
     def occurrence(self, name: str, entry: Any, policy: EntryPolicy, fire: datetime) -> NewJob:
         """The job of ``entry``'s slot at ``fire`` (:func:`entries.occurrence`), signed."""
@@ -95,20 +104,29 @@ class Claimer:
             namespace=self._runtime.store.namespace,
             node=self._runtime.node,
         )
+        if not policy.internal:
+            monitor = self._crons.headers(name, entry.schedule, new.ref.id)
+            if monitor is not None:  # Sentry Crons: the same headers on every publish of it
+                headers = {**dict(new.options.get("headers") or {}), **monitor}
+                new = dataclasses.replace(new, options={**new.options, "headers": headers})
         # Signed here, not only by the store: a won claim is dispatched as built from this.
         signer = self._runtime.signer
         return new if signer is None else signer.sign_new(new)
 
     def skipped(
-        self, name: str, fires: list[datetime], where: str, policies: Mapping[str, EntryPolicy]
+        self,
+        name: str,
+        fires: list[datetime],
+        where: str,
+        policies: Mapping[str, EntryPolicy],
+        task: str | None = None,
     ) -> None:
-        """Note skipped slots (:meth:`SkipTally.note`), but for beat's own entries.
-
-        A reconcile pass that is not needed again after downtime is no lost work.
+        """Note skipped slots of ``name`` (of ``task``, :meth:`SkipTally.note`), but for beat's
+        own entries: a reconcile pass that is not needed again after downtime is no lost work.
         """
         policy = policies.get(name)
         if policy is None or not policy.internal:
-            self._skips.note(name, fires, where)
+            self._skips.note(name, fires, where, task)
 
     def claim_and_dispatch(
         self, plans: list[Plan], now: datetime, policies: Mapping[str, EntryPolicy]
@@ -128,7 +146,8 @@ class Claimer:
                     won.remove(job)
                     self._runner.start(job)
             if won:
-                self._runtime.dispatcher.dispatch_many(won, reason="beat")
+                self._crons.in_progress(won)
+                self._runtime.dispatcher.dispatch_many(won, reason=BEAT_REASON)
 
     def _claim_batch(
         self,
@@ -145,7 +164,7 @@ class Claimer:
             if guard.provable(fire_of(new)):
                 provable.append(new)
             else:
-                self.skipped(plan.name, [fire_of(new)], guard.floor_reason, policies)
+                self.skipped(plan.name, [fire_of(new)], guard.floor_reason, policies, new.task)
         if not provable:
             return []
         claimed = claims.claim(self._runtime.store, provable, epoch=guard.epoch, now=now)
@@ -181,7 +200,7 @@ class Claimer:
             sentry=True,
         )
         for new in lost:
-            self.skipped(entry_of(new), [fire_of(new)], "store_loss", policies)
+            self.skipped(entry_of(new), [fire_of(new)], "store_loss", policies, new.task)
         self._guard.epoch_refused(self._runtime.store)
 
 

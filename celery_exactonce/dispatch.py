@@ -45,6 +45,10 @@ from celery_exactonce.stores import settle
 from celery_exactonce.stores.base import StateStore
 from celery_exactonce.writes import Action, Lease, NewJob, Transition
 
+#: The ``reason`` of beat's dispatch of the occurrences its tick claimed: the one
+#: dispatch logged at info, one "Sending due task" line per occurrence, as stock beat.
+BEAT_REASON = "beat"
+
 #: Jobs per ``DISPATCHED`` write in :meth:`Dispatcher.dispatch_many`: at most this
 #: many are left ``DISPATCHED`` without a message if the process dies mid-chunk.
 DISPATCH_CHUNK = 32
@@ -160,7 +164,7 @@ class Dispatcher:
             if isinstance(written, DispatchResult):
                 results[i] = written
                 continue
-            results[i] = result = self._send(written, call)
+            results[i] = result = self._send(written, call, reason)
             if result.outcome is Outcome.PUBLISHED:
                 sent.append((i, written))
         try:
@@ -235,8 +239,12 @@ class Dispatcher:
             self._write(job, State.PUBLISHED, "publish returned")
         return result
 
-    def _send(self, job: Job, extra: Mapping[str, Any]) -> DispatchResult:
-        """Publish a job we hold ``DISPATCHED``; every outcome but the ``PUBLISHED`` write."""
+    def _send(self, job: Job, extra: Mapping[str, Any], reason: str = "") -> DispatchResult:
+        """Publish a job we hold ``DISPATCHED``; every outcome but the ``PUBLISHED`` write.
+
+        A beat tick's dispatch (``reason`` :data:`BEAT_REASON`) is logged at
+        info as stock beat logs it; any other at debug.
+        """
         if self.signer is not None and (problem := self.signer.problem(job)):
             return self._refuse(job, problem)
         if job.deadline is not None and job.touched_at >= job.deadline:
@@ -256,16 +264,31 @@ class Dispatcher:
             sent = self.publisher(job, headers, extra)
         except PublishFailed as exc:
             return self._publish_failed(job, exc)
-        metrics.event(
-            "dispatched",
-            "job %s published (attempt %s)",
-            job.ref,
-            job.attempt,
-            level=logging.DEBUG,
-            job_id=job.ref.id,
-            task=job.task,
-            attempt=job.attempt,
-        )
+        if reason == BEAT_REASON:  # stock beat's line, and what names the occurrence
+            metrics.event(
+                "dispatched",
+                "Scheduler: Sending due task %s (%s) key=%s fire_time=%s idempotency_key=%s",
+                job.entry,
+                job.task,
+                job.entry,
+                headers.get(messages.HEADER_FIRE_TIME),
+                headers[messages.HEADER_IDEMPOTENCY_KEY],
+                job_id=job.ref.id,
+                task=job.task,
+                attempt=job.attempt,
+                key=job.entry,
+            )
+        else:
+            metrics.event(
+                "dispatched",
+                "job %s published (attempt %s)",
+                job.ref,
+                job.attempt,
+                level=logging.DEBUG,
+                job_id=job.ref.id,
+                task=job.task,
+                attempt=job.attempt,
+            )
         return DispatchResult(Outcome.PUBLISHED, job, sent=sent)
 
     # -- internals ------------------------------------------------------------------
@@ -314,6 +337,8 @@ class Dispatcher:
             also=("fail_closed",),
             job_id=job.ref.id,
             task=job.task,
+            key=job.entry,
+            state=State.DISPATCHED.value,
             exc_info=exc,
         )
 
@@ -326,6 +351,8 @@ class Dispatcher:
             sentry=True,
             job_id=job.ref.id,
             task=job.task,
+            key=job.entry,
+            state=job.state.value,
             exc_info=exc,
         )
 

@@ -122,6 +122,7 @@ class Delivery:
                         sentry=True,
                         job_id=ref.id,
                         task=self.task.name,
+                        key=headers.get(messages.HEADER_KEY),
                         exc_info=exc,
                     )
                     raise self._send_back(tickets | {run_id}, delay, exc) from exc
@@ -309,6 +310,7 @@ class Delivery:
             sentry=True,
             job_id=ref.id,
             task=self.task.name,
+            key=self.headers.get(messages.HEADER_KEY),
             exc_info=error,
         )
 

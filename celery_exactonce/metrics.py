@@ -13,14 +13,23 @@ one record, both counters.
 Counters are per process (:data:`COUNTERS`); when ``prometheus-client`` is
 installed they are mirrored into a Prometheus counter
 ``exactonce_events_total{action=…, …}``.
+
+A Sentry event is tagged ``exactonce.action`` and ``exactonce.<name>`` for each
+label and field (``task``, ``key``: the beat entry, ``state``, ``job_id``...).
+The actions of :data:`SENTRY_BURSTS` come in bursts (a store outage fails
+closed every tick and every job): at most one Sentry event per action and
+labels every so many seconds, each telling how many were held back before it
+(``exactonce.held_back``). Every one is logged and counted all the same.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 import threading
+import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 logger = logging.getLogger("celery_exactonce")
@@ -72,6 +81,40 @@ class Counters:
 
 COUNTERS = Counters()
 
+#: Actions sent to Sentry once per burst: at most one event per this many seconds
+#: for each set of labels (a fail-closed phase, a skip reason), in each process.
+SENTRY_BURSTS: dict[str, float] = {"fail_closed": 60.0, "slot_skipped": 60.0}
+
+
+class Bursts:
+    """Which reports of a bursty action go to Sentry (:data:`SENTRY_BURSTS`)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        #: The seconds bursts are measured in (a test may step its own).
+        self.clock: Callable[[], float] = time.monotonic
+        #: ``(action, labels)`` -> the clock's time of the last report sent, reports held since.
+        self._last: dict[tuple[str, tuple[tuple[str, str], ...]], tuple[float, int]] = {}
+
+    def admit(self, action: str, labels: Mapping[str, str] | None, window: float) -> int | None:
+        """``None``: hold this report back; else send it, and this many were held before it."""
+        key = (action, tuple(sorted((k, str(v)) for k, v in (labels or {}).items())))
+        now = self.clock()
+        with self._lock:
+            sent_at, held = self._last.get(key, (None, 0))
+            if sent_at is not None and now - sent_at < window:
+                self._last[key] = (sent_at, held + 1)
+                return None
+            self._last[key] = (now, 0)
+            return held
+
+    def reset(self) -> None:
+        with self._lock:
+            self._last.clear()
+
+
+BURSTS = Bursts()
+
 
 def event(
     action: str,
@@ -91,8 +134,8 @@ def event(
     written (a hot path's debug event costs no formatting). ``also`` names
     broader events this one counts as too (same labels; the
     record lists them under ``also``). With ``sentry=True`` the event also goes
-    to Sentry, tagged with the action, the labels and the job id, if the host
-    app initialised Sentry.
+    to Sentry, tagged with the action, the labels and the fields, if the host
+    app initialised Sentry (once per burst for :data:`SENTRY_BURSTS`).
     """
     COUNTERS.incr(action, labels, count)
     for broader in also:
@@ -105,19 +148,36 @@ def event(
             extra["also"] = list(also)
         logger.log(level, message, *args, extra=extra, exc_info=exc_info)
     if sentry:
+        tags = {**dict(labels or {}), **fields}
+        window = SENTRY_BURSTS.get(action)
+        if window is not None:
+            held = BURSTS.admit(action, labels, window)
+            if held is None:
+                return
+            if held:
+                tags["held_back"] = held
         text = message % args if args else message
-        report_to_sentry(action, text, {**dict(labels or {}), **fields}, exc_info)
+        report_to_sentry(action, text, tags, exc_info, level=level)
 
 
 def report_to_sentry(
-    action: str, message: str, tags: Mapping[str, Any], exc: BaseException | None = None
+    action: str,
+    message: str,
+    tags: Mapping[str, Any],
+    exc: BaseException | None = None,
+    *,
+    level: int = logging.ERROR,
 ) -> bool:
-    """Send an event to Sentry if the host app initialised it; return whether it was sent."""
-    try:
-        import sentry_sdk
-    except ImportError:
+    """Send an event to Sentry if the host app initialised it; return whether it was sent.
+
+    An app that initialised Sentry imported ``sentry_sdk``: this never imports
+    it. ``level`` is the record's: an error, or else a warning in Sentry.
+    """
+    sentry_sdk = sys.modules.get("sentry_sdk")
+    if sentry_sdk is None:
         return False
-    if not sentry_sdk.get_client().is_active():
+    client = sentry_sdk.get_client()
+    if not client.is_active() or getattr(client, "transport", None) is None:  # no DSN
         return False
     with sentry_sdk.new_scope() as scope:
         scope.set_tag("exactonce.action", action)
@@ -127,7 +187,9 @@ def report_to_sentry(
         if exc is not None:
             sentry_sdk.capture_exception(exc)
         else:
-            sentry_sdk.capture_message(message, level="error")
+            sentry_sdk.capture_message(
+                message, level="error" if level >= logging.ERROR else "warning"
+            )
     return True
 
 

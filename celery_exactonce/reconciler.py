@@ -227,6 +227,8 @@ class Reconciler:
                     sentry=True,
                     job_id=job.ref.id,
                     task=job.task,
+                    key=job.entry,
+                    state=State.SCHEDULED.value,
                 )
             return
         result = self.runtime.dispatcher.dispatch(
@@ -323,6 +325,7 @@ class Reconciler:
                 sentry=True,
                 job_id=job.ref.id,
                 task=job.task,
+                key=job.entry,
             )
 
     def _move(

@@ -55,7 +55,16 @@ from zoneinfo import ZoneInfo
 
 from celery import beat
 
-from celery_exactonce import entries, exceptions, metrics, planner, reconcile_task, slots, startup
+from celery_exactonce import (
+    beat_log,
+    entries,
+    exceptions,
+    metrics,
+    planner,
+    reconcile_task,
+    slots,
+    startup,
+)
 from celery_exactonce.claimer import Claimer, fail_closed
 from celery_exactonce.entries import ENTRY_OPTIONS, INTERNAL_OPTION, EntryPolicy
 from celery_exactonce.planner import Plan
@@ -64,7 +73,6 @@ from celery_exactonce.reconcile_task import RECONCILE_TASK, BeatRunner
 from celery_exactonce.runtime import Runtime
 from celery_exactonce.skips import SkipTally
 from celery_exactonce.store_loss import StoreLossGuard
-from celery_exactonce.stores import redact_url
 from celery_exactonce.task import ExactOnceTask
 
 #: Delayed jobs claimed per ``claim_due`` call, and at most this many calls per tick.
@@ -102,6 +110,7 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
         self._heap_ready = False
         self._in_tick = False
         self._stop_requested = False
+        self._started = False
         try:
             super().__init__(app, *args, **kwargs)  # setup_schedule checks every entry
         except exceptions.ConfigurationError as exc:  # a bad entry: refused as a bad setting is
@@ -180,24 +189,6 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
         super().update_from_dict(dict_)
         self._changed(list(dict_), previous)
 
-    def _note_skipped(self) -> None:
-        """Report the tick's skipped slots, and keep a record of them in the store.
-
-        The record is for people (the admin); a store error loses it, not a slot.
-        """
-        records = self._skips.records(self._runtime.node)
-        self._skips.report()
-        if not records:
-            return
-        try:
-            self._runtime.store.note_skipped(records)
-        except exceptions.StoreError as exc:
-            metrics.event(
-                "skipped_not_recorded",
-                f"{len(records)} record(s) of skipped slots not kept in the store ({exc})",
-                level=logging.WARNING,
-            )
-
     def _forget(self, name: str) -> None:
         """An entry taken out of ``self.schedule``: drop its policy, rebuild the heap next tick."""
         self._policies.pop(name, None)
@@ -236,10 +227,7 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
 
     @property
     def info(self) -> str:
-        return (
-            f"    . store -> {redact_url(self._config.store_url)}"
-            f" (namespace {self._config.namespace}, node {self._runtime.node})"
-        )
+        return beat_log.banner(self._config, self._runtime.node)
 
     def tick(self, *_args: Any, **_kwargs: Any) -> float:
         """One pass over the due entries; returns the seconds to sleep.
@@ -282,6 +270,9 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
             now = store.now()
             if self._guard.epoch is None:
                 self._guard.adopt(store.epoch())
+                if not self._started:  # the first tick that reached the store
+                    self._started = True
+                    beat_log.started(self._config, self._runtime.node, self._guard, now)
             forgotten = self._guard.recheck(store, now)
         except exceptions.StoreError as exc:
             what = "beat cannot reach the store: nothing claimed"
@@ -321,7 +312,7 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
         for plan in plans:  # what failed on a store error stays undecided (fail closed)
             self._decided[plan.name] = plan.decided_to()
         self._claimed(plans)
-        self._note_skipped()
+        self._skips.flush(self._runtime.store, self._runtime.node)
         for name, entry in popped:
             self._push(name, entry, now)
         if self._sweep():
@@ -405,6 +396,6 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
         if decided is not None:
             self._decided[name] = plan.start
         for where, fires in plan.skipped:
-            self._claimer.skipped(name, fires, where, self._policies)
+            self._claimer.skipped(name, fires, where, self._policies, entry.task)
         plan.claims = [self._claimer.occurrence(name, entry, policy, fire) for fire in plan.claim]
         return plan

@@ -6,6 +6,13 @@ the number of slots), with the reason as the ``where`` label: see
 (``slot_skipped_entry``), and :meth:`SkipTally.records` gives the tick's
 ranges as the store keeps them (:meth:`StateStore.note_skipped`, for the
 admin). Not here: which slots are skipped (:mod:`~celery_exactonce.planner`).
+
+The report of a tick is an info record, but for ``unprovable``: the slots
+of a store's first moments, which beat explains once when it starts
+(:mod:`~celery_exactonce.beat_log`), are reported at debug. Slots lost
+against the schedule (:data:`TO_SENTRY`: no node claimed them in the
+window, or the store lost data) also go to Sentry, tagged with the entry
+(``key``) and its task; a catch-up policy's skips are the entry's own choice.
 """
 
 from __future__ import annotations
@@ -15,8 +22,9 @@ import logging
 from collections.abc import Iterator
 from datetime import datetime
 
-from celery_exactonce import metrics
+from celery_exactonce import exceptions, metrics
 from celery_exactonce.jobs import SkippedSlots
+from celery_exactonce.stores.base import StateStore
 
 #: Why slots were skipped, by the ``where`` label of ``slot_skipped``.
 WHY = {
@@ -26,6 +34,12 @@ WHY = {
     "store_loss": "store loss: unprovable",
 }
 
+#: The reasons whose skipped slots are reported to Sentry too (once per burst).
+TO_SENTRY = frozenset({"window", "store_loss"})
+
+#: The reasons reported at debug: the first-start message explains them.
+QUIET = frozenset({"unprovable"})
+
 
 @dataclasses.dataclass(frozen=True)
 class SkipReport:
@@ -34,10 +48,11 @@ class SkipReport:
     where: str
     total: int
     entries: int
-    #: The first entry noted, and its first and last skipped slot.
+    #: The first entry noted, its first and last skipped slot, and its task.
     entry: str
     first: datetime
     last: datetime
+    task: str | None = None
 
     @property
     def message(self) -> str:
@@ -52,20 +67,20 @@ class SkipTally:
     """The slots skipped in a tick, by reason, until :meth:`reports` drains them."""
 
     def __init__(self) -> None:
-        self._skips: dict[str, list[tuple[str, datetime, datetime, int]]] = {}
+        self._skips: dict[str, list[tuple[str, datetime, datetime, int, str | None]]] = {}
 
-    def add(self, name: str, fires: list[datetime], where: str) -> None:
-        self._skips.setdefault(where, []).append((name, fires[0], fires[-1], len(fires)))
+    def add(self, name: str, fires: list[datetime], where: str, task: str | None = None) -> None:
+        self._skips.setdefault(where, []).append((name, fires[0], fires[-1], len(fires), task))
 
     def reports(self) -> Iterator[SkipReport]:
         """One report per reason, in the order first noted; the tally is empty after."""
         skips, self._skips = self._skips, {}
         for where, noted in skips.items():
-            name, first, last, _ = noted[0]
-            total = sum(n for *_, n in noted)
-            yield SkipReport(where, total, len(noted), name, first, last)
+            name, first, last, _, task = noted[0]
+            total = sum(n for _, _, _, n, _ in noted)
+            yield SkipReport(where, total, len(noted), name, first, last, task)
 
-    def note(self, name: str, fires: list[datetime], where: str) -> None:
+    def note(self, name: str, fires: list[datetime], where: str, task: str | None = None) -> None:
         """:meth:`add`, and a debug record of the entry's skipped range."""
         metrics.event(
             "slot_skipped_entry",
@@ -78,15 +93,33 @@ class SkipTally:
             first=fires[0].isoformat(),
             last=fires[-1].isoformat(),
         )
-        self.add(name, fires, where)
+        self.add(name, fires, where, task)
 
     def records(self, node: str) -> list[SkippedSlots]:
         """The tick's skipped ranges, one per entry and reason, as the store keeps them."""
         return [
             SkippedSlots(name, where, first, last, count, node)
             for where, noted in self._skips.items()
-            for name, first, last, count in noted
+            for name, first, last, count, _ in noted
         ]
+
+    def flush(self, store: StateStore, node: str) -> None:
+        """Report the tick's skipped slots (:meth:`report`), and keep a record of them in the store.
+
+        The record is for people (the admin); a store error loses it, not a slot.
+        """
+        records = self.records(node)
+        self.report()
+        if not records:
+            return
+        try:
+            store.note_skipped(records)
+        except exceptions.StoreError as exc:
+            metrics.event(
+                "skipped_not_recorded",
+                f"{len(records)} record(s) of skipped slots not kept in the store ({exc})",
+                level=logging.WARNING,
+            )
 
     def report(self) -> None:
         """One ``slot_skipped`` event per reason (:meth:`reports`), counting every slot."""
@@ -94,10 +127,21 @@ class SkipTally:
             metrics.event(
                 "slot_skipped",
                 report.message,
+                level=_level(report.where),
                 labels={"where": report.where},
+                sentry=report.where in TO_SENTRY,
                 count=report.total,
+                key=report.entry,
+                task=report.task,
                 entry=report.entry,
                 entries=report.entries,
                 first=report.first.isoformat(),
                 last=report.last.isoformat(),
             )
+
+
+def _level(where: str) -> int:
+    """Slots lost against the schedule warn; the first moments of a store are explained once."""
+    if where in TO_SENTRY:
+        return logging.WARNING
+    return logging.DEBUG if where in QUIET else logging.INFO

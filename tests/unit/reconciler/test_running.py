@@ -63,7 +63,7 @@ def test_a_timeout_is_reported_to_sentry_with_its_job(
 ) -> None:
     reports: list[tuple[str, dict[str, Any]]] = []
 
-    def capture(action: str, message: str, tags: Any, exc: Any = None) -> bool:
+    def capture(action: str, message: str, tags: Any, exc: Any = None, **_kw: Any) -> bool:
         reports.append((action, dict(tags)))
         return True
 
