@@ -217,6 +217,31 @@ class InMemoryStore:
             stale.sort(key=lambda job: (job.touched_at, str(job.ref)))
             return stale[: max(limit, 0)]
 
+    def list_jobs(
+        self,
+        state: State,
+        limit: int,
+        *,
+        after: tuple[datetime, JobRef] | None = None,
+        older_than: float = 0.0,
+        task: str | None = None,
+        entry: str | None = None,
+    ) -> list[Job]:
+        with self._lock:
+            every = len(self._by_state[State(state)])
+            listed = self.list_stale(state, older_than, every, after=after)
+        found = [
+            job
+            for job in listed
+            if (task is None or job.task == task) and (entry is None or job.entry == entry)
+        ]
+        return found[: max(limit, 0)]
+
+    def count_jobs(self) -> dict[State, int]:
+        with self._lock:
+            self._check_open()
+            return {state: len(members) for state, members in self._by_state.items()}
+
     def claim_due(self, limit: int, *, node: str, reason: str = "claimed") -> list[Job]:
         with self._lock:
             self._check_open()
@@ -282,6 +307,12 @@ class InMemoryStore:
                 return False
             del self._leases[name]
             return True
+
+    def lease(self, name: str) -> tuple[str, datetime] | None:
+        with self._lock:
+            self._check_open()
+            held = self._leases.get(name)
+            return held if held is not None and held[1] > self.now() else None
 
     def close(self) -> None:
         self._closed = True

@@ -69,12 +69,13 @@ from celery_exactonce.stores.redis_codec import (
 )
 from celery_exactonce.stores.redis_core import SCRIPT_BATCH
 from celery_exactonce.stores.redis_enqueue import Push, PushRefused, RedisEnqueue
+from celery_exactonce.stores.redis_reads import RedisReads, filtered
 from celery_exactonce.writes import Lease, NewJob, Transition
 
 __all__ = ["SCRIPT_BATCH", "Push", "PushRefused", "RedisStore"]
 
 
-class RedisStore(RedisEnqueue):
+class RedisStore(RedisReads, RedisEnqueue):
     """A :class:`~celery_exactonce.stores.base.StateStore` in Redis.
 
     Parameters
@@ -371,6 +372,24 @@ class RedisStore(RedisEnqueue):
             records = self._run("list_stale", keys, args)
         return [decode_job(flat) for flat in records]
 
+    def list_jobs(
+        self,
+        state: State,
+        limit: int,
+        *,
+        after: tuple[datetime, JobRef] | None = None,
+        older_than: float = 0.0,
+        task: str | None = None,
+        entry: str | None = None,
+    ) -> list[Job]:
+        """:meth:`list_stale`'s pages, the task and the entry matched on the records read."""
+        if task is None and entry is None:
+            return self.list_stale(state, older_than, limit, after=after)
+        return filtered(self.list_stale, State(state), limit, after, older_than, task, entry)
+
+    def count_jobs(self) -> dict[State, int]:
+        return self._count_jobs()
+
     def claim_due(self, limit: int, *, node: str, reason: str = "claimed") -> list[Job]:
         refs.validate_identifier(node, "node id", refs.MAX_NAME_LENGTH)
         refs.validate_reason(reason)
@@ -409,6 +428,9 @@ class RedisStore(RedisEnqueue):
             return bool(
                 self._run("lease_renew", [self._key("lease", name)], [token, lease_ms(ttl)])
             )
+
+    def lease(self, name: str) -> tuple[str, datetime] | None:
+        return self._lease(name)
 
     def release_lease(self, name: str, token: str) -> bool:
         with self._wrap("release_lease"):

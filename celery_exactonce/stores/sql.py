@@ -277,6 +277,22 @@ class SqlStore(SqlCreates, SqlTransitions, SqlScans, SqlLeases):
         op = self._list_stale_op(state, older_than, limit, after)
         return self._run("list_stale", op, write=False) if limit > 0 else self._empty([])
 
+    def list_jobs(
+        self,
+        state: State,
+        limit: int,
+        *,
+        after: tuple[datetime, JobRef] | None = None,
+        older_than: float = 0.0,
+        task: str | None = None,
+        entry: str | None = None,
+    ) -> list[Job]:
+        op = self._list_stale_op(state, older_than, limit, after, task=task, entry=entry)
+        return self._run("list_jobs", op, write=False) if limit > 0 else self._empty([])
+
+    def count_jobs(self) -> dict[State, int]:
+        return self._run("count_jobs", self._count_jobs_op(), write=False)
+
     def claim_due(self, limit: int, *, node: str, reason: str = "claimed") -> list[Job]:
         op = self._claim_due_op(limit, node, reason)
         return self._run("claim_due", op) if limit > 0 else self._empty([])
@@ -295,3 +311,6 @@ class SqlStore(SqlCreates, SqlTransitions, SqlScans, SqlLeases):
 
     def release_lease(self, name: str, token: str) -> bool:
         return self._run("release_lease", self._release_lease_op(name, token))
+
+    def lease(self, name: str) -> tuple[str, datetime] | None:
+        return self._run("lease", self._lease_op(name), write=False)
