@@ -182,6 +182,9 @@ class SigningStore:
     def setup(self) -> None:
         self.inner.setup()
 
+    def schema_version(self) -> int | None:
+        return self.inner.schema_version()
+
     def epoch(self, *, replace: str | None = None) -> str:
         return self.inner.epoch(replace=replace)
 

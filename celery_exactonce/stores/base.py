@@ -65,6 +65,14 @@ class StateStore(Protocol):
         """
         ...
 
+    def schema_version(self) -> int | None:
+        """The format version the store holds, ``None`` when it was never set up. Reads only.
+
+        What ``celery exactonce check`` compares with :data:`FORMAT_VERSION`
+        without creating anything (:meth:`setup` creates).
+        """
+        ...
+
     def epoch(self, *, replace: str | None = None) -> str:
         """The store's epoch, created if absent (atomically: one winner).
 

@@ -29,7 +29,7 @@ from celery_exactonce.jobs import (
 )
 from celery_exactonce.refs import JobRef
 from celery_exactonce.states import TERMINAL, State
-from celery_exactonce.stores.base import SKIPPED_KEPT
+from celery_exactonce.stores.base import FORMAT_VERSION, SKIPPED_KEPT
 from celery_exactonce.writes import Lease, NewJob, Transition
 
 
@@ -77,6 +77,10 @@ class InMemoryStore:
 
     def setup(self) -> None:
         self._check_open()
+
+    def schema_version(self) -> int | None:
+        self._check_open()
+        return FORMAT_VERSION
 
     def simulate_loss(self, *, keep_epoch: bool = False) -> None:
         """Forget everything, as a Redis restart without persistence would.

@@ -143,13 +143,25 @@ class RedisStore(RedisReads, RedisEnqueue):
     def setup(self) -> None:
         with self._wrap("setup"):
             stored = self._run("setup", [self._key("meta")], [FORMAT_VERSION, self._namespace])
-        version = as_text(stored)
-        if not version.isdigit() or int(version) > FORMAT_VERSION:
-            raise exceptions.SchemaMismatch(
-                f"Redis store {self._where}, namespace {self._namespace!r}: key format "
-                f"{version!r} is not one this version reads (it writes {FORMAT_VERSION}); "
-                "upgrade celery-exactonce"
-            )
+        if self._version(as_text(stored)) > FORMAT_VERSION:
+            raise self._newer(as_text(stored))
+
+    def _version(self, version: str) -> int:
+        if not version.isdigit():
+            raise self._newer(version)
+        return int(version)
+
+    def _newer(self, version: str) -> exceptions.SchemaMismatch:
+        return exceptions.SchemaMismatch(
+            f"Redis store {self._where}, namespace {self._namespace!r}: key format "
+            f"{version!r} is not one this version reads (it writes {FORMAT_VERSION}); "
+            "upgrade celery-exactonce"
+        )
+
+    def schema_version(self) -> int | None:
+        with self._wrap("schema_version"):
+            stored = self._client.hget(self._key("meta"), "format_version")
+        return None if stored is None else self._version(as_text(stored))
 
     def check_config(self) -> None:
         """Refuse a Redis that may evict keys (``maxmemory-policy`` other than ``noeviction``).

@@ -155,6 +155,12 @@ class SqlStore(SqlCreates, SqlTransitions, SqlScans, SqlLeases):
         # between concurrent CREATEs) is simply retried.
         self._run_idempotent("setup", lambda: sql_schema.create(self._engine, self._t, self._where))
 
+    def schema_version(self) -> int | None:
+        def op(conn: sa.Connection) -> int | None:
+            return sql_schema.stored_version(conn, self._t)
+
+        return self._run("schema_version", op, write=False)
+
     def ping(self) -> None:
         """Run ``SELECT 1``; raise ``StoreUnavailable`` when the database does not answer."""
         self._run("ping", lambda conn: conn.execute(sa.select(1)).scalar_one(), write=False)

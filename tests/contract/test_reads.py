@@ -8,7 +8,7 @@ import pytest
 
 from celery_exactonce.states import State
 from celery_exactonce.stores import redis_reads
-from celery_exactonce.stores.base import StateStore
+from celery_exactonce.stores.base import FORMAT_VERSION, StateStore
 from tests.support.backends import Factory
 from tests.support.helpers import occurrence, poll, task_job, to, wait_store_past
 
@@ -102,3 +102,9 @@ def test_lease_names_its_holder_until_released_or_expired(store: StateStore) -> 
     assert store.lease("recon") is None
     assert store.acquire_lease("recon", "holder-2", 0.2)
     poll(lambda: store.lease("recon") is None, timeout=5)
+
+
+def test_schema_version_reads_what_setup_wrote(store: StateStore) -> None:
+    assert store.schema_version() == FORMAT_VERSION
+    store.setup()  # idempotent
+    assert store.schema_version() == FORMAT_VERSION
