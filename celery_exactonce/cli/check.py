@@ -90,11 +90,11 @@ def run_checks(app: Any) -> Report:
     if report.run("settings", settings):
         reconcile_task.register_task(app)  # as a worker and beat do: beat's own entry runs it
     report.run("broker", lambda: _broker(app))
-    tasks = startup.gated_tasks(app)
-    report.run("gated tasks", lambda: _gated(tasks))
     config = holder.get("config")
     if config is None:
-        return report
+        return report  # the rest reads the settings
+    tasks = startup.gated_tasks(app)
+    report.run("gated tasks", lambda: _gated(tasks))
     if tasks:
         report.run("retention", lambda: _retention(app, config))
     report.run("beat entries", lambda: _entries(app, config))
