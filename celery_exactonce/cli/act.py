@@ -84,7 +84,7 @@ def cancel(ctx: click.Context, task_id: str, as_json: bool) -> None:
 @base.handles_errors
 def migrate(ctx: click.Context, as_json: bool) -> None:
     """Create or upgrade the store's schema now (what a node does at start). Idempotent."""
-    with base.session(ctx) as s:
+    with base.session(ctx, set_up=False) as s:
         before = s.store.schema_version()
         s.store.setup()
         after = s.store.schema_version()

@@ -32,7 +32,7 @@ import click
 from celery_exactonce import exceptions, refs, runtime
 from celery_exactonce.config import ExactOnceConfig
 from celery_exactonce.jobs import Job
-from celery_exactonce.stores import open_store
+from celery_exactonce.stores import open_store, redact_url
 from celery_exactonce.stores.base import StateStore
 
 EXIT_OK = 0
@@ -115,17 +115,24 @@ class Session:
 
 
 @contextmanager
-def session(ctx: click.Context) -> Iterator[Session]:
+def session(ctx: click.Context, *, set_up: bool = True) -> Iterator[Session]:
     """The app's settings and store, the store closed at the end.
 
     The store is opened as a worker's pool child opens it: no set-up, no
-    schema created (``migrate`` does that). Raises ``ConfigurationError`` for a
-    refused setting, ``StoreError`` when the store cannot be built.
+    schema created (``migrate`` does that); with ``set_up``, a store never
+    set up is a failure that says to run ``migrate``. Raises
+    ``ConfigurationError`` for a refused setting, ``StoreError`` when the store
+    cannot be reached.
     """
     app = app_of(ctx)
     config = runtime.config_for(app)
     store = open_store(config, setup=False)
     try:
+        if set_up and store.schema_version() is None:
+            fail(
+                f"the store {redact_url(config.store_url)} was never set up: a worker or beat "
+                "sets it up at start, or run `celery -A APP exactonce migrate`"
+            )
         yield Session(app, config, store)
     finally:
         store.close()

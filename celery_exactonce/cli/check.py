@@ -48,6 +48,8 @@ class Report:
 
     def __init__(self) -> None:
         self.checks: list[Check] = []
+        #: The settings once read, redacted (:meth:`ExactOnceConfig.redacted`).
+        self.settings: dict[str, Any] | None = None
 
     def add(self, name: str, status: str, message: str, setting: str | None = None) -> None:
         self.checks.append(Check(name, status, message, setting))
@@ -85,6 +87,7 @@ def run_checks(app: Any) -> Report:
 
     def settings() -> str:
         config = holder["config"] = runtime.config_for(app)
+        report.settings = config.redacted()
         return f"store {redact_url(config.store_url)}, namespace {config.namespace!r}"
 
     if report.run("settings", settings):
@@ -260,7 +263,8 @@ def check(ctx: click.Context, as_json: bool) -> None:
     """
     report = run_checks(base.app_of(ctx))
     if as_json:
-        base.emit_json({"ok": not report.failed, "checks": [c.as_dict() for c in report.checks]})
+        checks = [c.as_dict() for c in report.checks]
+        base.emit_json({"ok": not report.failed, "checks": checks, "settings": report.settings})
     else:
         width = max(len(c.name) for c in report.checks)
         for c in report.checks:
