@@ -3,6 +3,8 @@
 * :class:`PassReport`: what one pass did (``Reconciler.run_pass`` returns it);
 * :class:`Pass`: the state of one pass, handed to every handler (its report,
   its lease, whether timeouts may act, the store's time of the page);
+* :func:`lease_token` and :func:`lease_holder`: the lease's token names the
+  node that holds it (``celery exactonce status`` shows it);
 * :func:`count_actions`: what earlier passes did to a job, from its history
   (the caps on replays, redispatches and re-runs count them);
 * the records: :func:`count_store_error` (``reconcile_store_error``) and
@@ -20,7 +22,7 @@ import logging
 from datetime import datetime
 from typing import Any
 
-from celery_exactonce import metrics, times
+from celery_exactonce import metrics, refs, times
 from celery_exactonce.jobs import Job
 from celery_exactonce.writes import Action, Lease
 
@@ -44,6 +46,26 @@ class PassReport:
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def summary(self) -> str:
+        """The figures that are not zero, for people: ``replayed=1 timed_out=2``."""
+        if not self.ran:
+            return "not run: another node holds the lease"
+        figures = {k: v for k, v in self.as_dict().items() if v and k not in ("ran", "stale")}
+        stale = sum(self.stale.values())
+        text = " ".join(f"{k}={v}" for k, v in {"stale": stale, **figures}.items() if v)
+        return text or "nothing to do"
+
+
+def lease_token(node: str) -> str:
+    """A new token for the reconciler's lease that names its holder: ``<random>@<node>``."""
+    return f"{refs.new_token()}@{node}"[: refs.MAX_NAME_LENGTH]
+
+
+def lease_holder(token: str) -> str | None:
+    """The node a :func:`lease_token` names (``None`` for a token of another form)."""
+    _, sep, node = token.partition("@")
+    return node if sep and node else None
 
 
 @dataclasses.dataclass

@@ -131,14 +131,14 @@ class BeatRunner:
         if not result.applied or result.job is None:
             return
         try:
-            reconciler_for(self.runtime).run_pass()
+            report = reconciler_for(self.runtime).run_pass()
         except Exception as exc:  # a bug, not a store error: record it, keep beat alive
             metrics.event(
                 "reconcile_failed", "reconcile pass failed", level=logging.ERROR, exc_info=exc
             )
             self._end(result.job, State.FAILED, f"{type(exc).__name__}: {exc}", run_id=run_id)
             return
-        self._end(result.job, State.SUCCEEDED, "pass done", run_id=run_id)
+        self._end(result.job, State.SUCCEEDED, f"pass done: {report.summary()}", run_id=run_id)
 
     def _end(
         self,

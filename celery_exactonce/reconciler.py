@@ -57,11 +57,11 @@ from collections.abc import Callable, Mapping
 from datetime import datetime
 from typing import Any
 
-from celery_exactonce import exceptions, jobs, metrics, refs
+from celery_exactonce import exceptions, jobs, metrics
 from celery_exactonce.jobs import Job
 from celery_exactonce.messages import GATED_OPTION
 from celery_exactonce.outcomes import Outcome
-from celery_exactonce.passes import Pass, count_actions, count_store_error, report_pass
+from celery_exactonce.passes import Pass, count_actions, count_store_error, lease_token, report_pass
 from celery_exactonce.passes import PassReport as PassReport  # noqa: PLC0414  (run_pass's)
 from celery_exactonce.policy import Timeouts, youngest_ages
 from celery_exactonce.refs import JobRef
@@ -124,7 +124,7 @@ class Reconciler:
         """One bounded pass; returns what it did. Never raises for a store error."""
         report = PassReport()
         store, config = self.runtime.store, self.runtime.config
-        lease = Lease(LEASE_NAME, refs.new_token())
+        lease = Lease(LEASE_NAME, lease_token(self.runtime.node))
         try:
             if not store.acquire_lease(lease.name, lease.token, config.lease_ttl):
                 return report

@@ -66,6 +66,7 @@ from celery_exactonce import (
     startup,
 )
 from celery_exactonce.claimer import Claimer, fail_closed
+from celery_exactonce.config import ExactOnceConfig
 from celery_exactonce.entries import ENTRY_OPTIONS, INTERNAL_OPTION, EntryPolicy
 from celery_exactonce.planner import Plan
 from celery_exactonce.policy import task_policy
@@ -78,6 +79,33 @@ from celery_exactonce.task import ExactOnceTask
 #: Delayed jobs claimed per ``claim_due`` call, and at most this many calls per tick.
 SWEEP_BATCH = 500
 SWEEP_MAX_BATCHES = 20
+
+
+def entry_policy(
+    app: Any, config: ExactOnceConfig, name: str, entry: Any, *, internal: bool = False
+) -> EntryPolicy:
+    """The policy of beat entry ``entry``, with what this process registers of its task."""
+    task = app.tasks.get(entry.task)
+    gated = None if task is None else isinstance(task, ExactOnceTask)
+    return EntryPolicy.of(
+        name,
+        entry,
+        config,
+        task_gated=gated,
+        task_policy=task_policy(task) if gated else None,
+        internal_allowed=internal,
+    )
+
+
+def internal_entries(config: ExactOnceConfig) -> dict[str, Any]:
+    """Beat's own entries: the reconciler's, one pass per ``reconcile_interval`` across nodes."""
+    return {
+        RECONCILE_TASK: {
+            "task": RECONCILE_TASK,
+            "schedule": timedelta(seconds=config.reconcile_interval),
+            "options": {ENTRY_OPTIONS: {"catchup": "latest"}, INTERNAL_OPTION: True},
+        }
+    }
 
 
 class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is untyped
@@ -146,27 +174,10 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
         )
 
     def _policy_of(self, name: str, entry: Any, *, internal: bool = False) -> EntryPolicy:
-        """The entry's policy, with what this process registers of its task."""
-        task = self.app.tasks.get(entry.task)
-        gated = None if task is None else isinstance(task, ExactOnceTask)
-        return EntryPolicy.of(
-            name,
-            entry,
-            self._config,
-            task_gated=gated,
-            task_policy=task_policy(task) if gated else None,
-            internal_allowed=internal,
-        )
+        return entry_policy(self.app, self._config, name, entry, internal=internal)
 
     def _internal_entries(self) -> dict[str, Any]:
-        """The reconciler's entry: one pass per ``reconcile_interval`` across all nodes."""
-        return {
-            RECONCILE_TASK: {
-                "task": RECONCILE_TASK,
-                "schedule": timedelta(seconds=self._config.reconcile_interval),
-                "options": {ENTRY_OPTIONS: {"catchup": "latest"}, INTERNAL_OPTION: True},
-            }
-        }
+        return internal_entries(self._config)
 
     def add(self, **kwargs: Any) -> Any:
         """Celery's ``Scheduler.add``: the new entry joins the due heap.

@@ -182,6 +182,9 @@ class SigningStore:
     def setup(self) -> None:
         self.inner.setup()
 
+    def schema_version(self) -> int | None:
+        return self.inner.schema_version()
+
     def epoch(self, *, replace: str | None = None) -> str:
         return self.inner.epoch(replace=replace)
 
@@ -234,6 +237,23 @@ class SigningStore:
     ) -> list[Job]:
         return self.inner.list_stale(state, older_than, limit, after=after)
 
+    def list_jobs(
+        self,
+        state: State,
+        limit: int,
+        *,
+        after: tuple[datetime, JobRef] | None = None,
+        older_than: float = 0.0,
+        task: str | None = None,
+        entry: str | None = None,
+    ) -> list[Job]:
+        return self.inner.list_jobs(
+            state, limit, after=after, older_than=older_than, task=task, entry=entry
+        )
+
+    def count_jobs(self) -> dict[State, int]:
+        return self.inner.count_jobs()
+
     def claim_due(self, limit: int, *, node: str, reason: str = "claimed") -> list[Job]:
         return self.inner.claim_due(limit, node=node, reason=reason)
 
@@ -248,6 +268,9 @@ class SigningStore:
 
     def release_lease(self, name: str, token: str) -> bool:
         return self.inner.release_lease(name, token)
+
+    def lease(self, name: str) -> tuple[str, datetime] | None:
+        return self.inner.lease(name)
 
     def close(self) -> None:
         self.inner.close()

@@ -65,6 +65,14 @@ class StateStore(Protocol):
         """
         ...
 
+    def schema_version(self) -> int | None:
+        """The format version the store holds, ``None`` when it was never set up. Reads only.
+
+        What ``celery exactonce check`` compares with :data:`FORMAT_VERSION`
+        without creating anything (:meth:`setup` creates).
+        """
+        ...
+
     def epoch(self, *, replace: str | None = None) -> str:
         """The store's epoch, created if absent (atomically: one winner).
 
@@ -206,6 +214,36 @@ class StateStore(Protocol):
         """
         ...
 
+    def list_jobs(
+        self,
+        state: State,
+        limit: int,
+        *,
+        after: tuple[datetime, JobRef] | None = None,
+        older_than: float = 0.0,
+        task: str | None = None,
+        entry: str | None = None,
+    ) -> list[Job]:
+        """The jobs in ``state``, for people (the CLI): :meth:`list_stale` with filters.
+
+        In ``(touched_at, str(ref))`` order, at most ``limit``, from the keyset
+        cursor ``after`` as :meth:`list_stale` pages; only jobs last touched at
+        least ``older_than`` seconds ago (store time), of task ``task`` and of
+        beat entry ``entry`` when given. A page shorter than ``limit`` means
+        the end was reached. A store may filter on the task and the entry
+        after reading the records (the Redis store does): the cost then
+        follows the jobs in ``state``, not the matches.
+        """
+        ...
+
+    def count_jobs(self) -> dict[State, int]:
+        """How many jobs of the namespace are in each state (every state, zeros too).
+
+        One read (a few for Redis, in one round trip); the counts of different
+        states need not be of one instant when jobs move meanwhile.
+        """
+        ...
+
     def claim_due(self, limit: int, *, node: str, reason: str = "claimed") -> list[Job]:
         """Move up to ``limit`` due ``PENDING`` jobs (``run_at <= now``) to ``SCHEDULED``.
 
@@ -234,6 +272,13 @@ class StateStore(Protocol):
 
     def release_lease(self, name: str, token: str) -> bool:
         """Release lease ``name`` if it is held with ``token``; a stale token releases nothing."""
+        ...
+
+    def lease(self, name: str) -> tuple[str, datetime] | None:
+        """The token holding lease ``name`` and when it expires (store time); ``None`` if free.
+
+        A read for people (the CLI): the holder may change right after it.
+        """
         ...
 
     def close(self) -> None:

@@ -29,7 +29,7 @@ from celery_exactonce.jobs import (
 )
 from celery_exactonce.refs import JobRef
 from celery_exactonce.states import TERMINAL, State
-from celery_exactonce.stores.base import SKIPPED_KEPT
+from celery_exactonce.stores.base import FORMAT_VERSION, SKIPPED_KEPT
 from celery_exactonce.writes import Lease, NewJob, Transition
 
 
@@ -77,6 +77,10 @@ class InMemoryStore:
 
     def setup(self) -> None:
         self._check_open()
+
+    def schema_version(self) -> int | None:
+        self._check_open()
+        return FORMAT_VERSION
 
     def simulate_loss(self, *, keep_epoch: bool = False) -> None:
         """Forget everything, as a Redis restart without persistence would.
@@ -217,6 +221,31 @@ class InMemoryStore:
             stale.sort(key=lambda job: (job.touched_at, str(job.ref)))
             return stale[: max(limit, 0)]
 
+    def list_jobs(
+        self,
+        state: State,
+        limit: int,
+        *,
+        after: tuple[datetime, JobRef] | None = None,
+        older_than: float = 0.0,
+        task: str | None = None,
+        entry: str | None = None,
+    ) -> list[Job]:
+        with self._lock:
+            every = len(self._by_state[State(state)])
+            listed = self.list_stale(state, older_than, every, after=after)
+        found = [
+            job
+            for job in listed
+            if (task is None or job.task == task) and (entry is None or job.entry == entry)
+        ]
+        return found[: max(limit, 0)]
+
+    def count_jobs(self) -> dict[State, int]:
+        with self._lock:
+            self._check_open()
+            return {state: len(members) for state, members in self._by_state.items()}
+
     def claim_due(self, limit: int, *, node: str, reason: str = "claimed") -> list[Job]:
         with self._lock:
             self._check_open()
@@ -282,6 +311,12 @@ class InMemoryStore:
                 return False
             del self._leases[name]
             return True
+
+    def lease(self, name: str) -> tuple[str, datetime] | None:
+        with self._lock:
+            self._check_open()
+            held = self._leases.get(name)
+            return held if held is not None and held[1] > self.now() else None
 
     def close(self) -> None:
         self._closed = True

@@ -69,12 +69,13 @@ from celery_exactonce.stores.redis_codec import (
 )
 from celery_exactonce.stores.redis_core import SCRIPT_BATCH
 from celery_exactonce.stores.redis_enqueue import Push, PushRefused, RedisEnqueue
+from celery_exactonce.stores.redis_reads import RedisReads, filtered
 from celery_exactonce.writes import Lease, NewJob, Transition
 
 __all__ = ["SCRIPT_BATCH", "Push", "PushRefused", "RedisStore"]
 
 
-class RedisStore(RedisEnqueue):
+class RedisStore(RedisReads, RedisEnqueue):
     """A :class:`~celery_exactonce.stores.base.StateStore` in Redis.
 
     Parameters
@@ -142,13 +143,25 @@ class RedisStore(RedisEnqueue):
     def setup(self) -> None:
         with self._wrap("setup"):
             stored = self._run("setup", [self._key("meta")], [FORMAT_VERSION, self._namespace])
-        version = as_text(stored)
-        if not version.isdigit() or int(version) > FORMAT_VERSION:
-            raise exceptions.SchemaMismatch(
-                f"Redis store {self._where}, namespace {self._namespace!r}: key format "
-                f"{version!r} is not one this version reads (it writes {FORMAT_VERSION}); "
-                "upgrade celery-exactonce"
-            )
+        if self._version(as_text(stored)) > FORMAT_VERSION:
+            raise self._newer(as_text(stored))
+
+    def _version(self, version: str) -> int:
+        if not version.isdigit():
+            raise self._newer(version)
+        return int(version)
+
+    def _newer(self, version: str) -> exceptions.SchemaMismatch:
+        return exceptions.SchemaMismatch(
+            f"Redis store {self._where}, namespace {self._namespace!r}: key format "
+            f"{version!r} is not one this version reads (it writes {FORMAT_VERSION}); "
+            "upgrade celery-exactonce"
+        )
+
+    def schema_version(self) -> int | None:
+        with self._wrap("schema_version"):
+            stored = self._client.hget(self._key("meta"), "format_version")
+        return None if stored is None else self._version(as_text(stored))
 
     def check_config(self) -> None:
         """Refuse a Redis that may evict keys (``maxmemory-policy`` other than ``noeviction``).
@@ -371,6 +384,24 @@ class RedisStore(RedisEnqueue):
             records = self._run("list_stale", keys, args)
         return [decode_job(flat) for flat in records]
 
+    def list_jobs(
+        self,
+        state: State,
+        limit: int,
+        *,
+        after: tuple[datetime, JobRef] | None = None,
+        older_than: float = 0.0,
+        task: str | None = None,
+        entry: str | None = None,
+    ) -> list[Job]:
+        """:meth:`list_stale`'s pages, the task and the entry matched on the records read."""
+        if task is None and entry is None:
+            return self.list_stale(state, older_than, limit, after=after)
+        return filtered(self.list_stale, State(state), limit, after, older_than, task, entry)
+
+    def count_jobs(self) -> dict[State, int]:
+        return self._count_jobs()
+
     def claim_due(self, limit: int, *, node: str, reason: str = "claimed") -> list[Job]:
         refs.validate_identifier(node, "node id", refs.MAX_NAME_LENGTH)
         refs.validate_reason(reason)
@@ -409,6 +440,9 @@ class RedisStore(RedisEnqueue):
             return bool(
                 self._run("lease_renew", [self._key("lease", name)], [token, lease_ms(ttl)])
             )
+
+    def lease(self, name: str) -> tuple[str, datetime] | None:
+        return self._lease(name)
 
     def release_lease(self, name: str, token: str) -> bool:
         with self._wrap("release_lease"):

@@ -155,6 +155,12 @@ class SqlStore(SqlCreates, SqlTransitions, SqlScans, SqlLeases):
         # between concurrent CREATEs) is simply retried.
         self._run_idempotent("setup", lambda: sql_schema.create(self._engine, self._t, self._where))
 
+    def schema_version(self) -> int | None:
+        def op(conn: sa.Connection) -> int | None:
+            return sql_schema.stored_version(conn, self._t)
+
+        return self._run("schema_version", op, write=False)
+
     def ping(self) -> None:
         """Run ``SELECT 1``; raise ``StoreUnavailable`` when the database does not answer."""
         self._run("ping", lambda conn: conn.execute(sa.select(1)).scalar_one(), write=False)
@@ -277,6 +283,22 @@ class SqlStore(SqlCreates, SqlTransitions, SqlScans, SqlLeases):
         op = self._list_stale_op(state, older_than, limit, after)
         return self._run("list_stale", op, write=False) if limit > 0 else self._empty([])
 
+    def list_jobs(
+        self,
+        state: State,
+        limit: int,
+        *,
+        after: tuple[datetime, JobRef] | None = None,
+        older_than: float = 0.0,
+        task: str | None = None,
+        entry: str | None = None,
+    ) -> list[Job]:
+        op = self._list_stale_op(state, older_than, limit, after, task=task, entry=entry)
+        return self._run("list_jobs", op, write=False) if limit > 0 else self._empty([])
+
+    def count_jobs(self) -> dict[State, int]:
+        return self._run("count_jobs", self._count_jobs_op(), write=False)
+
     def claim_due(self, limit: int, *, node: str, reason: str = "claimed") -> list[Job]:
         op = self._claim_due_op(limit, node, reason)
         return self._run("claim_due", op) if limit > 0 else self._empty([])
@@ -295,3 +317,6 @@ class SqlStore(SqlCreates, SqlTransitions, SqlScans, SqlLeases):
 
     def release_lease(self, name: str, token: str) -> bool:
         return self._run("release_lease", self._release_lease_op(name, token))
+
+    def lease(self, name: str) -> tuple[str, datetime] | None:
+        return self._run("lease", self._lease_op(name), write=False)

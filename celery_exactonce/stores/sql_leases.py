@@ -1,7 +1,7 @@
 """The SQL store's leases: a named lease held by one token until it expires.
 
 :class:`SqlLeases` is the part of :class:`~celery_exactonce.stores.sql.SqlStore`
-that acquires, renews and releases a lease inside its transaction, and that
+that acquires, renews, releases and reads a lease inside its transaction, and that
 tells whether a lease is held at a given store time. Acquiring locks the
 lease's row (inserting it when absent; a competing insert reruns the
 transaction); renewing and releasing change the row only while the token
@@ -18,9 +18,11 @@ operation runs in (:mod:`~celery_exactonce.stores.sql`).
 from __future__ import annotations
 
 from collections.abc import Callable
+from datetime import datetime
 
 import sqlalchemy as sa
 
+from celery_exactonce import times
 from celery_exactonce.stores.sql_core import Rerun, SqlCore
 from celery_exactonce.writes import Lease
 
@@ -75,6 +77,20 @@ class SqlLeases(SqlCore):
             now = self._now(conn)
             result = conn.execute(leases.delete().where(*self._lease_held(name, token, now)))
             return bool(result.rowcount == 1)
+
+        return op
+
+    def _lease_op(self, name: str) -> Callable[[sa.Connection], tuple[str, datetime] | None]:
+        """The transaction of ``lease``: the unexpired row's token and expiry."""
+        c = self._t.leases.c
+
+        def op(conn: sa.Connection) -> tuple[str, datetime] | None:
+            now = self._now(conn)
+            query = sa.select(c.token, c.expires_at).where(
+                c.namespace == self._namespace, c.name == name, c.expires_at > now
+            )
+            row = conn.execute(query).first()
+            return None if row is None else (str(row.token), times.from_micros(row.expires_at))
 
         return op
 

@@ -7,7 +7,9 @@ that builds, inside its transaction, each operation over many rows:
   :data:`_IN_CHUNK` (below every dialect's bound-parameter limit);
 * **stale jobs**: the records of a state not touched for a while, oldest
   first, paged by a ``(touched_at, ref)`` cursor spelt so that the index on
-  ``(namespace, state, touched_at)`` bounds the scan;
+  ``(namespace, state, touched_at)`` bounds the scan (and, for people, those
+  of one task or beat entry);
+* **jobs per state**: counted in one ``GROUP BY``;
 * **due jobs, claimed**: ``PENDING`` records whose ``run_at`` has come, moved
   to ``SCHEDULED`` in the same transaction (``SKIP LOCKED``: concurrent
   claimers take different rows);
@@ -129,8 +131,14 @@ class SqlScans(SqlCore):
         older_than: float,
         limit: int,
         after: tuple[datetime, JobRef] | None,
+        *,
+        task: str | None = None,
+        entry: str | None = None,
     ) -> Callable[[sa.Connection], list[Job]]:
-        """The transaction of ``list_stale`` (the state and the cursor checked first)."""
+        """The transaction of ``list_stale`` (the state and the cursor checked first).
+
+        And of ``list_jobs``: with ``task`` or ``entry``, only the jobs of them.
+        """
         state = State(state)
         c = self._t.jobs.c
         # (space, id) orders as str(ref) does: the space is one character, then ':'.
@@ -147,6 +155,10 @@ class SqlScans(SqlCore):
                     sa.and_(c.space == ref.space.value, c.id > ref.id),
                 ),
             ]
+        if task is not None:
+            past.append(c.task == task)
+        if entry is not None:
+            past.append(c.entry == entry)
 
         def op(conn: sa.Connection) -> list[Job]:
             cutoff = self._now(conn) - round(older_than * 1_000_000)
@@ -162,6 +174,23 @@ class SqlScans(SqlCore):
                 .limit(limit)
             )
             return [self._job(row) for row in rows]
+
+        return op
+
+    def _count_jobs_op(self) -> Callable[[sa.Connection], dict[State, int]]:
+        """The transaction of ``count_jobs``: one ``GROUP BY state``."""
+        c = self._t.jobs.c
+
+        def op(conn: sa.Connection) -> dict[State, int]:
+            counts = dict.fromkeys(State, 0)
+            query = (
+                sa.select(c.state, sa.func.count())
+                .where(c.namespace == self._namespace)
+                .group_by(c.state)
+            )
+            for state, count in conn.execute(query):
+                counts[State(state)] = int(count)
+            return counts
 
         return op
 

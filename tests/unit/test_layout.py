@@ -17,8 +17,8 @@ import celery_exactonce
 PACKAGE = Path(celery_exactonce.__file__).parent
 #: The modules above the dispatcher: the Celery task, the schedulers (ours and the
 #: django-celery-beat one), what runs the reconcile task, the start-up checks,
-#: the package's front (``__init__``, ``__main__``, ``control``) and the demo.
-#: Every other module is below them.
+#: the package's front (``__init__``, ``__main__``, ``control``), the CLI
+#: (``celery_exactonce.cli``) and the demo. Every other module is below them.
 ABOVE = {
     "celery_exactonce",
     "celery_exactonce.__main__",
@@ -89,7 +89,10 @@ def test_no_module_below_the_task_imports_the_task_or_the_scheduler() -> None:
     graph = _graph()
     above = {"celery_exactonce.task", "celery_exactonce.scheduler"}
     below = [
-        name for name in graph if name not in ABOVE and not name.startswith("celery_exactonce.demo")
+        name
+        for name in graph
+        if name not in ABOVE
+        and not name.startswith(("celery_exactonce.demo", "celery_exactonce.cli"))
     ]
     reaching = {name: sorted(_reach(graph, name) & above) for name in below}
     assert {name: found for name, found in reaching.items() if found} == {}

@@ -1,0 +1,276 @@
+"""``celery exactonce check``: every start-up check of a worker and a beat node, and more.
+
+One line per check: ``ok``, ``warn`` or ``FAIL``, with what was found; a
+failure names the setting at fault, as a node refusing to start would
+(:mod:`celery_exactonce.startup`, whose checks run here). Exit 1 if any check
+failed. Nothing is written: the store is read, not set up (``migrate`` sets
+it up, as a node does at start).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from datetime import datetime, timezone
+from typing import Any
+from zoneinfo import ZoneInfo
+
+import click
+from celery import beat
+
+from celery_exactonce import entries, exceptions, reconcile_task, runtime, startup
+from celery_exactonce.cli import base
+from celery_exactonce.config import ExactOnceConfig
+from celery_exactonce.gate import validate_gated_task
+from celery_exactonce.scheduler import entry_policy, internal_entries
+from celery_exactonce.stores import open_store, redact_url
+from celery_exactonce.stores.base import FORMAT_VERSION, StateStore
+
+OK, WARN, FAIL = "ok", "warn", "FAIL"
+
+
+@dataclasses.dataclass
+class Check:
+    """One line of the report."""
+
+    name: str
+    status: str
+    message: str
+    setting: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+class Report:
+    """The checks run so far."""
+
+    def __init__(self) -> None:
+        self.checks: list[Check] = []
+        #: The settings once read, redacted (:meth:`ExactOnceConfig.redacted`).
+        self.settings: dict[str, Any] | None = None
+
+    def add(self, name: str, status: str, message: str, setting: str | None = None) -> None:
+        self.checks.append(Check(name, status, message, setting))
+
+    def run(self, name: str, check: Callable[[], str | tuple[str, str]]) -> bool:
+        """``check()``'s message (or ``(status, message)``) as a line; an error as ``FAIL``."""
+        try:
+            result = check()
+        except exceptions.ConfigurationError as exc:
+            self.add(name, FAIL, base.setting_message(exc), exc.setting)
+            return False
+        except exceptions.StoreError as exc:
+            text = f"the store of exactonce_store_url: {base.one_line(exc)}"
+            self.add(name, FAIL, text, "exactonce_store_url")
+            return False
+        except exceptions.ExactOnceError as exc:
+            self.add(name, FAIL, base.one_line(exc))
+            return False
+        except Exception as exc:  # a check that could not run is a failed one
+            self.add(name, FAIL, f"{type(exc).__name__}: {base.one_line(exc)}")
+            return False
+        status, message = result if isinstance(result, tuple) else (OK, result)
+        self.add(name, status, message)
+        return status != FAIL
+
+    @property
+    def failed(self) -> bool:
+        return any(check.status == FAIL for check in self.checks)
+
+
+def run_checks(app: Any) -> Report:
+    """Every check, in order; those that need the settings or the store stop without them."""
+    report = Report()
+    holder: dict[str, ExactOnceConfig] = {}
+
+    def settings() -> str:
+        config = holder["config"] = runtime.config_for(app)
+        report.settings = config.redacted()
+        return f"store {redact_url(config.store_url)}, namespace {config.namespace!r}"
+
+    if report.run("settings", settings):
+        reconcile_task.register_task(app)  # as a worker and beat do: beat's own entry runs it
+    report.run("broker", lambda: _broker(app))
+    config = holder.get("config")
+    if config is None:
+        return report  # the rest reads the settings
+    tasks = startup.gated_tasks(app)
+    report.run("gated tasks", lambda: _gated(tasks))
+    if tasks:
+        report.run("retention", lambda: _retention(app, config))
+    report.run("beat entries", lambda: _entries(app, config))
+    report.run("signing", lambda: _signing(config))
+    try:
+        store = open_store(config, setup=False)
+    except exceptions.ExactOnceError as exc:
+        error = exc
+        report.run("store", lambda: _raise(error))
+        return report
+    try:
+        report.run("one host", lambda: _one_host(config, store))
+        if report.run("store reachable", lambda: _reachable(store)):
+            report.run("schema", lambda: _schema(store))
+            report.run("eviction", lambda: _eviction(store))
+            report.run("clock", lambda: _clock(store, config))
+    finally:
+        store.close()
+    return report
+
+
+def _raise(error: BaseException) -> str:
+    raise error
+
+
+def _broker(app: Any) -> str:
+    startup.check_broker(app)
+    scheme = startup.broker_scheme(app.conf.broker_write_url or app.conf.broker_url)
+    if scheme in startup.AMQP_SCHEMES:
+        return "confirm_publish is on: a publish RabbitMQ did not take raises"
+    return f"broker {scheme or '(none)'}://: no publisher confirms to turn on"
+
+
+def _gated(tasks: list[Any]) -> str | tuple[str, str]:
+    for task in tasks:
+        validate_gated_task(task)
+    if not tasks:
+        return WARN, "no ExactOnceTask registered: no worker-side gate (dispatch only)"
+    names = sorted(str(task.name) for task in tasks)
+    return f"{len(names)} gated task(s): {', '.join(names)}"
+
+
+def _retention(app: Any, config: ExactOnceConfig) -> str:
+    startup.check_retention(app, config)
+    horizon = startup.redelivery_horizon(app)
+    if horizon is None:
+        return f"exactonce_retention {config.retention:g} s; the broker has no redelivery horizon"
+    return f"exactonce_retention {config.retention:g} s >= the broker's visibility_timeout"
+
+
+def _entries(app: Any, config: ExactOnceConfig) -> str:
+    """Each ``beat_schedule`` entry as beat checks it at start (a bad one names itself)."""
+    tz = ZoneInfo(str(app.timezone))
+    now = datetime.now(timezone.utc)
+    schedule = {**(app.conf.beat_schedule or {}), **internal_entries(config)}
+    internal = set(internal_entries(config))
+    for name, fields in schedule.items():
+        entry = beat.ScheduleEntry(**dict(fields, name=name, app=app))
+
+        def policy(n: str, e: Any, internal: bool = name in internal) -> entries.EntryPolicy:
+            return entry_policy(app, config, n, e, internal=internal)
+
+        entries.check_entry(
+            name,
+            entry,
+            policy,
+            tz=tz,
+            now=now,
+            namespace=config.namespace,
+            node="check",
+        )
+    return f"{len(schedule) - len(internal)} entry(ies) of beat_schedule accepted"
+
+
+def _signing(config: ExactOnceConfig) -> str | tuple[str, str]:
+    if config.signing_key is None:
+        return (
+            WARN,
+            "exactonce_signing_key is not set: stored payloads are unsigned, and anyone "
+            "who can write the store can make workers run any task",
+        )
+    return "stored payloads are signed (exactonce_signing_key)"
+
+
+def _one_host(config: ExactOnceConfig, store: StateStore) -> str | tuple[str, str]:
+    scheme = config.store_url.split("://", 1)[0].lower().split("+", 1)[0]
+    if scheme == "memory":
+        return (
+            WARN,
+            "exactonce_store_url is memory://: each process has its own store, "
+            "nothing is shared between nodes (tests only)",
+        )
+    engine = getattr(store, "engine", None)
+    if engine is not None and engine.dialect.name == "sqlite":
+        return (
+            WARN,
+            "the store is a SQLite file: every beat and worker must run on this one host "
+            "(use Redis, PostgreSQL or MySQL for several hosts)",
+        )
+    return "the store is shared over the network: nodes may run on several hosts"
+
+
+def _reachable(store: StateStore) -> str:
+    store.now()
+    return f"{store!r} answers"
+
+
+def _schema(store: StateStore) -> str | tuple[str, str]:
+    version = store.schema_version()
+    if version is None:
+        return (
+            WARN,
+            "the store was never set up: a worker or beat sets it up at start, "
+            "or run `celery -A APP exactonce migrate`",
+        )
+    if version > FORMAT_VERSION:
+        raise exceptions.ConfigurationError(
+            f"the store holds format {version}, newer than this code's {FORMAT_VERSION}: "
+            "upgrade celery-exactonce",
+            setting="exactonce_store_url",
+        )
+    if version < FORMAT_VERSION:
+        return WARN, f"format {version}: run `celery -A APP exactonce migrate` to upgrade"
+    return f"format {version} (this code writes {FORMAT_VERSION})"
+
+
+def _eviction(store: StateStore) -> str:
+    check = getattr(store, "check_config", None)
+    if check is None:
+        return "the store never evicts records"
+    check()  # Redis: maxmemory-policy must be noeviction
+    return "maxmemory-policy allows no eviction (or is not readable: see the log)"
+
+
+def _clock(store: StateStore, config: ExactOnceConfig) -> str | tuple[str, str]:
+    """This host's clock against the store's, within ``exactonce_max_skew``."""
+    before = time.time()
+    store_now = store.now().timestamp()
+    after = time.time()
+    offset = store_now - (before + after) / 2
+    slack = (after - before) / 2
+    text = f"offset {offset:+.3f} s (± {slack:.3f}) against the store's clock"
+    if abs(offset) - slack > config.max_skew:
+        raise exceptions.ConfigurationError(
+            f"this host's clock is {offset:+.3f} s off the store's, over "
+            f"exactonce_max_skew ({config.max_skew:g} s): synchronise it (NTP)",
+            setting="exactonce_max_skew",
+        )
+    if abs(offset) - slack > config.max_skew / 2:
+        return WARN, f"{text}: over half of exactonce_max_skew ({config.max_skew:g} s)"
+    return text
+
+
+@click.command()
+@base.json_option
+@click.pass_context
+def check(ctx: click.Context, as_json: bool) -> None:
+    """Run every start-up check of a worker and a beat node; exit 1 if one fails.
+
+    Settings, publisher confirms, gated tasks, retention, beat entries, signing,
+    one-host stores, store reachability, schema, Redis eviction policy and the
+    clock offset against the store. Nothing is written.
+    """
+    report = run_checks(base.app_of(ctx))
+    if as_json:
+        checks = [c.as_dict() for c in report.checks]
+        base.emit_json({"ok": not report.failed, "checks": checks, "settings": report.settings})
+    else:
+        width = max(len(c.name) for c in report.checks)
+        for c in report.checks:
+            click.echo(f"{c.status:<4}  {c.name.ljust(width)}  {c.message}")
+        failed = sum(c.status == FAIL for c in report.checks)
+        warned = sum(c.status == WARN for c in report.checks)
+        verdict = f"{failed} check(s) failed" if failed else "all checks passed"
+        click.echo(f"{verdict}, {warned} warning(s)" if warned else verdict)
+    ctx.exit(base.EXIT_FAILED if report.failed else base.EXIT_OK)

@@ -1,0 +1,88 @@
+"""The beat entries the CLI shows: ``beat_schedule``, beat's own, django-celery-beat's rows.
+
+:func:`beat_entries` gives each entry beat would run, by name, as a
+``celery.beat.ScheduleEntry`` (or the error that refuses it); :func:`last_occurrence`
+reads the job of an entry's watermark, the last slot any node claimed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from datetime import datetime
+from typing import Any
+
+from celery import beat
+
+from celery_exactonce import exceptions
+from celery_exactonce.config import ExactOnceConfig
+from celery_exactonce.entries import occurrence_id
+from celery_exactonce.jobs import Job
+from celery_exactonce.refs import JobRef
+from celery_exactonce.scheduler import internal_entries
+from celery_exactonce.stores.base import StateStore
+
+#: ``beat_scheduler`` values that read django-celery-beat's rows.
+DJANGO_SCHEDULERS = frozenset(
+    {"exactonce-django", "celery_exactonce.contrib.django_celery_beat:DatabaseScheduler"}
+)
+
+
+@dataclasses.dataclass
+class Entry:
+    """One beat entry as the CLI shows it; ``error`` when beat would refuse it."""
+
+    name: str
+    entry: Any | None
+    source: str
+    """``settings`` (``beat_schedule``), ``beat`` (beat's own) or ``row`` (django-celery-beat)."""
+    error: str | None = None
+
+    @property
+    def task(self) -> str | None:
+        return None if self.entry is None else str(self.entry.task)
+
+
+def uses_django_rows(app: Any) -> bool:
+    """Whether ``beat_scheduler`` is the exactonce-django scheduler (django-celery-beat rows)."""
+    scheduler = app.conf.beat_scheduler
+    name = scheduler if isinstance(scheduler, str) else getattr(scheduler, "__qualname__", "")
+    return name in DJANGO_SCHEDULERS or name == "DatabaseScheduler"
+
+
+def _entry(app: Any, name: str, fields: dict[str, Any], source: str) -> Entry:
+    try:
+        return Entry(name, beat.ScheduleEntry(**dict(fields, name=name, app=app)), source)
+    except Exception as exc:  # beat would refuse it: show why, keep the others
+        return Entry(name, None, source, f"{type(exc).__name__}: {exc}")
+
+
+def beat_entries(app: Any, config: ExactOnceConfig) -> list[Entry]:
+    """Every entry beat would run for ``app``, beat's own last.
+
+    With ``beat_scheduler = "exactonce-django"``: each enabled ``PeriodicTask``
+    row (a row beat refuses shows its error), and the ``beat_schedule``
+    entries no row holds.
+    """
+    settings = dict(app.conf.beat_schedule or {})
+    found: list[Entry] = []
+    if uses_django_rows(app):
+        from celery_exactonce.contrib import periodic_tasks
+
+        for row in periodic_tasks.enabled_rows():
+            try:
+                fields = periodic_tasks.entry_of(row)
+            except exceptions.ConfigurationError as exc:
+                found.append(Entry(row.name, None, "row", str(exc)))
+                continue
+            found.append(_entry(app, row.name, fields, "row"))
+            settings.pop(row.name, None)
+    found.extend(_entry(app, name, fields, "settings") for name, fields in settings.items())
+    found.extend(_entry(app, n, f, "beat") for n, f in internal_entries(config).items())
+    return found
+
+
+def last_occurrence(store: StateStore, entry: str, fire: datetime | None) -> Job | None:
+    """The job of ``entry``'s slot at ``fire`` (its watermark), if it is still kept."""
+    if fire is None:
+        return None
+    return store.get(JobRef.occurrence(occurrence_id(store.namespace, entry, fire)))

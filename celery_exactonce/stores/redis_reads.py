@@ -1,0 +1,96 @@
+"""The Redis store's reads for people: jobs per state, filtered listings, a lease's holder.
+
+:class:`RedisReads` is the part of :class:`~celery_exactonce.stores.redis.RedisStore`
+that answers the CLI's questions, none of them on a hot path:
+
+* **counts**: ``ZCARD`` of every state index, in one ``MULTI`` (one instant);
+* **a filtered listing**: the state's index walked page by page with the
+  ``list_stale`` script, the task and the entry matched here on the records
+  read (the index knows neither), until a page is full or the index ends;
+* **a lease**: its token and ``PTTL`` with the server's ``TIME``, in one ``MULTI``.
+
+Not here: the operations themselves (:mod:`~celery_exactonce.stores.redis`),
+the key layout (:mod:`~celery_exactonce.stores.redis_keys`).
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Protocol
+
+from celery_exactonce import times
+from celery_exactonce.jobs import Job
+from celery_exactonce.refs import JobRef
+from celery_exactonce.states import State
+from celery_exactonce.stores.redis_codec import as_text
+from celery_exactonce.stores.redis_core import RedisCore
+
+#: Records read per ``list_stale`` call while a filtered listing looks for matches.
+FILTER_PAGE = 500
+
+
+class Lister(Protocol):
+    """``list_stale`` as the store defines it."""
+
+    def __call__(
+        self,
+        state: State,
+        older_than: float,
+        limit: int,
+        *,
+        after: tuple[datetime, JobRef] | None = None,
+    ) -> list[Job]: ...
+
+
+class RedisReads(RedisCore):
+    """Counts per state, filtered listings and lease holders, read for the CLI."""
+
+    def _count_jobs(self) -> dict[State, int]:
+        with self._wrap("count_jobs"):
+            pipe = self._client.pipeline(transaction=True)
+            for key in self._index_keys:
+                pipe.zcard(key)
+            counts = pipe.execute()
+        return {state: int(count) for state, count in zip(State, counts, strict=True)}
+
+    def _lease(self, name: str) -> tuple[str, datetime] | None:
+        key = self._key("lease", name)
+        with self._wrap("lease"):
+            pipe = self._client.pipeline(transaction=True)
+            pipe.time()
+            pipe.get(key)
+            pipe.pttl(key)
+            (seconds, micros), token, ttl = pipe.execute()
+        if token is None or int(ttl) <= 0:  # absent, or (-1) no expiry: never written so
+            return None
+        now = int(seconds) * 1_000_000 + int(micros)
+        return as_text(token), times.from_micros(now + int(ttl) * 1000)
+
+
+def filtered(
+    list_stale: Lister,
+    state: State,
+    limit: int,
+    after: tuple[datetime, JobRef] | None,
+    older_than: float,
+    task: str | None,
+    entry: str | None,
+) -> list[Job]:
+    """Up to ``limit`` jobs of ``list_stale``'s order that match ``task`` and ``entry``.
+
+    Pages of :data:`FILTER_PAGE` records from ``after`` on, until ``limit``
+    matched or a short page (the end of the index).
+    """
+    found: list[Job] = []
+    cursor = after
+    while len(found) < limit:
+        page = list_stale(state, older_than, FILTER_PAGE, after=cursor)
+        found.extend(
+            job
+            for job in page
+            if (task is None or job.task == task) and (entry is None or job.entry == entry)
+        )
+        if len(page) < FILTER_PAGE:
+            break
+        cursor = (page[-1].touched_at, page[-1].ref)
+    return found[:limit]

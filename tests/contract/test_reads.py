@@ -1,0 +1,110 @@
+"""The reads for people (the CLI): jobs per state, filtered listings, a lease's holder."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+
+import pytest
+
+from celery_exactonce.states import State
+from celery_exactonce.stores import redis_reads
+from celery_exactonce.stores.base import FORMAT_VERSION, StateStore
+from tests.support.backends import Factory
+from tests.support.helpers import occurrence, poll, task_job, to, wait_store_past
+
+UTC = timezone.utc
+
+
+def test_count_jobs_counts_every_state_of_the_namespace(store_factory: Factory) -> None:
+    store = store_factory()
+    assert store.count_jobs() == dict.fromkeys(State, 0)
+    for job_id in ("a", "b", "c"):
+        store.create(task_job(job_id))
+    store.create(task_job("p", state=State.PENDING, run_at=store.now()))
+    store.transition(task_job("a").ref, to(State.DISPATCHED, State.SCHEDULED))
+    store.transition(task_job("b").ref, to(State.CANCELLED, State.SCHEDULED))
+    other = store_factory(namespace=f"{store.namespace}-x")
+    other.create(task_job("theirs"))
+    counts = store.count_jobs()
+    assert set(counts) == set(State)
+    assert {state: n for state, n in counts.items() if n} == {
+        State.SCHEDULED: 1,
+        State.DISPATCHED: 1,
+        State.CANCELLED: 1,
+        State.PENDING: 1,
+    }
+    assert other.count_jobs()[State.SCHEDULED] == 1
+
+
+@pytest.fixture
+def small_pages(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Filtered listings that read few records a page (Redis), so paging is exercised."""
+    monkeypatch.setattr(redis_reads, "FILTER_PAGE", 2)
+
+
+@pytest.mark.usefixtures("small_pages")
+def test_list_jobs_filters_by_task_and_entry_and_pages_on(store: StateStore) -> None:
+    made = []
+    fire = datetime(2026, 5, 1, 3, tzinfo=UTC)
+    for i in range(7):
+        new = (
+            occurrence("nightly", fire + timedelta(minutes=i), task="tasks.bill")
+            if i % 2
+            else task_job(f"j{i}", task="tasks.add" if i % 3 else "tasks.bill")
+        )
+        result = store.create(new)
+        assert result.job is not None
+        made.append(result.job)
+        wait_store_past(store, result.job.touched_at)  # distinct touch times: a fixed order
+    every = store.list_jobs(State.SCHEDULED, 100)
+    assert [job.ref for job in every] == [job.ref for job in made]
+    bills = [job.ref for job in made if job.task == "tasks.bill"]
+    assert [job.ref for job in store.list_jobs(State.SCHEDULED, 100, task="tasks.bill")] == bills
+    nightly = [job.ref for job in made if job.entry == "nightly"]
+    assert [job.ref for job in store.list_jobs(State.SCHEDULED, 100, entry="nightly")] == nightly
+    assert store.list_jobs(State.SCHEDULED, 100, task="tasks.add", entry="nightly") == []
+    assert store.list_jobs(State.SCHEDULED, 100, task="nope") == []
+    assert store.list_jobs(State.RUNNING, 100) == []
+    assert store.list_jobs(State.SCHEDULED, 0, task="tasks.bill") == []
+    # Pages of 2 from the last job of the previous page: each match once, in order.
+    pages, cursor = [], None
+    while True:
+        page = store.list_jobs(State.SCHEDULED, 2, after=cursor, task="tasks.bill")
+        pages.append([job.ref for job in page])
+        if len(page) < 2:
+            break
+        cursor = (page[-1].touched_at, page[-1].ref)
+    assert [ref for page in pages for ref in page] == bills
+    assert all(len(page) == 2 for page in pages[:-1])
+
+
+def test_list_jobs_by_age(store: StateStore) -> None:
+    old = store.create(task_job("old")).job
+    assert old is not None
+    wait_store_past(store, old.touched_at + timedelta(seconds=0.3))
+    store.create(task_job("new"))
+    aged = store.list_jobs(State.SCHEDULED, 10, older_than=0.3)
+    assert [job.ref for job in aged] == [old.ref]
+    assert len(store.list_jobs(State.SCHEDULED, 10)) == 2
+
+
+def test_lease_names_its_holder_until_released_or_expired(store: StateStore) -> None:
+    assert store.lease("recon") is None
+    before = store.now()
+    assert store.acquire_lease("recon", "holder-1", 30)
+    held = store.lease("recon")
+    assert held is not None
+    token, until = held
+    assert token == "holder-1"
+    assert before + timedelta(seconds=29) <= until <= store.now() + timedelta(seconds=30)
+    assert store.lease("other") is None
+    assert store.release_lease("recon", "holder-1")
+    assert store.lease("recon") is None
+    assert store.acquire_lease("recon", "holder-2", 0.2)
+    poll(lambda: store.lease("recon") is None, timeout=5)
+
+
+def test_schema_version_reads_what_setup_wrote(store: StateStore) -> None:
+    assert store.schema_version() == FORMAT_VERSION
+    store.setup()  # idempotent
+    assert store.schema_version() == FORMAT_VERSION
