@@ -34,7 +34,7 @@ from celery_exactonce import exceptions, times
 from celery_exactonce.jobs import CreateResult, Job, SkippedSlots, TransitionResult
 from celery_exactonce.refs import JobRef
 from celery_exactonce.states import State
-from celery_exactonce.stores.base import StateStore
+from celery_exactonce.stores.base import DueBacklog, StateStore
 from celery_exactonce.writes import NewJob, Transition
 
 #: Prefix of every signature this version writes (the scheme, should it change).
@@ -223,6 +223,12 @@ class SigningStore:
 
     def skipped(self, limit: int = 100) -> list[SkippedSlots]:
         return self.inner.skipped(limit)
+
+    def count_by_state(self) -> dict[State, int]:
+        return self.inner.count_by_state()
+
+    def due_backlog(self) -> DueBacklog:
+        return self.inner.due_backlog()
 
     def list_stale(
         self,

@@ -29,7 +29,7 @@ from celery_exactonce.jobs import (
 )
 from celery_exactonce.refs import JobRef
 from celery_exactonce.states import TERMINAL, State
-from celery_exactonce.stores.base import SKIPPED_KEPT
+from celery_exactonce.stores.base import SKIPPED_KEPT, DueBacklog
 from celery_exactonce.writes import Lease, NewJob, Transition
 
 
@@ -195,6 +195,22 @@ class InMemoryStore:
             cutoff = self.now() - timedelta(seconds=self._retention)
             kept = [r for r in reversed(self._skipped) if r.at is not None and r.at >= cutoff]
             return kept[: max(0, limit)]
+
+    def count_by_state(self) -> dict[State, int]:
+        with self._lock:
+            self._check_open()
+            return {state: len(refs_) for state, refs_ in self._by_state.items()}
+
+    def due_backlog(self) -> DueBacklog:
+        with self._lock:
+            self._check_open()
+            now = self.now()
+            due = [
+                run_at
+                for ref in self._by_state[State.PENDING]
+                if (run_at := self._jobs[ref].run_at) is not None and run_at <= now
+            ]
+            return DueBacklog(len(due), min(due, default=None), now)
 
     def list_stale(
         self,

@@ -39,7 +39,7 @@ made of, one module each:
 * :mod:`~celery_exactonce.stores.sql_transitions`: transitions and notes;
 * :mod:`~celery_exactonce.stores.sql_leases`: leases;
 * :mod:`~celery_exactonce.stores.sql_scans`: watermarks, stale jobs, claims of
-  due jobs, purges of expired ones.
+  due jobs, purges of expired ones, counts for gauges.
 
 Beside them: :mod:`~celery_exactonce.stores.sql_engine` (what differs per
 dialect, the engine :meth:`SqlStore.from_url` builds, its pool checks),
@@ -66,6 +66,7 @@ from celery_exactonce.jobs import CreateResult, Job, SkippedSlots, TransitionRes
 from celery_exactonce.refs import JobRef
 from celery_exactonce.states import State
 from celery_exactonce.stores import sql_engine, sql_schema
+from celery_exactonce.stores.base import DueBacklog
 from celery_exactonce.stores.sql_core import Slow
 from celery_exactonce.stores.sql_creates import SqlCreates
 from celery_exactonce.stores.sql_leases import SqlLeases
@@ -265,6 +266,12 @@ class SqlStore(SqlCreates, SqlTransitions, SqlScans, SqlLeases):
     def skipped(self, limit: int = 100) -> list[SkippedSlots]:
         op = self._skipped_op(limit)
         return self._run("skipped", op, write=False) if limit > 0 else self._empty([])
+
+    def count_by_state(self) -> dict[State, int]:
+        return self._run("count_by_state", self._count_by_state_op(), write=False)
+
+    def due_backlog(self) -> DueBacklog:
+        return self._run("due_backlog", self._due_backlog_op(), write=False)
 
     def list_stale(
         self,
