@@ -58,6 +58,7 @@ from celery import beat
 from celery_exactonce import entries, exceptions, metrics, planner, reconcile_task, slots, startup
 from celery_exactonce.claimer import Claimer, fail_closed
 from celery_exactonce.entries import ENTRY_OPTIONS, INTERNAL_OPTION, EntryPolicy
+from celery_exactonce.gauges import BeatGauges
 from celery_exactonce.planner import Plan
 from celery_exactonce.policy import task_policy
 from celery_exactonce.reconcile_task import RECONCILE_TASK, BeatRunner
@@ -107,6 +108,10 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
         except exceptions.ConfigurationError as exc:  # a bad entry: refused as a bad setting is
             startup.refuse("beat", exc)
         self._install_sigterm()
+        self._gauges = BeatGauges(self._runtime.node)
+        # Not for the lazy instance `celery beat` builds only to print its banner.
+        lazy = kwargs.get("lazy", False)
+        self._metrics = None if lazy else startup.serve_beat_metrics(self._runtime, self._gauges)
 
     # -- celery.beat.Scheduler interface ---------------------------------------------
 
@@ -253,6 +258,7 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
             return self._tick()
         finally:
             self._in_tick = False
+            self._gauges.ticked()
             if self._stop_requested:
                 metrics.event(
                     "beat_stopping",
@@ -357,6 +363,12 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
 
     def sync(self) -> None:
         """Nothing to persist locally: the store holds every claim and watermark."""
+
+    def close(self) -> None:
+        """Celery's ``Scheduler.close``; stops the ``/metrics`` endpoint too."""
+        if self._metrics is not None:
+            self._metrics.close()
+        super().close()
 
     # -- internals -----------------------------------------------------------------------
 
