@@ -90,6 +90,13 @@ class ExactOnceConfig:
     """SQL table name prefix."""
     node_id: str | None = None
     """This node's name in job histories; defaults to ``hostname:pid``."""
+    metrics_port: int | None = None
+    """The port beat serves Prometheus ``/metrics`` on (the ``prometheus`` extra); unset: none."""
+    worker_metrics_port: int | None = None
+    """The port a worker's main process serves Prometheus ``/metrics`` on (a prefork pool
+    needs ``PROMETHEUS_MULTIPROC_DIR``); unset: none."""
+    metrics_addr: str = ""
+    """The address those endpoints listen on (``""``: every interface)."""
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -140,6 +147,10 @@ class ExactOnceConfig:
                     f"must be 1-{refs.MAX_NAME_LENGTH} characters, none of them a control "
                     f"character ({exc})",
                 ) from None
+        for name in ("metrics_port", "worker_metrics_port"):
+            port = getattr(self, name)
+            if port is not None and not 1 <= port <= 65535:
+                raise _error(name, f"must be a TCP port (1-65535) or None, got {port!r}")
         self._check_consistency()
 
     def _check_consistency(self) -> None:

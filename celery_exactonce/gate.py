@@ -287,20 +287,29 @@ class Delivery:
                 error = result.error
                 time.sleep(delay)
                 continue
-            if not result.applied:
-                # The run no longer owns the job (the reconciler timed it out, a
-                # revoke cancelled it): the outcome is late and changes nothing,
-                # but the record says it (a note, never a change of state).
-                current = result.job.state if result.job else "no record"
+            if result.applied:
                 metrics.event(
-                    "late_outcome",
-                    f"late outcome {state} of {ref} ignored: the job is {current}",
-                    level=logging.WARNING,
-                    job_id=ref.id,
-                    state=str(state),
+                    "completed",
+                    "job %s ended %s",
+                    ref,
+                    state,
+                    level=logging.DEBUG,
+                    labels={"state": state.value},
                 )
-                if result.job is not None:
-                    self._note_late(state, reason)
+                return
+            # The run no longer owns the job (the reconciler timed it out, a
+            # revoke cancelled it): the outcome is late and changes nothing,
+            # but the record says it (a note, never a change of state).
+            current = result.job.state if result.job else "no record"
+            metrics.event(
+                "late_outcome",
+                f"late outcome {state} of {ref} ignored: the job is {current}",
+                level=logging.WARNING,
+                job_id=ref.id,
+                state=str(state),
+            )
+            if result.job is not None:
+                self._note_late(state, reason)
             return
         metrics.event(
             "completion_write_failed",

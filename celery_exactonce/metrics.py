@@ -12,7 +12,10 @@ one record, both counters.
 
 Counters are per process (:data:`COUNTERS`); when ``prometheus-client`` is
 installed they are mirrored into a Prometheus counter
-``exactonce_events_total{action=…, …}``.
+``exactonce_events_total{action=…, …}``, and the end of each reconcile pass
+this process runs into the gauge
+``exactonce_reconcile_last_pass_timestamp_seconds``. Beat's other gauges and
+its ``/metrics`` endpoint are :mod:`celery_exactonce.prometheus`'s.
 
 A Sentry event is tagged ``exactonce.action`` and ``exactonce.<name>`` for each
 label and field (``task``, ``key``: the beat entry, ``state``, ``job_id``...).
@@ -193,29 +196,66 @@ def report_to_sentry(
     return True
 
 
+#: Wall time (``time.time()``) the last reconcile pass this process ran ended.
+_last_pass: float | None = None
+
+
+def reconcile_pass_finished() -> None:
+    """A reconcile pass this process ran ended: remember when (and set the gauge)."""
+    global _last_pass  # noqa: PLW0603  (one value per process)
+    _last_pass = time.time()
+    ensure_prometheus()
+    if _prometheus_last_pass is not None:
+        _prometheus_last_pass.set(_last_pass)
+
+
+def last_reconcile_pass() -> float | None:
+    """Wall time the last reconcile pass this process ran ended; ``None``: none yet."""
+    return _last_pass
+
+
 _prometheus_lock = threading.Lock()
 _prometheus_counter: Any = None
+_prometheus_last_pass: Any = None
 _prometheus_checked = False
 #: The counter's child per label values, remembered (label values are bounded).
 _prometheus_children: dict[tuple[str, ...], Any] = {}
 
 
-def _prometheus_incr(action: str, labels: dict[str, str], amount: int) -> None:
-    global _prometheus_counter, _prometheus_checked  # noqa: PLW0603  (one lazy metric per process)
-    if not _prometheus_checked:
-        with _prometheus_lock:
-            if not _prometheus_checked:
-                try:
-                    import prometheus_client
+def ensure_prometheus() -> None:
+    """Make this process's Prometheus metrics once, if ``prometheus-client`` is installed.
 
-                    _prometheus_counter = prometheus_client.Counter(
-                        "exactonce_events",
-                        "celery-exactonce events by action",
-                        ["action", *LABELS],
-                    )
-                except (ImportError, ValueError):
-                    _prometheus_counter = None
-                _prometheus_checked = True
+    They live in its default registry, so a ``/metrics`` endpoint of the host
+    (or beat's, ``exactonce_metrics_port``) shows them; under
+    ``PROMETHEUS_MULTIPROC_DIR`` each process writes its own file, summed
+    (the counter) or maxed (the last pass) by the one that serves them.
+    """
+    global _prometheus_counter, _prometheus_last_pass, _prometheus_checked  # noqa: PLW0603
+    if _prometheus_checked:
+        return
+    with _prometheus_lock:
+        if _prometheus_checked:
+            return
+        try:
+            import prometheus_client
+
+            _prometheus_counter = prometheus_client.Counter(
+                "exactonce_events",
+                "celery-exactonce events by action",
+                ["action", *LABELS],
+            )
+            _prometheus_last_pass = prometheus_client.Gauge(
+                "exactonce_reconcile_last_pass_timestamp_seconds",
+                "When the last reconcile pass this process ran ended (UNIX time)",
+                multiprocess_mode="max",
+            )
+        except (ImportError, ValueError):
+            _prometheus_counter = _prometheus_last_pass = None
+        _prometheus_checked = True
+
+
+def _prometheus_incr(action: str, labels: dict[str, str], amount: int) -> None:
+    ensure_prometheus()
     if _prometheus_counter is not None:
         key = (action, *(labels.get(name, "") for name in LABELS))
         child = _prometheus_children.get(key)

@@ -113,3 +113,4 @@ def report_pass(report: PassReport) -> None:
             )
     figures = {k: v for k, v in report.as_dict().items() if v}
     metrics.event("reconcile_pass", f"reconcile pass: {figures}", figures=figures)
+    metrics.reconcile_pass_finished()

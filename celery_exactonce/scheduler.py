@@ -68,6 +68,7 @@ from celery_exactonce import (
 from celery_exactonce.claimer import Claimer, fail_closed
 from celery_exactonce.config import ExactOnceConfig
 from celery_exactonce.entries import ENTRY_OPTIONS, INTERNAL_OPTION, EntryPolicy
+from celery_exactonce.gauges import BeatGauges
 from celery_exactonce.planner import Plan
 from celery_exactonce.policy import task_policy
 from celery_exactonce.reconcile_task import RECONCILE_TASK, BeatRunner
@@ -144,6 +145,10 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
         except exceptions.ConfigurationError as exc:  # a bad entry: refused as a bad setting is
             startup.refuse("beat", exc)
         self._install_sigterm()
+        self._gauges = BeatGauges(self._runtime.node)
+        # Not for the lazy instance `celery beat` builds only to print its banner.
+        lazy = kwargs.get("lazy", False)
+        self._metrics = None if lazy else startup.serve_beat_metrics(self._runtime, self._gauges)
 
     # -- celery.beat.Scheduler interface ---------------------------------------------
 
@@ -252,6 +257,7 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
             return self._tick()
         finally:
             self._in_tick = False
+            self._gauges.ticked()
             if self._stop_requested:
                 metrics.event(
                     "beat_stopping",
@@ -359,6 +365,12 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
 
     def sync(self) -> None:
         """Nothing to persist locally: the store holds every claim and watermark."""
+
+    def close(self) -> None:
+        """Celery's ``Scheduler.close``; stops the ``/metrics`` endpoint too."""
+        if self._metrics is not None:
+            self._metrics.close()
+        super().close()
 
     # -- internals -----------------------------------------------------------------------
 

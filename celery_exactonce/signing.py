@@ -34,7 +34,7 @@ from celery_exactonce import exceptions, times
 from celery_exactonce.jobs import CreateResult, Job, SkippedSlots, TransitionResult
 from celery_exactonce.refs import JobRef
 from celery_exactonce.states import State
-from celery_exactonce.stores.base import StateStore
+from celery_exactonce.stores.base import DueBacklog, StateStore
 from celery_exactonce.writes import NewJob, Transition
 
 #: Prefix of every signature this version writes (the scheme, should it change).
@@ -227,6 +227,12 @@ class SigningStore:
     def skipped(self, limit: int = 100) -> list[SkippedSlots]:
         return self.inner.skipped(limit)
 
+    def count_by_state(self) -> dict[State, int]:
+        return self.inner.count_by_state()
+
+    def due_backlog(self) -> DueBacklog:
+        return self.inner.due_backlog()
+
     def list_stale(
         self,
         state: State,
@@ -250,9 +256,6 @@ class SigningStore:
         return self.inner.list_jobs(
             state, limit, after=after, older_than=older_than, task=task, entry=entry
         )
-
-    def count_jobs(self) -> dict[State, int]:
-        return self.inner.count_jobs()
 
     def claim_due(self, limit: int, *, node: str, reason: str = "claimed") -> list[Job]:
         return self.inner.claim_due(limit, node=node, reason=reason)

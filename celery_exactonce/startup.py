@@ -16,6 +16,10 @@ exit status 1 (:class:`StartupRefused`), the traceback at debug level only.
   ``SystemExit``, which Celery lets through.
 * Beat runs :func:`check_beat` as :class:`~celery_exactonce.scheduler.ExactOnceScheduler`
   is built (:func:`start_beat`), before its first tick.
+* The Prometheus endpoints start here too, refused the same way when they
+  cannot (a port taken, the ``prometheus`` extra missing): beat's
+  (:func:`serve_beat_metrics`) and a worker's main process's
+  (:func:`serve_worker_metrics`, after :func:`check_worker`).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from typing import Any, NoReturn
 
 from celery import signals
 
-from celery_exactonce import config, exceptions, metrics, reconcile_task, runtime
+from celery_exactonce import config, exceptions, gauges, metrics, reconcile_task, runtime
 from celery_exactonce.gate import validate_gated_task
 from celery_exactonce.task import ExactOnceTask
 
@@ -213,12 +217,65 @@ def start_beat(app: Any) -> runtime.Runtime:
         refuse("beat", exc)
 
 
+def _prometheus(setting: str) -> Any:
+    """:mod:`celery_exactonce.prometheus`, or a refusal naming ``setting`` without the extra."""
+    try:
+        from celery_exactonce import prometheus
+    except ImportError as exc:
+        raise exceptions.ConfigurationError(
+            f"{setting} is set but prometheus-client is not installed: "
+            "pip install 'celery-exactonce[prometheus]'",
+            setting=setting,
+        ) from exc
+    return prometheus
+
+
+def serve_beat_metrics(rt: runtime.Runtime, beat: gauges.BeatGauges) -> Any:
+    """Beat's ``/metrics`` on ``exactonce_metrics_port`` (``None``: unset); refuses on failure."""
+    settings = rt.config
+    if settings.metrics_port is None:
+        return None
+    try:
+        return _prometheus("exactonce_metrics_port").serve_beat(
+            rt.store,
+            beat,
+            port=settings.metrics_port,
+            addr=settings.metrics_addr,
+            reconcile_here=settings.reconcile_on == "beat",
+        )
+    except Exception as exc:  # a taken port, no extra: beat must not start blind
+        refuse("beat", exc)
+
+
+def serve_worker_metrics(worker: Any) -> Any:
+    """A worker's ``/metrics`` on ``exactonce_worker_metrics_port`` (``None`` when unset)."""
+    app = worker.app
+    if not config.settings_of(app).get("exactonce_worker_metrics_port"):
+        return None
+    settings = runtime.config_for(app)
+    from celery.concurrency import get_implementation
+    from celery.concurrency.prefork import TaskPool
+
+    pool = get_implementation(worker.pool_cls)
+    prefork = isinstance(pool, type) and issubclass(pool, TaskPool)
+    server = _prometheus("exactonce_worker_metrics_port").serve_worker(
+        port=settings.worker_metrics_port, addr=settings.metrics_addr, prefork=prefork
+    )
+    _worker_servers.append(server)
+    return server
+
+
+#: The worker metrics endpoints this process serves (kept alive with it).
+_worker_servers: list[Any] = []
+
+
 def _on_worker_init(sender: Any = None, **_kw: Any) -> None:
     app = getattr(sender, "app", None)
     if app is None:
         return
     try:
         check_worker(app)
+        serve_worker_metrics(sender)
     except Exception as exc:  # Celery would swallow it: the worker must not start
         refuse("worker", exc)
 

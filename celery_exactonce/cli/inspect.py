@@ -81,7 +81,7 @@ def status_data(s: base.Session) -> dict[str, Any]:
         "store": redact_url(s.config.store_url),
         "namespace": s.config.namespace,
         "store_time": base.iso(now),
-        "jobs": {state.value: n for state, n in s.store.count_jobs().items()},
+        "jobs": {state.value: n for state, n in s.store.count_by_state().items()},
         "oldest": _oldest(s.store, now),
         "entries": entries,
         "skipped": [

@@ -22,6 +22,7 @@ Conventions shared by every operation:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from datetime import datetime
 from typing import Protocol, runtime_checkable
@@ -37,6 +38,27 @@ FORMAT_VERSION = 1
 
 #: The most records of skipped slots a namespace keeps (:meth:`StateStore.note_skipped`).
 SKIPPED_KEPT = 1000
+
+
+@dataclasses.dataclass(frozen=True)
+class DueBacklog:
+    """Delayed jobs due and not yet claimed (:meth:`StateStore.due_backlog`).
+
+    ``count`` ``PENDING`` jobs whose ``run_at`` is at or before ``now`` (the
+    store's time they were counted at); ``oldest`` is the earliest of their
+    ``run_at`` (``None`` when there is none).
+    """
+
+    count: int
+    oldest: datetime | None
+    now: datetime
+
+    @property
+    def oldest_age(self) -> float:
+        """Seconds the oldest due job has waited past its ``run_at`` (store time); 0 when none."""
+        if self.oldest is None:
+            return 0.0
+        return max(0.0, (self.now - self.oldest).total_seconds())
 
 
 @runtime_checkable
@@ -191,6 +213,22 @@ class StateStore(Protocol):
         """The newest records of :meth:`note_skipped`, newest first, at most ``limit``."""
         ...
 
+    def count_by_state(self) -> dict[State, int]:
+        """How many records of this namespace are in each state (every state, zeros too).
+
+        For gauges and people, not the protocol: one round trip, counted in
+        one snapshot, served by the state indexes (SQL: an index-only count).
+        """
+        ...
+
+    def due_backlog(self) -> DueBacklog:
+        """The ``PENDING`` jobs whose ``run_at`` has come (store time): how many, the oldest.
+
+        For gauges and people, not the protocol: served by the due index
+        (``(state, run_at)``), so the cost follows the due jobs, not all jobs.
+        """
+        ...
+
     def list_stale(
         self,
         state: State,
@@ -233,14 +271,6 @@ class StateStore(Protocol):
         the end was reached. A store may filter on the task and the entry
         after reading the records (the Redis store does): the cost then
         follows the jobs in ``state``, not the matches.
-        """
-        ...
-
-    def count_jobs(self) -> dict[State, int]:
-        """How many jobs of the namespace are in each state (every state, zeros too).
-
-        One read (a few for Redis, in one round trip); the counts of different
-        states need not be of one instant when jobs move meanwhile.
         """
         ...
 

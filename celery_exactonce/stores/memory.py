@@ -29,7 +29,7 @@ from celery_exactonce.jobs import (
 )
 from celery_exactonce.refs import JobRef
 from celery_exactonce.states import TERMINAL, State
-from celery_exactonce.stores.base import FORMAT_VERSION, SKIPPED_KEPT
+from celery_exactonce.stores.base import FORMAT_VERSION, SKIPPED_KEPT, DueBacklog
 from celery_exactonce.writes import Lease, NewJob, Transition
 
 
@@ -200,6 +200,22 @@ class InMemoryStore:
             kept = [r for r in reversed(self._skipped) if r.at is not None and r.at >= cutoff]
             return kept[: max(0, limit)]
 
+    def count_by_state(self) -> dict[State, int]:
+        with self._lock:
+            self._check_open()
+            return {state: len(refs_) for state, refs_ in self._by_state.items()}
+
+    def due_backlog(self) -> DueBacklog:
+        with self._lock:
+            self._check_open()
+            now = self.now()
+            due = [
+                run_at
+                for ref in self._by_state[State.PENDING]
+                if (run_at := self._jobs[ref].run_at) is not None and run_at <= now
+            ]
+            return DueBacklog(len(due), min(due, default=None), now)
+
     def list_stale(
         self,
         state: State,
@@ -240,11 +256,6 @@ class InMemoryStore:
             if (task is None or job.task == task) and (entry is None or job.entry == entry)
         ]
         return found[: max(limit, 0)]
-
-    def count_jobs(self) -> dict[State, int]:
-        with self._lock:
-            self._check_open()
-            return {state: len(members) for state, members in self._by_state.items()}
 
     def claim_due(self, limit: int, *, node: str, reason: str = "claimed") -> list[Job]:
         with self._lock:

@@ -51,7 +51,7 @@ from celery_exactonce.jobs import CreateResult, Job, SkippedSlots, TransitionRes
 from celery_exactonce.refs import JobRef
 from celery_exactonce.states import State
 from celery_exactonce.stores import redact_url, url_secrets
-from celery_exactonce.stores.base import FORMAT_VERSION, SKIPPED_KEPT
+from celery_exactonce.stores.base import FORMAT_VERSION, SKIPPED_KEPT, DueBacklog
 from celery_exactonce.stores.redis_client import (
     client_from_url,
     maxmemory_policy,
@@ -62,6 +62,7 @@ from celery_exactonce.stores.redis_codec import (
     create_args,
     create_result,
     decode_job,
+    due_backlog_result,
     lease_ms,
     opt,
     transition_args,
@@ -363,6 +364,15 @@ class RedisStore(RedisReads, RedisEnqueue):
 
     # -- queries and sweeps --------------------------------------------------------------
 
+    def count_by_state(self) -> dict[State, int]:
+        with self._wrap("count_by_state"):
+            counts = self._run("count_states", self._state_keys(), [])
+        return {state: int(n) for state, n in zip(State, counts, strict=True)}
+
+    def due_backlog(self) -> DueBacklog:
+        with self._wrap("due_backlog"):
+            return due_backlog_result(self._run("due_backlog", [self._due_key], []))
+
     def list_stale(
         self,
         state: State,
@@ -398,9 +408,6 @@ class RedisStore(RedisReads, RedisEnqueue):
         if task is None and entry is None:
             return self.list_stale(state, older_than, limit, after=after)
         return filtered(self.list_stale, State(state), limit, after, older_than, task, entry)
-
-    def count_jobs(self) -> dict[State, int]:
-        return self._count_jobs()
 
     def claim_due(self, limit: int, *, node: str, reason: str = "claimed") -> list[Job]:
         refs.validate_identifier(node, "node id", refs.MAX_NAME_LENGTH)

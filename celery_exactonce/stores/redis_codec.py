@@ -13,7 +13,8 @@ are absent from the hash. Here:
   (:func:`history_entry`), a lease ttl in milliseconds (:func:`lease_ms`);
 * **replies**: a record from its ``HGETALL`` reply (:func:`decode_job`), the
   ``create`` and ``transition`` scripts' answers (:func:`create_result`,
-  :func:`transition_result`), a reply as text (:func:`as_text`, either
+  :func:`transition_result`), the ``due_backlog`` script's
+  (:func:`due_backlog_result`), a reply as text (:func:`as_text`, either
   ``decode_responses``).
 
 Not here: the keys each call passes (:mod:`~celery_exactonce.stores.redis_keys`
@@ -39,11 +40,23 @@ from celery_exactonce.jobs import (
     TransitionStatus,
 )
 from celery_exactonce.refs import JobRef
+from celery_exactonce.stores.base import DueBacklog
 from celery_exactonce.writes import NewJob, Transition
 
 
 def as_text(value: Any) -> str:
     return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+
+
+def due_backlog_result(reply: Sequence[Any]) -> DueBacklog:
+    """The ``due_backlog`` script's reply: the count, the oldest ``run_at`` (or ''), store time."""
+    count, oldest, now = reply
+    first = as_text(oldest)
+    return DueBacklog(
+        int(count),
+        times.from_micros(int(first)) if first else None,
+        times.from_micros(int(as_text(now))),
+    )
 
 
 def opt(value: object | None) -> str:

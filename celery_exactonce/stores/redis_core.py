@@ -76,6 +76,8 @@ _SCRIPTS = (
     "lease_release",
     "setup",
     "enqueue",
+    "count_states",
+    "due_backlog",
 )
 
 

@@ -43,15 +43,7 @@ class Lister(Protocol):
 
 
 class RedisReads(RedisCore):
-    """Counts per state, filtered listings and lease holders, read for the CLI."""
-
-    def _count_jobs(self) -> dict[State, int]:
-        with self._wrap("count_jobs"):
-            pipe = self._client.pipeline(transaction=True)
-            for key in self._index_keys:
-                pipe.zcard(key)
-            counts = pipe.execute()
-        return {state: int(count) for state, count in zip(State, counts, strict=True)}
+    """Filtered listings and lease holders, read for the CLI."""
 
     def _lease(self, name: str) -> tuple[str, datetime] | None:
         key = self._key("lease", name)

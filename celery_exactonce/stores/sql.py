@@ -39,7 +39,7 @@ made of, one module each:
 * :mod:`~celery_exactonce.stores.sql_transitions`: transitions and notes;
 * :mod:`~celery_exactonce.stores.sql_leases`: leases;
 * :mod:`~celery_exactonce.stores.sql_scans`: watermarks, stale jobs, claims of
-  due jobs, purges of expired ones.
+  due jobs, purges of expired ones, counts for gauges.
 
 Beside them: :mod:`~celery_exactonce.stores.sql_engine` (what differs per
 dialect, the engine :meth:`SqlStore.from_url` builds, its pool checks),
@@ -66,6 +66,7 @@ from celery_exactonce.jobs import CreateResult, Job, SkippedSlots, TransitionRes
 from celery_exactonce.refs import JobRef
 from celery_exactonce.states import State
 from celery_exactonce.stores import sql_engine, sql_schema
+from celery_exactonce.stores.base import DueBacklog
 from celery_exactonce.stores.sql_core import Slow
 from celery_exactonce.stores.sql_creates import SqlCreates
 from celery_exactonce.stores.sql_leases import SqlLeases
@@ -272,6 +273,12 @@ class SqlStore(SqlCreates, SqlTransitions, SqlScans, SqlLeases):
         op = self._skipped_op(limit)
         return self._run("skipped", op, write=False) if limit > 0 else self._empty([])
 
+    def count_by_state(self) -> dict[State, int]:
+        return self._run("count_by_state", self._count_by_state_op(), write=False)
+
+    def due_backlog(self) -> DueBacklog:
+        return self._run("due_backlog", self._due_backlog_op(), write=False)
+
     def list_stale(
         self,
         state: State,
@@ -295,9 +302,6 @@ class SqlStore(SqlCreates, SqlTransitions, SqlScans, SqlLeases):
     ) -> list[Job]:
         op = self._list_stale_op(state, older_than, limit, after, task=task, entry=entry)
         return self._run("list_jobs", op, write=False) if limit > 0 else self._empty([])
-
-    def count_jobs(self) -> dict[State, int]:
-        return self._run("count_jobs", self._count_jobs_op(), write=False)
 
     def claim_due(self, limit: int, *, node: str, reason: str = "claimed") -> list[Job]:
         op = self._claim_due_op(limit, node, reason)

@@ -14,7 +14,9 @@ that builds, inside its transaction, each operation over many rows:
   to ``SCHEDULED`` in the same transaction (``SKIP LOCKED``: concurrent
   claimers take different rows);
 * **expired jobs, purged**: records past their ``expires_at``, deleted
-  (``SKIP LOCKED`` too).
+  (``SKIP LOCKED`` too);
+* **counts**: the records per state and the due backlog, read for gauges
+  from the ``(namespace, state, …)`` indexes.
 
 Each ``_…_op`` method checks its arguments and returns the transaction's
 function, as the operation did before running it.
@@ -35,6 +37,7 @@ from celery_exactonce import jobs, times
 from celery_exactonce.jobs import Job, SkippedSlots
 from celery_exactonce.refs import JobRef
 from celery_exactonce.states import State
+from celery_exactonce.stores.base import DueBacklog
 from celery_exactonce.stores.sql_core import SqlCore
 from celery_exactonce.writes import Transition
 
@@ -177,23 +180,6 @@ class SqlScans(SqlCore):
 
         return op
 
-    def _count_jobs_op(self) -> Callable[[sa.Connection], dict[State, int]]:
-        """The transaction of ``count_jobs``: one ``GROUP BY state``."""
-        c = self._t.jobs.c
-
-        def op(conn: sa.Connection) -> dict[State, int]:
-            counts = dict.fromkeys(State, 0)
-            query = (
-                sa.select(c.state, sa.func.count())
-                .where(c.namespace == self._namespace)
-                .group_by(c.state)
-            )
-            for state, count in conn.execute(query):
-                counts[State(state)] = int(count)
-            return counts
-
-        return op
-
     def _claim_due_op(
         self, limit: int, node: str, reason: str
     ) -> Callable[[sa.Connection], list[Job]]:
@@ -257,5 +243,40 @@ class SqlScans(SqlCore):
                 table.delete().where(*expired, sa.tuple_(c.space, c.id).in_(keys))
             )
             return int(result.rowcount)
+
+        return op
+
+    def _count_by_state_op(self) -> Callable[[sa.Connection], dict[State, int]]:
+        """The transaction of ``count_by_state``: one ``GROUP BY`` on the state index."""
+        c = self._t.jobs.c
+
+        def op(conn: sa.Connection) -> dict[State, int]:
+            counts = dict.fromkeys(State, 0)
+            query = (
+                sa.select(c.state, sa.func.count())
+                .where(c.namespace == self._namespace)
+                .group_by(c.state)
+            )
+            for state, n in conn.execute(query):
+                counts[State(state)] = int(n)
+            return counts
+
+        return op
+
+    def _due_backlog_op(self) -> Callable[[sa.Connection], DueBacklog]:
+        """The transaction of ``due_backlog``: a count and a ``min`` on the due index."""
+        c = self._t.jobs.c
+
+        def op(conn: sa.Connection) -> DueBacklog:
+            now = self._now(conn)
+            count, oldest = conn.execute(
+                sa.select(sa.func.count(), sa.func.min(c.run_at)).where(
+                    c.namespace == self._namespace,
+                    c.state == State.PENDING.value,
+                    c.run_at <= now,
+                )
+            ).one()
+            first = None if oldest is None else times.from_micros(int(oldest))
+            return DueBacklog(int(count), first, times.from_micros(now))
 
         return op

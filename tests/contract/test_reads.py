@@ -1,4 +1,4 @@
-"""The reads for people (the CLI): jobs per state, filtered listings, a lease's holder."""
+"""The reads for people (the CLI): filtered listings, a lease's holder (counts: test_counts)."""
 
 from __future__ import annotations
 
@@ -9,31 +9,9 @@ import pytest
 from celery_exactonce.states import State
 from celery_exactonce.stores import redis_reads
 from celery_exactonce.stores.base import FORMAT_VERSION, StateStore
-from tests.support.backends import Factory
-from tests.support.helpers import occurrence, poll, task_job, to, wait_store_past
+from tests.support.helpers import occurrence, poll, task_job, wait_store_past
 
 UTC = timezone.utc
-
-
-def test_count_jobs_counts_every_state_of_the_namespace(store_factory: Factory) -> None:
-    store = store_factory()
-    assert store.count_jobs() == dict.fromkeys(State, 0)
-    for job_id in ("a", "b", "c"):
-        store.create(task_job(job_id))
-    store.create(task_job("p", state=State.PENDING, run_at=store.now()))
-    store.transition(task_job("a").ref, to(State.DISPATCHED, State.SCHEDULED))
-    store.transition(task_job("b").ref, to(State.CANCELLED, State.SCHEDULED))
-    other = store_factory(namespace=f"{store.namespace}-x")
-    other.create(task_job("theirs"))
-    counts = store.count_jobs()
-    assert set(counts) == set(State)
-    assert {state: n for state, n in counts.items() if n} == {
-        State.SCHEDULED: 1,
-        State.DISPATCHED: 1,
-        State.CANCELLED: 1,
-        State.PENDING: 1,
-    }
-    assert other.count_jobs()[State.SCHEDULED] == 1
 
 
 @pytest.fixture

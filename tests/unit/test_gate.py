@@ -345,6 +345,7 @@ def test_a_foreign_message_is_adopted_after_a_create_that_failed(world: World) -
     assert job is not None and job.state is State.SUCCEEDED
     assert job.options.get(GATED_OPTION) is True
     assert metrics.COUNTERS.get("adopted") == 1
+    assert metrics.COUNTERS.get("completed", state="SUCCEEDED") == 1
 
 
 def test_a_foreign_message_whose_adoption_answer_was_lost_runs_once(world: World) -> None:

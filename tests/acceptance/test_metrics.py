@@ -1,0 +1,159 @@
+"""Prometheus: a real beat's ``/metrics`` and a real prefork worker's, scraped twice, moving.
+
+Beat serves on ``exactonce_metrics_port``: its event counters, its last tick and
+the store's counts (``exactonce_jobs{state=…}``). The worker (prefork, two
+children) serves on ``exactonce_worker_metrics_port`` from its main process,
+under ``PROMETHEUS_MULTIPROC_DIR``: the events its children counted (every
+gated run's ``completed``: the main process runs no body, so any count there
+came through the children's files) and the last reconcile pass
+(``exactonce_reconcile_on = "worker"``). Each scrape is polled over HTTP with
+a deadline until the next one shows every value moved.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.acceptance.harness import Deployment, poll
+
+Sample = tuple[str, tuple[tuple[str, str], ...]]
+LABELS = ("phase", "where", "state", "task")
+
+#: Seconds a scrape may take to show what the test waits for (store counts are
+#: read at most every 5 s; a beat or worker needs a few seconds to start).
+DEADLINE = 60.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def scrape(port: int) -> dict[Sample, float] | None:
+    """The samples of ``/metrics`` on ``port``; ``None`` while nothing listens there yet."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+            text = reply.read().decode()
+    except (urllib.error.URLError, ConnectionError):
+        return None
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def event(action: str, **labels: str) -> Sample:
+    """The sample of ``exactonce_events_total`` for ``action`` (unset labels are blank)."""
+    values = {"action": action, **dict.fromkeys(LABELS, ""), **labels}
+    return ("exactonce_events_total", tuple(sorted(values.items())))
+
+
+def jobs(state: str) -> Sample:
+    return ("exactonce_jobs", (("state", state),))
+
+
+def total(samples: dict[Sample, float], name: str) -> float:
+    return sum(value for (sample, _), value in samples.items() if sample == name)
+
+
+def scrape_until(port: int, check: object) -> dict[Sample, float]:
+    """Scrape ``port`` until ``check(samples)`` holds (poll with :data:`DEADLINE`)."""
+
+    def attempt() -> dict[Sample, float] | None:
+        samples = scrape(port)
+        return samples if samples is not None and check(samples) else None  # type: ignore[operator]
+
+    return poll(attempt, timeout=DEADLINE, interval=0.5)
+
+
+@pytest.mark.timeout(170)
+@pytest.mark.acceptance_matrix(brokers=("redis",), stores=("redis",))
+def test_scrapes_of_beat_and_of_a_prefork_worker_show_counters_and_gauges_moving(
+    deployment: Deployment, tmp_path: Path, gate: None
+) -> None:
+    beat_port = free_port()
+    worker_port = poll(lambda: (port := free_port()) != beat_port and port)
+    shared = {"exactonce_reconcile_on": "worker", "exactonce_reconcile_interval": 2}
+    # Given a beat serving /metrics, ticking two gated entries every second
+    beat = deployment.start_beat(
+        every=1,
+        entries=2,
+        extra_env={
+            "EXACTONCE_ACC_EXTRA_CONF": json.dumps(
+                {
+                    **shared,
+                    "exactonce_metrics_port": beat_port,
+                    "exactonce_metrics_addr": "127.0.0.1",
+                }
+            )
+        },
+    )
+    # and a prefork worker serving /metrics in multiprocess mode (its own directory)
+    multiproc = tmp_path / "prometheus-worker"
+    multiproc.mkdir()
+    deployment.extra_env = {
+        "PROMETHEUS_MULTIPROC_DIR": str(multiproc),
+        "EXACTONCE_ACC_EXTRA_CONF": json.dumps(
+            {
+                **shared,
+                "exactonce_worker_metrics_port": worker_port,
+                "exactonce_metrics_addr": "127.0.0.1",
+            }
+        ),
+    }
+    worker = deployment.start_worker(concurrency=2)
+    assert worker.alive()
+
+    # When both are scraped once things run, and again later
+    completed, last_pass = (
+        event("completed", state="SUCCEEDED"),
+        (
+            "exactonce_reconcile_last_pass_timestamp_seconds",
+            (),
+        ),
+    )
+    tick = ("exactonce_beat_last_tick_timestamp_seconds", (("node", beat.node),))
+    first_beat = scrape_until(
+        beat_port,
+        lambda s: (
+            s.get(event("dispatched"), 0) > 0
+            and s.get(("exactonce_store_up", ()), 0) == 1
+            and s.get(jobs("SUCCEEDED"), 0) > 0
+            and tick in s
+        ),
+    )
+    first_worker = scrape_until(
+        worker_port, lambda s: s.get(completed, 0) > 0 and s.get(last_pass, 0) > 0
+    )
+
+    # Then beat's counters and gauges moved: dispatches, its tick, the store's counts
+    second_beat = scrape_until(
+        beat_port,
+        lambda s: (
+            s.get(event("dispatched"), 0) > first_beat[event("dispatched")]
+            and s.get(tick, 0) > first_beat[tick]
+            and s.get(jobs("SUCCEEDED"), 0) > first_beat[jobs("SUCCEEDED")]
+        ),
+    )
+    assert total(second_beat, "exactonce_jobs") > total(first_beat, "exactonce_jobs")
+    assert ("exactonce_due_jobs", ()) in second_beat
+    assert ("exactonce_oldest_due_job_age_seconds", ()) in second_beat
+    # and so did the worker's, counted in its pool's children and merged from their files
+    second_worker = scrape_until(
+        worker_port,
+        lambda s: (
+            s.get(completed, 0) > first_worker[completed]
+            and s.get(last_pass, 0) > first_worker[last_pass]
+        ),
+    )
+    assert second_worker[completed] > first_worker[completed] > 0
+    assert len(list(multiproc.glob("counter_*.db"))) >= 2  # the children's own files
