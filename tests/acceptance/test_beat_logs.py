@@ -1,4 +1,4 @@
-"""Two real ``celery beat -S exactonce`` processes and a worker: beat's log, as stock beat's.
+"""Two real ``celery beat -S exactonce`` processes and a worker: beat's log, and their metrics.
 
 Each beat logs one INFO "Scheduler: Sending due task" line per occurrence it
 dispatched (per the store: the node of the job's ``DISPATCHED`` transition)
@@ -6,25 +6,32 @@ and none for the occurrences the other beat dispatched; together their lines
 name every occurrence of the window once. Each says once that it started,
 and explains the new namespace's epoch guard once, in plain words.
 
-The issue asks for a 60 s run; the suite runs :data:`RUN_SECONDS` (20 s of
-10 every-second entries, some 400 occurrences between two beats), which
-shows the same, in a third of the time.
+Meanwhile each beat serves ``/metrics`` (``exactonce_metrics_port``) and the
+prefork worker serves its children's counters (multiprocess mode): scraped
+early in the run and at its end, the counters and gauges have moved.
+
+The run lasts 60 s under ``pytest -m slow`` (``tox -e chaos``); the suite runs
+the same test for 20 s (10 every-second entries, some 400 occurrences between
+the two beats), which shows the same in a third of the time.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from collections import Counter
 from datetime import datetime, timedelta
+from pathlib import Path
 
 import pytest
 
 from celery_exactonce.states import State
 from tests.acceptance import beats as b
-from tests.acceptance.harness import BeatProcess, Deployment, Ledger
+from tests.acceptance import scrapes
+from tests.acceptance.harness import BeatProcess, Deployment, Ledger, poll
+from tests.acceptance.scrapes import Sample, event, jobs
 
 ENTRIES = 10
-RUN_SECONDS = 20
 START_MARGIN = 2
 END_MARGIN = 3
 
@@ -55,18 +62,32 @@ def dispatcher_of(deployment: Deployment, occurrence: b.Occurrence) -> str | Non
     return nodes[0] if nodes else None
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)
 @pytest.mark.acceptance_matrix(brokers=("redis",), stores=("redis",))
+@pytest.mark.parametrize("run_seconds", [20, pytest.param(60, marks=pytest.mark.slow)])
 def test_each_beat_logs_a_send_line_for_exactly_the_occurrences_it_dispatched(
-    deployment: Deployment, ledger: Ledger, gate: None
+    deployment: Deployment, ledger: Ledger, gate: None, tmp_path: Path, run_seconds: int
 ) -> None:
-    # Given a worker and two beats of the same 10 every-second entries on a new namespace
+    # Given a prefork worker exporting its children's metrics (multiprocess mode)
+    ports = distinct_ports(3)
+    multiproc = tmp_path / "prometheus-worker"
+    multiproc.mkdir()
+    deployment.extra_env = {
+        "PROMETHEUS_MULTIPROC_DIR": str(multiproc),
+        "EXACTONCE_ACC_EXTRA_CONF": metrics_conf(exactonce_worker_metrics_port=ports[0]),
+    }
     deployment.start_worker(concurrency=4)
-    beats = b.start_beats(deployment, [{}, {}], entries=ENTRIES)
+    deployment.extra_env = {}
+    # ... and two beats of the same 10 every-second entries on a new namespace, each
+    # serving /metrics
+    envs = [{"EXACTONCE_ACC_EXTRA_CONF": metrics_conf(exactonce_metrics_port=p)} for p in ports[1:]]
+    beats = b.start_beats(deployment, envs, entries=ENTRIES)
     started = b.store_now(deployment)
     floor = b.claim_floor(deployment)
-    # When they run for RUN_SECONDS
-    b.run_until(deployment, started + timedelta(seconds=RUN_SECONDS), beats)
+    first = {port: scrapes.scrape_until(port, bool) for port in ports}
+    # When they run for run_seconds
+    b.run_until(deployment, started + timedelta(seconds=run_seconds), beats)
+    assert_metrics_moved(first, ports[0], dict(zip(ports[1:], beats, strict=True)))
     for beat in beats:
         beat.kill()
     stopped = b.store_now(deployment)
@@ -75,7 +96,7 @@ def test_each_beat_logs_a_send_line_for_exactly_the_occurrences_it_dispatched(
         max(started, floor) + timedelta(seconds=START_MARGIN),
         stopped - timedelta(seconds=END_MARGIN),
     )
-    assert len(window) >= ENTRIES * (RUN_SECONDS - 10)
+    assert len(window) >= ENTRIES * (run_seconds - 10)
     b.wait_executed(ledger, window)
     b.assert_each_ran_once(deployment, ledger, window)
 
@@ -109,3 +130,41 @@ def test_each_beat_logs_a_send_line_for_exactly_the_occurrences_it_dispatched(
 def info_lines(log: str) -> str:
     """The lines of a beat's log at INFO and above (the ledger app logs ours at debug too)."""
     return "\n".join(line for line in log.splitlines() if "DEBUG/" not in line)
+
+
+def distinct_ports(count: int) -> list[int]:
+    """``count`` different free ports."""
+    found: set[int] = set()
+    poll(lambda: found.add(scrapes.free_port()) or len(found) >= count, timeout=10, interval=0)
+    return sorted(found)[:count]
+
+
+def metrics_conf(**settings: int) -> str:
+    return json.dumps({**settings, "exactonce_metrics_addr": "127.0.0.1"})
+
+
+def assert_metrics_moved(
+    first: dict[int, dict[Sample, float]], worker: int, beats: dict[int, BeatProcess]
+) -> None:
+    """Scraped again, every beat's and the worker's counters and gauges have moved."""
+    completed = event("completed", state="SUCCEEDED")
+    decided = (event("dispatched"), event("slot_already_claimed"))  # won, or found taken
+
+    def claims(samples: dict[Sample, float]) -> float:
+        return sum(samples.get(sample, 0) for sample in decided)
+
+    for port, beat in beats.items():
+        tick = ("exactonce_beat_last_tick_timestamp_seconds", (("node", beat.node),))
+        before = first[port]
+
+        def moved(
+            s: dict[Sample, float], before: dict[Sample, float] = before, tick: Sample = tick
+        ) -> bool:
+            return (
+                s.get(tick, 0) > before.get(tick, 0)
+                and s.get(jobs("SUCCEEDED"), 0) > before.get(jobs("SUCCEEDED"), 0)
+                and claims(s) > claims(before)
+            )
+
+        scrapes.scrape_until(port, moved)
+    scrapes.scrape_until(worker, lambda s: s.get(completed, 0) > first[worker].get(completed, 0))

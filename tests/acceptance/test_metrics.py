@@ -13,66 +13,12 @@ a deadline until the next one shows every value moved.
 from __future__ import annotations
 
 import json
-import socket
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from tests.acceptance.harness import Deployment, poll
-
-Sample = tuple[str, tuple[tuple[str, str], ...]]
-LABELS = ("phase", "where", "state", "task")
-
-#: Seconds a scrape may take to show what the test waits for (store counts are
-#: read at most every 5 s; a beat or worker needs a few seconds to start).
-DEADLINE = 60.0
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def scrape(port: int) -> dict[Sample, float] | None:
-    """The samples of ``/metrics`` on ``port``; ``None`` while nothing listens there yet."""
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
-            text = reply.read().decode()
-    except (urllib.error.URLError, ConnectionError):
-        return None
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
-
-
-def event(action: str, **labels: str) -> Sample:
-    """The sample of ``exactonce_events_total`` for ``action`` (unset labels are blank)."""
-    values = {"action": action, **dict.fromkeys(LABELS, ""), **labels}
-    return ("exactonce_events_total", tuple(sorted(values.items())))
-
-
-def jobs(state: str) -> Sample:
-    return ("exactonce_jobs", (("state", state),))
-
-
-def total(samples: dict[Sample, float], name: str) -> float:
-    return sum(value for (sample, _), value in samples.items() if sample == name)
-
-
-def scrape_until(port: int, check: object) -> dict[Sample, float]:
-    """Scrape ``port`` until ``check(samples)`` holds (poll with :data:`DEADLINE`)."""
-
-    def attempt() -> dict[Sample, float] | None:
-        samples = scrape(port)
-        return samples if samples is not None and check(samples) else None  # type: ignore[operator]
-
-    return poll(attempt, timeout=DEADLINE, interval=0.5)
+from tests.acceptance.scrapes import event, free_port, jobs, scrape_until, total
 
 
 @pytest.mark.timeout(170)
