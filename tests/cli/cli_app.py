@@ -6,6 +6,9 @@
 ``EXACTONCE_CLI_NAMESPACE``   ``exactonce_namespace``
 ``EXACTONCE_CLI_CONF``        JSON object of further settings, applied last
 
+With ``DJANGO_SETTINGS_MODULE`` set, Django is set up first (a project's
+Celery app does it in its ``celery.py``), for a ``django://`` store.
+
 The broker is kombu's in-memory transport: no command here connects to it
 (a reconcile pass with nothing stale publishes nothing).
 """
@@ -18,6 +21,11 @@ from typing import Any
 
 from celery import Celery
 from celery.schedules import crontab
+
+if os.environ.get("DJANGO_SETTINGS_MODULE"):
+    import django
+
+    django.setup()
 
 from celery_exactonce.task import ExactOnceTask
 

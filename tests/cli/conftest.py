@@ -2,9 +2,11 @@
 
 :class:`Deployment` runs ``python -m celery -A tests.cli.cli_app exactonce …``
 in a subprocess (the ``celery.commands`` entry point, as a user runs it)
-against a shared backend (Redis, PostgreSQL, MySQL, SQLite), and checks that
-no output ever holds the store's password (the PostgreSQL URL carries one;
-trust authentication ignores it).
+against a shared backend (Redis, PostgreSQL, MySQL, SQLite, and ``django``: the
+command on ``django://default``, a Django project's database, which is the
+SQLite file the test seeds through the SQL store), and checks that no output
+ever holds the store's password (the PostgreSQL URL carries one; trust
+authentication ignores it).
 """
 
 from __future__ import annotations
@@ -45,8 +47,12 @@ FIRE = datetime(2026, 5, 1, 3, tzinfo=timezone.utc)
 UTC = timezone.utc
 
 
+#: The backends the commands run on: the shared ones, and a Django project's database.
+CLI_BACKENDS = (*SHARED_BACKENDS, "django")
+
+
 def _url(backend: str, tmp_path: Path) -> str:
-    if backend == "sqlite":
+    if backend in ("sqlite", "django"):
         return f"sqlite:///{tmp_path / 'cli-store.db'}"
     if backend == "postgres":
         return services.POSTGRES_URL.replace("postgres@", f"postgres:{SECRET}@", 1)
@@ -59,6 +65,14 @@ class Deployment:
     def __init__(self, backend: str, url: str) -> None:
         self.backend = backend
         self.url = url
+        #: The store URL the command is given, and what else its process needs.
+        self.cli_url, self.cli_env = url, dict[str, str]()
+        if backend == "django":  # the same file, as the project's ``default`` database
+            self.cli_url = "django://default"
+            self.cli_env = {
+                "DJANGO_SETTINGS_MODULE": "tests.django_tests.settings",
+                "EXACTONCE_TEST_DJANGO_DB": f"sqlite:{url.removeprefix('sqlite:///')}",
+            }
         self.namespace = f"cli{uuid.uuid4().hex[:10]}"
         self.conf: dict[str, Any] = {}
         self.store: StateStore = store_from_url(url, namespace=self.namespace, retention=86_400)
@@ -68,9 +82,10 @@ class Deployment:
         env = {k: v for k, v in os.environ.items() if not k.startswith("EXACTONCE_CLI_")}
         env.update(
             PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")])),
-            EXACTONCE_CLI_STORE_URL=self.url,
+            EXACTONCE_CLI_STORE_URL=self.cli_url,
             EXACTONCE_CLI_NAMESPACE=self.namespace,
             EXACTONCE_CLI_CONF=json.dumps(self.conf),
+            **self.cli_env,
         )
         argv = [sys.executable, "-m", "celery", "-A", APP, "exactonce", *args]
         done = subprocess.run(
@@ -132,10 +147,10 @@ class Deployment:
             self.store.close()
 
 
-@pytest.fixture(params=SHARED_BACKENDS)
+@pytest.fixture(params=CLI_BACKENDS)
 def deployment(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Deployment]:
     backend = request.param
-    if backend != "sqlite":
+    if backend not in ("sqlite", "django"):
         services.need(backend)
     made = Deployment(backend, _url(backend, tmp_path))
     yield made
