@@ -81,6 +81,18 @@ def beat_entries(app: Any, config: ExactOnceConfig) -> list[Entry]:
     return found
 
 
+def with_last(
+    store: StateStore, known: list[Entry]
+) -> list[tuple[Entry, datetime | None, Job | None]]:
+    """Each of ``known`` with its watermark (its last slot claimed) and that slot's job."""
+    marks = store.watermarks([e.name for e in known])
+    found = []
+    for e in known:
+        mark = marks.get(e.name)
+        found.append((e, mark, last_occurrence(store, e.name, mark)))
+    return found
+
+
 def last_occurrence(store: StateStore, entry: str, fire: datetime | None) -> Job | None:
     """The job of ``entry``'s slot at ``fire`` (its watermark), if it is still kept."""
     if fire is None:

@@ -9,7 +9,7 @@ import click
 
 from celery_exactonce import exceptions, passes, times
 from celery_exactonce.cli import base
-from celery_exactonce.cli.entries import beat_entries, last_occurrence
+from celery_exactonce.cli.entries import beat_entries, with_last
 from celery_exactonce.jobs import Job
 from celery_exactonce.reconcile_task import RECONCILE_TASK
 from celery_exactonce.reconciler import LEASE_NAME
@@ -36,12 +36,8 @@ def _oldest(store: StateStore, now: datetime) -> dict[str, Any]:
 
 
 def _entry_rows(s: base.Session) -> list[dict[str, Any]]:
-    known = beat_entries(s.app, s.config)
-    marks = s.store.watermarks([e.name for e in known])
     rows = []
-    for e in known:
-        mark = marks.get(e.name)
-        job = last_occurrence(s.store, e.name, mark)
+    for e, mark, job in with_last(s.store, beat_entries(s.app, s.config)):
         rows.append(
             {
                 "entry": e.name,

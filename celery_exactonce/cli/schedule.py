@@ -15,18 +15,14 @@ import click
 
 from celery_exactonce import slots
 from celery_exactonce.cli import base
-from celery_exactonce.cli.entries import beat_entries, last_occurrence
+from celery_exactonce.cli.entries import beat_entries, with_last
 
 
 def schedule_data(s: base.Session, count: int) -> dict[str, Any]:
     now = s.store.now()
     tz = ZoneInfo(str(s.app.timezone))
-    known = beat_entries(s.app, s.config)
-    marks = s.store.watermarks([e.name for e in known])
     rows = []
-    for e in known:
-        mark = marks.get(e.name)
-        job = last_occurrence(s.store, e.name, mark)
+    for e, mark, job in with_last(s.store, beat_entries(s.app, s.config)):
         upcoming: list[str | None] = []
         error = e.error
         if e.entry is not None:
