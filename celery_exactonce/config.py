@@ -39,62 +39,78 @@ class ExactOnceConfig:
     """The settings of celery-exactonce. Durations are in seconds."""
 
     store_url: str
-    """Where jobs live: ``redis://``, ``postgresql://``, ``mysql://``, ``sqlite:///`` or ``memory://``."""
+    """Where jobs live: ``memory://``, ``redis://`` (``rediss://``, ``unix://``),
+    ``postgresql://``, ``mysql://`` / ``mariadb://``, ``sqlite:///`` (each optionally
+    ``+driver``) or ``django://ALIAS``. Required. Credentials in it are redacted
+    wherever it is shown."""
     namespace: str = "default"
-    """Separates apps sharing one store; part of every key and idempotency key."""
+    """Separates apps sharing one store; part of every key, row and idempotency key, so
+    changing it starts an empty history. 1-64 letters, digits, ``_``, ``.``, ``-``,
+    starting with a letter or digit."""
     tick_interval: float = 1.0
-    """How often a beat node looks for due slots and due delayed jobs."""
+    """How often a beat node looks for due slots and due delayed jobs. > 0."""
     window_lookback: float = 300.0
-    """How far back a tick still claims a missed slot (judged on store time)."""
+    """How far back a tick still claims a missed slot (judged on store time); older
+    slots are skipped and counted. > 0."""
     max_skew: float = 5.0
-    """Largest clock difference tolerated between a node and the store."""
+    """Largest clock difference tolerated between a node and the store, or between the
+    store's clock before and after a loss. >= 0."""
     catchup: Catchup = "latest"
     """Slots missed during downtime: ``latest`` (only the newest), ``all`` (up to
     ``catchup_limit``) or ``none``. Per entry under ``options["exactonce"]``."""
     catchup_limit: int = 100
-    """Most missed slots of one entry that ``catchup="all"`` dispatches."""
+    """Most missed slots of one entry that ``catchup="all"`` dispatches (the newest). > 0."""
     max_lateness: float | None = None
-    """A slot later than this is skipped (and counted) whatever the catch-up policy."""
+    """A slot later than this is skipped (and counted) whatever the catch-up policy.
+    > 0, or ``None`` for no limit."""
     retention: float = 7 * 86_400.0
-    """How long a terminal record is kept, from ``max(fire_time, terminal_at)``."""
+    """How long a terminal record is kept (7 days), from ``max(fire_time, terminal_at)``;
+    live records never expire. >= ``window_lookback + tick_interval + max_skew``, and on
+    a gated worker with a Redis or SQS broker >= its ``visibility_timeout``."""
     replay_age: float = 60.0
-    """A ``SCHEDULED`` job older than this is replayed by the reconciler."""
+    """A ``SCHEDULED`` job older than this is replayed by the reconciler.
+    >= 2 x (``tick_interval`` + ``publish_timeout`` + ``store_timeout``)."""
     dispatch_timeout: float = 300.0
-    """A plain job still ``DISPATCHED`` after this ends ``TIMEOUT`` (``unconfirmed``)."""
+    """A plain job still ``DISPATCHED`` after this ends ``TIMEOUT`` (``unconfirmed``).
+    > ``replay_age``."""
     dispatch_deadline: float = 3600.0
     """A gated job still ``DISPATCHED`` after this ends ``TIMEOUT`` (unless it opts in to
-    redispatch)."""
+    redispatch). >= ``dispatch_timeout``."""
     running_timeout: float = 600.0
-    """A ``RUNNING`` job with no heartbeat for this long ends ``TIMEOUT``."""
+    """A ``RUNNING`` job with no heartbeat for this long ends ``TIMEOUT``.
+    >= 3 x ``heartbeat_interval`` + ``max_skew``."""
     heartbeat_interval: float = 30.0
-    """How often a running gated task touches its job."""
+    """How often a running gated task touches its job. > 0."""
     reconcile_interval: float = 30.0
-    """How often the reconciler runs (once per interval across all nodes)."""
+    """How often the reconciler runs (once per interval across all nodes). > 0."""
     reconcile_on: ReconcileOn = "beat"
     """Where the reconciler runs: in a beat node's own thread, or as a worker task."""
     lease_ttl: float = 60.0
-    """Lifetime of the reconciler's lease; renewed while a pass runs."""
+    """Lifetime of the reconciler's lease; renewed while a pass runs. > ``store_timeout``."""
     store_timeout: float = 5.0
-    """Socket / statement timeout of store operations."""
+    """Socket timeout of the Redis store's operations. > 0."""
     publish_timeout: float = 10.0
-    """How long a publish may take before it counts as ambiguous."""
+    """How long a publish may take before it counts as ambiguous. > 0."""
     retry_delay_store: float = 1.0
-    """Back-off before retrying after a store error."""
+    """Back-off before retrying after a store error. > 0."""
     signing_key: str | tuple[str, ...] | None = None
     """HMAC key(s) that sign stored payloads (anyone who can write the store could
     otherwise make workers run tasks): one string, or a list while rotating (the
-    first signs, every one verifies); each at least 16 characters."""
+    first signs, every one verifies); each at least 16 characters. A record that
+    does not verify is never published."""
     key_prefix: str = "exactonce"
-    """Redis key prefix."""
+    """First part of every Redis key. 1-64 letters, digits, ``_``, ``.``, ``-``."""
     table_prefix: str = "exactonce_"
-    """SQL table name prefix."""
+    """Prefix of every SQL table. 1-32 letters, digits, ``_``, not starting with a digit."""
     node_id: str | None = None
-    """This node's name in job histories; defaults to ``hostname:pid``."""
+    """This node's name in job histories; defaults to ``hostname:pid``. 1-255
+    characters, no control character."""
     metrics_port: int | None = None
-    """The port beat serves Prometheus ``/metrics`` on (the ``prometheus`` extra); unset: none."""
+    """The port beat serves Prometheus ``/metrics`` on (the ``prometheus`` extra); unset: none.
+    1-65535."""
     worker_metrics_port: int | None = None
     """The port a worker's main process serves Prometheus ``/metrics`` on (a prefork pool
-    needs ``PROMETHEUS_MULTIPROC_DIR``); unset: none."""
+    needs ``PROMETHEUS_MULTIPROC_DIR``); unset: none. 1-65535."""
     metrics_addr: str = ""
     """The address those endpoints listen on (``""``: every interface)."""
 

@@ -18,7 +18,8 @@ PACKAGE = Path(celery_exactonce.__file__).parent
 #: The modules above the dispatcher: the Celery task, the schedulers (ours and the
 #: django-celery-beat one), what runs the reconcile task, the start-up checks,
 #: the package's front (``__init__``, ``__main__``, ``control``), the CLI
-#: (``celery_exactonce.cli``) and the demo. Every other module is below them.
+#: (``celery_exactonce.cli``), the demo, and ``_docgen`` (which reads the CLI to write
+#: its reference page). Every other module is below them.
 ABOVE = {
     "celery_exactonce",
     "celery_exactonce.__main__",
@@ -28,6 +29,7 @@ ABOVE = {
     "celery_exactonce.startup",
     "celery_exactonce.control",
     "celery_exactonce.contrib.django_celery_beat",
+    "celery_exactonce._docgen",
 }
 
 
