@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import celery._state
 import pytest
 from celery import Celery, signals
 
@@ -14,6 +15,7 @@ from celery_exactonce.startup import (
     StartupRefused,
     check_broker,
     check_worker,
+    gated_tasks,
     redelivery_horizon,
     refusal_line,
 )
@@ -52,8 +54,15 @@ def test_worker_check_validates_every_gated_task() -> None:
     runtime.reset(app)
 
 
-def test_worker_without_gated_tasks_needs_no_store_setting() -> None:
+def test_worker_without_gated_tasks_needs_no_store_setting(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # An app finalizes with every shared task defined so far in this process, gated
+    # ones of other tests included (``@app.task`` is shared by default): this app
+    # must know none of them, whatever ran before it.
+    monkeypatch.setattr(celery._state, "_on_app_finalizers", set())
     app = Celery("plain", set_as_current=False)
+    assert not gated_tasks(app)
     check_worker(app)  # no exactonce_store_url, no gated task: nothing to check
 
 
