@@ -7,6 +7,7 @@ timestamps (a job's history) rather than on this process's clock.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -274,8 +275,11 @@ class Heartbeats:
         self.thread.start()
 
     def _run(self) -> None:
+        # As the worker's own thread: a beat the store refuses (a busy SQLite file under
+        # a pass every 5 ms) is tried again at the next one, never the end of the thread.
         while not self._stop.wait(0.05):
-            self.store.heartbeat(self.job.ref, self.job.run_id or "")
+            with contextlib.suppress(exceptions.StoreError):
+                self.store.heartbeat(self.job.ref, self.job.run_id or "")
 
     def stop(self) -> None:
         self._stop.set()
