@@ -257,6 +257,8 @@ class CeleryProcess:
     proc: subprocess.Popen[bytes] | None
     #: The module ``celery -A`` loads: the ledger app unless a process is given another.
     app_module: str = APP_MODULE
+    #: Where it runs: the repository, unless a process is given another folder (an example's).
+    cwd: Path = REPO_ROOT
 
     @property
     def argv(self) -> list[str]:
@@ -280,7 +282,7 @@ class CeleryProcess:
             self.proc = subprocess.Popen(
                 self.argv,
                 env=dict(self.env),
-                cwd=REPO_ROOT,
+                cwd=self.cwd,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
