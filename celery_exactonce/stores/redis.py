@@ -53,8 +53,9 @@ from typing import Any
 import redis.exceptions as rexc
 
 from celery_exactonce import exceptions, jobs, metrics, refs, times
-from celery_exactonce.jobs import CreateResult, Job, SkippedSlots, TransitionResult
+from celery_exactonce.jobs import CreateResult, Job, TransitionResult
 from celery_exactonce.refs import JobRef
+from celery_exactonce.skipped_slots import SkippedSlots
 from celery_exactonce.states import State
 from celery_exactonce.stores.base import FORMAT_VERSION, SKIPPED_KEPT, DueBacklog
 from celery_exactonce.stores.redis_batches import RedisBatches
