@@ -14,7 +14,9 @@ A record's JSON form (:func:`job_to_json`, :func:`job_from_json`) is here too.
 Not here: the requests themselves (:mod:`celery_exactonce.writes`); a job's
 identity, tokens, and the rules for names and text (:mod:`celery_exactonce.refs`);
 the JSON of payloads (:mod:`celery_exactonce.payload`); time conversions
-(:mod:`celery_exactonce.times`); the transition table (:mod:`celery_exactonce.states`).
+(:mod:`celery_exactonce.times`); the transition table (:mod:`celery_exactonce.states`);
+the record of the slots beat skipped (:mod:`celery_exactonce.skipped_slots`,
+whose :class:`SkippedSlots` is importable from here as well).
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
 
-from celery_exactonce import times
 from celery_exactonce.refs import (
     MAX_NAME_LENGTH,
     JobRef,
@@ -33,6 +34,7 @@ from celery_exactonce.refs import (
     validate_identifier,
     validate_reason,
 )
+from celery_exactonce.skipped_slots import SkippedSlots as SkippedSlots  # noqa: PLC0414  (importable here)
 from celery_exactonce.states import TERMINAL, State
 from celery_exactonce.times import from_micros, from_micros_opt, to_micros, to_micros_opt
 from celery_exactonce.writes import Action, NewJob, Transition
@@ -366,44 +368,3 @@ def job_from_json(data: Mapping[str, Any]) -> Job:
         history=tuple(HistoryEntry.from_json(h) for h in data.get("history") or ()),
         signature=data.get("signature") or None,
     )
-
-
-@dataclasses.dataclass(frozen=True)
-class SkippedSlots:
-    """Slots of one beat entry a node skipped in one tick, for one reason, as the store keeps them.
-
-    ``where`` is the reason (``catchup``, ``window``, ``unprovable``,
-    ``store_loss``), ``first`` and ``last`` the range, ``count`` the slots in
-    it, ``at`` the store time it was noted (set by the store).
-    """
-
-    entry: str
-    where: str
-    first: datetime
-    last: datetime
-    count: int
-    node: str
-    at: datetime | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "entry": self.entry,
-            "where": self.where,
-            "first": times.to_micros(self.first),
-            "last": times.to_micros(self.last),
-            "count": self.count,
-            "node": self.node,
-            "at": times.to_micros_opt(self.at),
-        }
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> SkippedSlots:
-        return cls(
-            entry=str(data["entry"]),
-            where=str(data["where"]),
-            first=times.from_micros(int(data["first"])),
-            last=times.from_micros(int(data["last"])),
-            count=int(data["count"]),
-            node=str(data["node"]),
-            at=times.from_micros_opt(data.get("at")),
-        )

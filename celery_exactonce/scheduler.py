@@ -23,7 +23,8 @@ into it:
 * :mod:`~celery_exactonce.store_loss`: the epoch, the floor and the re-check
   of recent claims that keep a store that lost data from being claimed twice;
 * :mod:`~celery_exactonce.conflicts`: slots found claimed by another app's
-  entry of the same name.
+  entry of the same name;
+* :mod:`~celery_exactonce.sweeper`: the sweep of the due delayed jobs.
 
 A node that has not decided an entry's slots lately (it started, or fell behind)
 starts from the entry's store watermark: what is at or below it was decided by
@@ -64,6 +65,7 @@ from celery_exactonce import (
     reconcile_task,
     slots,
     startup,
+    sweeper,
 )
 from celery_exactonce.claimer import Claimer, fail_closed
 from celery_exactonce.config import ExactOnceConfig
@@ -76,10 +78,6 @@ from celery_exactonce.runtime import Runtime
 from celery_exactonce.skips import SkipTally
 from celery_exactonce.store_loss import StoreLossGuard
 from celery_exactonce.task import ExactOnceTask
-
-#: Delayed jobs claimed per ``claim_due`` call, and at most this many calls per tick.
-SWEEP_BATCH = 500
-SWEEP_MAX_BATCHES = 20
 
 
 def entry_policy(
@@ -332,36 +330,11 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
         self._skips.flush(self._runtime.store, self._runtime.node)
         for name, entry in popped:
             self._push(name, entry, now)
-        if self._sweep():
+        if sweeper.sweep(self._runtime, lambda: self._stop_requested):
             return 0.0  # more delayed jobs are due: tick again at once
         if self._due:
             return max(0.0, min(interval, (self._due[0][0] - now).total_seconds()))
         return interval
-
-    def _sweep(self) -> bool:
-        """Dispatch due delayed jobs, after the slots; whether more may be due.
-
-        Claims move them ``PENDING → SCHEDULED`` in ``run_at`` order, in
-        batches of :data:`SWEEP_BATCH` (each job is claimed by one node), and
-        each batch is dispatched before the next is claimed, so a SIGTERM
-        leaves no claimed job behind. A claim that errors after the store
-        applied it leaves its jobs ``SCHEDULED`` for the reconciler to replay.
-        """
-        runtime = self._runtime
-        for _ in range(SWEEP_MAX_BATCHES):
-            if self._stop_requested:
-                return False
-            try:
-                claimed = runtime.store.claim_due(SWEEP_BATCH, node=runtime.node, reason="sweep")
-            except exceptions.StoreError as exc:
-                what = "delayed-job sweep cannot claim: nothing dispatched"
-                fail_closed(runtime, "sweep_claim", what, exc)
-                return False
-            if claimed:
-                runtime.dispatcher.dispatch_many(claimed, reason="sweep")
-            if len(claimed) < SWEEP_BATCH:
-                return False
-        return True
 
     def sync(self) -> None:
         """Nothing to persist locally: the store holds every claim and watermark."""

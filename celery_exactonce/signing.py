@@ -31,8 +31,9 @@ from datetime import datetime
 from typing import Any
 
 from celery_exactonce import exceptions, times
-from celery_exactonce.jobs import CreateResult, Job, SkippedSlots, TransitionResult
+from celery_exactonce.jobs import CreateResult, Job, TransitionResult
 from celery_exactonce.refs import JobRef
+from celery_exactonce.skipped_slots import SkippedSlots
 from celery_exactonce.states import State
 from celery_exactonce.stores.base import DueBacklog, StateStore
 from celery_exactonce.writes import NewJob, Transition

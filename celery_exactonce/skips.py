@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from datetime import datetime
 
 from celery_exactonce import exceptions, metrics
-from celery_exactonce.jobs import SkippedSlots
+from celery_exactonce.skipped_slots import SkippedSlots
 from celery_exactonce.stores.base import StateStore
 
 #: Why slots were skipped, by the ``where`` label of ``slot_skipped``.

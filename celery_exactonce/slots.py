@@ -33,19 +33,19 @@ inside a fall-back fold fires at its first occurrence (``fold=0``) only. A
 occurrences of a folded wall time fire, and a wall time inside a gap does not
 exist, so it does not fire.
 
-This module checks a schedule and picks its kind; the intervals and solar
-events are computed here, the crontab's wall-clock search in
-:mod:`celery_exactonce.cron_slots`.
+This module checks a schedule and picks its kind; the intervals are computed
+here, the crontab's wall-clock search is in :mod:`celery_exactonce.cron_slots`
+and the solar events' search in :mod:`celery_exactonce.solar_slots`.
 """
 
 from __future__ import annotations
 
-from datetime import datetime, time, timedelta, timezone, tzinfo
+from datetime import datetime, timedelta, timezone, tzinfo
 from typing import Any
 
 from celery.schedules import crontab, schedule, solar
 
-from celery_exactonce import cron_slots, exceptions, schedules
+from celery_exactonce import cron_slots, exceptions, schedules, solar_slots
 from celery_exactonce.cron_slots import SEARCH_DAYS
 from celery_exactonce.times import UNIX_EPOCH
 
@@ -70,7 +70,6 @@ _SETTING = "beat_schedule"
 _CRON_FIELDS = ("minute", "hour", "day_of_week", "day_of_month", "month_of_year")
 _ONE_US = timedelta(microseconds=1)
 _ONE_DAY = timedelta(days=1)
-_MIDNIGHT = time(0, 0)
 
 
 def _error(entry: str, message: str) -> exceptions.ConfigurationError:
@@ -125,36 +124,16 @@ def _check_cron_sets(entry: str, sched: crontab) -> None:
 # -- solar -----------------------------------------------------------------------------
 
 
-def _solar_event_after(sched: solar, after: datetime) -> datetime:
-    """The first event after ``after`` as Celery's ``solar`` computes it, to the second."""
-    naive = after.astimezone(UTC).replace(tzinfo=None)  # ephem reads naive datetimes as UTC
-    sched.cal.date = naive
-    found = sched._next_event(sched.ephem.Date(naive))
-    instant: datetime = found.datetime().replace(tzinfo=UTC)
-    return instant.replace(microsecond=0)
+def _require_ephem(entry: str, sched: solar) -> None:
+    if getattr(sched, "ephem", None) is None:
+        raise _error(entry, "solar schedules need the 'ephem' package (pip install ephem)")
 
 
 def _solar_slots(
     entry: str, sched: solar, start: datetime, end: datetime, limit: int
 ) -> list[datetime]:
-    if getattr(sched, "ephem", None) is None:
-        raise _error(entry, "solar schedules need the 'ephem' package (pip install ephem)")
-    # Each event is searched from the UTC midnight of its own day (then from just
-    # after the previous event of that day), so nodes with different windows run
-    # the very same ephem computations and agree to the microsecond.
-    day = datetime.combine(start.astimezone(UTC).date(), _MIDNIGHT, tzinfo=UTC)
-    found: list[datetime] = []
-    while day <= end and len(found) < limit:
-        cursor = day
-        while True:
-            event = _solar_event_after(sched, cursor)
-            if event >= day + _ONE_DAY or event <= cursor:
-                break
-            if start < event <= end:
-                found.append(event)
-            cursor = event + timedelta(minutes=1)
-        day += _ONE_DAY
-    return sorted(set(found))[:limit]
+    _require_ephem(entry, sched)
+    return solar_slots.between(sched, start, end, limit)
 
 
 # -- bounded schedules ------------------------------------------------------------------
@@ -410,7 +389,6 @@ def validate_schedule(entry: str, sched: Any, tz: tzinfo, *, at: datetime = UNIX
             raise _error(entry, f"crontab {sched!r} has no slot in {SEARCH_DAYS} days")
         return
     if isinstance(sched, solar):
-        if getattr(sched, "ephem", None) is None:
-            raise _error(entry, "solar schedules need the 'ephem' package (pip install ephem)")
+        _require_ephem(entry, sched)
         return
     raise _unsupported(entry, sched)

@@ -27,8 +27,9 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Protocol, runtime_checkable
 
-from celery_exactonce.jobs import CreateResult, Job, SkippedSlots, TransitionResult
+from celery_exactonce.jobs import CreateResult, Job, TransitionResult
 from celery_exactonce.refs import JobRef
+from celery_exactonce.skipped_slots import SkippedSlots
 from celery_exactonce.states import State
 from celery_exactonce.writes import NewJob, Transition
 

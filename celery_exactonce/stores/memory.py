@@ -23,11 +23,11 @@ from celery_exactonce.jobs import (
     CreateResult,
     CreateStatus,
     Job,
-    SkippedSlots,
     TransitionResult,
     TransitionStatus,
 )
 from celery_exactonce.refs import JobRef
+from celery_exactonce.skipped_slots import SkippedSlots
 from celery_exactonce.states import TERMINAL, State
 from celery_exactonce.stores.base import FORMAT_VERSION, SKIPPED_KEPT, DueBacklog
 from celery_exactonce.writes import Lease, NewJob, Transition

@@ -15,18 +15,24 @@ What the operations stand on lives in the classes and functions
 * :mod:`~celery_exactonce.stores.redis_keys`: the key layout (every key of a
   namespace under ``{prefix}:{<namespace>}:``, one Redis Cluster slot) and the
   methods that name the keys;
-* :mod:`~celery_exactonce.stores.redis_core`: the store's state, running a
-  script (``EVALSHA``, reloaded on a server that lacks it; batches pipelined),
-  driver errors turned into store errors;
+* :mod:`~celery_exactonce.stores.redis_core`: the store's state (and
+  ``from_url``, the store on a new client), running a script (``EVALSHA``,
+  reloaded on a server that lacks it; batches pipelined), driver errors turned
+  into store errors;
 * :mod:`~celery_exactonce.stores.redis_client`: the client built from a URL,
   the server named in messages, whether a broker shares it, its
   ``maxmemory-policy``;
 * :mod:`~celery_exactonce.stores.redis_codec`: the scripts' arguments (a
   record's fields, history entries) and replies (records, results);
+* :mod:`~celery_exactonce.stores.redis_batches`: the keys and arguments of
+  the batch scripts, ``create`` and ``transition``, shared and per job;
 * :mod:`~celery_exactonce.stores.redis_enqueue`: the one-step enqueue's
-  :class:`Push`, :class:`PushRefused`, the script's arguments and reply.
+  :class:`Push`, :class:`PushRefused`, the script's arguments and reply;
+* :mod:`~celery_exactonce.stores.redis_reads`: the reads for people behind
+  ``list_jobs`` and ``lease`` (a filtered listing, a lease's holder).
 
-Here: the operations, each with the keys it passes and the script it runs.
+Here: the operations, each with the keys it passes (the batch scripts', from
+:class:`~celery_exactonce.stores.redis_batches.RedisBatches`) and the script it runs.
 They stay here, not in those classes, so that whatever wraps a store class's
 operations (the acceptance tests' fault injection) finds each one in
 ``RedisStore.__dict__``. :class:`Push`, :class:`PushRefused` and
@@ -47,25 +53,20 @@ from typing import Any
 import redis.exceptions as rexc
 
 from celery_exactonce import exceptions, jobs, metrics, refs, times
-from celery_exactonce.jobs import CreateResult, Job, SkippedSlots, TransitionResult
+from celery_exactonce.jobs import CreateResult, Job, TransitionResult
 from celery_exactonce.refs import JobRef
+from celery_exactonce.skipped_slots import SkippedSlots
 from celery_exactonce.states import State
-from celery_exactonce.stores import redact_url, url_secrets
 from celery_exactonce.stores.base import FORMAT_VERSION, SKIPPED_KEPT, DueBacklog
-from celery_exactonce.stores.redis_client import (
-    client_from_url,
-    maxmemory_policy,
-    same_server,
-)
+from celery_exactonce.stores.redis_batches import RedisBatches
+from celery_exactonce.stores.redis_client import maxmemory_policy, same_server
 from celery_exactonce.stores.redis_codec import (
     as_text,
-    create_args,
     create_result,
     decode_job,
     due_backlog_result,
     lease_ms,
     opt,
-    transition_args,
     transition_result,
 )
 from celery_exactonce.stores.redis_core import SCRIPT_BATCH
@@ -76,7 +77,7 @@ from celery_exactonce.writes import Lease, NewJob, Transition
 __all__ = ["SCRIPT_BATCH", "Push", "PushRefused", "RedisStore"]
 
 
-class RedisStore(RedisReads, RedisEnqueue):
+class RedisStore(RedisReads, RedisEnqueue, RedisBatches):
     """A :class:`~celery_exactonce.stores.base.StateStore` in Redis.
 
     Parameters
@@ -92,31 +93,6 @@ class RedisStore(RedisReads, RedisEnqueue):
         The first part of every key (``exactonce_key_prefix``): 1-64 letters,
         digits, ``_``, ``.`` or ``-``.
     """
-
-    @classmethod
-    def from_url(
-        cls,
-        url: str,
-        *,
-        namespace: str,
-        retention: float,
-        prefix: str = "exactonce",
-        socket_timeout: float = 5.0,
-        **kwargs: Any,
-    ) -> RedisStore:
-        """A store on a new client for ``url`` (``redis://``, ``rediss://``, ``unix://``).
-
-        The client does not retry commands by itself (``retry`` may be passed):
-        a script resent after a timeout could apply twice and answer as if
-        another writer had won, where the caller must instead settle the
-        unknown outcome by reading the record back.
-        """
-        client = client_from_url(url, socket_timeout, kwargs)
-        store = cls(client, namespace=namespace, retention=retention, prefix=prefix)
-        store._owns_client = True
-        store._where = redact_url(url)
-        store._secrets += url_secrets(url)
-        return store
 
     def __repr__(self) -> str:
         return f"RedisStore({self._where}, namespace={self._namespace!r})"
@@ -224,20 +200,6 @@ class RedisStore(RedisReads, RedisEnqueue):
         with self._wrap("create_many"):
             return [create_result(reply) for reply in self._run_batched("create", *batch)]
 
-    def _create_batch(
-        self, news: Sequence[NewJob], epoch: str | None, brief: bool = False
-    ) -> tuple[list[Any], list[Any], list[tuple[list[str], list[Any]]]]:
-        """The ``create`` script's shared keys and arguments, and each job's."""
-        shared_keys = [self._key("epoch"), self._key("wm"), self._due_key, *self._index_keys]
-        return (
-            shared_keys,
-            [opt(epoch), "1" if brief else "0"],
-            [self._create_item(new) for new in news],
-        )
-
-    def _create_item(self, new: NewJob) -> tuple[list[str], list[Any]]:
-        return [self._job_key(new.ref)], create_args(new)
-
     # -- create and enqueue (a broker on this server) ------------------------------------
 
     def shares_server(self, connection_kwargs: Mapping[str, Any]) -> int | None:
@@ -331,26 +293,6 @@ class RedisStore(RedisReads, RedisEnqueue):
         batch = self._transition_batch(requests, brief)
         with self._wrap("transition_many"):
             return [transition_result(reply) for reply in self._run_batched("transition", *batch)]
-
-    def _transition_batch(
-        self, requests: Sequence[tuple[JobRef, Transition]], brief: bool = False
-    ) -> tuple[list[Any], list[Any], list[tuple[list[str], list[Any]]]]:
-        """The ``transition`` script's shared keys and arguments, and each job's.
-
-        A job's keys: its record, and the lease its transition checks (or a
-        key no lease has).
-        """
-        shared_keys = [*self._index_keys, self._due_key, self._expire_key]
-        shared_args = [self._retention_us, "1" if brief else "0"]
-        return shared_keys, shared_args, [self._transition_item(*pair) for pair in requests]
-
-    def _transition_item(self, ref: JobRef, request: Transition) -> tuple[list[str], list[Any]]:
-        lease = request.lease
-        keys = [
-            self._job_key(ref),
-            self._key("lease", lease.name) if lease else self._key("nolease"),
-        ]
-        return keys, transition_args(ref, request)
 
     def heartbeat(self, ref: JobRef, run_id: str) -> bool:
         keys = [self._job_key(ref), self._state_key(State.RUNNING)]

@@ -1,9 +1,11 @@
 """What every operation of the Redis store stands on: its state, its scripts, its errors.
 
 :class:`RedisCore` is the base of :class:`~celery_exactonce.stores.redis.RedisStore`
-(through :class:`~celery_exactonce.stores.redis_enqueue.RedisEnqueue`). It
-holds what the constructor checks and builds (the namespace, the retention,
-the key base and the fixed keys, the place named in errors, the scripts), and:
+(through :class:`~celery_exactonce.stores.redis_enqueue.RedisEnqueue` and
+the other bases). It holds what the constructor checks and builds (the
+namespace, the retention, the key base and the fixed keys, the place named in
+errors, the scripts), :meth:`RedisCore.from_url` (the store on a new client
+for a URL, which it owns and closes), and:
 
 * **scripts**: one Lua script per operation (``stores/lua/<name>.lua``), each
   after ``common.lua`` and a header of the Python constants the scripts share
@@ -26,7 +28,8 @@ Not here: the operations themselves (:mod:`~celery_exactonce.stores.redis`),
 the key layout (:mod:`~celery_exactonce.stores.redis_keys`), building the
 client and reading the server's config
 (:mod:`~celery_exactonce.stores.redis_client`), the scripts' arguments and
-replies (:mod:`~celery_exactonce.stores.redis_codec`).
+replies (:mod:`~celery_exactonce.stores.redis_codec`), the batch scripts'
+keys and arguments (:mod:`~celery_exactonce.stores.redis_batches`).
 """
 
 from __future__ import annotations
@@ -34,15 +37,15 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 from importlib import resources
-from typing import Any
+from typing import Any, TypeVar
 
 import redis
 import redis.exceptions as rexc
 
 from celery_exactonce import exceptions, jobs
 from celery_exactonce.states import TERMINAL, State
-from celery_exactonce.stores import redact_secrets, validate_namespace
-from celery_exactonce.stores.redis_client import describe
+from celery_exactonce.stores import redact_secrets, redact_url, url_secrets, validate_namespace
+from celery_exactonce.stores.redis_client import client_from_url, describe
 from celery_exactonce.stores.redis_keys import RedisKeys, key_base
 
 #: Errors after which retrying may help: the server is unreachable, slow,
@@ -61,6 +64,9 @@ _TRANSIENT_REPLIES = ("BUSY", "MASTERDOWN", "NOREPLICAS", "LOADING", "TRYAGAIN")
 #: Jobs per call of a batch script (``create``, ``transition``): bounds how long one
 #: call holds the server (a few milliseconds) while sparing most per-call costs.
 SCRIPT_BATCH = 64
+
+#: The class :meth:`RedisCore.from_url` builds (the store).
+_Store = TypeVar("_Store", bound="RedisCore")
 
 _SCRIPTS = (
     "create",
@@ -128,6 +134,31 @@ class RedisCore(RedisKeys):
         self._db, self._where, self._secrets = describe(client)
         header = _lua_header() + _lua("common")
         self._scripts = {name: client.register_script(header + _lua(name)) for name in _SCRIPTS}
+
+    @classmethod
+    def from_url(
+        cls: type[_Store],
+        url: str,
+        *,
+        namespace: str,
+        retention: float,
+        prefix: str = "exactonce",
+        socket_timeout: float = 5.0,
+        **kwargs: Any,
+    ) -> _Store:
+        """A store on a new client for ``url`` (``redis://``, ``rediss://``, ``unix://``).
+
+        The client does not retry commands by itself (``retry`` may be passed):
+        a script resent after a timeout could apply twice and answer as if
+        another writer had won, where the caller must instead settle the
+        unknown outcome by reading the record back.
+        """
+        client = client_from_url(url, socket_timeout, kwargs)
+        store = cls(client, namespace=namespace, retention=retention, prefix=prefix)
+        store._owns_client = True
+        store._where = redact_url(url)
+        store._secrets += url_secrets(url)
+        return store
 
     # -- scripts -------------------------------------------------------------------------
 

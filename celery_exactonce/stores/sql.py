@@ -62,8 +62,9 @@ from typing import Any
 import sqlalchemy as sa
 
 from celery_exactonce import times
-from celery_exactonce.jobs import CreateResult, Job, SkippedSlots, TransitionResult
+from celery_exactonce.jobs import CreateResult, Job, TransitionResult
 from celery_exactonce.refs import JobRef
+from celery_exactonce.skipped_slots import SkippedSlots
 from celery_exactonce.states import State
 from celery_exactonce.stores import sql_engine, sql_schema
 from celery_exactonce.stores.base import DueBacklog

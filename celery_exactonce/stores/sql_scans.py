@@ -34,8 +34,9 @@ from datetime import datetime
 import sqlalchemy as sa
 
 from celery_exactonce import jobs, times
-from celery_exactonce.jobs import Job, SkippedSlots
+from celery_exactonce.jobs import Job
 from celery_exactonce.refs import JobRef
+from celery_exactonce.skipped_slots import SkippedSlots
 from celery_exactonce.states import State
 from celery_exactonce.stores.base import DueBacklog
 from celery_exactonce.stores.sql_core import SqlCore

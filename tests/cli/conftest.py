@@ -24,8 +24,8 @@ from typing import Any
 import pytest
 
 from celery_exactonce.entries import occurrence_id
-from celery_exactonce.jobs import SkippedSlots
 from celery_exactonce.refs import JobRef
+from celery_exactonce.skipped_slots import SkippedSlots
 from celery_exactonce.states import State
 from celery_exactonce.stores import store_from_url
 from celery_exactonce.stores.base import StateStore

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from celery_exactonce import exceptions, metrics, runtime, scheduler
+from celery_exactonce import exceptions, metrics, runtime, sweeper
 from celery_exactonce.jobs import Job
 from celery_exactonce.refs import JobRef
 from celery_exactonce.states import State
@@ -32,8 +32,8 @@ def _isolated() -> Iterator[None]:
 @pytest.fixture
 def small_batches(monkeypatch: pytest.MonkeyPatch) -> tuple[int, int]:
     """Sweep batches of 5, at most 3 a tick: the bounds show with a few jobs."""
-    monkeypatch.setattr(scheduler, "SWEEP_BATCH", 5)
-    monkeypatch.setattr(scheduler, "SWEEP_MAX_BATCHES", 3)
+    monkeypatch.setattr(sweeper, "SWEEP_BATCH", 5)
+    monkeypatch.setattr(sweeper, "SWEEP_MAX_BATCHES", 3)
     return 5, 3
 
 

@@ -1,0 +1,61 @@
+"""What a store keeps of the slots beat skipped: :class:`SkippedSlots`, and its JSON form.
+
+A node that skips slots of an entry in a tick (the reasons are
+:mod:`~celery_exactonce.planner`'s) notes each range through
+:meth:`StateStore.note_skipped <celery_exactonce.stores.base.StateStore.note_skipped>`,
+for the admin and the CLI to read back. Pure values, no I/O: the store sets
+the time a range was noted. :class:`SkippedSlots` is importable from
+:mod:`celery_exactonce.jobs` as well.
+
+Not here: the job record and the store's answers (:mod:`celery_exactonce.jobs`);
+how beat counts and reports what it skips (:mod:`celery_exactonce.skips`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from datetime import datetime
+from typing import Any
+
+from celery_exactonce import times
+
+
+@dataclasses.dataclass(frozen=True)
+class SkippedSlots:
+    """Slots of one beat entry a node skipped in one tick, for one reason, as the store keeps them.
+
+    ``where`` is the reason (``catchup``, ``window``, ``unprovable``,
+    ``store_loss``), ``first`` and ``last`` the range, ``count`` the slots in
+    it, ``at`` the store time it was noted (set by the store).
+    """
+
+    entry: str
+    where: str
+    first: datetime
+    last: datetime
+    count: int
+    node: str
+    at: datetime | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "entry": self.entry,
+            "where": self.where,
+            "first": times.to_micros(self.first),
+            "last": times.to_micros(self.last),
+            "count": self.count,
+            "node": self.node,
+            "at": times.to_micros_opt(self.at),
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> SkippedSlots:
+        return cls(
+            entry=str(data["entry"]),
+            where=str(data["where"]),
+            first=times.from_micros(int(data["first"])),
+            last=times.from_micros(int(data["last"])),
+            count=int(data["count"]),
+            node=str(data["node"]),
+            at=times.from_micros_opt(data.get("at")),
+        )
