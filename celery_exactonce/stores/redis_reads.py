@@ -1,16 +1,18 @@
-"""The Redis store's reads for people: jobs per state, filtered listings, a lease's holder.
+"""The Redis store's reads for people: filtered listings and a lease's holder.
 
-:class:`RedisReads` is the part of :class:`~celery_exactonce.stores.redis.RedisStore`
-that answers the CLI's questions, none of them on a hot path:
+Helpers of :class:`~celery_exactonce.stores.redis.RedisStore` that answer the
+CLI's questions, none of them on a hot path:
 
-* **counts**: ``ZCARD`` of every state index, in one ``MULTI`` (one instant);
-* **a filtered listing**: the state's index walked page by page with the
-  ``list_stale`` script, the task and the entry matched here on the records
-  read (the index knows neither), until a page is full or the index ends;
-* **a lease**: its token and ``PTTL`` with the server's ``TIME``, in one ``MULTI``.
+* **a filtered listing** (:func:`filtered`): the state's index walked page by
+  page with the ``list_stale`` script, the task and the entry matched here on
+  the records read (the index knows neither), until a page is full or the
+  index ends;
+* **a lease** (:meth:`RedisReads._lease`): its token and ``PTTL`` with the
+  server's ``TIME``, in one ``MULTI``.
 
-Not here: the operations themselves (:mod:`~celery_exactonce.stores.redis`),
-the key layout (:mod:`~celery_exactonce.stores.redis_keys`).
+Not here: the operations themselves, the counts per state among them (one
+``count_states`` script, :mod:`~celery_exactonce.stores.redis`), the key
+layout (:mod:`~celery_exactonce.stores.redis_keys`).
 """
 
 from __future__ import annotations
