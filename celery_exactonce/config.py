@@ -39,7 +39,8 @@ class ExactOnceConfig:
     """The settings of celery-exactonce. Durations are in seconds."""
 
     store_url: str
-    """Where jobs live: ``memory://``, ``redis://`` (``rediss://``, ``unix://``),
+    """Where jobs live: ``memory://``, ``redis://`` (``rediss://``, ``unix://``,
+    ``redis+sentinel://HOST:PORT[,HOST:PORT...]/SERVICE[/DB]``),
     ``postgresql://``, ``mysql://`` / ``mariadb://``, ``sqlite:///`` (each optionally
     ``+driver``) or ``django://ALIAS``. Required. Credentials in it are redacted
     wherever it is shown."""
@@ -89,6 +90,11 @@ class ExactOnceConfig:
     """Lifetime of the reconciler's lease; renewed while a pass runs. > ``store_timeout``."""
     store_timeout: float = 5.0
     """Socket timeout of the Redis store's operations. > 0."""
+    min_replicas: int = 0
+    """Redis only: a claim, a gate write and a ``DISPATCHED`` write count once ``WAIT``
+    confirms them on this many replicas within ``store_timeout`` (else their outcome is
+    unknown, read back, and nothing is published on a guess); the store must have that
+    many connected at start-up. 0: no waiting. >= 0."""
     publish_timeout: float = 10.0
     """How long a publish may take before it counts as ambiguous. > 0."""
     retry_delay_store: float = 1.0
@@ -142,6 +148,8 @@ class ExactOnceConfig:
                 raise _error(name, f"must be > 0, got {getattr(self, name)!r}")
         if self.max_skew < 0:
             raise _error("max_skew", f"must be >= 0, got {self.max_skew!r}")
+        if self.min_replicas < 0:
+            raise _error("min_replicas", f"must be >= 0, got {self.min_replicas!r}")
         if self.max_lateness is not None and self.max_lateness <= 0:
             raise _error("max_lateness", f"must be > 0 or None, got {self.max_lateness!r}")
         if not _PREFIX_RE.match(self.key_prefix):

@@ -113,6 +113,7 @@ def run_checks(app: Any) -> Report:
         if report.run("store reachable", lambda: _reachable(store)):
             report.run("schema", lambda: _schema(store))
             report.run("eviction", lambda: _eviction(store))
+            report.run("replicas", lambda: _replicas(store, config))
             report.run("clock", lambda: _clock(store, config))
     finally:
         store.close()
@@ -228,8 +229,19 @@ def _eviction(store: StateStore) -> str:
     check = getattr(store, "check_config", None)
     if check is None:
         return "the store never evicts records"
-    check()  # Redis: maxmemory-policy must be noeviction
+    check(replicas=False)  # Redis: maxmemory-policy must be noeviction
     return "maxmemory-policy allows no eviction (or is not readable: see the log)"
+
+
+def _replicas(store: StateStore, config: ExactOnceConfig) -> str:
+    """``exactonce_min_replicas``: the Redis store has that many replicas connected."""
+    if not config.min_replicas:
+        return "writes wait for no replica (exactonce_min_replicas = 0)"
+    connected = store.check_replicas()  # type: ignore[attr-defined]  # only Redis gets here
+    return (
+        f"{connected} replica(s) connected; each counted write waits for "
+        f"{config.min_replicas} (exactonce_min_replicas)"
+    )
 
 
 def _clock(store: StateStore, config: ExactOnceConfig) -> str | tuple[str, str]:

@@ -9,6 +9,7 @@ URL                                       store                          extra
 ========================================  =============================  ==========
 ``memory://``                             :class:`InMemoryStore`         (none)
 ``redis://``, ``rediss://``, ``unix://``  ``RedisStore``                 ``redis``
+``redis+sentinel://H:P[,H:P]/SERVICE``    ``RedisStore`` (its master)    ``redis``
 ``postgresql://`` (``postgres://``)       ``SqlStore`` (psycopg 3)       ``postgres``
 ``mysql://``, ``mariadb://``              ``SqlStore`` (PyMySQL)         ``mysql``
 ``sqlite:///path/to/file.db``             ``SqlStore``                   ``sqlite``
@@ -154,7 +155,7 @@ def redact_url(url: str) -> str:
         return _UNPARSABLE if "@" in url else _redact_pairs(url)
     try:
         parts = urlsplit(url)
-        parts.port  # noqa: B018 (raises ValueError on a malformed port)
+        _check_ports(parts.netloc)
     except ValueError:
         return _UNPARSABLE
     netloc = parts.netloc
@@ -173,6 +174,15 @@ def redact_url(url: str) -> str:
     if fragment or "#" in url:
         text += f"#{fragment}"
     return text
+
+
+def _check_ports(netloc: str) -> None:
+    """Raise ``ValueError`` unless each ``host:port`` of ``netloc`` has a valid port or none.
+
+    Sentinel's netloc is a comma list (``:pw@h1:26379,h2:26379``): each host is checked.
+    """
+    for host in netloc.rpartition("@")[2].split(","):
+        urlsplit(f"x://{host}").port  # noqa: B018 (raises ValueError on a malformed port)
 
 
 def _cut_userinfo(url: str, netloc: str) -> bool:
@@ -329,19 +339,24 @@ class StoreSettings(Protocol):
     @property
     def table_prefix(self) -> str: ...
 
+    @property
+    def min_replicas(self) -> int: ...
+
 
 def open_store(config: StoreSettings, *, setup: bool = True) -> StateStore:
     """Build, set up and check the store of ``config``: what every node does at start-up.
 
     Runs :meth:`StateStore.setup` (schema and format version) and the
     backend's own start-up checks (Redis must run with
-    ``maxmemory-policy noeviction``), unless ``setup`` is false: then nothing
+    ``maxmemory-policy noeviction``, and have ``exactonce_min_replicas``
+    replicas), unless ``setup`` is false: then nothing
     touches the network (a worker's pool child, whose parent checked at start-up).
 
     Raises
     ------
     ConfigurationError
-        The URL is unusable or the backend is misconfigured.
+        The URL is unusable or the backend is misconfigured
+        (``exactonce_min_replicas`` on a store other than Redis).
     SchemaMismatch
         The store holds a newer format than this code writes.
     StoreUnavailable
@@ -352,6 +367,14 @@ def open_store(config: StoreSettings, *, setup: bool = True) -> StateStore:
     options: dict[str, Any] = {}
     if base in _REDIS_SCHEMES:
         options = {"prefix": config.key_prefix, "socket_timeout": config.store_timeout}
+        options["min_replicas"] = config.min_replicas
+    elif config.min_replicas:
+        raise exceptions.ConfigurationError(
+            f"exactonce_min_replicas={config.min_replicas}: only a Redis store waits for "
+            f"replicas (store {redact_url(url)}); on PostgreSQL use synchronous_commit "
+            "with a synchronous standby instead (docs/howto/store-sql.md)",
+            setting="exactonce_min_replicas",
+        )
     elif base in _SQL_DRIVERS:
         options = {"table_prefix": config.table_prefix}
     store = store_from_url(url, namespace=config.namespace, retention=config.retention, **options)

@@ -140,11 +140,12 @@ class RedisStore(RedisReads, RedisEnqueue, RedisBatches):
             stored = self._client.hget(self._key("meta"), "format_version")
         return None if stored is None else self._version(as_text(stored))
 
-    def check_config(self) -> None:
-        """Refuse a Redis that may evict keys (``maxmemory-policy`` other than ``noeviction``).
+    def check_config(self, *, replicas: bool = True) -> None:
+        """Refuse a Redis that may evict keys, or (``replicas``) lacks ``min_replicas`` replicas.
 
         Reads ``CONFIG GET``, or ``INFO memory`` when ``CONFIG`` is disabled or
-        renamed; when neither is readable, logs a warning and passes.
+        renamed; when neither is readable, logs a warning and passes. The
+        replicas: :meth:`check_replicas`.
         """
         with self._wrap("check_config"):
             policy = maxmemory_policy(self._client)
@@ -160,6 +161,8 @@ class RedisStore(RedisReads, RedisEnqueue, RedisBatches):
                 "it must be 'noeviction' (an evicted record could let a job run twice)",
                 setting="exactonce_store_url",
             )
+        if replicas:
+            self.check_replicas()
 
     def drop_namespace(self) -> None:
         """Delete every key of this namespace (records, indexes, epoch, leases, meta)."""
@@ -207,10 +210,13 @@ class RedisStore(RedisReads, RedisEnqueue, RedisBatches):
 
         The same host and port (or unix socket) as this store's client, which
         must be a plain client (a cluster has no databases, and a script there
-        may only touch its own slot): then :meth:`enqueue` can push to that
-        server's broker database.
+        may only touch its own slot), not behind Sentinel, and no
+        ``min_replicas`` (the script would push before ``WAIT`` confirms the
+        record): then :meth:`enqueue` can push to that server's broker database.
         """
-        return self._db if same_server(self._client, connection_kwargs) else None
+        if self._min_replicas or not same_server(self._client, connection_kwargs):
+            return None
+        return self._db
 
     def enqueue(self, new: NewJob, dispatch: Transition, push: Push) -> CreateResult:
         """Create ``new`` straight into ``DISPATCHED`` and run ``push``, atomically.
@@ -233,7 +239,7 @@ class RedisStore(RedisReads, RedisEnqueue, RedisBatches):
 
     def get(self, ref: JobRef) -> Job | None:
         with self._wrap("get"):
-            record = dict(self._client.hgetall(self._job_key(ref)))
+            record = dict(self._confirmed_read("HGETALL", self._job_key(ref)))
         return decode_job([item for pair in record.items() for item in pair]) if record else None
 
     def watermark(self, entry: str) -> datetime | None:

@@ -2,14 +2,17 @@
 
 * :func:`client_from_url`: the client
   :meth:`RedisStore.from_url <celery_exactonce.stores.redis.RedisStore.from_url>`
-  opens (``redis://``, ``rediss://``, ``unix://``), with redis-py's own command
-  retry off, and a malformed URL refused as a ``ConfigurationError`` naming
-  ``exactonce_store_url``, redacted;
+  opens (``redis://``, ``rediss://``, ``unix://``, and ``redis+sentinel://``
+  through :mod:`~celery_exactonce.stores.redis_sentinel`), with redis-py's own
+  command retry off, and a malformed URL refused as a ``ConfigurationError``
+  naming ``exactonce_store_url``, redacted;
 * :func:`describe`: what the store keeps of its client's connection: the
   database, the place its messages name (no password) and the password they
   must not show;
 * :func:`same_server`: whether redis-py connection arguments reach the
-  client's server (where the one-step enqueue can push to a broker database);
+  client's server (where the one-step enqueue can push to a broker database;
+  never through Sentinel, whose master moves);
+* :func:`replicas`: how many replicas the server has connected, from ``INFO replication``;
 * :func:`maxmemory_policy`: the server's ``maxmemory-policy``, which must be
   ``noeviction``: from ``CONFIG GET``, else ``INFO memory``, else unknown.
 
@@ -32,6 +35,11 @@ from redis.retry import Retry
 from celery_exactonce import exceptions
 from celery_exactonce.stores import redact_message, redact_url
 from celery_exactonce.stores.redis_codec import as_text
+from celery_exactonce.stores.redis_sentinel import (
+    is_sentinel_client,
+    is_sentinel_url,
+    sentinel_client,
+)
 
 
 def client_from_url(url: str, socket_timeout: float, kwargs: dict[str, Any]) -> redis.Redis:
@@ -44,6 +52,8 @@ def client_from_url(url: str, socket_timeout: float, kwargs: dict[str, Any]) -> 
     """
     kwargs.setdefault("socket_connect_timeout", socket_timeout)
     kwargs.setdefault("retry", Retry(NoBackoff(), 0))
+    if is_sentinel_url(url):
+        return sentinel_client(url, socket_timeout, kwargs)
     try:
         return redis.Redis.from_url(url, socket_timeout=socket_timeout, **kwargs)
     except (ValueError, TypeError) as exc:
@@ -72,8 +82,10 @@ def same_server(client: redis.Redis, connection_kwargs: Mapping[str, Any]) -> bo
 
     The same host and port (or unix socket), and ``client`` a plain client (a
     cluster has no databases, and a script there may only touch its own slot).
+    Never a client behind Sentinel: its master moves on a failover, and a
+    broker's connection arguments cannot tell whether they name the same one.
     """
-    if type(client) is not redis.Redis:
+    if type(client) is not redis.Redis or is_sentinel_client(client):
         return False
     mine = client.connection_pool.connection_kwargs
     where = ("path", "host", "port")
@@ -98,3 +110,9 @@ def maxmemory_policy(client: redis.Redis) -> str | None:
         return None if policy is None else as_text(policy)
     except rexc.ResponseError:
         return None
+
+
+def replicas(client: redis.Redis) -> int:
+    """How many replicas the server has connected (``INFO replication``'s ``connected_slaves``)."""
+    info = client.info("replication")
+    return int(dict(info).get("connected_slaves", 0))

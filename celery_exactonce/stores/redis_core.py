@@ -15,6 +15,16 @@ for a URL, which it owns and closes), and:
   it again. :meth:`RedisCore._run_batched` runs a batch script (``create``,
   ``transition``) :data:`SCRIPT_BATCH` jobs to a call, the calls pipelined in
   one round trip (:meth:`RedisCore._run_many`);
+* **replicas** (``exactonce_min_replicas`` ≥ 1): a counted write (the
+  ``create``, ``transition`` and ``enqueue`` scripts: a claim, a gate write, a
+  ``DISPATCHED`` write) is followed, in the same pipeline and on the same
+  connection, by ``WAIT N timeout``; fewer than ``N`` replicas confirming it in
+  time raises :class:`NotReplicated` (a ``StoreUnavailable``: the write's
+  outcome is unknown, and its writer settles it by reading back). A
+  confirmed read (:meth:`RedisCore._confirmed_read`, what ``get`` and so every
+  read-back is) bumps a counter after reading and waits the same way, so that
+  a record read back is one a promoted replica has too. With ``N = 0`` none
+  of this runs;
 * **errors**: :meth:`RedisCore._wrap`, the one boundary of the store, turns
   driver errors into ``StoreUnavailable`` (retrying may help: the server is
   unreachable, slow, loading, failing over or read-only) or ``StoreError``,
@@ -45,7 +55,7 @@ import redis.exceptions as rexc
 from celery_exactonce import exceptions, jobs
 from celery_exactonce.states import TERMINAL, State
 from celery_exactonce.stores import redact_secrets, redact_url, url_secrets, validate_namespace
-from celery_exactonce.stores.redis_client import client_from_url, describe
+from celery_exactonce.stores.redis_client import client_from_url, describe, replicas
 from celery_exactonce.stores.redis_keys import RedisKeys, key_base
 
 #: Errors after which retrying may help: the server is unreachable, slow,
@@ -64,6 +74,9 @@ _TRANSIENT_REPLIES = ("BUSY", "MASTERDOWN", "NOREPLICAS", "LOADING", "TRYAGAIN")
 #: Jobs per call of a batch script (``create``, ``transition``): bounds how long one
 #: call holds the server (a few milliseconds) while sparing most per-call costs.
 SCRIPT_BATCH = 64
+
+#: The scripts whose write counts only once ``min_replicas`` replicas confirm it.
+COUNTED = frozenset({"create", "transition", "enqueue"})
 
 #: The class :meth:`RedisCore.from_url` builds (the store).
 _Store = TypeVar("_Store", bound="RedisCore")
@@ -103,6 +116,13 @@ def _lua(name: str) -> str:
     return lua.joinpath(f"{name}.lua").read_text(encoding="utf-8")
 
 
+class NotReplicated(exceptions.StoreUnavailable):
+    """A write the master applied, not confirmed by ``min_replicas`` replicas in time.
+
+    Its outcome is unknown, as after a lost answer: a failover may yet lose it.
+    """
+
+
 class RedisCore(RedisKeys):
     """The state of a Redis store, its scripts and its error boundary.
 
@@ -116,6 +136,8 @@ class RedisCore(RedisKeys):
         namespace: str,
         retention: float,
         prefix: str = "exactonce",
+        min_replicas: int = 0,
+        replica_timeout: float = 5.0,
     ) -> None:
         validate_namespace(namespace)
         base = key_base(prefix, namespace)
@@ -131,6 +153,10 @@ class RedisCore(RedisKeys):
         self._due_key, self._expire_key = self._key("due"), self._key("expire")
         self._owns_client = False
         self._closed = False
+        #: ``exactonce_min_replicas`` and the ``WAIT`` timeout (ms): see the module docs.
+        self._min_replicas = int(min_replicas)
+        self._wait_ms = max(1, int(replica_timeout * 1000))
+        self._counted = COUNTED if self._min_replicas > 0 else frozenset()
         self._db, self._where, self._secrets = describe(client)
         header = _lua_header() + _lua("common")
         self._scripts = {name: client.register_script(header + _lua(name)) for name in _SCRIPTS}
@@ -144,6 +170,7 @@ class RedisCore(RedisKeys):
         retention: float,
         prefix: str = "exactonce",
         socket_timeout: float = 5.0,
+        min_replicas: int = 0,
         **kwargs: Any,
     ) -> _Store:
         """A store on a new client for ``url`` (``redis://``, ``rediss://``, ``unix://``).
@@ -152,9 +179,20 @@ class RedisCore(RedisKeys):
         a script resent after a timeout could apply twice and answer as if
         another writer had won, where the caller must instead settle the
         unknown outcome by reading the record back.
+
+        With ``min_replicas`` ≥ 1 each counted write waits up to
+        ``socket_timeout`` for its replicas, so the socket waits twice that.
         """
-        client = client_from_url(url, socket_timeout, kwargs)
-        store = cls(client, namespace=namespace, retention=retention, prefix=prefix)
+        wait = socket_timeout if min_replicas > 0 else 0.0
+        client = client_from_url(url, socket_timeout + wait, kwargs)
+        store = cls(
+            client,
+            namespace=namespace,
+            retention=retention,
+            prefix=prefix,
+            min_replicas=min_replicas,
+            replica_timeout=socket_timeout,
+        )
         store._owns_client = True
         store._where = redact_url(url)
         store._secrets += url_secrets(url)
@@ -168,6 +206,8 @@ class RedisCore(RedisKeys):
         What redis-py's ``Script.__call__`` does, without the import and tuple
         copies it makes per call (a submit runs one script).
         """
+        if name in self._counted:
+            return self._run_many(name, [(keys, args)])[0]
         script, execute = self._scripts[name], self._client.execute_command
         try:
             return execute("EVALSHA", script.sha, len(keys), *keys, *args)  # type: ignore[no-untyped-call]
@@ -210,11 +250,12 @@ class RedisCore(RedisKeys):
             self._check_open()
             return []
         script = self._scripts[name]
-        replies = self._evalsha_many(script.sha, calls)
+        wait = name in self._counted
+        replies = self._evalsha_many(script.sha, calls, wait)
         missing = [i for i, reply in enumerate(replies) if isinstance(reply, rexc.NoScriptError)]
         if missing:  # a restarted or flushed server: those calls did not run; load, run them
             script.sha = self._client.script_load(script.script)
-            retried = self._evalsha_many(script.sha, [calls[i] for i in missing])
+            retried = self._evalsha_many(script.sha, [calls[i] for i in missing], wait)
             for i, reply in zip(missing, retried, strict=True):
                 replies[i] = reply
         for reply in replies:
@@ -222,17 +263,70 @@ class RedisCore(RedisKeys):
                 raise reply
         return replies
 
-    def _evalsha_many(self, sha: str, calls: Sequence[tuple[list[str], list[Any]]]) -> list[Any]:
+    def _evalsha_many(
+        self, sha: str, calls: Sequence[tuple[list[str], list[Any]]], wait: bool = False
+    ) -> list[Any]:
         """EVALSHA per call in one pipeline; errors come back as values.
 
         Not ``Script.__call__`` on the pipeline: that costs a ``SCRIPT EXISTS``
         round trip per batch, where a missing script is rare and shows as
         ``NoScriptError`` replies (the call did not run) that :meth:`_run_many` handles.
+        With ``wait``, ``WAIT`` ends the pipeline: :class:`NotReplicated` unless enough
+        replicas confirm.
         """
         with self._client.pipeline(transaction=False) as pipe:
             for keys, args in calls:
                 pipe.evalsha(sha, len(keys), *keys, *args)
-            return list(pipe.execute(raise_on_error=False))
+            if wait:
+                pipe.wait(self._min_replicas, self._wait_ms)
+            replies = list(pipe.execute(raise_on_error=False))
+        if wait:
+            self._check_replicas(replies.pop(), "write")
+        return replies
+
+    def _confirmed_read(self, command: str, *args: Any) -> Any:
+        """Run read ``command``; with ``min_replicas``, confirm what it saw is on the replicas.
+
+        ``WAIT`` waits for the writes of its own connection: a counter bumped
+        after the read makes everything the read saw one of them.
+        """
+        if not self._min_replicas:
+            return self._client.execute_command(command, *args)  # type: ignore[no-untyped-call]
+        with self._client.pipeline(transaction=False) as pipe:
+            pipe.execute_command(command, *args)  # type: ignore[no-untyped-call]
+            pipe.incr(self._key("sync"))
+            pipe.wait(self._min_replicas, self._wait_ms)
+            reply, _, confirmed = pipe.execute()
+        self._check_replicas(confirmed, "read")
+        return reply
+
+    def check_replicas(self) -> int:
+        """The replicas the server has connected; refused below ``exactonce_min_replicas``."""
+        if not self._min_replicas:
+            return 0
+        with self._wrap("check_replicas"):
+            connected = replicas(self._client)
+        if connected < self._min_replicas:
+            raise exceptions.ConfigurationError(
+                f"exactonce_min_replicas={self._min_replicas}: Redis store {self._where} has "
+                f"{connected} connected replica(s); no write could be confirmed on "
+                f"{self._min_replicas}",
+                setting="exactonce_min_replicas",
+            )
+        return connected
+
+    def _check_replicas(self, confirmed: Any, what: str) -> None:
+        if isinstance(confirmed, Exception):
+            raise confirmed
+        if int(confirmed) < self._min_replicas:
+            raise NotReplicated(
+                redact_secrets(
+                    f"Redis store {self._where}: a {what} confirmed by {int(confirmed)} "
+                    f"replica(s) of the {self._min_replicas} exactonce_min_replicas asks "
+                    f"within {self._wait_ms} ms: its outcome is unknown",
+                    self._secrets,
+                )
+            )
 
     # -- errors --------------------------------------------------------------------------
 

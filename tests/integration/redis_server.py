@@ -1,20 +1,26 @@
-"""A private, throw-away redis-server for tests that restart or misconfigure Redis.
+"""Private, throw-away redis-servers for tests that restart, misconfigure or fail over Redis.
 
 The shared Redis of the machine is never restarted by a test: these tests
-start their own server on a free port, with no persistence, and stop it.
+start their own servers on free ports, with no persistence, and stop them by
+pid. :func:`redis_server` is one server; :func:`sentinel_group` a master, its
+replicas (``--replicaof``) and sentinels (``redis-server FILE --sentinel``, the
+file generated in the group's directory) watching it, every wait polled
+against a deadline.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 
 import pytest
+import redis
 
 
 def _free_port() -> int:
@@ -24,14 +30,26 @@ def _free_port() -> int:
 
 
 class RedisServer:
-    def __init__(self, *extra: str) -> None:
+    """One redis-server (or, with ``sentinel``, one sentinel reading ``config``) on a free port."""
+
+    def __init__(self, *extra: str, sentinel_config: str | None = None) -> None:
         self.binary = shutil.which("redis-server")
         if self.binary is None:
             pytest.skip("redis-server is not installed")
         self.port = _free_port()
         self.extra = extra
         self.dir = tempfile.mkdtemp(prefix="exactonce-redis-")
+        self.sentinel_config = sentinel_config
         self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.process is None else self.process.pid
+
+    def client(self, timeout: float = 5.0) -> redis.Redis:
+        return redis.Redis(
+            host="127.0.0.1", port=self.port, socket_timeout=timeout, decode_responses=True
+        )
 
     @property
     def url(self) -> str:
@@ -39,9 +57,15 @@ class RedisServer:
 
     def start(self) -> None:
         assert self.binary is not None
+        head = [self.binary]
+        if self.sentinel_config is not None:
+            path = os.path.join(self.dir, "sentinel.conf")
+            with open(path, "w", encoding="utf-8") as conf:
+                conf.write(self.sentinel_config)
+            head = [self.binary, path, "--sentinel"]
         self.process = subprocess.Popen(
             [
-                self.binary,
+                *head,
                 "--port",
                 str(self.port),
                 "--bind",
@@ -77,11 +101,121 @@ class RedisServer:
 
 
 @contextmanager
-def redis_server(*extra: str) -> Iterator[RedisServer]:
-    server = RedisServer(*extra)
+def redis_server(*extra: str, sentinel_config: str | None = None) -> Iterator[RedisServer]:
+    server = RedisServer(*extra, sentinel_config=sentinel_config)
     server.start()
     try:
         yield server
     finally:
         server.kill()
         shutil.rmtree(server.dir, ignore_errors=True)
+
+
+def wait_for(what: str, check: Callable[[], bool], timeout: float = 30.0) -> None:
+    """Poll ``check`` until it holds, or fail naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if check():
+                return
+        except (redis.RedisError, OSError):
+            pass
+        time.sleep(0.05)
+    raise TimeoutError(f"{what}: not within {timeout:g} s")
+
+
+SERVICE = "exactonce"
+
+
+class SentinelGroup:
+    """A master, its replicas and the sentinels watching it (service :data:`SERVICE`)."""
+
+    def __init__(self, master: RedisServer) -> None:
+        self.master = master
+        self.replicas: list[RedisServer] = []
+        self.sentinels: list[RedisServer] = []
+
+    @property
+    def servers(self) -> list[RedisServer]:
+        return [self.master, *self.replicas]
+
+    def url(self, db: int = 0, password: str = "") -> str:
+        hosts = ",".join(f"127.0.0.1:{s.port}" for s in self.sentinels)
+        auth = f":{password}@" if password else ""
+        return f"redis+sentinel://{auth}{hosts}/{SERVICE}/{db}"
+
+    def master_port(self) -> int:
+        """The master's port as the first sentinel that answers says it."""
+        for sentinel in self.sentinels:
+            try:
+                _, port = sentinel.client(1.0).sentinel_get_master_addr_by_name(SERVICE)
+                return int(port)
+            except (redis.RedisError, OSError, TypeError):
+                continue
+        raise TimeoutError("no sentinel answers")
+
+    def current_master(self) -> RedisServer:
+        port = self.master_port()
+        return next(s for s in self.servers if s.port == port)
+
+    def wait_replicas(self, count: int, timeout: float = 30.0) -> None:
+        """Wait until the current master has ``count`` replicas online and caught up."""
+
+        def ready() -> bool:
+            master = self.current_master() if self.sentinels else self.master
+            info = master.client(1.0).info("replication")
+            online = [v for k, v in info.items() if k.startswith("slave") and isinstance(v, dict)]
+            return len([v for v in online if v.get("state") == "online"]) >= count
+
+        wait_for(f"{count} replicas online", ready, timeout)
+
+    def failover_after_kill(self, timeout: float = 60.0) -> RedisServer:
+        """SIGKILL the current master, wait for the sentinels to promote another; the new master."""
+        old = self.current_master()
+        old.kill()
+        wait_for("a new master", lambda: self.master_port() != old.port, timeout)
+        new = self.current_master()
+        wait_for(
+            "the new master writable",
+            lambda: new.client(1.0).info("replication")["role"] == "master",
+            timeout,
+        )
+        return new
+
+
+def _sentinel_config(master_port: int, quorum: int) -> str:
+    return (
+        f"sentinel monitor {SERVICE} 127.0.0.1 {master_port} {quorum}\n"
+        f"sentinel down-after-milliseconds {SERVICE} 1000\n"
+        f"sentinel failover-timeout {SERVICE} 5000\n"
+        f"sentinel parallel-syncs {SERVICE} 2\n"
+    )
+
+
+@contextmanager
+def sentinel_group(replicas: int = 2, sentinels: int = 3) -> Iterator[SentinelGroup]:
+    """A master, ``replicas`` replicas and ``sentinels`` sentinels; all killed at the end."""
+    with ExitStack() as stack:
+        group = SentinelGroup(stack.enter_context(redis_server()))
+        for _ in range(replicas):
+            group.replicas.append(
+                stack.enter_context(
+                    redis_server("--replicaof", "127.0.0.1", str(group.master.port))
+                )
+            )
+        group.wait_replicas(replicas)
+        config = _sentinel_config(group.master.port, max(1, sentinels // 2 + 1))
+        for _ in range(sentinels):
+            group.sentinels.append(stack.enter_context(redis_server(sentinel_config=config)))
+
+        def watching() -> bool:
+            for sentinel in group.sentinels:
+                state = sentinel.client(1.0).sentinel_master(SERVICE)
+                if int(state["num-other-sentinels"]) < sentinels - 1:
+                    return False
+                if int(state["num-slaves"]) < replicas:
+                    return False
+            return True
+
+        wait_for("the sentinels watching the master and each other", watching)
+        yield group
