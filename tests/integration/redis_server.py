@@ -46,9 +46,9 @@ class RedisServer:
     def pid(self) -> int | None:
         return None if self.process is None else self.process.pid
 
-    def client(self, timeout: float = 5.0) -> redis.Redis:
+    def client(self, timeout: float = 5.0, db: int = 0) -> redis.Redis:
         return redis.Redis(
-            host="127.0.0.1", port=self.port, socket_timeout=timeout, decode_responses=True
+            host="127.0.0.1", port=self.port, db=db, socket_timeout=timeout, decode_responses=True
         )
 
     @property
