@@ -1,12 +1,31 @@
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
 
 from celery_exactonce.stores.base import StateStore
 from tests import services
-from tests.support.backends import BACKENDS, DJANGO_BACKENDS, StoreFactory
+from tests.support.backends import (
+    BACKENDS,
+    DJANGO_BACKENDS,
+    SENTINEL_URL_VARIABLE,
+    StoreFactory,
+)
+
+
+@pytest.fixture(scope="session")
+def sentinel_url() -> Iterator[str]:
+    """A master, two replicas and three sentinels for this test process (opt-in backend)."""
+    from tests.integration.redis_server import sentinel_group
+
+    with sentinel_group(replicas=2, sentinels=3) as group:
+        os.environ[SENTINEL_URL_VARIABLE] = group.url()  # spawned racers inherit it
+        try:
+            yield group.url()
+        finally:
+            os.environ.pop(SENTINEL_URL_VARIABLE, None)
 
 
 def _need(backend: str) -> None:
@@ -19,6 +38,8 @@ def _need(backend: str) -> None:
 @pytest.fixture(params=BACKENDS)
 def backend(request: pytest.FixtureRequest) -> str:
     _need(request.param)
+    if request.param == "sentinel":
+        request.getfixturevalue("sentinel_url")
     if request.param in DJANGO_BACKENDS:  # pytest-django blocks the ORM's connections
         blocker = request.getfixturevalue("django_db_blocker")
         blocker.unblock()

@@ -12,7 +12,24 @@ from celery_exactonce.stores import InMemoryStore, store_from_url
 from celery_exactonce.stores.base import StateStore
 from tests import services
 
-BACKENDS = ("memory", "redis", "postgres", "mysql", "sqlite", "django-sqlite", "django-postgres")
+#: Opt-in (``EXACTONCE_TEST_SENTINEL=1``): the Redis store behind Sentinel with
+#: ``min_replicas=1``, on a master, two replicas and three sentinels the contract
+#: suite starts (once per test process). Off by default: it doubles the Redis
+#: contract's time; tests/integration/test_sentinel*.py cover Sentinel in CI.
+SENTINEL = ("sentinel",) if os.environ.get("EXACTONCE_TEST_SENTINEL") == "1" else ()
+#: Where the suite's Sentinel group is (set by the fixture that starts it).
+SENTINEL_URL_VARIABLE = "EXACTONCE_TEST_SENTINEL_URL"
+
+BACKENDS = (
+    "memory",
+    "redis",
+    "postgres",
+    "mysql",
+    "sqlite",
+    "django-sqlite",
+    "django-postgres",
+    *SENTINEL,
+)
 
 #: Backends reachable from several processes (the memory store lives in one).
 SHARED_BACKENDS = ("redis", "postgres", "mysql", "sqlite")
@@ -30,6 +47,8 @@ def store_url(backend: str, tmpdir: str) -> str:
         return f"sqlite:///{os.path.join(tmpdir, 'exactonce.db')}"
     if backend in DJANGO_BACKENDS:
         return f"django://{DJANGO_BACKENDS[backend]}"
+    if backend == "sentinel":
+        return os.environ[SENTINEL_URL_VARIABLE]
     return services.SERVICE_URLS[backend]
 
 
@@ -38,7 +57,8 @@ def make_store(backend: str, url: str, namespace: str, retention: float = 3600.0
         return InMemoryStore(namespace, retention=retention)
     if backend in DJANGO_BACKENDS:
         migrate_django_store(DJANGO_BACKENDS[backend])
-    store = store_from_url(url, namespace=namespace, retention=retention)
+    options = {"min_replicas": 1} if backend == "sentinel" else {}
+    store = store_from_url(url, namespace=namespace, retention=retention, **options)
     store.setup()
     return store
 
