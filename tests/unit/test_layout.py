@@ -98,3 +98,23 @@ def test_no_module_below_the_task_imports_the_task_or_the_scheduler() -> None:
     ]
     reaching = {name: sorted(_reach(graph, name) & above) for name in below}
     assert {name: found for name, found in reaching.items() if found} == {}
+
+
+#: "About 400 lines": a module that grows past this has taken in a second concept;
+#: split it (docs/design/architecture.md says where each concept lives).
+MAX_LINES = 420
+
+
+def test_every_module_is_about_400_lines_or_fewer_and_says_what_it_holds() -> None:
+    long, bare = {}, []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if "migrations" in path.parts:
+            continue  # Django writes these
+        source = path.read_text(encoding="utf-8")
+        lines = source.count("\n")
+        if lines > MAX_LINES:
+            long[_name(path)] = lines
+        if path.stat().st_size and ast.get_docstring(ast.parse(source)) is None:
+            bare.append(_name(path))
+    assert long == {}, f"modules over {MAX_LINES} lines"
+    assert bare == [], "modules without a docstring saying what lives there"
