@@ -10,6 +10,7 @@ URL                                       store                          extra
 ``memory://``                             :class:`InMemoryStore`         (none)
 ``redis://``, ``rediss://``, ``unix://``  ``RedisStore``                 ``redis``
 ``redis+sentinel://H:P[,H:P]/SERVICE``    ``RedisStore`` (its master)    ``redis``
+``redis+cluster://H:P[,H:P]``             ``RedisStore`` (a cluster)     ``redis``
 ``postgresql://`` (``postgres://``)       ``SqlStore`` (psycopg 3)       ``postgres``
 ``mysql://``, ``mariadb://``              ``SqlStore`` (PyMySQL)         ``mysql``
 ``sqlite:///path/to/file.db``             ``SqlStore``                   ``sqlite``

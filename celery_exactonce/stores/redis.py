@@ -59,7 +59,8 @@ from celery_exactonce.skipped_slots import SkippedSlots
 from celery_exactonce.states import State
 from celery_exactonce.stores.base import FORMAT_VERSION, SKIPPED_KEPT, DueBacklog
 from celery_exactonce.stores.redis_batches import RedisBatches
-from celery_exactonce.stores.redis_client import maxmemory_policy, same_server
+from celery_exactonce.stores.redis_client import masters, maxmemory_policy, same_server
+from celery_exactonce.stores.redis_cluster import ClusterClient
 from celery_exactonce.stores.redis_codec import (
     as_text,
     create_result,
@@ -109,13 +110,13 @@ class RedisStore(RedisReads, RedisEnqueue, RedisBatches):
 
     def now(self) -> datetime:
         with self._wrap("TIME"):
-            seconds, micros = self._client.time()
+            seconds, micros = self._node(self._key("meta")).time()
         return times.from_micros(int(seconds) * 1_000_000 + int(micros))
 
     def ping(self) -> bool:
         """Whether Redis answers (raises :class:`StoreUnavailable` when it does not)."""
         with self._wrap("PING"):
-            return bool(self._client.ping())
+            return bool(self._node(self._key("meta")).ping())
 
     def setup(self) -> None:
         with self._wrap("setup"):
@@ -144,22 +145,25 @@ class RedisStore(RedisReads, RedisEnqueue, RedisBatches):
         """Refuse a Redis that may evict keys, or (``replicas``) lacks ``min_replicas`` replicas.
 
         Reads ``CONFIG GET``, or ``INFO memory`` when ``CONFIG`` is disabled or
-        renamed; when neither is readable, logs a warning and passes. The
+        renamed (on a cluster, on every master); when neither is readable, logs
+        a warning and passes. The
         replicas: :meth:`check_replicas`.
         """
         with self._wrap("check_config"):
-            policy = maxmemory_policy(self._client)
-        if policy is None:
+            policies = [maxmemory_policy(server) for server in masters(self._client)]
+        evicting = [policy for policy in policies if policy not in (None, "noeviction")]
+        if evicting:
+            raise exceptions.ConfigurationError(
+                f"exactonce_store_url={self._where!r}: Redis maxmemory-policy is "
+                f"{evicting[0]!r}; it must be 'noeviction' (an evicted record could let a "
+                "job run twice)",
+                setting="exactonce_store_url",
+            )
+        if None in policies:
             metrics.event(
                 "store_config_unknown",
                 f"cannot read maxmemory-policy of Redis store {self._where}; it must be noeviction",
                 level=logging.WARNING,
-            )
-        elif policy != "noeviction":
-            raise exceptions.ConfigurationError(
-                f"exactonce_store_url={self._where!r}: Redis maxmemory-policy is {policy!r}; "
-                "it must be 'noeviction' (an evicted record could let a job run twice)",
-                setting="exactonce_store_url",
             )
         if replicas:
             self.check_replicas()
@@ -168,20 +172,22 @@ class RedisStore(RedisReads, RedisEnqueue, RedisBatches):
         """Delete every key of this namespace (records, indexes, epoch, leases, meta)."""
         pattern = f"{self._base}:*"
         with self._wrap("drop_namespace"):
+            server = self._node(self._key("meta"))  # every key of the namespace is there
             batch: list[Any] = []
-            for key in self._client.scan_iter(match=pattern, count=500):
+            for key in server.scan_iter(match=pattern, count=500):
                 batch.append(key)
                 if len(batch) >= 500:
-                    self._client.delete(*batch)
+                    server.delete(*batch)
                     batch = []
             if batch:
-                self._client.delete(*batch)
+                server.delete(*batch)
 
     def close(self) -> None:
         if not self._closed and self._owns_client:
             with contextlib.suppress(rexc.RedisError, OSError):
                 self._client.close()
-                self._client.connection_pool.disconnect()
+                if not isinstance(self._client, ClusterClient):
+                    self._client.connection_pool.disconnect()
         self._closed = True
 
     # -- epoch and create ----------------------------------------------------------------
@@ -270,7 +276,7 @@ class RedisStore(RedisReads, RedisEnqueue, RedisBatches):
         ]
         key = self._key("skipped")
         with self._wrap("note_skipped"):
-            pipe = self._client.pipeline(transaction=True)
+            pipe = self._node(key).pipeline(transaction=True)
             pipe.lpush(key, *records)
             pipe.ltrim(key, 0, SKIPPED_KEPT - 1)
             pipe.execute()

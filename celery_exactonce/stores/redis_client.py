@@ -2,8 +2,9 @@
 
 * :func:`client_from_url`: the client
   :meth:`RedisStore.from_url <celery_exactonce.stores.redis.RedisStore.from_url>`
-  opens (``redis://``, ``rediss://``, ``unix://``, and ``redis+sentinel://``
-  through :mod:`~celery_exactonce.stores.redis_sentinel`), with redis-py's own
+  opens (``redis://``, ``rediss://``, ``unix://``, ``redis+sentinel://``
+  through :mod:`~celery_exactonce.stores.redis_sentinel` and ``redis+cluster://``
+  through :mod:`~celery_exactonce.stores.redis_cluster`), with redis-py's own
   command retry off, and a malformed URL refused as a ``ConfigurationError``
   naming ``exactonce_store_url``, redacted;
 * :func:`describe`: what the store keeps of its client's connection: the
@@ -11,7 +12,9 @@
   must not show;
 * :func:`same_server`: whether redis-py connection arguments reach the
   client's server (where the one-step enqueue can push to a broker database;
-  never through Sentinel, whose master moves);
+  never through Sentinel, whose master moves, nor on a cluster);
+* :func:`masters` and :func:`node`: the plain clients of a cluster's masters,
+  and of the master serving a key (a plain client's own server otherwise);
 * :func:`replicas`: how many replicas the server has connected, from ``INFO replication``;
 * :func:`maxmemory_policy`: the server's ``maxmemory-policy``, which must be
   ``noeviction``: from ``CONFIG GET``, else ``INFO memory``, else unknown.
@@ -34,6 +37,7 @@ from redis.retry import Retry
 
 from celery_exactonce import exceptions
 from celery_exactonce.stores import redact_message, redact_url
+from celery_exactonce.stores.redis_cluster import ClusterClient, cluster_client, is_cluster_url
 from celery_exactonce.stores.redis_codec import as_text
 from celery_exactonce.stores.redis_sentinel import (
     is_sentinel_client,
@@ -54,6 +58,8 @@ def client_from_url(url: str, socket_timeout: float, kwargs: dict[str, Any]) -> 
     kwargs.setdefault("retry", Retry(NoBackoff(), 0))
     if is_sentinel_url(url):
         return sentinel_client(url, socket_timeout, kwargs)
+    if is_cluster_url(url):
+        return cluster_client(url, socket_timeout, kwargs)
     try:
         return redis.Redis.from_url(url, socket_timeout=socket_timeout, **kwargs)
     except (ValueError, TypeError) as exc:
@@ -64,7 +70,12 @@ def client_from_url(url: str, socket_timeout: float, kwargs: dict[str, Any]) -> 
 
 
 def describe(client: redis.Redis) -> tuple[int, str, list[str]]:
-    """The client's database, the place messages name (``redis://host:port/db``), its secrets."""
+    """The client's database, the place messages name (``redis://host:port/db``), its secrets.
+
+    A cluster's: database 0 (it has no other), its URL redacted, its password.
+    """
+    if isinstance(client, ClusterClient):
+        return 0, client.where, [client.password] if client.password else []
     kwargs = client.connection_pool.connection_kwargs
     db = int(kwargs.get("db") or 0)
     where = (
@@ -90,6 +101,20 @@ def same_server(client: redis.Redis, connection_kwargs: Mapping[str, Any]) -> bo
     mine = client.connection_pool.connection_kwargs
     where = ("path", "host", "port")
     return not any(mine.get(name) != connection_kwargs.get(name) for name in where)
+
+
+def masters(client: redis.Redis) -> list[redis.Redis]:
+    """The plain clients of the servers that hold writes: a cluster's masters, else ``client``."""
+    if isinstance(client, ClusterClient):
+        return client.primaries()
+    return [client]
+
+
+def node(client: redis.Redis, key: str) -> redis.Redis:
+    """The plain client of the server serving ``key``: on a cluster its slot's master."""
+    if isinstance(client, ClusterClient):
+        return client.node_client(key)
+    return client
 
 
 def maxmemory_policy(client: redis.Redis) -> str | None:

@@ -55,7 +55,8 @@ import redis.exceptions as rexc
 from celery_exactonce import exceptions, jobs
 from celery_exactonce.states import TERMINAL, State
 from celery_exactonce.stores import redact_secrets, redact_url, url_secrets, validate_namespace
-from celery_exactonce.stores.redis_client import client_from_url, describe, replicas
+from celery_exactonce.stores.redis_client import client_from_url, describe, node, replicas
+from celery_exactonce.stores.redis_cluster import ClusterClient, is_cluster_url
 from celery_exactonce.stores.redis_keys import RedisKeys, key_base
 
 #: Errors after which retrying may help: the server is unreachable, slow,
@@ -67,6 +68,8 @@ _TRANSIENT: tuple[type[Exception], ...] = (
     rexc.ClusterDownError,
     rexc.MasterDownError,
     rexc.ReadOnlyError,
+    rexc.MovedError,  # a cluster's slot moved (the command did not run)
+    rexc.AskError,
 )
 #: Server replies that mean the same though redis-py has no class for them.
 _TRANSIENT_REPLIES = ("BUSY", "MASTERDOWN", "NOREPLICAS", "LOADING", "TRYAGAIN")
@@ -173,7 +176,8 @@ class RedisCore(RedisKeys):
         min_replicas: int = 0,
         **kwargs: Any,
     ) -> _Store:
-        """A store on a new client for ``url`` (``redis://``, ``rediss://``, ``unix://``).
+        """A store on a new client for ``url`` (``redis://``, ``rediss://``, ``unix://``, Sentinel,
+        Cluster).
 
         The client does not retry commands by itself (``retry`` may be passed):
         a script resent after a timeout could apply twice and answer as if
@@ -183,6 +187,12 @@ class RedisCore(RedisKeys):
         With ``min_replicas`` ≥ 1 each counted write waits up to
         ``socket_timeout`` for its replicas, so the socket waits twice that.
         """
+        if min_replicas > 0 and is_cluster_url(url):
+            raise exceptions.ConfigurationError(
+                f"exactonce_min_replicas={min_replicas}: not supported on a Redis Cluster "
+                f"(store {redact_url(url)}) in this release",
+                setting="exactonce_min_replicas",
+            )
         wait = socket_timeout if min_replicas > 0 else 0.0
         client = client_from_url(url, socket_timeout + wait, kwargs)
         store = cls(
@@ -274,7 +284,7 @@ class RedisCore(RedisKeys):
         With ``wait``, ``WAIT`` ends the pipeline: :class:`NotReplicated` unless enough
         replicas confirm.
         """
-        with self._client.pipeline(transaction=False) as pipe:
+        with self._node(calls[0][0][0]).pipeline(transaction=False) as pipe:
             for keys, args in calls:
                 pipe.evalsha(sha, len(keys), *keys, *args)
             if wait:
@@ -283,6 +293,16 @@ class RedisCore(RedisKeys):
         if wait:
             self._check_replicas(replies.pop(), "write")
         return replies
+
+    def _node(self, key: str) -> redis.Redis:
+        """The plain client of the server serving ``key`` (on a cluster, its slot's master).
+
+        A pipeline goes there, never through redis-py's cluster pipeline, which
+        resends a command that timed out (a script could apply twice). A
+        ``MOVED`` or ``ASK`` reply there (the slot moved: the command did not
+        run) fails the operation as unavailable, and the slot table is read again.
+        """
+        return node(self._client, key)
 
     def _confirmed_read(self, command: str, *args: Any) -> Any:
         """Run read ``command``; with ``min_replicas``, confirm what it saw is on the replicas.
@@ -341,6 +361,11 @@ class RedisCore(RedisKeys):
         try:
             yield
         except rexc.RedisError as exc:
+            if isinstance(exc, (rexc.MovedError, rexc.AskError)) and isinstance(
+                self._client, ClusterClient
+            ):
+                with contextlib.suppress(rexc.RedisError, rexc.RedisClusterException):
+                    self._client.refresh()
             message = redact_secrets(
                 f"Redis store {self._where}: {action} failed: {type(exc).__name__}: {exc}",
                 self._secrets,

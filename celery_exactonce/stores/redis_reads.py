@@ -50,7 +50,7 @@ class RedisReads(RedisCore):
     def _lease(self, name: str) -> tuple[str, datetime] | None:
         key = self._key("lease", name)
         with self._wrap("lease"):
-            pipe = self._client.pipeline(transaction=True)
+            pipe = self._node(key).pipeline(transaction=True)
             pipe.time()
             pipe.get(key)
             pipe.pttl(key)

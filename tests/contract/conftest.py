@@ -9,6 +9,7 @@ from celery_exactonce.stores.base import StateStore
 from tests import services
 from tests.support.backends import (
     BACKENDS,
+    CLUSTER_URL_VARIABLE,
     DJANGO_BACKENDS,
     SENTINEL_URL_VARIABLE,
     StoreFactory,
@@ -28,6 +29,19 @@ def sentinel_url() -> Iterator[str]:
             os.environ.pop(SENTINEL_URL_VARIABLE, None)
 
 
+@pytest.fixture(scope="session")
+def cluster_url() -> Iterator[str]:
+    """A Redis Cluster of three masters, a replica each, for this test process (opt-in backend)."""
+    from tests.integration.redis_server import cluster
+
+    with cluster(masters=3, replicas_per_master=1) as group:
+        os.environ[CLUSTER_URL_VARIABLE] = group.url()  # spawned racers inherit it
+        try:
+            yield group.url()
+        finally:
+            os.environ.pop(CLUSTER_URL_VARIABLE, None)
+
+
 def _need(backend: str) -> None:
     if backend in ("redis", "postgres", "mysql"):
         services.need(backend)
@@ -40,6 +54,8 @@ def backend(request: pytest.FixtureRequest) -> str:
     _need(request.param)
     if request.param == "sentinel":
         request.getfixturevalue("sentinel_url")
+    if request.param == "cluster":
+        request.getfixturevalue("cluster_url")
     if request.param in DJANGO_BACKENDS:  # pytest-django blocks the ORM's connections
         blocker = request.getfixturevalue("django_db_blocker")
         blocker.unblock()

@@ -4,8 +4,9 @@ The shared Redis of the machine is never restarted by a test: these tests
 start their own servers on free ports, with no persistence, and stop them by
 pid. :func:`redis_server` is one server; :func:`sentinel_group` a master, its
 replicas (``--replicaof``) and sentinels (``redis-server FILE --sentinel``, the
-file generated in the group's directory) watching it, every wait polled
-against a deadline.
+file generated in the group's directory) watching it; :func:`cluster` a Redis
+Cluster (``--cluster-enabled yes`` servers joined by ``redis-cli --cluster
+create``). Every wait is polled against a deadline.
 """
 
 from __future__ import annotations
@@ -29,14 +30,35 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+#: A cluster node also listens on its port + 10000 (the cluster bus).
+BUS_OFFSET = 10000
+
+
+def _free_cluster_port() -> int:
+    """A free port whose cluster bus port (+ :data:`BUS_OFFSET`) is free too."""
+    for _ in range(200):
+        port = _free_port()
+        if port + BUS_OFFSET > 65535:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port + BUS_OFFSET))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free port pair for a cluster node")
+
+
 class RedisServer:
     """One redis-server (or, with ``sentinel``, one sentinel reading ``config``) on a free port."""
 
-    def __init__(self, *extra: str, sentinel_config: str | None = None) -> None:
+    def __init__(
+        self, *extra: str, sentinel_config: str | None = None, port: int | None = None
+    ) -> None:
         self.binary = shutil.which("redis-server")
         if self.binary is None:
             pytest.skip("redis-server is not installed")
-        self.port = _free_port()
+        self.port = _free_port() if port is None else port
         self.extra = extra
         self.dir = tempfile.mkdtemp(prefix="exactonce-redis-")
         self.sentinel_config = sentinel_config
@@ -101,8 +123,10 @@ class RedisServer:
 
 
 @contextmanager
-def redis_server(*extra: str, sentinel_config: str | None = None) -> Iterator[RedisServer]:
-    server = RedisServer(*extra, sentinel_config=sentinel_config)
+def redis_server(
+    *extra: str, sentinel_config: str | None = None, port: int | None = None
+) -> Iterator[RedisServer]:
+    server = RedisServer(*extra, sentinel_config=sentinel_config, port=port)
     server.start()
     try:
         yield server
@@ -218,4 +242,82 @@ def sentinel_group(replicas: int = 2, sentinels: int = 3) -> Iterator[SentinelGr
             return True
 
         wait_for("the sentinels watching the master and each other", watching)
+        yield group
+
+
+class Cluster:
+    """A Redis Cluster: its servers (masters and replicas, as ``--cluster create`` chose)."""
+
+    def __init__(self, servers: list[RedisServer], masters: int) -> None:
+        self.servers = servers
+        self.masters = masters
+
+    def url(self, password: str = "") -> str:
+        """``redis+cluster://`` naming every server (one would do: the client finds the rest)."""
+        hosts = ",".join(f"127.0.0.1:{s.port}" for s in self.servers)
+        auth = f":{password}@" if password else ""
+        return f"redis+cluster://{auth}{hosts}"
+
+    def info(self, server: RedisServer) -> dict[str, str]:
+        """``CLUSTER INFO`` of ``server``, as a dict of its fields."""
+        info = server.client(1.0).execute_command("CLUSTER INFO")  # parsed by redis-py
+        return {str(name): str(value) for name, value in dict(info).items()}
+
+    def ready(self) -> bool:
+        """Every server says ``cluster_state:ok``, every slot assigned, every node known."""
+        for server in self.servers:
+            info = self.info(server)
+            if info.get("cluster_state") != "ok" or info.get("cluster_slots_ok") != "16384":
+                return False
+            if int(info.get("cluster_known_nodes", 0)) < len(self.servers):
+                return False
+        return True
+
+
+@contextmanager
+def cluster(masters: int = 3, replicas_per_master: int = 1) -> Iterator[Cluster]:
+    """A Redis Cluster of ``masters`` masters, each with ``replicas_per_master`` replicas.
+
+    Each server runs ``--cluster-enabled yes`` with its own node file, no
+    persistence, on a free port; ``redis-cli --cluster create`` assigns the
+    slots; the cluster is ready when every node says ``cluster_state:ok``. All
+    servers are killed by pid at the end.
+    """
+    cli = shutil.which("redis-cli")
+    if cli is None:
+        pytest.skip("redis-cli is not installed")
+    count = masters * (1 + replicas_per_master)
+    with ExitStack() as stack:
+        servers = [
+            stack.enter_context(
+                redis_server(
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    "nodes.conf",
+                    "--cluster-node-timeout",
+                    "3000",
+                    port=_free_cluster_port(),
+                )
+            )
+            for _ in range(count)
+        ]
+        created = subprocess.run(
+            [
+                cli,
+                "--cluster",
+                "create",
+                *(f"127.0.0.1:{s.port}" for s in servers),
+                "--cluster-replicas",
+                str(replicas_per_master),
+                "--cluster-yes",
+            ],
+            capture_output=True,
+            timeout=60,
+            check=False,
+        )
+        if created.returncode != 0:
+            raise RuntimeError(f"redis-cli --cluster create failed: {created.stdout!r}")
+        group = Cluster(servers, masters)
+        wait_for("the cluster ready (cluster_state:ok on every node)", group.ready, timeout=60)
         yield group

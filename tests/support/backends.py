@@ -19,6 +19,12 @@ from tests import services
 SENTINEL = ("sentinel",) if os.environ.get("EXACTONCE_TEST_SENTINEL") == "1" else ()
 #: Where the suite's Sentinel group is (set by the fixture that starts it).
 SENTINEL_URL_VARIABLE = "EXACTONCE_TEST_SENTINEL_URL"
+#: Opt-in (``EXACTONCE_TEST_CLUSTER=1``): the Redis store on a Redis Cluster of
+#: three masters with a replica each, which the contract suite starts (once per
+#: test process), through a ``redis+cluster://`` URL.
+CLUSTER = ("cluster",) if os.environ.get("EXACTONCE_TEST_CLUSTER") == "1" else ()
+#: Where the suite's cluster is (set by the fixture that starts it).
+CLUSTER_URL_VARIABLE = "EXACTONCE_TEST_CLUSTER_URL"
 
 BACKENDS = (
     "memory",
@@ -29,6 +35,7 @@ BACKENDS = (
     "django-sqlite",
     "django-postgres",
     *SENTINEL,
+    *CLUSTER,
 )
 
 #: Backends reachable from several processes (the memory store lives in one).
@@ -49,6 +56,8 @@ def store_url(backend: str, tmpdir: str) -> str:
         return f"django://{DJANGO_BACKENDS[backend]}"
     if backend == "sentinel":
         return os.environ[SENTINEL_URL_VARIABLE]
+    if backend == "cluster":
+        return os.environ[CLUSTER_URL_VARIABLE]
     return services.SERVICE_URLS[backend]
 
 
