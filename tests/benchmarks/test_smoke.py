@@ -26,6 +26,7 @@ TIMEOUT = 240
 TABLES = {
     "stores": "store operations per second",
     "beat": "beat / plain, median of",
+    "entries": "tick ratio 2,000 / 200 entries",
     "delayed": "reconcile large / small",
     "submit": "redis / redis",
     "e2e": "prefork, queued first",
