@@ -12,6 +12,7 @@ Suites (``--suite all``, the default, runs every one):
 * ``beat`` and ``delayed``: see ``beat.py`` and ``delayed.py``;
 * ``entries``: beat with 1,000 to 100,000 entries spread over a day: start-up,
   memory per entry, and the tick's cost against the entry count (``entries.py``);
+* ``claims``: beat's claims per second per store, won and lost (``claims.py``);
 * ``submit``, ``e2e``, ``group``: ``.delay()`` per store and broker, no-op
   tasks through a real worker, and groups of 100 signatures, each from
   alternating plain and gated rounds of one run (``submit.py``, ``e2e.py``,
@@ -145,12 +146,13 @@ SMALL = {
     "entry_sizes": "200,2000",
     "entry_ticks": 50,
     "entry_due_ticks": 3,
+    "claims": 1000,
 }
 #: Seconds of the beat suite's slot and of the reconcile suite's stale/fresh gap, small runs.
 SMALL_SLOT_SECONDS = 2
 SMALL_SETTLE = 2.0
 
-SUITES = ("stores", "beat", "entries", "delayed", "submit", "e2e", "group")
+SUITES = ("stores", "beat", "entries", "claims", "delayed", "submit", "e2e", "group")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -178,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--entry-ticks", type=int, default=1000, help="idle ticks per size")
     parser.add_argument("--entry-due-ticks", type=int, default=30, help="due ticks per size")
+    parser.add_argument("--claims", type=int, default=20_000, help="claims (claims suite)")
     parser.add_argument("--delayed", type=int, default=100_000, help="due delayed jobs to sweep")
     parser.add_argument(
         "--reconcile-jobs", default="10000,1000000", help="small,large job counts of a pass"
@@ -198,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         "stores": stores,
         "beat": beat_figures,
         "entries": entries_figures,
+        "claims": claims_figures,
         "delayed": delayed_figures,
         "submit": submit_figures,
         "e2e": e2e_figures,
@@ -303,6 +307,29 @@ def entries_figures(args: argparse.Namespace) -> int:
         print()
         print("\n".join(entries.table(store, rows)))
     return status
+
+
+def claims_figures(args: argparse.Namespace) -> int:
+    from tests.benchmarks import claims
+
+    rows: list[tuple[str, dict[str, float]]] = []
+    for backend in args.backends.split(","):
+        if backend in services.SERVICE_URLS and not services.answers(backend):
+            print(f"claims: {backend} skipped, {services.SERVICE_URLS[backend]} does not answer")
+            continue
+        factory = StoreFactory(backend)
+        try:
+            rows.append((backend, claims.measure(factory(), args.claims)))
+        finally:
+            factory.cleanup()
+    if not rows:
+        return 1
+    columns = list(rows[0][1])
+    print(f"\nbeat's claims, {args.claims:,} slots in batches of 500, one client\n")
+    print(f"{'backend':<16}" + "".join(f"{c:>20}" for c in columns))
+    for backend, figures in rows:
+        print(f"{backend:<16}" + "".join(f"{figures[c]:>20,.0f}" for c in columns))
+    return 0
 
 
 def beat_figures(args: argparse.Namespace) -> int:
