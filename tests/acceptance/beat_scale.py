@@ -24,6 +24,7 @@ from pathlib import Path
 
 import redis
 
+from celery_exactonce import ExactOnceConfig
 from celery_exactonce.entries import occurrence_id
 from celery_exactonce.jobs import Job
 from celery_exactonce.states import State
@@ -87,8 +88,9 @@ def run(deployment: Deployment, *, nodes: int, entries: int, every: float, slots
 
     The measured slots are the ``slots`` whole slots after every node started
     and the store-loss guard's floor. Returns once each of them is claimed and
-    published (or a bound passed: what is missing then is reported by
-    :class:`Run`), with the beats SIGKILLed.
+    published, with the beats SIGKILLed; or once the last slot has left
+    ``window_lookback`` (past it, a slot not yet claimed is skipped: a miss,
+    which :class:`Run` reports).
     """
     beats = b.start_beats(deployment, [{}] * nodes, entries=entries, every=every)
     floor = b.claim_floor(deployment)
@@ -104,8 +106,10 @@ def run(deployment: Deployment, *, nodes: int, entries: int, every: float, slots
         marks = store.watermarks(names)
         return len(marks) == len(names) and min(marks.values()) >= fires[-1]
 
+    # A slot is missed only once it leaves the window unclaimed: wait for up to that long.
+    lookback = ExactOnceConfig.from_app(deployment.app()).window_lookback
     try:
-        poll(decided, timeout=max(60.0, every), interval=1.0)
+        poll(decided, timeout=lookback, interval=1.0)
         poll(lambda: not _in_flight(deployment, fires), timeout=30, interval=1.0)
     except AssertionError:
         pass  # reported below: what is missing or unpublished

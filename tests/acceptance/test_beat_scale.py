@@ -26,7 +26,7 @@ SLOTS = 5
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1200)
 @pytest.mark.acceptance_matrix(brokers=("redis",), stores=("redis", "postgres"))
 def test_ten_beats_claim_every_slot_of_ten_thousand_entries_once(
     deployment: Deployment,
