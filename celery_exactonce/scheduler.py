@@ -7,9 +7,10 @@ create-if-absent that also checks the store epoch and advances the entry's
 durable watermark, and dispatches the claims it won through the dispatch path
 (docs/design/protocol.md, "Beat").
 
-This module is the Celery adapter: the heap of entries keyed by next slot (the
-cost of a tick follows the due entries, not all of them), how far this node
-has decided each entry, the tick, the sweep of delayed jobs, and SIGTERM. What
+This module is the Celery adapter: what goes into the heap of entries keyed by
+next slot (:mod:`~celery_exactonce.due_heap`: the cost of a tick follows the
+due and the edited entries, not all of them), how far this node has decided
+each entry, the tick, the sweep of delayed jobs, and SIGTERM. What
 it decides with lives elsewhere, as values, in modules that never call back
 into it:
 
@@ -31,7 +32,8 @@ starts from the entry's store watermark: what is at or below it was decided by
 whoever claimed it, and is neither planned nor counted again. A claim that
 fails on a store error leaves its slot undecided: the next tick inside the window tries
 again (fail closed). Entries added at run time through Celery's
-``Scheduler.add`` or ``update_from_dict`` join the heap on the next tick.
+``Scheduler.add`` or ``update_from_dict`` join the heap on the next tick, each
+pushed again alone.
 
 After the slots, each tick sweeps the due delayed jobs (``ExactOnceTask``
 submissions and retries with an ``eta`` or ``countdown``): claimed in
@@ -45,7 +47,6 @@ reconciler's to resolve: beat runs it too, as an internal entry
 
 from __future__ import annotations
 
-import heapq
 import logging
 import signal
 import threading
@@ -69,6 +70,7 @@ from celery_exactonce import (
 )
 from celery_exactonce.claimer import Claimer, fail_closed
 from celery_exactonce.config import ExactOnceConfig
+from celery_exactonce.due_heap import DueHeap
 from celery_exactonce.entries import ENTRY_OPTIONS, INTERNAL_OPTION, EntryPolicy
 from celery_exactonce.gauges import BeatGauges
 from celery_exactonce.planner import Plan
@@ -133,8 +135,9 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
             if self._config.reconcile_on == "beat"
             else None,
         )
-        self._due: list[tuple[datetime, str]] = []
-        self._heap_ready = False
+        self._due = DueHeap()
+        self._heap_ready = False  # False: every entry's next slot is computed again next tick
+        self._stale: set[str] = set()  # entries changed at run time: pushed again next tick
         self._in_tick = False
         self._stop_requested = False
         self._started = False
@@ -161,7 +164,7 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
         now = self._runtime.store.now()
         for name, entry in self.schedule.items():
             self._validate(name, entry, now, internal=name in internal)
-        self._due = []
+        self._due.clear()
         self._heap_ready = False
 
     def _validate(self, name: str, entry: Any, now: datetime, *, internal: bool = False) -> None:
@@ -204,9 +207,10 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
         self._changed(list(dict_), previous)
 
     def _forget(self, name: str) -> None:
-        """An entry taken out of ``self.schedule``: drop its policy, rebuild the heap next tick."""
+        """An entry taken out of ``self.schedule``: drop its policy and its place in the heap."""
         self._policies.pop(name, None)
-        self._heap_ready = False
+        self._due.discard(name)
+        self._stale.discard(name)
 
     def _tick_started(self, now: datetime) -> None:
         """A tick read the store's clock (``now``) and will plan next; the schedule may change.
@@ -223,7 +227,7 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
         """
 
     def _changed(self, names: list[str], previous: dict[str, Any]) -> None:
-        """Entries added or replaced at run time: validate them, rebuild the heap next tick.
+        """Entries added or replaced at run time: validate them, push them again next tick.
 
         A bad one puts ``previous`` back (entries and their policies) and raises.
         """
@@ -237,7 +241,7 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
             self.schedule.update(previous)
             self._policies = policies
             raise
-        self._heap_ready = False
+        self._stale.update(names)
 
     @property
     def info(self) -> str:
@@ -303,17 +307,12 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
                 sentry=True,
             )
         self._tick_started(now)
-        if not self._heap_ready:
-            self._due = []
-            for name, entry in self.schedule.items():
-                self._push(name, entry, now)
-            self._heap_ready = True
-        popped: list[tuple[str, Any]] = []
-        while self._due and self._due[0][0] <= now:
-            _, name = heapq.heappop(self._due)
-            entry = self.schedule.get(name)
-            if entry is not None:
-                popped.append((name, entry))
+        self._queue_changes(now)
+        popped = [
+            (name, entry)
+            for name in self._due.pop_due(now)
+            if (entry := self.schedule.get(name)) is not None
+        ]
         try:
             self._load_watermarks([name for name, _ in popped], now)
         except exceptions.StoreError as exc:
@@ -332,8 +331,9 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
             self._push(name, entry, now)
         if sweeper.sweep(self._runtime, lambda: self._stop_requested):
             return 0.0  # more delayed jobs are due: tick again at once
-        if self._due:
-            return max(0.0, min(interval, (self._due[0][0] - now).total_seconds()))
+        upcoming = self._due.next_time()
+        if upcoming is not None:
+            return max(0.0, min(interval, (upcoming - now).total_seconds()))
         return interval
 
     def sync(self) -> None:
@@ -347,11 +347,30 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
 
     # -- internals -----------------------------------------------------------------------
 
+    def _queue_changes(self, now: datetime) -> None:
+        """Every entry into the heap at the first tick (O(entries), once); after that, only
+        the entries changed at run time (O(changed)), each at its next slot again."""
+        if not self._heap_ready:
+            self._due.clear()
+            for name, entry in self.schedule.items():
+                self._push(name, entry, now)
+            self._heap_ready = True
+        else:
+            for name in sorted(self._stale):
+                entry = self.schedule.get(name)
+                if entry is None:
+                    self._due.discard(name)
+                else:
+                    self._push(name, entry, now)
+        self._stale.clear()
+
     def _push(self, name: str, entry: Any, now: datetime) -> None:
         after = self._decided.get(name, now - timedelta(seconds=self._config.window_lookback))
         upcoming = slots.next_slot(entry.schedule, after, tz=self._tz, entry=name)
-        if upcoming is not None:
-            heapq.heappush(self._due, (upcoming, name))
+        if upcoming is None:
+            self._due.discard(name)  # no slot left (a bounded schedule ended)
+        else:
+            self._due.push(name, upcoming)
 
     def _policy(self, name: str, entry: Any) -> EntryPolicy:
         policy = self._policies.get(name)

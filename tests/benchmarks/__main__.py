@@ -10,6 +10,9 @@ Suites (``--suite all``, the default, runs every one):
   beat's claims, a submit's create on the general path, the ``DISPATCHED``
   write, the worker gate and the completion write) may answer without it;
 * ``beat`` and ``delayed``: see ``beat.py`` and ``delayed.py``;
+* ``entries``: beat with 1,000 to 100,000 entries spread over a day: start-up,
+  memory per entry, and the tick's cost against the entry count (``entries.py``);
+* ``claims``: beat's claims per second per store, won and lost (``claims.py``);
 * ``submit``, ``e2e``, ``group``: ``.delay()`` per store and broker, no-op
   tasks through a real worker, and groups of 100 signatures, each from
   alternating plain and gated rounds of one run (``submit.py``, ``e2e.py``,
@@ -140,12 +143,16 @@ SMALL = {
     "submits": 50,
     "e2e_tasks": 100,
     "groups": 2,
+    "entry_sizes": "200,2000",
+    "entry_ticks": 50,
+    "entry_due_ticks": 3,
+    "claims": 1000,
 }
 #: Seconds of the beat suite's slot and of the reconcile suite's stale/fresh gap, small runs.
 SMALL_SLOT_SECONDS = 2
 SMALL_SETTLE = 2.0
 
-SUITES = ("stores", "beat", "delayed", "submit", "e2e", "group")
+SUITES = ("stores", "beat", "entries", "claims", "delayed", "submit", "e2e", "group")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -168,6 +175,12 @@ def main(argv: list[str] | None = None) -> int:
         help="plain/ours pairs of rounds (beat, submit, e2e, group suites); the ratio is the "
         "median of the pairs', so one pair a neighbour slowed does not decide it",
     )
+    parser.add_argument(
+        "--entry-sizes", default="1000,10000,100000", help="entry counts (entries suite)"
+    )
+    parser.add_argument("--entry-ticks", type=int, default=1000, help="idle ticks per size")
+    parser.add_argument("--entry-due-ticks", type=int, default=30, help="due ticks per size")
+    parser.add_argument("--claims", type=int, default=20_000, help="claims (claims suite)")
     parser.add_argument("--delayed", type=int, default=100_000, help="due delayed jobs to sweep")
     parser.add_argument(
         "--reconcile-jobs", default="10000,1000000", help="small,large job counts of a pass"
@@ -187,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     figures = {
         "stores": stores,
         "beat": beat_figures,
+        "entries": entries_figures,
+        "claims": claims_figures,
         "delayed": delayed_figures,
         "submit": submit_figures,
         "e2e": e2e_figures,
@@ -275,6 +290,45 @@ def delayed_figures(args: argparse.Namespace) -> int:
     print("\ndelayed jobs and the reconciler on the Redis store and a Redis broker\n")
     for name, value in delayed.run(args.delayed, small, large, settle):
         print(f"{name:<45}{value:>30}")
+    return 0
+
+
+def entries_figures(args: argparse.Namespace) -> int:
+    from tests.benchmarks import entries
+
+    sizes = [int(n) for n in args.entry_sizes.split(",")]
+    status = 0
+    for store in ("memory", "redis"):
+        if store == "redis" and not services.answers("redis"):
+            print(f"entries: redis skipped, {services.REDIS_URL} does not answer")
+            status = 1
+            continue
+        rows = entries.run(store, sizes, args.entry_ticks, args.entry_due_ticks)
+        print()
+        print("\n".join(entries.table(store, rows)))
+    return status
+
+
+def claims_figures(args: argparse.Namespace) -> int:
+    from tests.benchmarks import claims
+
+    rows: list[tuple[str, dict[str, float]]] = []
+    for backend in args.backends.split(","):
+        if backend in services.SERVICE_URLS and not services.answers(backend):
+            print(f"claims: {backend} skipped, {services.SERVICE_URLS[backend]} does not answer")
+            continue
+        factory = StoreFactory(backend)
+        try:
+            rows.append((backend, claims.measure(factory(), args.claims)))
+        finally:
+            factory.cleanup()
+    if not rows:
+        return 1
+    columns = list(rows[0][1])
+    print(f"\nbeat's claims, {args.claims:,} slots in batches of 500, one client\n")
+    print(f"{'backend':<16}" + "".join(f"{c:>20}" for c in columns))
+    for backend, figures in rows:
+        print(f"{backend:<16}" + "".join(f"{figures[c]:>20,.0f}" for c in columns))
     return 0
 
 

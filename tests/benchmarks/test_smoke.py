@@ -26,6 +26,8 @@ TIMEOUT = 240
 TABLES = {
     "stores": "store operations per second",
     "beat": "beat / plain, median of",
+    "entries": "tick ratio 2,000 / 200 entries",
+    "claims": "beat's claims, 1,000 slots",
     "delayed": "reconcile large / small",
     "submit": "redis / redis",
     "e2e": "prefork, queued first",
