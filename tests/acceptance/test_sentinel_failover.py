@@ -101,7 +101,8 @@ class Figures:
     gated_ran_twice: list[b.Occurrence]
     plain_ran_twice: list[b.Occurrence]
     missed: set[b.Occurrence]
-    skipped: set[b.Occurrence]
+    #: Slots skipped and counted, with the reasons (``where``) they were counted under.
+    skipped: dict[b.Occurrence, set[str]]
     unfinished: set[b.Occurrence]
     uncounted: set[b.Occurrence]
     gate_suppressed: int
@@ -117,7 +118,14 @@ class Figures:
             "gated_ran_twice": len(self.gated_ran_twice),
             "plain_ran_twice": len(self.plain_ran_twice),
             "missed": len(self.missed),
-            "missed_skipped": len(self.missed & self.skipped),
+            "missed_skipped": len(self.missed & self.skipped.keys()),
+            "missed_skipped_by_reason": dict(
+                Counter(
+                    where
+                    for occurrence in self.missed
+                    for where in sorted(self.skipped.get(occurrence, ()))
+                )
+            ),
             "missed_unfinished": len(self.missed & self.unfinished),
             "missed_uncounted": len(self.uncounted),
             "gate_suppressed_deliveries": self.gate_suppressed,
@@ -197,16 +205,22 @@ def _store_now(deployment: Deployment) -> datetime:
     return found[-1]
 
 
-def _skipped(beats: list[BeatProcess], deployment: Deployment) -> set[b.Occurrence]:
-    """Every slot some beat logged as skipped, for any reason, and those the store records."""
-    found: set[b.Occurrence] = set()
-    for beat in beats:
-        for event in beat.events("slot_skipped_entry"):
-            first = datetime.fromisoformat(event["first"])
-            last = datetime.fromisoformat(event["last"])
-            found |= b.slots([event["entry"]], first, last)
-    for record in deployment.store().skipped(limit=10_000):
-        found |= b.slots([record.entry], record.first, record.last)
+def _skipped(beats: list[BeatProcess], deployment: Deployment) -> dict[b.Occurrence, set[str]]:
+    """Every slot some beat logged as skipped, or the store records so: slot -> reasons."""
+    found: dict[b.Occurrence, set[str]] = {}
+    ranges = [
+        (event["entry"], event["first"], event["last"], event["where"])
+        for beat in beats
+        for event in beat.events("slot_skipped_entry")
+    ]
+    ranges += [
+        (r.entry, r.first.isoformat(), r.last.isoformat(), r.where)
+        for r in deployment.store().skipped(limit=10_000)
+    ]
+    for entry, first, last, where in ranges:
+        start, end = datetime.fromisoformat(first), datetime.fromisoformat(last)
+        for occurrence in b.slots([entry], start, end):
+            found.setdefault(occurrence, set()).add(where)
     return found
 
 
@@ -255,7 +269,7 @@ def _measure(
         missed=missed,
         skipped=skipped,
         unfinished=unfinished,
-        uncounted=missed - skipped - unfinished,
+        uncounted=missed - skipped.keys() - unfinished,
         gate_suppressed=deployment.skipped_deliveries(),
     )
 
