@@ -108,14 +108,16 @@ class StoreLossGuard:
         missing = [ref for ref, _ in sample if store.get(ref) is None]
         if not missing:
             return None
-        self._recent.clear()
         self.floor_reason = "store_loss"
         self._raise_floor(now + self._max_skew)
         # A store that forgot only its last writes (Redis appendfsync everysec, a lagging
         # replica) kept its epoch: replacing it makes every other node's next claim an
         # epoch mismatch, so they stop short of the forgotten slots too. After a restart
         # without persistence the epoch is gone already, and this takes the new one.
+        # The recent claims are dropped only once that worked: if the replacement fails
+        # (a failover not over yet), the next recheck finds the loss again.
         self.adopt(store.epoch(replace=self.epoch))
+        self._recent.clear()
         assert self.floor is not None  # noqa: S101  (raised just above)
         return Forgotten(missing, self.floor)
 

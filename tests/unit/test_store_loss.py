@@ -102,3 +102,31 @@ def test_a_store_error_during_the_recheck_propagates() -> None:
     g.claimed(JobRef.submitted("a"), NOW)
     with pytest.raises(exceptions.StoreUnavailable):
         g.recheck(store, NOW)
+
+
+def test_a_loss_whose_epoch_replacement_fails_is_found_again_on_the_next_recheck() -> None:
+    # A failover to a replica that missed this node's last claims, the first write
+    # after it landing on a server not yet promoted (READONLY): the replacement of
+    # the epoch fails. The loss must not be forgotten with it: the next recheck
+    # finds it again, replaces the epoch (so the other nodes' floors move) and
+    # reports it.
+    class ReplaceFails(InMemoryStore):
+        failing = True
+
+        def epoch(self, *, replace: str | None = None) -> str:
+            if replace is not None and self.failing:
+                raise exceptions.StoreUnavailable("READONLY")
+            return super().epoch(replace=replace)
+
+    store = ReplaceFails(clock=FrozenClock(NOW))
+    g = guard()
+    g.adopt(store.epoch())
+    old_epoch = g.epoch
+    g.claimed(JobRef.submitted("forgotten"), NOW)
+    with pytest.raises(exceptions.StoreUnavailable):
+        g.recheck(store, NOW)
+    assert g.floor is not None and g.floor >= NOW + timedelta(seconds=5)  # already safe
+    store.failing = False
+    found = g.recheck(store, NOW + timedelta(seconds=1))
+    assert found is not None and found.missing == [JobRef.submitted("forgotten")]
+    assert g.epoch != old_epoch and store.epoch() == g.epoch
