@@ -29,6 +29,7 @@ from typing import Any, Protocol
 from urllib.parse import quote, quote_plus, unquote, unquote_plus, urlsplit
 
 from celery_exactonce import exceptions
+from celery_exactonce.stores import shards
 from celery_exactonce.stores.base import FORMAT_VERSION, StateStore
 from celery_exactonce.stores.memory import InMemoryStore
 
@@ -343,6 +344,9 @@ class StoreSettings(Protocol):
     @property
     def min_replicas(self) -> int: ...
 
+    @property
+    def shards(self) -> int: ...
+
 
 def open_store(config: StoreSettings, *, setup: bool = True) -> StateStore:
     """Build, set up and check the store of ``config``: what every node does at start-up.
@@ -365,6 +369,7 @@ def open_store(config: StoreSettings, *, setup: bool = True) -> StateStore:
     """
     url = config.store_url
     base = url.split("://", 1)[0].lower().split("+", 1)[0]
+    shards.check_setting(config.shards, url, redact_url(url))
     options: dict[str, Any] = {}
     if base in _REDIS_SCHEMES:
         options = {"prefix": config.key_prefix, "socket_timeout": config.store_timeout}

@@ -1,0 +1,97 @@
+"""``exactonce_shards``: the setting's checks, the pinned shard function, the shards' bases."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from redis.crc import key_slot
+
+from celery_exactonce.config import ExactOnceConfig
+from celery_exactonce.exceptions import ConfigurationError
+from celery_exactonce.stores import open_store
+from celery_exactonce.stores.redis_keys import key_base
+from celery_exactonce.stores.shards import shard_base, shard_bases, shard_of
+
+#: Pinned: changing one moves records to another shard, where they are not looked for.
+GOLDEN = [
+    ("t:abc", 3, 0),
+    ("nightly-report", 3, 1),
+    ("o:0123456789abcdef", 12, 7),
+    ("", 7, 4),
+    ("é", 5, 0),
+]
+
+
+@pytest.mark.parametrize(("text", "shards", "expected"), GOLDEN)
+def test_shard_of_is_pinned(text: str, shards: int, expected: int) -> None:
+    assert shard_of(text, shards) == expected
+
+
+def test_one_shard_is_shard_zero_and_keeps_the_one_slot_base() -> None:
+    base = key_base("exactonce", "default")
+    assert shard_of("anything", 1) == 0
+    assert shard_bases(base, 1) == ["exactonce:{default}"]
+
+
+def test_each_shard_has_its_own_hash_tag() -> None:
+    base = key_base("exactonce", "default")
+    assert shard_bases(base, 3) == [
+        "exactonce:{default:0}",
+        "exactonce:{default:1}",
+        "exactonce:{default:2}",
+    ]
+    slots = {key_slot(f"{b}:job:t:x".encode()) for b in shard_bases(base, 3)}
+    assert len(slots) == 3  # three slots: a script on one shard touches one slot
+    with pytest.raises(ValueError):
+        shard_base(base, 3, 3)
+
+
+def _master(slot: int) -> int:
+    """The master of ``slot`` in the even split ``redis-cli --cluster create`` makes of 3."""
+    return 0 if slot <= 5460 else 1 if slot <= 10922 else 2
+
+
+@pytest.mark.parametrize("shards", [3, 6, 12])
+def test_the_spread_of_a_namespace_over_three_masters(shards: int) -> None:
+    base = key_base("exactonce", "default")
+    per_master = [0, 0, 0]
+    for b in shard_bases(base, shards):
+        per_master[_master(key_slot(b.encode()))] += 1
+    print(f"\nshards={shards}: per master {per_master}")
+    assert sum(per_master) == shards
+    if shards >= 6:
+        assert all(per_master)  # several shards per master: every master takes some
+
+
+def test_shards_default_to_one_and_below_one_are_refused() -> None:
+    assert ExactOnceConfig(store_url="memory://").shards == 1
+    for value in (0, -1):
+        with pytest.raises(ConfigurationError) as caught:
+            ExactOnceConfig(store_url="memory://", shards=value)
+        assert caught.value.setting == "exactonce_shards"
+
+
+@pytest.mark.parametrize("value", [1.5, True, "3"])
+def test_shards_must_be_an_integer(value: Any) -> None:
+    with pytest.raises(ConfigurationError) as caught:
+        ExactOnceConfig(store_url="memory://", shards=value)
+    assert caught.value.setting == "exactonce_shards"
+
+
+@pytest.mark.parametrize(
+    ("url", "why"),
+    [
+        ("memory://", "only a Redis Cluster"),
+        ("redis://h:6379/0", "only a Redis Cluster"),
+        ("sqlite:////tmp/exactonce-never-made.db", "only a Redis Cluster"),
+        ("redis+cluster://:secret@h1:7000,h2:7000", "not built yet"),
+    ],
+)
+def test_shards_above_one_are_refused_at_start_up(url: str, why: str) -> None:
+    config = ExactOnceConfig(store_url=url, shards=3)
+    with pytest.raises(ConfigurationError) as caught:
+        open_store(config, setup=False)
+    assert caught.value.setting == "exactonce_shards"
+    assert why in str(caught.value)
+    assert "secret" not in str(caught.value)
