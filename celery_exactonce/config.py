@@ -96,10 +96,11 @@ class ExactOnceConfig:
     unknown, read back, and nothing is published on a guess); the store must have that
     many connected at start-up. 0: no waiting. >= 0."""
     shards: int = 1
-    """Redis Cluster only: how many hash slots one namespace spreads over. Pinned: part of
-    the namespace's key layout, so every node must agree and changing it needs a
-    migration. 1 keeps the one-slot layout. Above 1 refused on every store for now
-    (designed, not built: docs/design/redis.md). >= 1."""
+    """Redis Cluster only: how many hash slots (shards, each with its own epoch) one
+    namespace spreads over, so that its claims and sweeps spread over the masters. Pinned
+    in the store: every node must use the same value (another is refused at start-up), and
+    changing it needs a migration. 1 keeps the one-slot layout. >= 1; above 1 refused off
+    a Redis Cluster."""
     publish_timeout: float = 10.0
     """How long a publish may take before it counts as ambiguous. > 0."""
     retry_delay_store: float = 1.0

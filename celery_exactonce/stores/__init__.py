@@ -294,6 +294,13 @@ def store_from_url(
     if base == "memory":
         return InMemoryStore(namespace, retention=retention)
     if base in _REDIS_SCHEMES:
+        count = options.pop("shards", 1)
+        shards.check_setting(count, url, redact_url(url))
+        if count > 1:  # a Redis Cluster (checked): the namespace over several slots
+            sharded = _import("celery_exactonce.stores.redis_sharded", "redis")
+            return sharded.ShardedRedisStore.from_url(  # type: ignore[no-any-return]
+                url, namespace=namespace, retention=retention, shards=count, **options
+            )
         module = _import("celery_exactonce.stores.redis", "redis")
         store: StateStore = module.RedisStore.from_url(
             url, namespace=namespace, retention=retention, **options
@@ -374,6 +381,7 @@ def open_store(config: StoreSettings, *, setup: bool = True) -> StateStore:
     if base in _REDIS_SCHEMES:
         options = {"prefix": config.key_prefix, "socket_timeout": config.store_timeout}
         options["min_replicas"] = config.min_replicas
+        options["shards"] = config.shards
     elif config.min_replicas:
         raise exceptions.ConfigurationError(
             f"exactonce_min_replicas={config.min_replicas}: only a Redis store waits for "

@@ -14,9 +14,8 @@ a key, so the shard sits inside it:
 for idempotency keys): the first four bytes of the SHA-1 of the text, big
 endian, modulo ``N``.
 
-Not built yet: the stores themselves do not spread over shards, so
-:func:`check_setting` refuses ``N > 1`` at start-up (docs/design/redis.md,
-"Sharding a namespace over a cluster", says what remains).
+:func:`check_setting` refuses ``N > 1`` off a Redis Cluster. The store that
+routes over the shards: :mod:`~celery_exactonce.stores.redis_sharded`.
 """
 
 from __future__ import annotations
@@ -57,23 +56,25 @@ def shard_bases(base: str, shards: int) -> list[str]:
 
 
 def check_setting(shards: int, url: str, shown_url: str) -> None:
-    """Refuse ``exactonce_shards`` above 1: meaningless off a cluster, not built on one yet.
+    """Refuse ``exactonce_shards`` above 1 off a Redis Cluster, where it means nothing.
 
     ``shown_url`` is ``url`` redacted, for the message.
     """
-    if shards == 1:
+    if shards == 1 or url.split("://", 1)[0].lower().endswith(_CLUSTER_SUFFIX):
         return
-    if url.split("://", 1)[0].lower().endswith(_CLUSTER_SUFFIX):
-        why = (
-            "a namespace spread over several slots of a Redis Cluster is designed "
-            "(docs/design/redis.md, 'Sharding a namespace over a cluster') but not built yet"
-        )
-    else:
-        why = (
-            f"only a Redis Cluster spreads a namespace over several slots (store {shown_url}); "
-            "one server or database holds every shard alike"
-        )
     raise exceptions.ConfigurationError(
-        f"exactonce_shards={shards}: {why}; use exactonce_shards=1",
+        f"exactonce_shards={shards}: only a Redis Cluster spreads a namespace over several "
+        f"slots (store {shown_url}); one server or database holds every shard alike, so "
+        "use exactonce_shards=1",
+        setting="exactonce_shards",
+    )
+
+
+def pinned_elsewhere(shards: int, pinned: str, namespace: str) -> exceptions.ConfigurationError:
+    """The refusal of a node whose ``exactonce_shards`` is not the one the namespace pins."""
+    return exceptions.ConfigurationError(
+        f"exactonce_shards={shards}: namespace {namespace!r} is laid out over {pinned} "
+        "shard(s); every node must use the same value (changing it needs a migration: "
+        "a record looked for on the wrong shard is invisible)",
         setting="exactonce_shards",
     )

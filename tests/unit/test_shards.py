@@ -4,13 +4,17 @@ from __future__ import annotations
 
 from typing import Any
 
+import fakeredis
 import pytest
 from redis.crc import key_slot
 
 from celery_exactonce.config import ExactOnceConfig
 from celery_exactonce.exceptions import ConfigurationError
-from celery_exactonce.stores import open_store
+from celery_exactonce.refs import epoch_born
+from celery_exactonce.stores import open_store, store_from_url
+from celery_exactonce.stores.redis import RedisStore
 from celery_exactonce.stores.redis_keys import key_base
+from celery_exactonce.stores.redis_sharded import ShardedRedisStore
 from celery_exactonce.stores.shards import shard_base, shard_bases, shard_of
 
 #: Pinned: changing one moves records to another shard, where they are not looked for.
@@ -79,19 +83,65 @@ def test_shards_must_be_an_integer(value: Any) -> None:
     assert caught.value.setting == "exactonce_shards"
 
 
-@pytest.mark.parametrize(
-    ("url", "why"),
-    [
-        ("memory://", "only a Redis Cluster"),
-        ("redis://h:6379/0", "only a Redis Cluster"),
-        ("sqlite:////tmp/exactonce-never-made.db", "only a Redis Cluster"),
-        ("redis+cluster://:secret@h1:7000,h2:7000", "not built yet"),
-    ],
-)
-def test_shards_above_one_are_refused_at_start_up(url: str, why: str) -> None:
+@pytest.mark.parametrize("url", ["memory://", "redis://h:6379/0", "sqlite:////tmp/never.db"])
+def test_shards_above_one_off_a_cluster_are_refused_at_start_up(url: str) -> None:
     config = ExactOnceConfig(store_url=url, shards=3)
     with pytest.raises(ConfigurationError) as caught:
         open_store(config, setup=False)
     assert caught.value.setting == "exactonce_shards"
-    assert why in str(caught.value)
-    assert "secret" not in str(caught.value)
+    assert "only a Redis Cluster" in str(caught.value)
+
+
+def test_a_cluster_url_with_shards_builds_a_sharded_store_touching_no_server() -> None:
+    config = ExactOnceConfig(store_url="redis+cluster://:secret@h1:7000,h2:7000", shards=3)
+    store = open_store(config, setup=False)
+    try:
+        assert isinstance(store, ShardedRedisStore) and store.shards == 3
+        assert "secret" not in repr(store)
+        bases = [part._base for part in store._parts]
+        assert bases == ["exactonce:{default:0}", "exactonce:{default:1}", "exactonce:{default:2}"]
+    finally:
+        store.close()
+    with pytest.raises(ConfigurationError) as caught:
+        store_from_url(config.store_url, shards=3, min_replicas=1)
+    assert caught.value.setting == "exactonce_min_replicas"
+
+
+def _sharded(client: Any, shards: int = 3) -> ShardedRedisStore:
+    return ShardedRedisStore(client, namespace="n", retention=3600.0, shards=shards)
+
+
+def test_the_epoch_is_every_shards_and_born_with_the_newest() -> None:
+    client = fakeredis.FakeRedis()
+    store = _sharded(client)
+    store.setup()
+    epoch = store.epoch()
+    parts = epoch.split(",")
+    assert len(parts) == 3 and [epoch_born(p) for p in parts] and store.epoch() == epoch
+    assert epoch_born(epoch) == max(epoch_born(p) for p in parts)
+    # one shard forgets its epoch (its master restarted without persistence)
+    client.delete(store._parts[1]._key("epoch"))
+    renewed = store.epoch()
+    assert renewed.split(",")[0::2] == parts[0::2] and renewed.split(",")[1] != parts[1]
+    assert epoch_born(renewed) == epoch_born(renewed.split(",")[1])  # the floor covers it
+
+
+def test_the_shard_count_is_pinned_in_the_namespace() -> None:
+    client = fakeredis.FakeRedis()
+    _sharded(client, 3).setup()
+    for other in (_sharded(client, 2), RedisStore(client, namespace="n", retention=3600.0)):
+        with pytest.raises(ConfigurationError) as caught:
+            other.setup()
+        assert caught.value.setting == "exactonce_shards"
+        assert "laid out over 3 shard(s)" in str(caught.value)
+    _sharded(client, 3).setup()  # the same count again is fine
+
+
+def test_a_namespace_holding_one_slot_data_is_not_sharded_in_place() -> None:
+    client = fakeredis.FakeRedis()
+    RedisStore(client, namespace="n", retention=3600.0).setup()
+    with pytest.raises(ConfigurationError) as caught:
+        _sharded(client, 3).setup()
+    assert "laid out over 1 shard(s)" in str(caught.value)
+    RedisStore(client, namespace="n", retention=3600.0).setup()  # still readable as it was
+    assert client.hget("exactonce:{n}:meta", "shards") is None  # one shard writes no pin
