@@ -159,7 +159,9 @@ class ShardedRedisStore(ShardedScans):
         parts = epoch.split(EPOCHS_SEPARATOR)
         if len(parts) != self._n:  # another layout's epoch: every shard refuses it
             return [epoch] * self._n
-        return list(parts)
+        # An empty part (a shard that had none) must not read as "no epoch held": the
+        # script would skip the check. "-" is no epoch, so that shard refuses (fail closed).
+        return [part or "-" for part in parts]
 
     def _grouped(
         self, items: Sequence[Any], shard_of_item: Callable[[Any], int]

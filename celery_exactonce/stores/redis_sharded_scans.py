@@ -58,8 +58,8 @@ class ShardedScans:
                 self._remember(job.ref, shard)
 
     def skipped(self, limit: int = 100) -> list[SkippedSlots]:
-        found = [record for part in self._parts for record in part.skipped(limit)]
-        found.sort(key=lambda r: r.at or datetime.min, reverse=True)
+        found = [r for part in self._parts for r in part.skipped(limit) if r.at is not None]
+        found.sort(key=lambda r: r.at or datetime.min, reverse=True)  # newest first, as one
         return found[: max(limit, 0)]
 
     # -- queries and sweeps ------------------------------------------------------------------

@@ -10,12 +10,14 @@ from redis.crc import key_slot
 
 from celery_exactonce.config import ExactOnceConfig
 from celery_exactonce.exceptions import ConfigurationError
+from celery_exactonce.jobs import CreateStatus
 from celery_exactonce.refs import epoch_born
 from celery_exactonce.stores import open_store, store_from_url
 from celery_exactonce.stores.redis import RedisStore
 from celery_exactonce.stores.redis_keys import key_base
 from celery_exactonce.stores.redis_sharded import ShardedRedisStore
 from celery_exactonce.stores.shards import shard_base, shard_bases, shard_of
+from tests.support.helpers import occurrence
 
 #: Pinned: changing one moves records to another shard, where they are not looked for.
 GOLDEN = [
@@ -145,3 +147,17 @@ def test_a_namespace_holding_one_slot_data_is_not_sharded_in_place() -> None:
     assert "laid out over 1 shard(s)" in str(caught.value)
     RedisStore(client, namespace="n", retention=3600.0).setup()  # still readable as it was
     assert client.hget("exactonce:{n}:meta", "shards") is None  # one shard writes no pin
+
+
+def test_an_epoch_with_an_empty_part_is_refused_on_that_shard() -> None:
+    client = fakeredis.FakeRedis()
+    store = _sharded(client)
+    store.setup()
+    parts = store.epoch().split(",")
+    held = ",".join([parts[0], "", parts[2]])  # never checks "no epoch" on shard 1
+    news = [occurrence(f"e{i}", store.now()) for i in range(12)]
+    assert {shard_of(new.entry or "", 3) for new in news} == {0, 1, 2}
+    results = store.create_many(news, epoch=held)
+    for new, result in zip(news, results, strict=True):
+        refused = result.status is CreateStatus.EPOCH_MISMATCH
+        assert refused == (shard_of(new.entry or "", 3) == 1)
