@@ -95,6 +95,12 @@ class ExactOnceConfig:
     confirms them on this many replicas within ``store_timeout`` (else their outcome is
     unknown, read back, and nothing is published on a guess); the store must have that
     many connected at start-up. 0: no waiting. >= 0."""
+    shards: int = 1
+    """Redis Cluster only: how many hash slots (shards, each with its own epoch) one
+    namespace spreads over, so that its claims and sweeps spread over the masters. Pinned
+    in the store: every node must use the same value (another is refused at start-up), and
+    changing it needs a migration. 1 keeps the one-slot layout. >= 1; above 1 refused off
+    a Redis Cluster."""
     publish_timeout: float = 10.0
     """How long a publish may take before it counts as ambiguous. > 0."""
     retry_delay_store: float = 1.0
@@ -150,6 +156,8 @@ class ExactOnceConfig:
             raise _error("max_skew", f"must be >= 0, got {self.max_skew!r}")
         if self.min_replicas < 0:
             raise _error("min_replicas", f"must be >= 0, got {self.min_replicas!r}")
+        if self.shards < 1:
+            raise _error("shards", f"must be >= 1, got {self.shards!r}")
         if self.max_lateness is not None and self.max_lateness <= 0:
             raise _error("max_lateness", f"must be > 0 or None, got {self.max_lateness!r}")
         if not _PREFIX_RE.match(self.key_prefix):

@@ -41,6 +41,8 @@ def new_token() -> str:
 
 #: Separates an epoch's random part from its birth time (store clock, microseconds).
 EPOCH_SEPARATOR = "@"
+#: Between the shards' epochs in a sharded store's epoch (celery_exactonce.stores.redis_sharded).
+EPOCHS_SEPARATOR = ","
 
 
 def epoch_born(epoch: str | None) -> datetime | None:
@@ -50,7 +52,13 @@ def epoch_born(epoch: str | None) -> datetime | None:
     is before a store's birth can have been claimed in that store's life;
     slots before it may have been claimed in a life the store forgot.
     """
-    if epoch is None or EPOCH_SEPARATOR not in epoch:
+    if epoch is None:
+        return None
+    if EPOCHS_SEPARATOR in epoch:  # a sharded store's: the newest shard's birth
+        births = [epoch_born(part) for part in epoch.split(EPOCHS_SEPARATOR)]
+        known = [born for born in births if born is not None]
+        return max(known) if len(known) == len(births) else None
+    if EPOCH_SEPARATOR not in epoch:
         return None
     born = epoch.rpartition(EPOCH_SEPARATOR)[2]
     return from_micros(int(born)) if born.isdigit() else None

@@ -29,6 +29,7 @@ from typing import Any, Protocol
 from urllib.parse import quote, quote_plus, unquote, unquote_plus, urlsplit
 
 from celery_exactonce import exceptions
+from celery_exactonce.stores import shards
 from celery_exactonce.stores.base import FORMAT_VERSION, StateStore
 from celery_exactonce.stores.memory import InMemoryStore
 
@@ -293,6 +294,13 @@ def store_from_url(
     if base == "memory":
         return InMemoryStore(namespace, retention=retention)
     if base in _REDIS_SCHEMES:
+        count = options.pop("shards", 1)
+        shards.check_setting(count, url, redact_url(url))
+        if count > 1:  # a Redis Cluster (checked): the namespace over several slots
+            sharded = _import("celery_exactonce.stores.redis_sharded", "redis")
+            return sharded.ShardedRedisStore.from_url(  # type: ignore[no-any-return]
+                url, namespace=namespace, retention=retention, shards=count, **options
+            )
         module = _import("celery_exactonce.stores.redis", "redis")
         store: StateStore = module.RedisStore.from_url(
             url, namespace=namespace, retention=retention, **options
@@ -343,6 +351,9 @@ class StoreSettings(Protocol):
     @property
     def min_replicas(self) -> int: ...
 
+    @property
+    def shards(self) -> int: ...
+
 
 def open_store(config: StoreSettings, *, setup: bool = True) -> StateStore:
     """Build, set up and check the store of ``config``: what every node does at start-up.
@@ -365,10 +376,12 @@ def open_store(config: StoreSettings, *, setup: bool = True) -> StateStore:
     """
     url = config.store_url
     base = url.split("://", 1)[0].lower().split("+", 1)[0]
+    shards.check_setting(config.shards, url, redact_url(url))
     options: dict[str, Any] = {}
     if base in _REDIS_SCHEMES:
         options = {"prefix": config.key_prefix, "socket_timeout": config.store_timeout}
         options["min_replicas"] = config.min_replicas
+        options["shards"] = config.shards
     elif config.min_replicas:
         raise exceptions.ConfigurationError(
             f"exactonce_min_replicas={config.min_replicas}: only a Redis store waits for "

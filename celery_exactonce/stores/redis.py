@@ -57,6 +57,7 @@ from celery_exactonce.jobs import CreateResult, Job, TransitionResult
 from celery_exactonce.refs import JobRef
 from celery_exactonce.skipped_slots import SkippedSlots
 from celery_exactonce.states import State
+from celery_exactonce.stores import shards
 from celery_exactonce.stores.base import FORMAT_VERSION, SKIPPED_KEPT, DueBacklog
 from celery_exactonce.stores.redis_batches import RedisBatches
 from celery_exactonce.stores.redis_client import masters, maxmemory_policy, same_server
@@ -119,8 +120,11 @@ class RedisStore(RedisReads, RedisEnqueue, RedisBatches):
             return bool(self._node(self._key("meta")).ping())
 
     def setup(self) -> None:
+        args = [FORMAT_VERSION, self._namespace, self._shards]
         with self._wrap("setup"):
-            stored = self._run("setup", [self._key("meta")], [FORMAT_VERSION, self._namespace])
+            stored = self._run("setup", [self._key("meta")], args)
+        if as_text(stored).startswith("shards="):
+            raise shards.pinned_elsewhere(self._shards, as_text(stored)[7:], self._namespace)
         if self._version(as_text(stored)) > FORMAT_VERSION:
             raise self._newer(as_text(stored))
 

@@ -58,6 +58,7 @@ from celery_exactonce.stores import redact_secrets, redact_url, url_secrets, val
 from celery_exactonce.stores.redis_client import client_from_url, describe, node, replicas
 from celery_exactonce.stores.redis_cluster import ClusterClient, is_cluster_url
 from celery_exactonce.stores.redis_keys import RedisKeys, key_base
+from celery_exactonce.stores.shards import shard_base
 
 #: Errors after which retrying may help: the server is unreachable, slow,
 #: loading, failing over or read-only (a replica promoted under us).
@@ -93,6 +94,7 @@ _SCRIPTS = (
     "claim_due",
     "purge_expired",
     "epoch",
+    "pin_shards",
     "lease_acquire",
     "lease_renew",
     "lease_release",
@@ -141,9 +143,11 @@ class RedisCore(RedisKeys):
         prefix: str = "exactonce",
         min_replicas: int = 0,
         replica_timeout: float = 5.0,
+        shard: int = 0,
+        shards: int = 1,
     ) -> None:
         validate_namespace(namespace)
-        base = key_base(prefix, namespace)
+        base = shard_base(key_base(prefix, namespace), shard, shards)
         if retention <= 0:
             raise exceptions.ConfigurationError("retention must be > 0", setting="retention")
         self._client = client
@@ -151,6 +155,7 @@ class RedisCore(RedisKeys):
         self._retention = float(retention)
         self._retention_us = int(retention * 1_000_000)
         self._base = base
+        self._shards = shards  # exactonce_shards, pinned in each shard's meta
         # The namespace's fixed keys, built once: every script call passes several.
         self._index_keys = [self._state_key(state) for state in State]
         self._due_key, self._expire_key = self._key("due"), self._key("expire")

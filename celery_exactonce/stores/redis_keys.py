@@ -28,6 +28,9 @@ an index get the job key prefix as a ``KEYS`` entry.
 base of :class:`~celery_exactonce.stores.redis.RedisStore`, names the keys
 from it.
 
+With ``exactonce_shards`` above 1 each shard has all of these keys under its
+own base (:mod:`~celery_exactonce.stores.shards`).
+
 Not here: what a record's fields hold and how the scripts' arguments are
 encoded (:mod:`~celery_exactonce.stores.redis_codec`), the scripts that read
 and write these keys (``stores/lua/``).

@@ -54,7 +54,7 @@ def backend(request: pytest.FixtureRequest) -> str:
     _need(request.param)
     if request.param == "sentinel":
         request.getfixturevalue("sentinel_url")
-    if request.param == "cluster":
+    if request.param in ("cluster", "cluster-shards"):
         request.getfixturevalue("cluster_url")
     if request.param in DJANGO_BACKENDS:  # pytest-django blocks the ORM's connections
         blocker = request.getfixturevalue("django_db_blocker")

@@ -242,6 +242,12 @@ def test_create_many_with_a_stale_epoch_writes_nothing(store: StateStore) -> Non
 def test_an_occurrence_id_taken_under_another_entry_exists_and_moves_no_mark(
     store: StateStore,
 ) -> None:
+    if getattr(store, "shards", 1) > 1:
+        pytest.skip(
+            "a sharded store routes an occurrence by its entry, whose id is the hash of "
+            "(namespace, entry, fire time): another entry's create of that id goes to the "
+            "other entry's shard (docs/design/redis.md, 'Sharding a namespace over a cluster')"
+        )
     # Given an occurrence record made by one entry's claim
     fire = store.now().replace(microsecond=0)
     first = occurrence("entry-one", fire)

@@ -102,7 +102,9 @@ def tamper(store: StateStore, ref: JobRef, field: str, value: Any) -> None:
     if isinstance(store, InMemoryStore):
         job = store._jobs[ref]
         store._jobs[ref] = dataclasses.replace(job, **{field: value})
-    elif hasattr(store, "_client"):  # Redis: the record is a hash
+    elif hasattr(store, "_client") or hasattr(store, "_parts"):  # Redis: the record is a hash
+        if hasattr(store, "_parts"):  # a sharded Redis store: the record is on one shard
+            store = store._parts[store._locate(ref)[0]]
         client, key = store._client, store._job_key(ref)  # type: ignore[attr-defined]
         if value is None:
             client.hdel(key, field)

@@ -1,0 +1,306 @@
+"""The Redis store of a namespace spread over ``exactonce_shards`` slots of a Redis Cluster.
+
+:class:`ShardedRedisStore` holds one :class:`~celery_exactonce.stores.redis.RedisStore`
+per shard, all on one cluster client, each under its own hash tag
+(:mod:`~celery_exactonce.stores.shards`): each shard has every key of the
+one-slot layout (records, indexes, ``due``, ``wm``, ``epoch``, leases,
+``meta``), so every script still touches one slot. This class only routes:
+
+* **Which shard.** A beat occurrence (an ``o:`` job with an entry) lives on
+  its entry's shard, with the entry's watermark: the claim checks the epoch,
+  creates the record and raises the watermark in one script. Any other job
+  lives on the shard of ``str(ref)``. A ``t:`` ref is so found from itself
+  alone (the submit and the gate pay no extra round trip); an ``o:`` ref
+  does not name its entry, so its shard is remembered from every create and
+  every record read (a record never moves: its id fixes its entry), and
+  otherwise looked for on each shard in turn.
+* **The epoch.** :meth:`epoch` is every shard's epoch joined by ``,`` in
+  shard order; a claim carries it and each shard checks its own part. A
+  mismatch on any shard refuses that shard's claims; the node then adopts the
+  whole new list, whose birth (:func:`~celery_exactonce.refs.epoch_born`) is
+  the newest shard's, so its floor covers the lost shard (and, more than
+  needed, the others: fail closed). A replacement replaces every shard's.
+* **Scans** (``claim_due``, ``purge_expired``, ``list_stale``, counts,
+  skipped slots) go over every shard
+  (:mod:`~celery_exactonce.stores.redis_sharded_scans`): ``claim_due`` in
+  ``run_at`` order across the shards, pages of ``list_stale`` merged in
+  ``(touched_at, ref)`` order.
+* **Leases** are taken on every shard (in shard order, all or none), since
+  a transition guarded by a lease checks it on its own shard: one reconciler
+  at a time for the namespace, as with one slot (a lease per shard, so that
+  several nodes reconcile at once, is designed, not built).
+
+``exactonce_shards`` is pinned: each shard's ``meta`` holds it and the
+one-slot ``meta`` (``{prefix}:{<namespace>}:meta``) holds it too, so a node
+with another value, one shard included, is refused at start-up.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+from collections.abc import Callable, Sequence
+from datetime import datetime
+from typing import Any
+
+from celery_exactonce import exceptions
+from celery_exactonce.jobs import CreateResult, CreateStatus, Job, TransitionResult
+from celery_exactonce.refs import EPOCHS_SEPARATOR, JobRef, Space
+from celery_exactonce.skipped_slots import SkippedSlots
+from celery_exactonce.stores import redact_url, url_secrets
+from celery_exactonce.stores.redis import RedisStore
+from celery_exactonce.stores.redis_client import client_from_url
+from celery_exactonce.stores.redis_codec import as_text
+from celery_exactonce.stores.redis_keys import key_base
+from celery_exactonce.stores.redis_sharded_scans import ShardedScans
+from celery_exactonce.stores.shards import pinned_elsewhere, shard_of
+from celery_exactonce.writes import NewJob, Transition
+
+
+class ShardedRedisStore(ShardedScans):
+    """A :class:`~celery_exactonce.stores.base.StateStore` over ``shards`` Redis Cluster slots."""
+
+    def __init__(
+        self,
+        client: Any,
+        *,
+        namespace: str,
+        retention: float,
+        shards: int,
+        prefix: str = "exactonce",
+        replica_timeout: float = 5.0,
+    ) -> None:
+        if shards < 2:
+            raise exceptions.ConfigurationError(
+                f"exactonce_shards={shards}: a sharded store has 2 or more",
+                setting="exactonce_shards",
+            )
+        self._parts = [
+            RedisStore(
+                client,
+                namespace=namespace,
+                retention=retention,
+                prefix=prefix,
+                replica_timeout=replica_timeout,
+                shard=s,
+                shards=shards,
+            )
+            for s in range(shards)
+        ]
+        self._n = shards
+        self._marker = f"{key_base(prefix, namespace)}:meta"
+        self._known: collections.OrderedDict[JobRef, int] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_url(
+        cls,
+        url: str,
+        *,
+        namespace: str,
+        retention: float,
+        shards: int,
+        prefix: str = "exactonce",
+        socket_timeout: float = 5.0,
+        min_replicas: int = 0,
+        **kwargs: Any,
+    ) -> ShardedRedisStore:
+        """A store on a new cluster client for ``url`` (``redis+cluster://``)."""
+        if min_replicas > 0:
+            raise exceptions.ConfigurationError(
+                f"exactonce_min_replicas={min_replicas}: not supported on a Redis Cluster "
+                f"(store {redact_url(url)}) in this release",
+                setting="exactonce_min_replicas",
+            )
+        store = cls(
+            client_from_url(url, socket_timeout, kwargs),
+            namespace=namespace,
+            retention=retention,
+            shards=shards,
+            prefix=prefix,
+            replica_timeout=socket_timeout,
+        )
+        store._parts[0]._owns_client = True  # the shards share it: the first closes it
+        for part in store._parts:
+            part._where = redact_url(url)
+            part._secrets += url_secrets(url)
+        return store
+
+    def __repr__(self) -> str:
+        return f"ShardedRedisStore({self._parts[0]._where}, shards={self._n})"
+
+    # -- routing ---------------------------------------------------------------------------
+
+    def _home(self, new: NewJob) -> int:
+        """The shard a new job is created on (see the module docs)."""
+        if new.ref.space is Space.OCCURRENCE and new.entry:
+            return shard_of(new.entry, self._n)
+        return shard_of(str(new.ref), self._n)
+
+    def _locate(self, ref: JobRef) -> tuple[int, Job | None]:
+        """The shard ``ref`` lives on, and its record when that had to be read to know."""
+        if ref.space is not Space.OCCURRENCE:
+            return shard_of(str(ref), self._n), None
+        with self._lock:
+            known = self._known.get(ref)
+        if known is not None:
+            return known, None
+        for shard, part in enumerate(self._parts):
+            job = part.get(ref)
+            if job is not None:
+                self._remember(ref, shard)
+                return shard, job
+        return shard_of(str(ref), self._n), None  # nowhere: any shard answers "not found"
+
+    def _split_epoch(self, epoch: str | None) -> list[str | None]:
+        if epoch is None:
+            return [None] * self._n
+        parts = epoch.split(EPOCHS_SEPARATOR)
+        if len(parts) != self._n:  # another layout's epoch: every shard refuses it
+            return [epoch] * self._n
+        # An empty part (a shard that had none) must not read as "no epoch held": the
+        # script would skip the check. "-" is no epoch, so that shard refuses (fail closed).
+        return [part or "-" for part in parts]
+
+    def _grouped(
+        self, items: Sequence[Any], shard_of_item: Callable[[Any], int]
+    ) -> dict[int, list[int]]:
+        groups: dict[int, list[int]] = {}
+        for i, item in enumerate(items):
+            groups.setdefault(shard_of_item(item), []).append(i)
+        return groups
+
+    # -- properties and housekeeping -------------------------------------------------------
+
+    @property
+    def namespace(self) -> str:
+        return self._parts[0].namespace
+
+    @property
+    def retention(self) -> float:
+        return self._parts[0].retention
+
+    def now(self) -> datetime:
+        return self._parts[0].now()
+
+    def ping(self) -> bool:
+        return all(part.ping() for part in self._parts)
+
+    def setup(self) -> None:
+        first = self._parts[0]
+        with first._wrap("setup"):
+            pinned = as_text(first._run("pin_shards", [self._marker], [self._n]))
+        if pinned != str(self._n):
+            raise pinned_elsewhere(self._n, pinned, self.namespace)
+        for part in self._parts:
+            part.setup()
+
+    def schema_version(self) -> int | None:
+        versions = [part.schema_version() for part in self._parts]
+        known = [v for v in versions if v is not None]
+        return max(known) if known else None
+
+    def check_config(self, *, replicas: bool = True) -> None:
+        self._parts[0].check_config(replicas=replicas)  # reads every master
+
+    def check_replicas(self) -> int:
+        return self._parts[0].check_replicas()
+
+    def drop_namespace(self) -> None:
+        for part in self._parts:
+            part.drop_namespace()
+        first = self._parts[0]
+        with first._wrap("drop_namespace"):
+            first._client.delete(self._marker)
+
+    def close(self) -> None:
+        for part in self._parts:
+            part.close()
+
+    def shares_server(self, connection_kwargs: Any) -> int | None:
+        """Never: a script on a cluster touches one slot, and the broker is elsewhere."""
+        return None
+
+    # -- epoch and create ------------------------------------------------------------------
+
+    def epoch(self, *, replace: str | None = None) -> str:
+        olds = self._split_epoch(replace)
+        return EPOCHS_SEPARATOR.join(
+            part.epoch(replace=old) for part, old in zip(self._parts, olds, strict=True)
+        )
+
+    def create(self, new: NewJob, *, epoch: str | None = None) -> CreateResult:
+        return self.create_many([new], epoch=epoch)[0]
+
+    def create_many(
+        self, news: Sequence[NewJob], *, epoch: str | None = None, brief: bool = False
+    ) -> list[CreateResult]:
+        epochs = self._split_epoch(epoch)
+        out: list[CreateResult | None] = [None] * len(news)
+        current: dict[int, str | None] = {}
+        refused = False
+        for shard, indexes in self._grouped(news, self._home).items():
+            batch = [news[i] for i in indexes]
+            answers = self._parts[shard].create_many(batch, epoch=epochs[shard], brief=brief)
+            for i, answer in zip(indexes, answers, strict=True):
+                self._remember(news[i].ref, shard)
+                out[i] = answer
+                current[shard] = answer.epoch
+                refused = refused or answer.status is CreateStatus.EPOCH_MISMATCH
+        results = [answer for answer in out if answer is not None]
+        if epoch is None:
+            return results  # each answer names its own shard's epoch: no extra read
+        # The answers name the namespace's epoch: the shards answered theirs; the others
+        # are the ones held, or (after a refusal, which is rare) read.
+        for shard, part in enumerate(self._parts):
+            if shard not in current:
+                current[shard] = self._read_epoch(part) if refused else epochs[shard]
+        whole = EPOCHS_SEPARATOR.join(current[s] or "" for s in range(self._n))
+        return [dataclasses.replace(answer, epoch=whole) for answer in results]
+
+    def _read_epoch(self, part: RedisStore) -> str | None:
+        with part._wrap("epoch"):
+            value = part._client.get(part._key("epoch"))
+        return None if value is None else as_text(value)
+
+    # -- reads and transitions ---------------------------------------------------------------
+
+    def get(self, ref: JobRef) -> Job | None:
+        shard, job = self._locate(ref)
+        return job if job is not None else self._parts[shard].get(ref)
+
+    def transition(self, ref: JobRef, request: Transition) -> TransitionResult:
+        return self._parts[self._locate(ref)[0]].transition(ref, request)
+
+    def transition_many(
+        self, requests: Sequence[tuple[JobRef, Transition]], *, brief: bool = False
+    ) -> list[TransitionResult]:
+        out: list[TransitionResult | None] = [None] * len(requests)
+        for shard, indexes in self._grouped(requests, lambda r: self._locate(r[0])[0]).items():
+            batch = [requests[i] for i in indexes]
+            for i, answer in zip(
+                indexes, self._parts[shard].transition_many(batch, brief=brief), strict=True
+            ):
+                out[i] = answer
+        return [answer for answer in out if answer is not None]
+
+    def heartbeat(self, ref: JobRef, run_id: str) -> bool:
+        return self._parts[self._locate(ref)[0]].heartbeat(ref, run_id)
+
+    def annotate(self, ref: JobRef, *, node: str, reason: str, op_id: str) -> bool:
+        part = self._parts[self._locate(ref)[0]]
+        return part.annotate(ref, node=node, reason=reason, op_id=op_id)
+
+    def watermark(self, entry: str) -> datetime | None:
+        return self.watermarks([entry]).get(entry)
+
+    def watermarks(self, entries: Sequence[str]) -> dict[str, datetime]:
+        marks: dict[str, datetime] = {}
+        for shard, indexes in self._grouped(entries, lambda e: shard_of(e, self._n)).items():
+            marks.update(self._parts[shard].watermarks([entries[i] for i in indexes]))
+        return marks
+
+    def note_skipped(self, skipped: Sequence[SkippedSlots]) -> None:
+        for shard, indexes in self._grouped(skipped, lambda s: shard_of(s.entry, self._n)).items():
+            self._parts[shard].note_skipped([skipped[i] for i in indexes])

@@ -1,0 +1,99 @@
+"""A namespace over three shards (``exactonce_shards = 3``) on a real three-master Redis Cluster.
+
+The cluster is started by tests/integration/redis_server.py and killed by pid.
+The whole store contract runs there too, opt-in:
+``EXACTONCE_TEST_CLUSTER=1 pytest tests/contract -k cluster-shards``.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from celery import Celery
+from redis.crc import key_slot
+
+from celery_exactonce import ExactOnceConfig, open_store
+from celery_exactonce.jobs import CreateStatus
+from celery_exactonce.refs import JobRef
+from celery_exactonce.states import State
+from celery_exactonce.stores.redis_sharded import ShardedRedisStore
+from celery_exactonce.stores.shards import shard_of
+from celery_exactonce.writes import NewJob
+from tests.integration.redis_server import cluster
+from tests.support.helpers import occurrence
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _config(url: str) -> ExactOnceConfig:
+    app = Celery("cluster-shards-test", set_as_current=False)
+    app.conf.exactonce_store_url = url
+    app.conf.exactonce_namespace = "clustered"  # its 3 shards' slots: 8408, 12537, 154
+    app.conf.exactonce_shards = 3
+    return ExactOnceConfig.from_app(app)
+
+
+def _submitted(job_id: str) -> NewJob:
+    return NewJob(JobRef.submitted(job_id), "tasks.t", State.SCHEDULED, node="n", args=[1])
+
+
+def test_a_namespace_of_three_shards_spreads_over_the_three_masters() -> None:
+    with cluster() as group:
+        store = open_store(_config(group.url()))
+        assert isinstance(store, ShardedRedisStore)
+        try:
+            # Given jobs and beat occurrences created in one batch each
+            now = store.now().replace(microsecond=0)
+            news = [_submitted(f"j{i}") for i in range(90)]
+            start = now - timedelta(seconds=30)
+            slots = [occurrence(f"entry-{i % 6}", start + timedelta(seconds=i)) for i in range(30)]
+            assert {r.status for r in store.create_many(news)} == {CreateStatus.CREATED}
+            assert {r.status for r in store.create_many(slots)} == {CreateStatus.CREATED}
+            assert store.count_by_state()[State.SCHEDULED] == 120
+            # Then every master holds keys of the namespace, each key in its shard's slot
+            masters = [
+                s for s in group.servers if s.client(1.0).info("replication")["role"] == "master"
+            ]
+            held = {s.port: s.client(1.0).keys("exactonce:{clustered:*") for s in masters}
+            print(f"\nkeys of the namespace per master: { {p: len(k) for p, k in held.items()} }")
+            assert len(held) == 3 and all(len(keys) > 5 for keys in held.values())
+            shard_slots = {key_slot(f"exactonce:{{clustered:{s}}}".encode()) for s in range(3)}
+            assert {
+                key_slot(str(k).encode()) for keys in held.values() for k in keys
+            } == shard_slots
+            # and an occurrence is on its entry's shard, with the entry's watermark
+            job = store.get(slots[0].ref)
+            assert job is not None and job.entry == "entry-0"
+            home = store._parts[shard_of("entry-0", 3)]
+            assert home.get(slots[0].ref) == job
+            assert home.watermarks(["entry-0"]) == {"entry-0": start + timedelta(seconds=24)}
+        finally:
+            store.drop_namespace()
+            store.close()
+
+
+def test_a_shard_that_lost_its_epoch_refuses_only_its_own_claims() -> None:
+    with cluster() as group:
+        store = open_store(_config(group.url()))
+        assert isinstance(store, ShardedRedisStore)
+        try:
+            held = store.epoch()
+            # Given shard 1's epoch gone (its master restarted without persistence)
+            lost = store._parts[1]
+            lost._client.delete(lost._key("epoch"))
+            # When a node still holding the old epoch claims slots of every shard
+            fire = store.now().replace(microsecond=0) - timedelta(minutes=1)
+            entries = [f"e{i}" for i in range(12)]
+            results = store.create_many([occurrence(e, fire) for e in entries], epoch=held)
+            # Then the lost shard's claims are refused, the others' made
+            for entry, result in zip(entries, results, strict=True):
+                refused = shard_of(entry, 3) == 1
+                assert (result.status is CreateStatus.EPOCH_MISMATCH) == refused
+            assert {shard_of(e, 3) for e in entries} == {0, 1, 2}
+            # and the epoch read next is new for shard 1 only, born last (the floor covers it)
+            renewed = store.epoch().split(",")
+            assert renewed[0::2] == held.split(",")[0::2] and renewed[1] != held.split(",")[1]
+        finally:
+            store.drop_namespace()
+            store.close()

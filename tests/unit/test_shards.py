@@ -1,0 +1,163 @@
+"""``exactonce_shards``: the setting's checks, the pinned shard function, the shards' bases."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import fakeredis
+import pytest
+from redis.crc import key_slot
+
+from celery_exactonce.config import ExactOnceConfig
+from celery_exactonce.exceptions import ConfigurationError
+from celery_exactonce.jobs import CreateStatus
+from celery_exactonce.refs import epoch_born
+from celery_exactonce.stores import open_store, store_from_url
+from celery_exactonce.stores.redis import RedisStore
+from celery_exactonce.stores.redis_keys import key_base
+from celery_exactonce.stores.redis_sharded import ShardedRedisStore
+from celery_exactonce.stores.shards import shard_base, shard_bases, shard_of
+from tests.support.helpers import occurrence
+
+#: Pinned: changing one moves records to another shard, where they are not looked for.
+GOLDEN = [
+    ("t:abc", 3, 0),
+    ("nightly-report", 3, 1),
+    ("o:0123456789abcdef", 12, 7),
+    ("", 7, 4),
+    ("é", 5, 0),
+]
+
+
+@pytest.mark.parametrize(("text", "shards", "expected"), GOLDEN)
+def test_shard_of_is_pinned(text: str, shards: int, expected: int) -> None:
+    assert shard_of(text, shards) == expected
+
+
+def test_one_shard_is_shard_zero_and_keeps_the_one_slot_base() -> None:
+    base = key_base("exactonce", "default")
+    assert shard_of("anything", 1) == 0
+    assert shard_bases(base, 1) == ["exactonce:{default}"]
+
+
+def test_each_shard_has_its_own_hash_tag() -> None:
+    base = key_base("exactonce", "default")
+    assert shard_bases(base, 3) == [
+        "exactonce:{default:0}",
+        "exactonce:{default:1}",
+        "exactonce:{default:2}",
+    ]
+    slots = {key_slot(f"{b}:job:t:x".encode()) for b in shard_bases(base, 3)}
+    assert len(slots) == 3  # three slots: a script on one shard touches one slot
+    with pytest.raises(ValueError):
+        shard_base(base, 3, 3)
+
+
+def _master(slot: int) -> int:
+    """The master of ``slot`` in the even split ``redis-cli --cluster create`` makes of 3."""
+    return 0 if slot <= 5460 else 1 if slot <= 10922 else 2
+
+
+@pytest.mark.parametrize("shards", [3, 6, 12])
+def test_the_spread_of_a_namespace_over_three_masters(shards: int) -> None:
+    base = key_base("exactonce", "default")
+    per_master = [0, 0, 0]
+    for b in shard_bases(base, shards):
+        per_master[_master(key_slot(b.encode()))] += 1
+    print(f"\nshards={shards}: per master {per_master}")
+    assert sum(per_master) == shards
+    if shards >= 6:
+        assert all(per_master)  # several shards per master: every master takes some
+
+
+def test_shards_default_to_one_and_below_one_are_refused() -> None:
+    assert ExactOnceConfig(store_url="memory://").shards == 1
+    for value in (0, -1):
+        with pytest.raises(ConfigurationError) as caught:
+            ExactOnceConfig(store_url="memory://", shards=value)
+        assert caught.value.setting == "exactonce_shards"
+
+
+@pytest.mark.parametrize("value", [1.5, True, "3"])
+def test_shards_must_be_an_integer(value: Any) -> None:
+    with pytest.raises(ConfigurationError) as caught:
+        ExactOnceConfig(store_url="memory://", shards=value)
+    assert caught.value.setting == "exactonce_shards"
+
+
+@pytest.mark.parametrize("url", ["memory://", "redis://h:6379/0", "sqlite:////tmp/never.db"])
+def test_shards_above_one_off_a_cluster_are_refused_at_start_up(url: str) -> None:
+    config = ExactOnceConfig(store_url=url, shards=3)
+    with pytest.raises(ConfigurationError) as caught:
+        open_store(config, setup=False)
+    assert caught.value.setting == "exactonce_shards"
+    assert "only a Redis Cluster" in str(caught.value)
+
+
+def test_a_cluster_url_with_shards_builds_a_sharded_store_touching_no_server() -> None:
+    config = ExactOnceConfig(store_url="redis+cluster://:secret@h1:7000,h2:7000", shards=3)
+    store = open_store(config, setup=False)
+    try:
+        assert isinstance(store, ShardedRedisStore) and store.shards == 3
+        assert "secret" not in repr(store)
+        bases = [part._base for part in store._parts]
+        assert bases == ["exactonce:{default:0}", "exactonce:{default:1}", "exactonce:{default:2}"]
+    finally:
+        store.close()
+    with pytest.raises(ConfigurationError) as caught:
+        store_from_url(config.store_url, shards=3, min_replicas=1)
+    assert caught.value.setting == "exactonce_min_replicas"
+
+
+def _sharded(client: Any, shards: int = 3) -> ShardedRedisStore:
+    return ShardedRedisStore(client, namespace="n", retention=3600.0, shards=shards)
+
+
+def test_the_epoch_is_every_shards_and_born_with_the_newest() -> None:
+    client = fakeredis.FakeRedis()
+    store = _sharded(client)
+    store.setup()
+    epoch = store.epoch()
+    parts = epoch.split(",")
+    assert len(parts) == 3 and [epoch_born(p) for p in parts] and store.epoch() == epoch
+    assert epoch_born(epoch) == max(epoch_born(p) for p in parts)
+    # one shard forgets its epoch (its master restarted without persistence)
+    client.delete(store._parts[1]._key("epoch"))
+    renewed = store.epoch()
+    assert renewed.split(",")[0::2] == parts[0::2] and renewed.split(",")[1] != parts[1]
+    assert epoch_born(renewed) == epoch_born(renewed.split(",")[1])  # the floor covers it
+
+
+def test_the_shard_count_is_pinned_in_the_namespace() -> None:
+    client = fakeredis.FakeRedis()
+    _sharded(client, 3).setup()
+    for other in (_sharded(client, 2), RedisStore(client, namespace="n", retention=3600.0)):
+        with pytest.raises(ConfigurationError) as caught:
+            other.setup()
+        assert caught.value.setting == "exactonce_shards"
+        assert "laid out over 3 shard(s)" in str(caught.value)
+    _sharded(client, 3).setup()  # the same count again is fine
+
+
+def test_a_namespace_holding_one_slot_data_is_not_sharded_in_place() -> None:
+    client = fakeredis.FakeRedis()
+    RedisStore(client, namespace="n", retention=3600.0).setup()
+    with pytest.raises(ConfigurationError) as caught:
+        _sharded(client, 3).setup()
+    assert "laid out over 1 shard(s)" in str(caught.value)
+    RedisStore(client, namespace="n", retention=3600.0).setup()  # still readable as it was
+    assert client.hget("exactonce:{n}:meta", "shards") is None  # one shard writes no pin
+
+
+def test_an_epoch_with_an_empty_part_is_refused_on_that_shard() -> None:
+    client = fakeredis.FakeRedis()
+    store = _sharded(client)
+    store.setup()
+    parts = store.epoch().split(",")
+    held = ",".join([parts[0], "", parts[2]])  # never checks "no epoch" on shard 1
+    news = [occurrence(f"e{i}", store.now()) for i in range(12)]
+    assert {shard_of(new.entry or "", 3) for new in news} == {0, 1, 2}
+    results = store.create_many(news, epoch=held)
+    for new, result in zip(news, results, strict=True):
+        refused = result.status is CreateStatus.EPOCH_MISMATCH
+        assert refused == (shard_of(new.entry or "", 3) == 1)
