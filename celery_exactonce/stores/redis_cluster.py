@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import threading
 from typing import Any, cast
-from urllib.parse import unquote, urlsplit
+from urllib.parse import urlsplit
 
 import redis
 import redis.exceptions as rexc
@@ -41,6 +41,7 @@ from redis.retry import Retry
 
 from celery_exactonce import exceptions
 from celery_exactonce.stores import redact_url
+from celery_exactonce.stores.redis_hosts import split_netloc
 
 #: The schemes of a Redis Cluster store URL, and whether each speaks TLS.
 CLUSTER_SCHEMES = {"redis+cluster": False, "rediss+cluster": True}
@@ -79,23 +80,12 @@ def parse(url: str) -> dict[str, Any]:
         raise _refuse(url, "a Redis Cluster URL takes no query or fragment")
     if parts.path not in ("", "/"):
         raise _refuse(url, "a Redis Cluster has no databases: the URL has no path")
-    userinfo, at, hostlist = parts.netloc.rpartition("@")
-    hosts: list[tuple[str, int]] = []
-    for item in hostlist.split(","):
-        try:
-            host = urlsplit(f"x://{item}")
-            port = host.port or DEFAULT_PORT
-        except ValueError:
-            raise _refuse(url, "a node's port is not a number from 1 to 65535") from None
-        if not host.hostname:
-            raise _refuse(url, "every node needs a host")
-        hosts.append((host.hostname, port))
-    username, _, password = userinfo.partition(":") if at else ("", "", "")
+    found = split_netloc(parts.netloc, DEFAULT_PORT, "node", lambda problem: _refuse(url, problem))
     return {
-        "hosts": hosts,
+        "hosts": found.hosts,
         "tls": CLUSTER_SCHEMES[scheme.lower()],
-        "username": unquote(username) or None,
-        "password": unquote(password) or None,
+        "username": found.username,
+        "password": found.password,
     }
 
 

@@ -35,6 +35,7 @@ from redis.sentinel import Sentinel, SentinelConnectionPool
 
 from celery_exactonce import exceptions
 from celery_exactonce.stores import redact_url
+from celery_exactonce.stores.redis_hosts import split_netloc
 
 #: The schemes of a Sentinel store URL, and whether each speaks TLS.
 SENTINEL_SCHEMES = {"redis+sentinel": False, "rediss+sentinel": True}
@@ -69,17 +70,9 @@ def parse(url: str) -> dict[str, Any]:
     parts = urlsplit(url)
     if parts.fragment:
         raise _refuse(url, "a Sentinel URL has no fragment")
-    userinfo, at, hostlist = parts.netloc.rpartition("@")
-    hosts: list[tuple[str, int]] = []
-    for item in hostlist.split(","):
-        try:
-            host = urlsplit(f"x://{item}")
-            port = host.port or DEFAULT_PORT
-        except ValueError:
-            raise _refuse(url, "a sentinel's port is not a number from 1 to 65535") from None
-        if not host.hostname:
-            raise _refuse(url, "every sentinel needs a host")
-        hosts.append((host.hostname, port))
+    found = split_netloc(
+        parts.netloc, DEFAULT_PORT, "sentinel", lambda problem: _refuse(url, problem)
+    )
     path = [unquote(p) for p in parts.path.split("/")[1:]]
     if path and path[-1] == "":
         path.pop()  # a trailing slash
@@ -92,14 +85,13 @@ def parse(url: str) -> dict[str, Any]:
         if name not in _QUERY:
             raise _refuse(url, f"unknown parameter {name!r} (known: {', '.join(sorted(_QUERY))})")
         query[name] = value
-    username, _, password = userinfo.partition(":") if at else ("", "", "")
     return {
-        "hosts": hosts,
+        "hosts": found.hosts,
         "service": path[0],
         "db": int(path[1]) if len(path) == 2 else 0,
         "tls": SENTINEL_SCHEMES[scheme.lower()],
-        "username": unquote(username) or None,
-        "password": unquote(password) or None,
+        "username": found.username,
+        "password": found.password,
         "sentinel_username": query.get("sentinel_username") or None,
         "sentinel_password": query.get("sentinel_password") or None,
     }
