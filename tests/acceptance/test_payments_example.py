@@ -14,48 +14,29 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests import services
-from tests.acceptance.harness import REPO_ROOT, CeleryProcess, poll, process_env
+from tests.acceptance.examples import (
+    ExampleProcess,
+    copy_example,
+    empty_redis,
+    fresh_redis,
+    run_in,
+)
+from tests.acceptance.harness import poll, process_env
 
-EXAMPLE = REPO_ROOT / "examples" / "payments"
 #: The broker's and the store's Redis databases: this test's alone, emptied before and after.
 BROKER_DB, STORE_DB = 7, 8
 ORDERS = 3
 
 
-class PaymentsProcess(CeleryProcess):
-    """``celery -A payments <args>`` run from the example's folder, its output in ``log_path``."""
-
-    app_module = "payments"
-
-    def __init__(self, env: dict[str, str], where: Path, log_path: Path, *args: str) -> None:
-        self.env, self.cwd, self.log_path, self.args = env, where, log_path, args
-        self.proc = None
-
-    @property
-    def argv(self) -> list[str]:
-        return self.celery(*self.args)
-
-
 def run(env: dict[str, str], where: Path, *argv: str) -> subprocess.CompletedProcess[str]:
     """``python <argv>`` from the example's folder, to its end."""
-    return subprocess.run(
-        [sys.executable, *argv],
-        cwd=where,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    return run_in(where, env, *argv)
 
 
 def report(env: dict[str, str], where: Path) -> tuple[int, dict[str, Any]]:
@@ -65,27 +46,23 @@ def report(env: dict[str, str], where: Path) -> tuple[int, dict[str, Any]]:
     return done.returncode, json.loads(done.stdout)
 
 
-def redis_db(db: int) -> str:
-    return services.REDIS_URL.rsplit("/", 1)[0] + f"/{db}"
-
-
 @pytest.mark.timeout(90)
 def test_delayed_payments_charge_each_order_once_through_a_second_run_and_a_redelivery(
     tmp_path: Path,
 ) -> None:
-    services.need("redis")
-    broker, store = redis_db(BROKER_DB), redis_db(STORE_DB)
-    for url in (broker, store):
-        services.delete_redis_keys(url, "*")
-    where = tmp_path / "payments"
-    shutil.copytree(EXAMPLE, where)
+    broker, store = fresh_redis(BROKER_DB, STORE_DB)
+    where = copy_example("payments", tmp_path)
     env = process_env(
         PAYMENTS_BROKER_URL=broker,
         PAYMENTS_STORE_URL=store,
         PAYMENTS_DB=str(tmp_path / "provider.sqlite3"),
     )
-    worker = PaymentsProcess(env, where, tmp_path / "worker.log", "worker", "--loglevel", "INFO")
-    beat = PaymentsProcess(env, where, tmp_path / "beat.log", "beat", "--loglevel", "INFO")
+    worker = ExampleProcess(
+        "payments", env, where, tmp_path / "worker.log", "worker", "--loglevel", "INFO"
+    )
+    beat = ExampleProcess(
+        "payments", env, where, tmp_path / "beat.log", "beat", "--loglevel", "INFO"
+    )
     processes = [worker, beat]
     try:
         for process in processes:
@@ -143,5 +120,4 @@ def test_delayed_payments_charge_each_order_once_through_a_second_run_and_a_rede
     finally:
         for process in processes:
             process.kill()
-        for url in (broker, store):
-            services.delete_redis_keys(url, "*")
+        empty_redis([broker, store])

@@ -14,19 +14,22 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests import services
-from tests.acceptance.harness import REPO_ROOT, CeleryProcess, poll, process_env
+from tests.acceptance.examples import (
+    ExampleProcess,
+    copy_example,
+    empty_redis,
+    fresh_redis,
+    run_in,
+)
+from tests.acceptance.harness import poll, process_env
 
-EXAMPLE = REPO_ROOT / "examples" / "quickstart"
 #: The broker's and the store's Redis databases: this test's alone, emptied before and after.
 BROKER_DB, STORE_DB = 13, 14
 RUNS = 3
@@ -34,31 +37,9 @@ RUNS = 3
 SENT = re.compile(r"Sending due task tick \(proj\.tick\) key=tick fire_time=(\S+)")
 
 
-class ProjProcess(CeleryProcess):
-    """``celery -A proj <args>`` run from the example's folder, its output in ``log_path``."""
-
-    app_module = "proj"
-
-    def __init__(self, env: dict[str, str], where: Path, log_path: Path, *args: str) -> None:
-        self.env, self.cwd, self.log_path, self.args = env, where, log_path, args
-        self.proc = None
-
-    @property
-    def argv(self) -> list[str]:
-        return self.celery(*self.args)
-
-
 def proj(env: dict[str, str], where: Path, *args: str) -> subprocess.CompletedProcess[str]:
     """``celery -A proj <args>`` from the example's folder, to its end."""
-    return subprocess.run(
-        [sys.executable, "-m", "celery", "-A", "proj", *args],
-        cwd=where,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    return run_in(where, env, "-m", "celery", "-A", "proj", *args)
 
 
 def ledger_runs(path: Path) -> list[dict[str, Any]]:
@@ -70,18 +51,10 @@ def ledger_runs(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in lines if line.endswith("\n")]
 
 
-def redis_db(db: int) -> str:
-    return services.REDIS_URL.rsplit("/", 1)[0] + f"/{db}"
-
-
 @pytest.mark.timeout(90)
 def test_the_quickstart_runs_each_tick_once_on_two_beats(tmp_path: Path) -> None:
-    services.need("redis")
-    broker, store = redis_db(BROKER_DB), redis_db(STORE_DB)
-    for url in (broker, store):
-        services.delete_redis_keys(url, "*")
-    where = tmp_path / "quickstart"
-    shutil.copytree(EXAMPLE, where)
+    broker, store = fresh_redis(BROKER_DB, STORE_DB)
+    where = copy_example("quickstart", tmp_path)
     ledger = tmp_path / "ledger.jsonl"
     env = process_env(
         PROJ_BROKER_URL=broker,
@@ -94,9 +67,11 @@ def test_the_quickstart_runs_each_tick_once_on_two_beats(tmp_path: Path) -> None
     assert checked.returncode == 0, checked.stdout + checked.stderr
     assert "all checks passed" in checked.stdout
     # When a worker and two beats run it
-    worker = ProjProcess(env, where, tmp_path / "worker.log", "worker", "--loglevel", "INFO")
+    worker = ExampleProcess(
+        "proj", env, where, tmp_path / "worker.log", "worker", "--loglevel", "INFO"
+    )
     beats = [
-        ProjProcess(env, where, tmp_path / f"beat-{n}.log", "beat", "--loglevel", "INFO")
+        ExampleProcess("proj", env, where, tmp_path / f"beat-{n}.log", "beat", "--loglevel", "INFO")
         for n in (1, 2)
     ]
     processes = [worker, *beats]
@@ -118,8 +93,7 @@ def test_the_quickstart_runs_each_tick_once_on_two_beats(tmp_path: Path) -> None
     finally:
         for process in processes:
             process.kill()
-        for url in (broker, store):
-            services.delete_redis_keys(url, "*")
+        empty_redis([broker, store])
     assert status.returncode == 0, status.stdout + status.stderr
     assert listed.returncode == 0, listed.stdout + listed.stderr
     runs = [run for run in ledger_runs(ledger) if run["task"] == "proj.tick"]
