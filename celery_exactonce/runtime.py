@@ -108,10 +108,17 @@ def installed(app: Any) -> Runtime | None:
 
 
 def install(app: Any, store: StateStore, config: ExactOnceConfig | None = None) -> Runtime:
-    """Use ``store`` for ``app`` in this process (tests, embedding: e.g. an InMemoryStore)."""
+    """Use ``store`` for ``app`` in this process (tests, embedding: e.g. an InMemoryStore).
+
+    A runtime it replaces is closed as :func:`reset` closes one: the store it
+    opened itself is closed, one handed in is left to its caller.
+    """
     runtime = Runtime(app, config or config_for(app), store)
     with _lock:
+        replaced = _runtimes.get(app)
         _runtimes[app] = runtime
+    if replaced is not None and replaced.pid == os.getpid() and replaced.store is not store:
+        replaced.close()
     return runtime
 
 

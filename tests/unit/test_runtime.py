@@ -218,6 +218,18 @@ def test_install_replaces_the_runtime_built_before(make_app: Callable[..., Celer
     mine = InMemoryStore("default")
     installed = runtime.install(app, mine)
     assert installed is not built and runtime.runtime_for(app) is installed
+    # The store the replaced runtime opened is closed, as reset closes it
+    with pytest.raises(StoreError, match="closed"):
+        built.store.get(JobRef.submitted("any"))
+
+
+def test_install_leaves_a_store_handed_in_before_open(make_app: Callable[..., Celery]) -> None:
+    app = make_app()
+    first, second = InMemoryStore("default"), InMemoryStore("default")
+    runtime.install(app, first)
+    runtime.install(app, second)
+    assert runtime.runtime_for(app).store is second
+    a_record(first)  # still open: it belongs to whoever handed it in
 
 
 def test_install_takes_a_config_of_its_own(make_app: Callable[..., Celery]) -> None:
