@@ -173,19 +173,19 @@ def record_run(pk: int, fire: datetime, *, won: bool) -> bool:
     Every node that decided the slot calls this: the one that won its claim
     (``won``), and any that found it claimed, so that a winner killed before
     its call is counted all the same. The guard makes the count grow once per
-    slot, whichever comes first. A row whose ``last_run_at`` is empty (never
-    run, or disabled since: django-celery-beat empties it on every save of a
-    disabled row) is counted by the winner alone, since a slot counted before
-    the field was emptied cannot be told from a new one. Whether this call
-    counted it.
+    slot, whichever comes first. A row whose ``last_run_at`` is empty was
+    either never counted (``total_run_count`` 0: any node counts it) or
+    disabled since (django-celery-beat empties the field on every save of a
+    disabled row): that one is counted by the winner alone, since a slot
+    counted before the field was emptied cannot be told from a new one.
+    Whether this call counted it.
     """
     from django.db.models import F, Q
     from django_celery_beat.models import PeriodicTask
 
     when = stored(fire)
-    after = (
-        Q(last_run_at__lt=when) | Q(last_run_at__isnull=True) if won else Q(last_run_at__lt=when)
-    )
+    never_counted = Q(last_run_at__isnull=True, total_run_count=0)
+    after = Q(last_run_at__lt=when) | (Q(last_run_at__isnull=True) if won else never_counted)
     return bool(
         PeriodicTask.objects.filter(after, pk=pk).update(
             last_run_at=when, total_run_count=F("total_run_count") + 1

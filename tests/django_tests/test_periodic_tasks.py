@@ -161,13 +161,29 @@ def test_a_run_is_counted_once_per_slot_whoever_records_it(alias: str) -> None:
 
     row = _row()
     first, second = _utc(2026, 5, 1, 0, 0, 10), _utc(2026, 5, 1, 0, 0, 20)
-    assert periodic_tasks.record_run(row.pk, first, won=False) is False  # never run: the winner's
     assert periodic_tasks.record_run(row.pk, first, won=True) is True
     assert periodic_tasks.record_run(row.pk, first, won=False) is False  # a second node, same slot
+    assert periodic_tasks.record_run(row.pk, first, won=True) is False  # the winner again
     assert periodic_tasks.record_run(row.pk, second, won=False) is True  # a killed winner's slot
     assert periodic_tasks.record_run(row.pk, first, won=False) is False  # late and out of order
     counted = PeriodicTask.objects.get(pk=row.pk)
     assert (counted.total_run_count, counted.last_run_at) == (2, second)
+
+
+def test_a_never_run_rows_first_slot_is_counted_by_a_node_that_found_it_claimed(
+    alias: str,
+) -> None:
+    # A one-off (or a new row) whose winner was SIGKILLed between its publish and its
+    # count: the other node, which found the slot claimed, counts it, and only once
+    from django_celery_beat.models import PeriodicTask
+
+    row = _row()
+    slot = _utc(2026, 5, 1, 0, 0, 10)
+    assert periodic_tasks.record_run(row.pk, slot, won=False) is True
+    assert periodic_tasks.record_run(row.pk, slot, won=False) is False  # a third node
+    assert periodic_tasks.record_run(row.pk, slot, won=True) is False  # the winner, had it lived
+    counted = PeriodicTask.objects.get(pk=row.pk)
+    assert (counted.total_run_count, counted.last_run_at) == (1, slot)
 
 
 def test_a_disabled_row_emptied_by_its_save_is_not_counted_again_by_a_late_node(
