@@ -263,6 +263,41 @@ class Cluster:
         info = server.client(1.0).execute_command("CLUSTER INFO")  # parsed by redis-py
         return {str(name): str(value) for name, value in dict(info).items()}
 
+    def master_servers(self) -> list[RedisServer]:
+        """The servers that are masters now."""
+        return [s for s in self.servers if s.client(1.0).info("replication")["role"] == "master"]
+
+    def owner(self, slot: int) -> RedisServer:
+        """The master serving ``slot``, as the first server's slot table says."""
+        for first, last, (_, port, *_) in (
+            (int(r[0]), int(r[1]), r[2])
+            for r in self.servers[0].client(1.0).execute_command("CLUSTER SLOTS")
+        ):
+            if first <= slot <= last:
+                return next(s for s in self.servers if s.port == int(port))
+        raise LookupError(f"no master serves slot {slot}")
+
+    def move_slot(
+        self, slot: int, source: RedisServer, target: RedisServer, batch: int = 100
+    ) -> int:
+        """Move ``slot`` from ``source`` to ``target`` with its keys; how many keys moved.
+
+        By hand, as ``redis-cli --cluster reshard`` does it: ``SETSLOT IMPORTING``
+        on the target, ``MIGRATING`` on the source, ``MIGRATE`` of the keys
+        ``batch`` at a time, then ``SETSLOT NODE`` on every master.
+        """
+        src, dst = source.client(5.0), target.client(5.0)
+        src_id, dst_id = src.execute_command("CLUSTER MYID"), dst.execute_command("CLUSTER MYID")
+        dst.execute_command("CLUSTER SETSLOT", slot, "IMPORTING", src_id)
+        src.execute_command("CLUSTER SETSLOT", slot, "MIGRATING", dst_id)
+        moved = 0
+        while keys := src.execute_command("CLUSTER GETKEYSINSLOT", slot, batch):
+            src.execute_command("MIGRATE", "127.0.0.1", target.port, "", 0, 5000, "KEYS", *keys)
+            moved += len(keys)
+        for server in self.master_servers():
+            server.client(5.0).execute_command("CLUSTER SETSLOT", slot, "NODE", dst_id)
+        return moved
+
     def ready(self) -> bool:
         """Every server says ``cluster_state:ok``, every slot assigned, every node known."""
         for server in self.servers:
