@@ -3,7 +3,7 @@
 A private Redis Cluster (tests/integration/redis_server.py: three masters with a
 replica each, local processes on free ports, no persistence, killed by pid) is
 the store, ``redis+cluster://`` with ``exactonce_shards=3`` (the namespace over
-three slots, one per master); the broker stays on the shared Redis (the
+three slots, on whichever masters serve them); the broker stays on the shared Redis (the
 harness's broker DB). Three ``celery beat -S exactonce`` processes tick 10
 every-second entries while a worker runs the bodies.
 
@@ -174,8 +174,11 @@ def test_three_beats_on_a_sharded_cluster_run_every_slot_once_through_a_sigkill(
     with cluster(masters=3, replicas_per_master=1) as group:
         _on_cluster(deployment, group)
         try:
-            # Given a worker and three beats on a namespace over three shards
+            # Given a worker and three beats on a namespace over three shards, each
+            # shard home to some of the entries
             assert isinstance(deployment.store(), ShardedRedisStore)
+            shards = {shard_of(entry, SHARDS) for entry in b.entry_names(ENTRIES)}
+            assert shards == set(range(SHARDS))
             deployment.start_worker(concurrency=4)
             beats = b.start_beats(deployment, [{}, {}, {}], entries=ENTRIES)
             began = time.monotonic()
@@ -206,11 +209,9 @@ def test_three_beats_on_a_sharded_cluster_run_every_slot_once_through_a_sigkill(
             b.assert_each_ran_once(deployment, ledger, expected - orphans)
             b.assert_keys_match(deployment, ledger)
             b.assert_published_once(deployment, expected - orphans)
-            # ... and every beat took part, each shard's master held claims
+            # ... and every beat took part
             for beat in everyone:
                 assert b.dispatched_by(beat) > 0, f"{beat!r} published nothing:\n{beat.log_tail()}"
-            shards = {shard_of(entry, SHARDS) for entry in b.entry_names(ENTRIES)}
-            assert shards == set(range(SHARDS))
         finally:
             deployment.close()  # while the cluster is still up
 
