@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from datetime import datetime, timedelta, timezone
 
@@ -222,3 +223,27 @@ def claims_by(beat: BeatProcess, after_real: float = 0.0) -> int:
     """
     lost = sum(1 for event in beat.events("slot_already_claimed") if event["real"] >= after_real)
     return dispatched_by(beat, after_real) + lost
+
+
+def skipped_slots(beats: list[BeatProcess], deployment: Deployment) -> dict[Occurrence, set[str]]:
+    """Every slot some beat logged as skipped, or the store records so: slot -> reasons."""
+    found: dict[Occurrence, set[str]] = {}
+    ranges = [
+        (event["entry"], event["first"], event["last"], event["where"])
+        for beat in beats
+        for event in beat.events("slot_skipped_entry")
+    ]
+    ranges += [
+        (r.entry, r.first.isoformat(), r.last.isoformat(), r.where)
+        for r in deployment.store().skipped(limit=10_000)
+    ]
+    for entry, first, last, where in ranges:
+        start, end = datetime.fromisoformat(first), datetime.fromisoformat(last)
+        for occurrence in slots([entry], start, end):
+            found.setdefault(occurrence, set()).add(where)
+    return found
+
+
+def publishes(beats: list[BeatProcess]) -> Counter[str]:
+    """Publishes per job id: every ``dispatched`` event of every beat (claims and replays)."""
+    return Counter(str(event["job_id"]) for beat in beats for event in beat.events("dispatched"))

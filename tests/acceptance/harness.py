@@ -610,6 +610,9 @@ class Deployment:
             if store == "sqlite"
             else services.SERVICE_URLS[store]
         )
+        #: Options of the in-process store (``store_from_url``), as the processes' settings
+        #: give theirs (e.g. ``shards`` with ``exactonce_shards`` in EXACTONCE_ACC_EXTRA_CONF).
+        self.store_options: dict[str, Any] = {}
         self.ledger_path = self.tmp_path / "ledger.sqlite3"
         self.ledger = Ledger(self.ledger_path)
         self.acks_late = False
@@ -678,7 +681,7 @@ class Deployment:
         if self._store is None:
             from celery_exactonce import store_from_url
 
-            store = store_from_url(self.store_url, namespace=self.namespace)
+            store = store_from_url(self.store_url, namespace=self.namespace, **self.store_options)
             store.setup()
             self._store = store
         return self._store
@@ -838,7 +841,7 @@ class Deployment:
         if store is None:
             from celery_exactonce import store_from_url
 
-            store = store_from_url(self.store_url, namespace=self.namespace)
+            store = store_from_url(self.store_url, namespace=self.namespace, **self.store_options)
         try:
             store.drop_namespace()
         finally:

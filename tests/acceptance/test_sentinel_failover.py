@@ -205,30 +205,6 @@ def _store_now(deployment: Deployment) -> datetime:
     return found[-1]
 
 
-def _skipped(beats: list[BeatProcess], deployment: Deployment) -> dict[b.Occurrence, set[str]]:
-    """Every slot some beat logged as skipped, or the store records so: slot -> reasons."""
-    found: dict[b.Occurrence, set[str]] = {}
-    ranges = [
-        (event["entry"], event["first"], event["last"], event["where"])
-        for beat in beats
-        for event in beat.events("slot_skipped_entry")
-    ]
-    ranges += [
-        (r.entry, r.first.isoformat(), r.last.isoformat(), r.where)
-        for r in deployment.store().skipped(limit=10_000)
-    ]
-    for entry, first, last, where in ranges:
-        start, end = datetime.fromisoformat(first), datetime.fromisoformat(last)
-        for occurrence in b.slots([entry], start, end):
-            found.setdefault(occurrence, set()).add(where)
-    return found
-
-
-def _published(beats: list[BeatProcess]) -> Counter[str]:
-    """Publishes per job id: every ``dispatched`` event of every beat (claims and replays)."""
-    return Counter(str(event["job_id"]) for beat in beats for event in beat.events("dispatched"))
-
-
 def _measure(
     deployment: Deployment,
     ledger: Ledger,
@@ -241,7 +217,7 @@ def _measure(
         if (occurrence := row.occurrence) is not None:
             runs[(row.task, occurrence)] += 1
     ran = {occurrence for _, occurrence in runs}
-    published = _published(beats)
+    published = b.publishes(beats)
     store_twice = []
     unfinished = set()
     for entry, fire in sorted(expected):
@@ -253,7 +229,7 @@ def _measure(
         if job.state in UNFINISHED:
             unfinished.add((entry, fire))
     missed = expected - ran
-    skipped = _skipped(beats, deployment)
+    skipped = b.skipped_slots(beats, deployment)
     return Figures(
         min_replicas=min_replicas,
         slots=len(expected),

@@ -263,6 +263,33 @@ class Cluster:
         info = server.client(1.0).execute_command("CLUSTER INFO")  # parsed by redis-py
         return {str(name): str(value) for name, value in dict(info).items()}
 
+    def master_servers(self) -> list[RedisServer]:
+        """The servers that are masters now."""
+        return [s for s in self.servers if s.client(1.0).info("replication")["role"] == "master"]
+
+    def owner(self, slot: int) -> RedisServer:
+        """The master serving ``slot``, as the first server's slot table says."""
+        for first, last, (_, port, *_) in (
+            (int(r[0]), int(r[1]), r[2])
+            for r in self.servers[0].client(1.0).execute_command("CLUSTER SLOTS")
+        ):
+            if first <= slot <= last:
+                return next(s for s in self.servers if s.port == int(port))
+        raise LookupError(f"no master serves slot {slot}")
+
+    def move_slot(
+        self, slot: int, source: RedisServer, target: RedisServer, batch: int = 100
+    ) -> int:
+        """Move ``slot`` from ``source`` to ``target`` with its keys; how many keys moved.
+
+        By hand, as ``redis-cli --cluster reshard`` does it (:class:`SlotMove`).
+        """
+        return self.begin_move(slot, source, target).finish(batch)
+
+    def begin_move(self, slot: int, source: RedisServer, target: RedisServer) -> SlotMove:
+        """Start moving ``slot``: IMPORTING on the target, MIGRATING on the source."""
+        return SlotMove(self, slot, source, target)
+
     def ready(self) -> bool:
         """Every server says ``cluster_state:ok``, every slot assigned, every node known."""
         for server in self.servers:
@@ -321,3 +348,46 @@ def cluster(masters: int = 3, replicas_per_master: int = 1) -> Iterator[Cluster]
         group = Cluster(servers, masters)
         wait_for("the cluster ready (cluster_state:ok on every node)", group.ready, timeout=60)
         yield group
+
+
+class SlotMove:
+    """One slot moving between masters, step by step (a test can stop half-way).
+
+    Made by :meth:`Cluster.begin_move`: the slot is ``IMPORTING`` on the target
+    and ``MIGRATING`` on the source; :meth:`migrate` moves some keys
+    (``MIGRATE``), :meth:`finish` the rest and gives the slot to the target
+    (``SETSLOT NODE`` on every master).
+    """
+
+    def __init__(self, group: Cluster, slot: int, source: RedisServer, target: RedisServer) -> None:
+        self.group, self.slot, self.source, self.target = group, slot, source, target
+        self._src, self._dst = source.client(5.0), target.client(5.0)
+        self._src_id = self._src.execute_command("CLUSTER MYID")
+        self._dst_id = self._dst.execute_command("CLUSTER MYID")
+        self._dst.execute_command("CLUSTER SETSLOT", slot, "IMPORTING", self._src_id)
+        self._src.execute_command("CLUSTER SETSLOT", slot, "MIGRATING", self._dst_id)
+
+    def keys_left(self) -> int:
+        """Keys of the slot still on the source."""
+        return int(self._src.execute_command("CLUSTER COUNTKEYSINSLOT", self.slot))
+
+    def migrate(self, limit: int | None = None, batch: int = 100) -> int:
+        """``MIGRATE`` up to ``limit`` keys (all, by default) ``batch`` at a time; how many."""
+        moved = 0
+        while limit is None or moved < limit:
+            count = batch if limit is None else min(batch, limit - moved)
+            keys = self._src.execute_command("CLUSTER GETKEYSINSLOT", self.slot, count)
+            if not keys:
+                break
+            self._src.execute_command(
+                "MIGRATE", "127.0.0.1", self.target.port, "", 0, 5000, "KEYS", *keys
+            )
+            moved += len(keys)
+        return moved
+
+    def finish(self, batch: int = 100) -> int:
+        """Migrate the keys left, then give the slot to the target; how many keys moved."""
+        moved = self.migrate(batch=batch)
+        for server in self.group.master_servers():
+            server.client(5.0).execute_command("CLUSTER SETSLOT", self.slot, "NODE", self._dst_id)
+        return moved

@@ -19,29 +19,13 @@ from celery_exactonce.refs import JobRef
 from celery_exactonce.states import State
 from celery_exactonce.stores.redis import SCRIPT_BATCH, RedisStore
 from celery_exactonce.writes import NewJob
-from tests.integration.redis_server import Cluster, RedisServer, cluster
+from tests.integration.redis_server import cluster
 
 pytestmark = pytest.mark.timeout(120)
 
 
 def _submitted(job_id: str) -> NewJob:
     return NewJob(JobRef.submitted(job_id), "tasks.t", State.SCHEDULED, node="n", args=[1])
-
-
-def _move_slot(group: Cluster, slot: int, source: RedisServer, target: RedisServer) -> int:
-    """Move ``slot`` from ``source`` to ``target`` with its keys; how many keys moved."""
-    src, dst = source.client(5.0), target.client(5.0)
-    src_id, dst_id = src.execute_command("CLUSTER MYID"), dst.execute_command("CLUSTER MYID")
-    dst.execute_command("CLUSTER SETSLOT", slot, "IMPORTING", src_id)
-    src.execute_command("CLUSTER SETSLOT", slot, "MIGRATING", dst_id)
-    moved = 0
-    while keys := src.execute_command("CLUSTER GETKEYSINSLOT", slot, 100):
-        src.execute_command("MIGRATE", "127.0.0.1", target.port, "", 0, 5000, "KEYS", *keys)
-        moved += len(keys)
-    for server in group.servers:
-        if server.client(1.0).info("replication")["role"] == "master":
-            server.client(5.0).execute_command("CLUSTER SETSLOT", slot, "NODE", dst_id)
-    return moved
 
 
 def test_a_batch_on_a_moved_slot_fails_closed_and_the_next_reaches_the_new_master() -> None:
@@ -58,14 +42,10 @@ def test_a_batch_on_a_moved_slot_fails_closed_and_the_next_reaches_the_new_maste
             meta = store._key("meta")
             old_port = int(store._node(meta).connection_pool.connection_kwargs["port"])
             source = next(s for s in group.servers if s.port == old_port)
-            target = next(
-                s
-                for s in group.servers
-                if s.port != old_port and s.client(1.0).info("replication")["role"] == "master"
-            )
+            target = next(s for s in group.master_servers() if s.port != old_port)
             # When the slot moves to another master, keys and all
             slot = int(source.client(1.0).execute_command("CLUSTER KEYSLOT", meta))
-            assert _move_slot(group, slot, source, target) >= len(first)
+            assert group.move_slot(slot, source, target) >= len(first)
             # Then a pipelined batch (two script calls) sent to the old master fails
             # closed (MOVED: it did not run)
             second = [_submitted(f"b{i}") for i in range(SCRIPT_BATCH + 6)]
