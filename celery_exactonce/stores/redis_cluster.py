@@ -41,7 +41,7 @@ from redis.retry import Retry
 
 from celery_exactonce import exceptions
 from celery_exactonce.stores import redact_url
-from celery_exactonce.stores.redis_hosts import split_netloc
+from celery_exactonce.stores.redis_hosts import refusal, split_netloc
 
 #: The schemes of a Redis Cluster store URL, and whether each speaks TLS.
 CLUSTER_SCHEMES = {"redis+cluster": False, "rediss+cluster": True}
@@ -60,11 +60,7 @@ def is_cluster_client(client: object) -> bool:
 
 
 def _refuse(url: str, problem: str) -> exceptions.ConfigurationError:
-    return exceptions.ConfigurationError(
-        f"exactonce_store_url={redact_url(url)!r}: {problem} (expected "
-        "redis+cluster://[:PASSWORD@]HOST:PORT[,HOST:PORT...])",
-        setting="exactonce_store_url",
-    )
+    return refusal(url, problem, "redis+cluster://[:PASSWORD@]HOST:PORT[,HOST:PORT...]")
 
 
 def parse(url: str) -> dict[str, Any]:

@@ -3,7 +3,8 @@
 ``redis+sentinel://`` and ``redis+cluster://`` URLs (and their ``rediss+``
 forms) name their servers as ``[[USER]:PASSWORD@]HOST[:PORT][,HOST[:PORT]…]``;
 :func:`split_netloc` reads that part for both, refusing a missing host or a
-bad port with the caller's own error.
+bad port with the caller's own error; :func:`refusal` is that error, naming
+``exactonce_store_url`` (redacted) and the form expected.
 
 Not here: the rest of each URL (the Sentinel service and database, the
 cluster's lack of a path: :mod:`~celery_exactonce.stores.redis_sentinel`,
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from urllib.parse import unquote, urlsplit
 
 from celery_exactonce import exceptions
+from celery_exactonce.stores import redact_url
 
 
 @dataclass(frozen=True)
@@ -53,3 +55,11 @@ def split_netloc(
         hosts.append((host.hostname, port))
     username, _, password = userinfo.partition(":") if at else ("", "", "")
     return Netloc(hosts, unquote(username) or None, unquote(password) or None)
+
+
+def refusal(url: str, problem: str, expected: str) -> exceptions.ConfigurationError:
+    """The error refusing store URL ``url`` for ``problem``; ``expected`` is its form."""
+    return exceptions.ConfigurationError(
+        f"exactonce_store_url={redact_url(url)!r}: {problem} (expected {expected})",
+        setting="exactonce_store_url",
+    )

@@ -34,8 +34,7 @@ import redis
 from redis.sentinel import Sentinel, SentinelConnectionPool
 
 from celery_exactonce import exceptions
-from celery_exactonce.stores import redact_url
-from celery_exactonce.stores.redis_hosts import split_netloc
+from celery_exactonce.stores.redis_hosts import refusal, split_netloc
 
 #: The schemes of a Sentinel store URL, and whether each speaks TLS.
 SENTINEL_SCHEMES = {"redis+sentinel": False, "rediss+sentinel": True}
@@ -55,10 +54,8 @@ def is_sentinel_client(client: redis.Redis) -> bool:
 
 
 def _refuse(url: str, problem: str) -> exceptions.ConfigurationError:
-    return exceptions.ConfigurationError(
-        f"exactonce_store_url={redact_url(url)!r}: {problem} (expected "
-        "redis+sentinel://[:PASSWORD@]HOST:PORT[,HOST:PORT...]/SERVICE[/DB])",
-        setting="exactonce_store_url",
+    return refusal(
+        url, problem, "redis+sentinel://[:PASSWORD@]HOST:PORT[,HOST:PORT...]/SERVICE[/DB]"
     )
 
 
