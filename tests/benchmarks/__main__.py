@@ -38,7 +38,7 @@ from celery_exactonce.writes import NewJob, Transition
 from tests import services
 from tests.benchmarks import submit
 from tests.benchmarks.rounds import Rounds, table
-from tests.support.backends import BACKENDS, StoreFactory
+from tests.support.backends import BACKENDS, DJANGO_BACKENDS, StoreFactory
 
 #: Signatures in a group of the group suite.
 GROUP_SIZE = 100
@@ -163,7 +163,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--ops", type=int, default=2000, help="operations per figure")
     parser.add_argument(
-        "--backends", default=",".join(BACKENDS), help="stores (submit: all but memory)"
+        "--backends",
+        # Not the django:// stores: they need a Django project's settings (the tests'
+        # come with pytest), and they are the SQL store on a Django connection.
+        default=",".join(b for b in BACKENDS if b not in DJANGO_BACKENDS),
+        help="stores (submit: all but memory)",
     )
     parser.add_argument("--suite", choices=(*SUITES, "all"), default="all", help="which figures")
     parser.add_argument("--small", action="store_true", help="tiny sizes: a quick smoke run")
@@ -312,23 +316,42 @@ def entries_figures(args: argparse.Namespace) -> int:
 def claims_figures(args: argparse.Namespace) -> int:
     from tests.benchmarks import claims
 
+    rows = per_backend(
+        args.backends, "claims: {}", lambda store: claims.measure(store, args.claims)
+    )
+    title = f"beat's claims, {args.claims:,} slots in batches of 500, one client"
+    return print_rows(title, rows, 16, 20)
+
+
+def per_backend(
+    backends: str, label: str, measure: Callable[[StateStore], dict[str, float]]
+) -> list[tuple[str, dict[str, float]]]:
+    """``measure`` on a fresh store of each backend that answers; a silent one is skipped,
+    said as ``label`` (a format of the backend's name) ``skipped``."""
     rows: list[tuple[str, dict[str, float]]] = []
-    for backend in args.backends.split(","):
+    for backend in backends.split(","):
         if backend in services.SERVICE_URLS and not services.answers(backend):
-            print(f"claims: {backend} skipped, {services.SERVICE_URLS[backend]} does not answer")
+            print(
+                f"{label.format(backend)} skipped, {services.SERVICE_URLS[backend]} does not answer"
+            )
             continue
         factory = StoreFactory(backend)
         try:
-            rows.append((backend, claims.measure(factory(), args.claims)))
+            rows.append((backend, measure(factory())))
         finally:
             factory.cleanup()
+    return rows
+
+
+def print_rows(title: str, rows: list[tuple[str, dict[str, float]]], first: int, width: int) -> int:
+    """The table of ``rows`` (a backend and its figures); status 1 when there is none."""
     if not rows:
         return 1
     columns = list(rows[0][1])
-    print(f"\nbeat's claims, {args.claims:,} slots in batches of 500, one client\n")
-    print(f"{'backend':<16}" + "".join(f"{c:>20}" for c in columns))
+    print(f"\n{title}\n")
+    print(f"{'backend':<{first}}" + "".join(f"{c:>{width}}" for c in columns))
     for backend, figures in rows:
-        print(f"{backend:<16}" + "".join(f"{figures[c]:>20,.0f}" for c in columns))
+        print(f"{backend:<{first}}" + "".join(f"{figures[c]:>{width},.0f}" for c in columns))
     return 0
 
 
@@ -346,24 +369,9 @@ def beat_figures(args: argparse.Namespace) -> int:
 
 
 def stores(args: argparse.Namespace) -> int:
-    rows: list[tuple[str, dict[str, float]]] = []
-    for backend in args.backends.split(","):
-        if backend in services.SERVICE_URLS and not services.answers(backend):
-            print(f"{backend}: skipped, {services.SERVICE_URLS[backend]} does not answer")
-            continue
-        factory = StoreFactory(backend)
-        try:
-            rows.append((backend, bench_store(factory(), args.ops)))
-        finally:
-            factory.cleanup()
-    if not rows:
-        return 1
-    columns = list(rows[0][1])
-    print(f"\nstore operations per second, {args.ops} ops each, one client\n")
-    print(f"{'backend':<10}" + "".join(f"{c:>34}" for c in columns))
-    for backend, figures in rows:
-        print(f"{backend:<10}" + "".join(f"{figures[c]:>34,.0f}" for c in columns))
-    return 0
+    rows = per_backend(args.backends, "{}:", lambda store: bench_store(store, args.ops))
+    title = f"store operations per second, {args.ops} ops each, one client"
+    return print_rows(title, rows, 10, 34)
 
 
 if __name__ == "__main__":
