@@ -18,7 +18,6 @@ from typing import Any
 
 import pytest
 from celery import Celery, signals
-from celery.exceptions import Ignore, Reject, Retry
 
 from celery_exactonce import StoreUnavailable, metrics, runtime
 from celery_exactonce.jobs import Job
@@ -28,6 +27,7 @@ from celery_exactonce.states import State
 from celery_exactonce.task import ExactOnceTask
 from celery_exactonce.testing import InMemoryStore
 from celery_exactonce.writes import NewJob, Transition
+from tests.support.deliveries import deliver_to
 from tests.support.publishing import publishing
 
 NAMESPACE = "gate-unit"
@@ -175,37 +175,8 @@ def deliver(
     *,
     redelivered: bool = False,
 ) -> str:
-    """Hand the gate one delivery; what became of it: ran, ignored, sent_back or requeued.
-
-    ``headers`` are the message's (protocol 2: Celery's own fields, ours beside them).
-    """
-    gated = world.task(task)
-    retries = int(headers.get("retries", headers.get("exactonce_attempt", 0)))
-    ours = {
-        k: v for k, v in headers.items() if k.startswith("exactonce_") or k == "idempotency_key"
-    }
-    gated.push_request(
-        id=task_id,
-        args=[1],
-        kwargs={},
-        retries=retries,
-        headers=ours,
-        is_eager=False,
-        called_directly=False,
-        delivery_info={"redelivered": redelivered},
-        **ours,
-    )
-    try:
-        gated(1)
-    except Ignore:
-        return "ignored"
-    except Retry:
-        return "sent_back"
-    except Reject:
-        return "requeued"
-    finally:
-        gated.pop_request()
-    return "ran"
+    """Hand the gate one delivery; what became of it: ran, ignored, sent_back or requeued."""
+    return deliver_to(world.task(task), task_id, headers, redelivered=redelivered)
 
 
 def state_of(world: World, job: Job) -> Job:

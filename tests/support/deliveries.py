@@ -1,0 +1,44 @@
+"""Handing a gated task one delivery the way Celery's worker does, for the unit tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery.exceptions import Ignore, Reject, Retry
+
+from celery_exactonce.task import ExactOnceTask
+
+
+def deliver_to(
+    gated: ExactOnceTask, task_id: str, headers: dict[str, Any], *, redelivered: bool = False
+) -> str:
+    """Push a request on ``gated``, call it: ran, ignored, sent_back or requeued.
+
+    ``headers`` are the message's (protocol 2: Celery's own fields, ours beside them).
+    """
+    retries = int(headers.get("retries", headers.get("exactonce_attempt", 0)))
+    ours = {
+        k: v for k, v in headers.items() if k.startswith("exactonce_") or k == "idempotency_key"
+    }
+    gated.push_request(
+        id=task_id,
+        args=[1],
+        kwargs={},
+        retries=retries,
+        headers=ours,
+        is_eager=False,
+        called_directly=False,
+        delivery_info={"redelivered": redelivered},
+        **ours,
+    )
+    try:
+        gated(1)
+    except Ignore:
+        return "ignored"
+    except Retry:
+        return "sent_back"
+    except Reject:
+        return "requeued"
+    finally:
+        gated.pop_request()
+    return "ran"
