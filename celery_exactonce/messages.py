@@ -140,10 +140,15 @@ def message_task_id(job: Job) -> str:
 
 
 def ref_from_headers(headers: Mapping[str, Any], task_id: str) -> JobRef:
-    """The job a message belongs to: an occurrence if it carries ``exactonce_key``."""
+    """The job a message belongs to: an occurrence if it carries ``exactonce_key``.
+
+    An occurrence's ref carries that entry key as its routing hint (a sharded
+    store's first place to look: :attr:`~celery_exactonce.refs.JobRef.entry_hint`).
+    """
     job_id = str(headers.get(HEADER_JOB_ID) or task_id)
-    if headers.get(HEADER_KEY) is not None:
-        return JobRef.occurrence(job_id)
+    entry = headers.get(HEADER_KEY)
+    if entry is not None:
+        return JobRef.occurrence(job_id, entry_hint=entry)
     return JobRef.submitted(job_id)
 
 

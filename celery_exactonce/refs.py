@@ -81,15 +81,26 @@ class Space(str, enum.Enum):
 
 @dataclasses.dataclass(frozen=True, order=True)
 class JobRef:
-    """The identity of a job: its key space and its id (the Celery ``task_id``)."""
+    """The identity of a job: its key space and its id (the Celery ``task_id``).
+
+    ``entry_hint`` is no part of the identity (equality, order and hash leave it
+    out): the entry key a beat occurrence's message names, which tells a sharded
+    store where to look first (:mod:`~celery_exactonce.stores.redis_sharded`).
+    Only a hint, which a header may get wrong: a store checks it by what it
+    finds. Kept on an ``o:`` ref only, and only if it is a valid entry key; any
+    other is dropped.
+    """
 
     space: Space
     id: str
+    entry_hint: str | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.space, Space):
             object.__setattr__(self, "space", Space(self.space))
         validate_identifier(self.id, "job id", MAX_ID_LENGTH)
+        if self.entry_hint is not None and not _valid_hint(self.space, self.entry_hint):
+            object.__setattr__(self, "entry_hint", None)
 
     @classmethod
     def submitted(cls, task_id: str) -> JobRef:
@@ -100,9 +111,9 @@ class JobRef:
         return cls(Space.SUBMITTED, task_id)
 
     @classmethod
-    def occurrence(cls, job_id: str) -> JobRef:
-        """A beat occurrence's job id."""
-        return cls(Space.OCCURRENCE, job_id)
+    def occurrence(cls, job_id: str, entry_hint: str | None = None) -> JobRef:
+        """A beat occurrence's job id; ``entry_hint``: the entry its message names, if any."""
+        return cls(Space.OCCURRENCE, job_id, entry_hint)
 
     def __str__(self) -> str:
         return f"{self.space.value}:{self.id}"
@@ -135,6 +146,17 @@ def validate_identifier(value: object, what: str, max_length: int) -> None:
         raise exceptions.InvalidPayload(
             f"{what} {value!r} contains control characters or lone surrogates"
         )
+
+
+def _valid_hint(space: Space, hint: object) -> bool:
+    """Whether ``hint`` may route a ref of ``space``: an occurrence's, and a valid entry key."""
+    if space is not Space.OCCURRENCE:
+        return False
+    try:
+        validate_identifier(hint, "entry key", MAX_NAME_LENGTH)
+    except exceptions.InvalidPayload:
+        return False
+    return True
 
 
 def validate_reason(reason: object) -> None:

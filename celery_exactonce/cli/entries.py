@@ -97,4 +97,4 @@ def last_occurrence(store: StateStore, entry: str, fire: datetime | None) -> Job
     """The job of ``entry``'s slot at ``fire`` (its watermark), if it is still kept."""
     if fire is None:
         return None
-    return store.get(JobRef.occurrence(occurrence_id(store.namespace, entry, fire)))
+    return store.get(JobRef.occurrence(occurrence_id(store.namespace, entry, fire), entry))
