@@ -42,10 +42,16 @@ import dataclasses
 import threading
 from collections.abc import Callable, Sequence
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeVar
 
 from celery_exactonce import exceptions
-from celery_exactonce.jobs import CreateResult, CreateStatus, Job, TransitionResult
+from celery_exactonce.jobs import (
+    CreateResult,
+    CreateStatus,
+    Job,
+    TransitionResult,
+    TransitionStatus,
+)
 from celery_exactonce.refs import EPOCHS_SEPARATOR, JobRef, Space
 from celery_exactonce.skipped_slots import SkippedSlots
 from celery_exactonce.stores import redact_url, url_secrets
@@ -56,6 +62,8 @@ from celery_exactonce.stores.redis_keys import key_base
 from celery_exactonce.stores.redis_sharded_scans import ShardedScans
 from celery_exactonce.stores.shards import pinned_elsewhere, shard_of
 from celery_exactonce.writes import NewJob, Transition
+
+_A = TypeVar("_A")  # an answer of a store operation
 
 
 class ShardedRedisStore(ShardedScans):
@@ -146,12 +154,70 @@ class ShardedRedisStore(ShardedScans):
             known = self._known.get(ref)
         if known is not None:
             return known, None
-        for shard, part in enumerate(self._parts):
-            job = part.get(ref)
+        return self._search(ref)
+
+    def _search(self, ref: JobRef, skip: int | None = None) -> tuple[int, Job | None]:
+        """Read ``ref`` on each shard but ``skip`` in turn, its hint's first, until found."""
+        first = 0 if ref.entry_hint is None else shard_of(ref.entry_hint, self._n)
+        for shard in (first, *range(first), *range(first + 1, self._n)):
+            if shard == skip:
+                continue
+            job = self._parts[shard].get(ref)
             if job is not None:
                 self._remember(ref, shard)
                 return shard, job
         return shard_of(str(ref), self._n), None  # nowhere: any shard answers "not found"
+
+    def _route(self, ref: JobRef) -> tuple[int, bool]:
+        """The shard a write on ``ref`` goes to, and whether that is only its hint's, unread."""
+        if ref.space is Space.OCCURRENCE and ref.entry_hint is not None:
+            with self._lock:
+                known = self._known.get(ref)
+            if known is None:
+                return shard_of(ref.entry_hint, self._n), True
+            return known, False
+        return self._locate(ref)[0], False
+
+    def _routed(
+        self,
+        refs: Sequence[JobRef],
+        run: Callable[[int, list[int]], Sequence[_A]],
+        found: Callable[[_A], bool],
+    ) -> list[_A]:
+        """``run(shard, indexes)``: the answers for the ``refs`` at ``indexes``, all on ``shard``.
+
+        A ref routed by its hint alone (:meth:`_route`) is checked by its answer:
+        if it says the record is not there (not ``found``: no write applies where
+        the record is not), the ref goes again to the shard a search finds it on;
+        found nowhere else, the first answer stands.
+        """
+        routes = [self._route(ref) for ref in refs]
+        answers: dict[int, _A] = {}
+        self._run_on(run, {i: shard for i, (shard, _) in enumerate(routes)}, answers)
+        again: dict[int, int] = {}
+        for i, (shard, hinted) in enumerate(routes):
+            if not hinted:
+                continue
+            if found(answers[i]):
+                self._remember(refs[i], shard)
+                continue
+            home, job = self._search(refs[i], skip=shard)  # a wrong hint: elsewhere, if anywhere
+            if job is not None:
+                again[i] = home
+        self._run_on(run, again, answers)
+        return [answers[i] for i in range(len(refs))]
+
+    def _run_on(
+        self,
+        run: Callable[[int, list[int]], Sequence[_A]],
+        shards: dict[int, int],
+        answers: dict[int, _A],
+    ) -> None:
+        """``run`` once per shard in ``shards`` (index to shard), its answers into ``answers``."""
+        indexes = list(shards)
+        for shard, positions in self._grouped(indexes, shards.__getitem__).items():
+            group = [indexes[p] for p in positions]
+            answers.update(zip(group, run(shard, group), strict=True))
 
     def _split_epoch(self, epoch: str | None) -> list[str | None]:
         if epoch is None:
@@ -271,26 +337,30 @@ class ShardedRedisStore(ShardedScans):
         return job if job is not None else self._parts[shard].get(ref)
 
     def transition(self, ref: JobRef, request: Transition) -> TransitionResult:
-        return self._parts[self._locate(ref)[0]].transition(ref, request)
+        return self._routed(
+            [ref], lambda shard, _: [self._parts[shard].transition(ref, request)], _found
+        )[0]
 
     def transition_many(
         self, requests: Sequence[tuple[JobRef, Transition]], *, brief: bool = False
     ) -> list[TransitionResult]:
-        out: list[TransitionResult | None] = [None] * len(requests)
-        for shard, indexes in self._grouped(requests, lambda r: self._locate(r[0])[0]).items():
+        def run(shard: int, indexes: list[int]) -> list[TransitionResult]:
             batch = [requests[i] for i in indexes]
-            for i, answer in zip(
-                indexes, self._parts[shard].transition_many(batch, brief=brief), strict=True
-            ):
-                out[i] = answer
-        return [answer for answer in out if answer is not None]
+            return self._parts[shard].transition_many(batch, brief=brief)
+
+        return self._routed([ref for ref, _ in requests], run, _found)
 
     def heartbeat(self, ref: JobRef, run_id: str) -> bool:
-        return self._parts[self._locate(ref)[0]].heartbeat(ref, run_id)
+        # False is also a run that lost the job: then the search finds nothing elsewhere.
+        return self._routed(
+            [ref], lambda shard, _: [self._parts[shard].heartbeat(ref, run_id)], bool
+        )[0]
 
     def annotate(self, ref: JobRef, *, node: str, reason: str, op_id: str) -> bool:
-        part = self._parts[self._locate(ref)[0]]
-        return part.annotate(ref, node=node, reason=reason, op_id=op_id)
+        def run(shard: int, _: list[int]) -> list[bool]:
+            return [self._parts[shard].annotate(ref, node=node, reason=reason, op_id=op_id)]
+
+        return self._routed([ref], run, bool)[0]
 
     def watermark(self, entry: str) -> datetime | None:
         return self.watermarks([entry]).get(entry)
@@ -304,3 +374,8 @@ class ShardedRedisStore(ShardedScans):
     def note_skipped(self, skipped: Sequence[SkippedSlots]) -> None:
         for shard, indexes in self._grouped(skipped, lambda s: shard_of(s.entry, self._n)).items():
             self._parts[shard].note_skipped([skipped[i] for i in indexes])
+
+
+def _found(result: TransitionResult) -> bool:
+    """Whether a transition's answer says its record is on the shard that gave it."""
+    return result.status is not TransitionStatus.NOT_FOUND
