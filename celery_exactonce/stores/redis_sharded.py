@@ -12,8 +12,14 @@ one-slot layout (records, indexes, ``due``, ``wm``, ``epoch``, leases,
   lives on the shard of ``str(ref)``. A ``t:`` ref is so found from itself
   alone (the submit and the gate pay no extra round trip); an ``o:`` ref
   does not name its entry, so its shard is remembered from every create and
-  every record read (a record never moves: its id fixes its entry), and
-  otherwise looked for on each shard in turn.
+  every record read (a record never moves: its id fixes its entry). One the
+  store does not know goes by its ref's ``entry_hint``, the entry its
+  message names (``exactonce_key``): a worker's gate, heartbeats and
+  completion write there at once, unread. The hint is only a hint (a header
+  may be wrong or forged): an answer there that says "no such record" sends
+  the call on to the shard a search finds the record on (no write applies
+  where the record is not). Without a hint, the search: each shard in turn
+  (the hinted one first), until one holds it.
 * **The epoch.** :meth:`epoch` is every shard's epoch joined by ``,`` in
   shard order; a claim carries it and each shard checks its own part. A
   mismatch on any shard refuses that shard's claims; the node then adopts the
