@@ -7,31 +7,41 @@ The whole store contract runs there too, opt-in:
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 import pytest
 from celery import Celery
 from redis.crc import key_slot
 
-from celery_exactonce import ExactOnceConfig, open_store
+from celery_exactonce import ExactOnceConfig, open_store, runtime
 from celery_exactonce.jobs import CreateStatus
+from celery_exactonce.messages import message_headers
 from celery_exactonce.refs import JobRef
 from celery_exactonce.states import State
 from celery_exactonce.stores.redis_sharded import ShardedRedisStore
 from celery_exactonce.stores.shards import shard_of
+from celery_exactonce.task import ExactOnceTask
 from celery_exactonce.writes import NewJob
 from tests.integration.redis_server import cluster
-from tests.support.helpers import occurrence
+from tests.support.deliveries import deliver_to
+from tests.support.helpers import move, occurrence
 
 pytestmark = pytest.mark.timeout(120)
 
 
-def _config(url: str) -> ExactOnceConfig:
+def _app(url: str) -> Celery:
     app = Celery("cluster-shards-test", set_as_current=False)
     app.conf.exactonce_store_url = url
     app.conf.exactonce_namespace = "clustered"  # its 3 shards' slots: 8408, 12537, 154
     app.conf.exactonce_shards = 3
-    return ExactOnceConfig.from_app(app)
+    return app
+
+
+def _config(url: str) -> ExactOnceConfig:
+    return ExactOnceConfig.from_app(_app(url))
 
 
 def _submitted(job_id: str) -> NewJob:
@@ -97,3 +107,63 @@ def test_a_shard_that_lost_its_epoch_refuses_only_its_own_claims() -> None:
         finally:
             store.drop_namespace()
             store.close()
+
+
+def _noting(store: ShardedRedisStore, calls: list[tuple[str, int]]) -> ShardedRedisStore:
+    """``store``, each of its shards' job calls noted in ``calls`` as (call, shard)."""
+
+    def noted(name: str, shard: int, call: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            calls.append((name, shard))
+            return call(*args, **kwargs)
+
+        return wrapper
+
+    for shard, part in enumerate(store._parts):
+        for name in ("get", "transition", "transition_many", "heartbeat", "annotate"):
+            setattr(part, name, noted(name, shard, getattr(part, name)))
+    return store
+
+
+def test_a_worker_gates_a_beat_occurrence_on_its_entrys_shard_at_the_first_try() -> None:
+    with cluster() as group:
+        app = _app(group.url())
+        beat = open_store(_config(group.url()))
+        workers: list[ShardedRedisStore] = []
+        runs: list[str] = []
+
+        @app.task(base=ExactOnceTask, shared=False, bind=True, name="t.body")
+        def body(self: Any, *args: Any) -> None:
+            runs.append(self.request.id)
+
+        def deliver(job_id: str, headers: dict[str, Any], **kw: Any) -> tuple[str, list[Any]]:
+            """One delivery on a new worker process's store (it created no job, read none)."""
+            calls: list[tuple[str, int]] = []
+            worker = open_store(_config(group.url()))
+            assert isinstance(worker, ShardedRedisStore)
+            workers.append(_noting(worker, calls))
+            runtime.install(app, worker)
+            return deliver_to(app.tasks["t.body"], job_id, headers, **kw), calls
+
+        try:
+            # Given beat's occurrence of an entry on the last shard a search reads
+            entry = next(e for i in itertools.count() if shard_of(e := f"nightly-{i}", 3) == 2)
+            fire = beat.now().replace(microsecond=0) - timedelta(seconds=5)
+            created = beat.create(occurrence(entry, fire, task="t.body"))
+            assert created.job is not None
+            job = move(beat, created.job, State.DISPATCHED)
+            headers = message_headers(job, "clustered")
+            # When a worker's gate runs its message: the CAS finds the record at once,
+            # the completion too, on the entry's shard, with no read of any shard
+            assert deliver(job.ref.id, headers) == ("ran", [("transition_many", 2)] * 2)
+            # and a redelivery, to another worker, is refused by the record found at once
+            again = deliver(job.ref.id, headers, redelivered=True)
+            assert again == ("ignored", [("transition_many", 2)])
+            # Then the body ran once, and the job succeeded
+            done = beat.get(job.ref)
+            assert runs == [job.ref.id] and done is not None and done.state is State.SUCCEEDED
+        finally:
+            runtime.reset(app)
+            beat.drop_namespace()
+            for store in (beat, *workers):
+                store.close()
