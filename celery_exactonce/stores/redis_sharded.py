@@ -18,8 +18,8 @@ one-slot layout (records, indexes, ``due``, ``wm``, ``epoch``, leases,
   completion write there at once, unread. The hint is only a hint (a header
   may be wrong or forged): an answer there that says "no such record" sends
   the call on to the shard a search finds the record on (no write applies
-  where the record is not). Without a hint, the search: each shard in turn
-  (the hinted one first), until one holds it.
+  where the record is not). A read, or a ref with no hint, searches: each
+  shard in turn (the hinted one first), until one holds it.
 * **The epoch.** :meth:`epoch` is every shard's epoch joined by ``,`` in
   shard order; a claim carries it and each shard checks its own part. A
   mismatch on any shard refuses that shard's claims; the node then adopts the
