@@ -1,0 +1,291 @@
+"""Private, throw-away PostgreSQL servers for tests that kill a primary and promote its standby.
+
+The machine's shared PostgreSQL is never touched: :func:`pg_pair` starts its
+own primary (``initdb``, trust authentication on 127.0.0.1 for clients and
+for replication) and a streaming standby of it (``pg_basebackup -R``), each on
+a free port with its sockets in the pair's temporary directory, and stops
+both by pid at the end, on failure too. ``sync`` names the standby in the
+primary's ``synchronous_standby_names`` (``FIRST 1 (standby)``): a commit
+returns once the standby has flushed it; without it the standby is
+asynchronous. The synchronous settings are the primary's command line, not
+its configuration files, so a promoted standby does not wait for a standby
+of its own.
+
+As root (CI, this machine) the servers run as the ``postgres`` user, since
+``initdb`` refuses root. Missing binaries skip the test (set
+``EXACTONCE_TEST_PG_BIN`` to their directory if they are elsewhere), as a
+missing ``redis-server`` does. Every wait is polled against a deadline.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import pwd
+import shutil
+import signal
+import subprocess
+import tempfile
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager, suppress
+from typing import Any
+
+import psycopg
+import pytest
+
+from tests.integration import servers
+
+#: The standby's ``cluster_name``: its ``application_name`` on the primary.
+STANDBY = "standby"
+_HBA = (
+    "local all all trust\n"
+    "host all all 127.0.0.1/32 trust\n"
+    "local replication all trust\n"
+    "host replication all 127.0.0.1/32 trust\n"
+)
+
+
+def _bin_dir() -> str:
+    """The directory of ``initdb`` and friends; skips the test if there is none."""
+    wanted = os.environ.get("EXACTONCE_TEST_PG_BIN")
+    found = [wanted] if wanted else sorted(glob.glob("/usr/lib/postgresql/*/bin"), reverse=True)
+    which = shutil.which("initdb")
+    found += [os.path.dirname(which)] if which else []
+    for directory in found:
+        if all(os.access(os.path.join(directory, b), os.X_OK) for b in ("initdb", "postgres")):
+            return directory
+    pytest.skip("the PostgreSQL server binaries (initdb, postgres) are not installed")
+
+
+def _account() -> tuple[int, int] | None:
+    """The uid and gid to run the servers as (``postgres`` when root); ``None``: as we are."""
+    if os.geteuid() != 0:
+        return None
+    try:
+        entry = pwd.getpwnam("postgres")
+    except KeyError:
+        pytest.skip("running as root and there is no postgres user to run initdb as")
+    return entry.pw_uid, entry.pw_gid
+
+
+def wait_for(what: str, check: Callable[[], bool], timeout: float = 30.0) -> None:
+    """Poll ``check`` until it holds (a server not answering yet: not yet), else fail."""
+    servers.wait_for(what, check, timeout, errors=(psycopg.Error, OSError))
+
+
+def _children(pid: int) -> list[int]:
+    """The pids whose parent is ``pid`` (a postmaster's backends and workers)."""
+    found = []
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            with open(stat, encoding="utf-8") as file:
+                fields = file.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.split("/")[2]))
+    return found
+
+
+def _gone(pid: int) -> bool:
+    """Whether ``pid`` has exited (a zombie nobody reaps counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8") as file:
+            return file.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+class PgServer:
+    """One postmaster on a free port of 127.0.0.1, its data and sockets under ``root``."""
+
+    def __init__(self, root: str, name: str, bin_dir: str, account: tuple[int, int] | None) -> None:
+        self.name, self.bin_dir, self.account = name, bin_dir, account
+        self.data = os.path.join(root, name)
+        self.log = os.path.join(root, f"{name}.log")
+        self.sockets = root
+        self.port = servers.free_port()
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def _as_user(self) -> dict[str, Any]:
+        """The ``subprocess`` arguments that run a program as the server's user."""
+        if self.account is None:
+            return {}
+        return {"user": self.account[0], "group": self.account[1], "extra_groups": []}
+
+    def run(self, program: str, *args: str, timeout: float = 60.0) -> None:
+        """Run one of the server's programs (``initdb``, ``pg_ctl``...) as the server's user."""
+        done = subprocess.run(
+            [os.path.join(self.bin_dir, program), *args],
+            capture_output=True,
+            timeout=timeout,
+            check=False,
+            **self._as_user(),
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"{program} failed ({done.returncode}): {done.stderr.decode()}")
+
+    def start(self, *settings: str) -> None:
+        """Start the postmaster with ``settings`` (``name=value``) over its configuration files."""
+        options = [
+            f"port={self.port}",
+            "listen_addresses=127.0.0.1",
+            f"unix_socket_directories={self.sockets}",
+            "shared_buffers=16MB",
+            "max_connections=30",
+            *settings,
+        ]
+        with open(self.log, "ab") as log:
+            self.process = subprocess.Popen(
+                [os.path.join(self.bin_dir, "postgres"), "-D", self.data]
+                + [arg for option in options for arg in ("-c", option)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                **self._as_user(),
+            )
+        wait_for(f"PostgreSQL {self.name} on port {self.port}", self._answers)
+
+    def _answers(self) -> bool:
+        assert self.process is not None
+        if self.process.poll() is not None:
+            raise RuntimeError(f"PostgreSQL {self.name} exited: {self.tail()}")
+        self.query("SELECT 1")
+        return True
+
+    def tail(self) -> str:
+        """The end of the server's log (for a failure's message)."""
+        try:
+            with open(self.log, encoding="utf-8", errors="replace") as file:
+                return file.read()[-2000:]
+        except OSError:
+            return ""
+
+    @property
+    def dsn(self) -> str:
+        return f"host=127.0.0.1 port={self.port} user=postgres dbname=postgres connect_timeout=2"
+
+    def url(self, driver: str = "postgresql+psycopg") -> str:
+        """A store URL on this server alone."""
+        return f"{driver}://postgres@127.0.0.1:{self.port}/postgres"
+
+    def query(self, sql: str, params: Sequence[object] = ()) -> list[tuple[Any, ...]]:
+        """Run ``sql`` on a connection of its own (autocommit); the rows it returned."""
+        with psycopg.connect(self.dsn, autocommit=True) as conn:
+            cursor = conn.execute(sql, params)  # type: ignore[arg-type]
+            return cursor.fetchall() if cursor.description else []
+
+    def kill(self) -> None:
+        """SIGKILL the postmaster and every process it forked: the host is gone.
+
+        Nothing is shut down cleanly: what the server acknowledged is what a
+        standby already has.
+        """
+        if self.process is None:
+            return
+        children = _children(self.process.pid)
+        self.process.kill()
+        self.process.wait(timeout=15)
+        self.process = None
+        for pid in children:
+            with suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        wait_for(f"the processes of {self.name} gone", lambda: all(map(_gone, children)))
+
+    def in_recovery(self) -> bool:
+        return bool(self.query("SELECT pg_is_in_recovery()")[0][0])
+
+    def promote(self, timeout: float = 30.0) -> None:
+        """``pg_ctl promote`` this standby, and wait until it takes writes."""
+        self.run("pg_ctl", "promote", "-D", self.data, "-t", str(int(timeout)))
+        wait_for(f"{self.name} promoted", lambda: not self.in_recovery(), timeout)
+
+
+class PgPair:
+    """A primary and its streaming standby (named :data:`STANDBY` on the primary)."""
+
+    def __init__(self, primary: PgServer, standby: PgServer, sync: bool) -> None:
+        self.primary, self.standby, self.sync = primary, standby, sync
+
+    def multi_host_url(self, driver: str = "postgresql+psycopg") -> str:
+        """A libpq multi-host URL: both servers, the one that takes writes chosen at connect."""
+        hosts = "&".join(f"host=127.0.0.1:{s.port}" for s in (self.primary, self.standby))
+        return f"{driver}://postgres@/postgres?{hosts}&target_session_attrs=read-write"
+
+    def streaming(self) -> bool:
+        """Whether the primary sees the standby streaming (and, if synchronous, as ``sync``)."""
+        rows = self.primary.query(
+            "SELECT sync_state FROM pg_stat_replication"
+            " WHERE application_name = %s AND state = 'streaming'",
+            (STANDBY,),
+        )
+        return bool(rows) and rows[0][0] == ("sync" if self.sync else "async")
+
+    def caught_up(self) -> bool:
+        """Whether the standby has replayed everything the primary has written so far."""
+        (lsn,) = self.primary.query("SELECT pg_current_wal_lsn()::text")[0]
+        rows = self.standby.query(
+            "SELECT pg_wal_lsn_diff(pg_last_wal_replay_lsn(), %s::pg_lsn) >= 0", (lsn,)
+        )
+        return bool(rows[0][0])
+
+    def cut_stream(self) -> None:
+        """Stop the standby's WAL stream: from here on the primary's writes never reach it.
+
+        The standby forgets its ``primary_conninfo`` (``ALTER SYSTEM``, reload):
+        its WAL receiver stops and does not come back. Deterministic, where
+        pausing replay is not: a promoted standby still replays whatever WAL
+        it had received while paused.
+        """
+        self.standby.query("ALTER SYSTEM SET primary_conninfo = ''")
+        self.standby.query("SELECT pg_reload_conf()")
+        wait_for(
+            "the standby's WAL receiver stopped",
+            lambda: not self.standby.query("SELECT pid FROM pg_stat_wal_receiver"),
+        )
+        wait_for(
+            "the primary without its standby",
+            lambda: not self.primary.query("SELECT pid FROM pg_stat_replication"),
+        )
+
+    def fail_over(self) -> PgServer:
+        """SIGKILL the primary, promote the standby; the new primary."""
+        self.primary.kill()
+        self.standby.promote()
+        return self.standby
+
+
+@contextmanager
+def pg_pair(sync: bool = True) -> Iterator[PgPair]:
+    """A primary and a streaming standby, synchronous or not; both stopped at the end."""
+    bin_dir, account = _bin_dir(), _account()
+    with ExitStack() as stack:
+        root = tempfile.mkdtemp(prefix="exactonce-pg-")
+        stack.callback(shutil.rmtree, root, ignore_errors=True)
+        if account is not None:
+            os.chown(root, *account)
+        primary = PgServer(root, "primary", bin_dir, account)
+        stack.callback(primary.kill)
+        primary.run("initdb", "-D", primary.data, "-U", "postgres", "--auth=trust", "--no-sync")
+        with open(os.path.join(primary.data, "pg_hba.conf"), "w", encoding="utf-8") as hba:
+            hba.write(_HBA)
+        if account is not None:
+            os.chown(os.path.join(primary.data, "pg_hba.conf"), *account)
+        names = f"FIRST 1 ({STANDBY})" if sync else ""
+        primary.start(
+            "wal_level=replica",
+            "max_wal_senders=5",
+            "wal_keep_size=256MB",
+            f"synchronous_standby_names={names}",
+            "synchronous_commit=on",
+        )
+        standby = PgServer(root, "standby", bin_dir, account)
+        stack.callback(standby.kill)
+        standby.run(
+            "pg_basebackup",
+            *("-h", "127.0.0.1", "-p", str(primary.port), "-U", "postgres"),
+            *("-D", standby.data, "-R", "-X", "stream", "-c", "fast", "--no-sync"),
+        )
+        standby.start(f"cluster_name={STANDBY}", "hot_standby=on")
+        pair = PgPair(primary, standby, sync)
+        wait_for("the standby streaming from the primary", pair.streaming)
+        yield pair
