@@ -11,6 +11,12 @@ asynchronous. The synchronous settings are the primary's command line, not
 its configuration files, so a promoted standby does not wait for a standby
 of its own.
 
+A test can make the standby lag: :meth:`PgPair.pause_replay` (it still
+receives and flushes WAL, and a promotion replays it all) or
+:meth:`PgPair.cut_stream` (it receives nothing more); then
+:meth:`PgServer.kill` the primary (SIGKILL, its children too) and
+:meth:`PgServer.promote` the standby (:meth:`PgPair.fail_over` does both).
+
 As root (CI, this machine) the servers run as the ``postgres`` user, since
 ``initdb`` refuses root. Missing binaries skip the test (set
 ``EXACTONCE_TEST_PG_BIN`` to their directory if they are elsewhere), as a
@@ -19,6 +25,7 @@ missing ``redis-server`` does. Every wait is polled against a deadline.
 
 from __future__ import annotations
 
+import atexit
 import glob
 import os
 import pwd
@@ -96,6 +103,49 @@ def _gone(pid: int) -> bool:
         return True
 
 
+def _as(account: tuple[int, int] | None) -> dict[str, Any]:
+    """The ``subprocess`` arguments that run a program as ``account`` (``None``: as we are)."""
+    if account is None:
+        return {}
+    return {"user": account[0], "group": account[1], "extra_groups": []}
+
+
+def _run(
+    bin_dir: str, account: tuple[int, int] | None, program: str, *args: str, timeout: float = 60.0
+) -> None:
+    """Run ``program`` of ``bin_dir`` as ``account``; raise with its stderr if it fails."""
+    done = subprocess.run(
+        [os.path.join(bin_dir, program), *args],
+        capture_output=True,
+        timeout=timeout,
+        check=False,
+        **_as(account),
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"{program} failed ({done.returncode}): {done.stderr.decode()}")
+
+
+#: Per test process: a fresh cluster's data directory, copied for each primary.
+_TEMPLATES: dict[str, str] = {}
+
+
+def _template(bin_dir: str, account: tuple[int, int] | None) -> str:
+    """An ``initdb`` data directory with :data:`_HBA`, made once per test process."""
+    if bin_dir not in _TEMPLATES:
+        root = tempfile.mkdtemp(prefix="exactonce-pg-template-")
+        atexit.register(shutil.rmtree, root, ignore_errors=True)
+        data = os.path.join(root, "data")
+        if account is not None:
+            os.chown(root, *account)
+        _run(bin_dir, account, "initdb", "-D", data, "-U", "postgres", "--auth=trust", "--no-sync")
+        with open(os.path.join(data, "pg_hba.conf"), "w", encoding="utf-8") as hba:
+            hba.write(_HBA)
+        if account is not None:
+            os.chown(os.path.join(data, "pg_hba.conf"), *account)
+        _TEMPLATES[bin_dir] = data
+    return _TEMPLATES[bin_dir]
+
+
 class PgServer:
     """One postmaster on a free port of 127.0.0.1, its data and sockets under ``root``."""
 
@@ -107,55 +157,56 @@ class PgServer:
         self.port = servers.free_port()
         self.process: subprocess.Popen[bytes] | None = None
 
-    def _as_user(self) -> dict[str, Any]:
-        """The ``subprocess`` arguments that run a program as the server's user."""
-        if self.account is None:
-            return {}
-        return {"user": self.account[0], "group": self.account[1], "extra_groups": []}
-
     def run(self, program: str, *args: str, timeout: float = 60.0) -> None:
-        """Run one of the server's programs (``initdb``, ``pg_ctl``...) as the server's user."""
-        done = subprocess.run(
-            [os.path.join(self.bin_dir, program), *args],
-            capture_output=True,
-            timeout=timeout,
-            check=False,
-            **self._as_user(),
-        )
-        if done.returncode != 0:
-            raise RuntimeError(f"{program} failed ({done.returncode}): {done.stderr.decode()}")
+        """Run one of the server's programs (``pg_ctl``...) as the server's user."""
+        _run(self.bin_dir, self.account, program, *args, timeout=timeout)
 
     def start(self, *settings: str) -> None:
-        """Start the postmaster with ``settings`` (``name=value``) over its configuration files."""
-        options = [
-            f"port={self.port}",
-            "listen_addresses=127.0.0.1",
-            f"unix_socket_directories={self.sockets}",
-            "shared_buffers=16MB",
-            "max_connections=30",
-            *settings,
-        ]
-        with open(self.log, "ab") as log:
-            self.process = subprocess.Popen(
-                [os.path.join(self.bin_dir, "postgres"), "-D", self.data]
-                + [arg for option in options for arg in ("-c", option)],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                **self._as_user(),
-            )
-        wait_for(f"PostgreSQL {self.name} on port {self.port}", self._answers)
+        """Start the postmaster with ``settings`` (``name=value``) over its configuration files.
+
+        A port another process took since :func:`~tests.integration.servers.free_port`
+        found it free (a test running beside) is replaced by another, twice at most.
+        """
+        for _ in range(3):
+            options = [
+                f"port={self.port}",
+                "listen_addresses=127.0.0.1",
+                f"unix_socket_directories={self.sockets}",
+                "shared_buffers=16MB",
+                "max_connections=30",
+                *settings,
+            ]
+            with open(self.log, "ab") as log:
+                start = log.tell()
+                self.process = subprocess.Popen(
+                    [os.path.join(self.bin_dir, "postgres"), "-D", self.data]
+                    + [arg for option in options for arg in ("-c", option)],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    **_as(self.account),
+                )
+            try:
+                wait_for(f"PostgreSQL {self.name} on port {self.port}", self._answers)
+                return
+            except RuntimeError:
+                if "already in use" not in self.tail(start):
+                    raise
+            self.port = servers.free_port()
+        raise RuntimeError(f"PostgreSQL {self.name} found no free port")
 
     def _answers(self) -> bool:
         assert self.process is not None
         if self.process.poll() is not None:
+            self.process = None
             raise RuntimeError(f"PostgreSQL {self.name} exited: {self.tail()}")
         self.query("SELECT 1")
         return True
 
-    def tail(self) -> str:
-        """The end of the server's log (for a failure's message)."""
+    def tail(self, start: int = 0) -> str:
+        """The server's log from byte ``start``, its last 2000 characters (for a message)."""
         try:
             with open(self.log, encoding="utf-8", errors="replace") as file:
+                file.seek(start)
                 return file.read()[-2000:]
         except OSError:
             return ""
@@ -228,6 +279,22 @@ class PgPair:
         )
         return bool(rows[0][0])
 
+    def commits_waiting(self) -> int:
+        """How many of the primary's sessions wait for the synchronous standby to confirm."""
+        query = "SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'SyncRep'"
+        return int(self.primary.query(query)[0][0])
+
+    def pause_replay(self) -> None:
+        """Pause the standby's replay: it still receives and flushes WAL, and applies none.
+
+        A promotion ends the pause, and the standby replays all it received first.
+        """
+        self.standby.query("SELECT pg_wal_replay_pause()")
+        wait_for(
+            "the standby's replay paused",
+            lambda: self.standby.query("SELECT pg_get_wal_replay_pause_state()")[0][0] == "paused",
+        )
+
     def cut_stream(self) -> None:
         """Stop the standby's WAL stream: from here on the primary's writes never reach it.
 
@@ -265,11 +332,8 @@ def pg_pair(sync: bool = True) -> Iterator[PgPair]:
             os.chown(root, *account)
         primary = PgServer(root, "primary", bin_dir, account)
         stack.callback(primary.kill)
-        primary.run("initdb", "-D", primary.data, "-U", "postgres", "--auth=trust", "--no-sync")
-        with open(os.path.join(primary.data, "pg_hba.conf"), "w", encoding="utf-8") as hba:
-            hba.write(_HBA)
-        if account is not None:
-            os.chown(os.path.join(primary.data, "pg_hba.conf"), *account)
+        # cp -a keeps the owner (and the 0700 mode PostgreSQL insists on)
+        subprocess.run(["cp", "-a", _template(bin_dir, account), primary.data], check=True)
         names = f"FIRST 1 ({STANDBY})" if sync else ""
         primary.start(
             "wal_level=replica",
