@@ -3,13 +3,13 @@
 The machine's shared PostgreSQL is never touched: :func:`pg_pair` starts its
 own primary (``initdb``, trust authentication on 127.0.0.1 for clients and
 for replication) and a streaming standby of it (``pg_basebackup -R``), each on
-a free port with its sockets in the pair's temporary directory, and stops
-both by pid at the end, on failure too. ``sync`` names the standby in the
-primary's ``synchronous_standby_names`` (``FIRST 1 (standby)``): a commit
-returns once the standby has flushed it; without it the standby is
-asynchronous. The synchronous settings are the primary's command line, not
-its configuration files, so a promoted standby does not wait for a standby
-of its own.
+a free port with its data and sockets in the pair's temporary directory (in
+``/dev/shm`` where there is one), and stops both by pid at the end, on failure
+too. ``sync`` names the standby in the primary's ``synchronous_standby_names``
+(``FIRST 1 (standby)``): a commit returns once the standby has flushed it;
+without it the standby is asynchronous. The synchronous settings are the
+primary's command line, not its configuration files, so a promoted standby
+does not wait for a standby of its own.
 
 A test can make the standby lag: :meth:`PgPair.pause_replay` (it still
 receives and flushes WAL, and a promotion replays it all) or
@@ -29,6 +29,7 @@ import atexit
 import glob
 import os
 import pwd
+import re
 import shutil
 import signal
 import subprocess
@@ -52,16 +53,23 @@ _HBA = (
 )
 
 
+#: The server programs a pair needs, all from one installation.
+_PROGRAMS = ("initdb", "postgres", "pg_ctl", "pg_basebackup")
+
+
 def _bin_dir() -> str:
-    """The directory of ``initdb`` and friends; skips the test if there is none."""
+    """The directory of :data:`_PROGRAMS`; skips the test if there is none."""
     wanted = os.environ.get("EXACTONCE_TEST_PG_BIN")
-    found = [wanted] if wanted else sorted(glob.glob("/usr/lib/postgresql/*/bin"), reverse=True)
-    which = shutil.which("initdb")
-    found += [os.path.dirname(which)] if which else []
+    # Debian's layout, the newest version first (as numbers: 15 before 9.6)
+    versions = glob.glob("/usr/lib/postgresql/[0-9]*/bin")
+    newest = sorted(versions, key=lambda d: [int(n) for n in re.findall(r"\d+", d)], reverse=True)
+    found = [wanted] if wanted else newest
+    which = shutil.which("initdb")  # the directory a symlink on the PATH points into
+    found += [os.path.dirname(os.path.realpath(which))] if which else []
     for directory in found:
-        if all(os.access(os.path.join(directory, b), os.X_OK) for b in ("initdb", "postgres")):
+        if all(os.access(os.path.join(directory, p), os.X_OK) for p in _PROGRAMS):
             return directory
-    pytest.skip("the PostgreSQL server binaries (initdb, postgres) are not installed")
+    pytest.skip(f"the PostgreSQL server programs ({', '.join(_PROGRAMS)}) are not installed")
 
 
 def _account() -> tuple[int, int] | None:
@@ -125,6 +133,11 @@ def _run(
         raise RuntimeError(f"{program} failed ({done.returncode}): {done.stderr.decode()}")
 
 
+#: Where the data directories go: a memory file system if there is one. A SIGKILLed
+#: server loses nothing the kernel has (what it wrote is in the page cache either
+#: way); the disk would only add the fsyncs' time, which a busy machine stretches.
+_SHM = "/dev/shm"  # noqa: S108 (mkdtemp makes a private directory in it)
+_SCRATCH = _SHM if os.access(_SHM, os.W_OK) else None
 #: Per test process: a fresh cluster's data directory, copied for each primary.
 _TEMPLATES: dict[str, str] = {}
 
@@ -132,7 +145,7 @@ _TEMPLATES: dict[str, str] = {}
 def _template(bin_dir: str, account: tuple[int, int] | None) -> str:
     """An ``initdb`` data directory with :data:`_HBA`, made once per test process."""
     if bin_dir not in _TEMPLATES:
-        root = tempfile.mkdtemp(prefix="exactonce-pg-template-")
+        root = tempfile.mkdtemp(prefix="exactonce-pg-template-", dir=_SCRATCH)
         atexit.register(shutil.rmtree, root, ignore_errors=True)
         data = os.path.join(root, "data")
         if account is not None:
@@ -326,7 +339,7 @@ def pg_pair(sync: bool = True) -> Iterator[PgPair]:
     """A primary and a streaming standby, synchronous or not; both stopped at the end."""
     bin_dir, account = _bin_dir(), _account()
     with ExitStack() as stack:
-        root = tempfile.mkdtemp(prefix="exactonce-pg-")
+        root = tempfile.mkdtemp(prefix="exactonce-pg-", dir=_SCRATCH)
         stack.callback(shutil.rmtree, root, ignore_errors=True)
         if account is not None:
             os.chown(root, *account)

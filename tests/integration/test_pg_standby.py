@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import datetime, timedelta
 
 import pytest
@@ -52,12 +54,18 @@ NAMESPACE = "standby"
 _SCHEDULED = frozenset({State.SCHEDULED})
 
 
-def _open(url: str) -> StateStore:
+@contextmanager
+def _opened(url: str) -> Iterator[StateStore]:
+    """The store on ``url``, set up as a node opens it, closed at the end."""
     app = Celery("pg-standby", set_as_current=False)
     app.conf.exactonce_store_url = url
     app.conf.exactonce_namespace = NAMESPACE
     app.conf.exactonce_store_timeout = 2.0
-    return open_store(ExactOnceConfig.from_app(app))
+    store = open_store(ExactOnceConfig.from_app(app))
+    try:
+        yield store
+    finally:
+        store.close()
 
 
 @dataclasses.dataclass
@@ -113,109 +121,88 @@ def _rows(server: PgServer) -> int:
     return int(server.query(query, (NAMESPACE,))[0][0])
 
 
-def _report(label: str, acked: Acknowledged, kept: int, second: Claimed) -> None:
+def _after_failover(new: PgServer, acked: Acknowledged, label: str) -> tuple[int, Claimed]:
+    """On the promoted ``new``: how many acknowledged records it kept, and beat B's claims.
+
+    Also checks that the store's epoch is still the one A claimed under.
+    """
+    with _opened(new.url()) as store:
+        kept = _kept(store, acked)
+        assert store.epoch() == acked.epoch
+        second = _claim(store, acked.fire)
     print(
         f"\nPG {label}: {len(acked.records)} records acknowledged ({CLAIMS} claims,"
-        f" {CLAIMS // 2} dispatched, {JOBS} delayed jobs), {kept} on the promoted standby;"
-        f" beat B: {len(second.won)} won, {len(second.taken)} taken"
+        f" {CLAIMS // 2} dispatched, {JOBS} delayed jobs), {len(kept)} on the promoted standby"
+        f" as acknowledged; beat B: {len(second.won)} won, {len(second.taken)} taken"
     )
+    return len(kept), second
 
 
 def test_a_promoted_synchronous_standby_keeps_every_acknowledged_claim() -> None:
-    with pg_pair(sync=True) as pair:
-        store = _open(pair.primary.url())
-        try:
-            wait_for("the standby caught up", pair.caught_up)
-            # Given a synchronous standby that receives WAL but applies none of it (it lags),
-            pair.pause_replay()
-            # beat A's claims, dispatches and delayed jobs, acknowledged by the primary,
-            acked = _write(store)
-            # none of which the standby shows yet
-            assert _rows(pair.standby) == 0
-            # When the primary is SIGKILLed right after, and the standby promoted
-            new = pair.fail_over()
-        finally:
-            store.close()
-        store = _open(new.url())
-        try:
-            # Then every acknowledged record is there, as acknowledged, under the same epoch
-            kept = _kept(store, acked)
-            assert kept == acked.records
-            assert store.epoch() == acked.epoch
-            # and beat B's claims of the same slots all lose
-            second = _claim(store, acked.fire)
-            _report("synchronous standby", acked, len(kept), second)
-            assert (len(second.won), len(second.taken)) == (0, CLAIMS)
-        finally:
-            store.close()
+    with pg_pair(sync=True) as pair, _opened(pair.primary.url()) as store:
+        wait_for("the standby caught up", pair.caught_up)
+        # Given a synchronous standby that receives WAL but applies none of it (it lags),
+        pair.pause_replay()
+        # beat A's claims, dispatches and delayed jobs, acknowledged by the primary,
+        acked = _write(store)
+        # none of which the standby shows yet
+        assert _rows(pair.standby) == 0
+        # When the primary is SIGKILLed right after, and the standby promoted
+        new = pair.fail_over()
+        # Then every acknowledged record is there, as acknowledged, under the same epoch,
+        kept, second = _after_failover(new, acked, "synchronous standby, replay paused")
+        assert kept == len(acked.records)
+        # and beat B's claims of the same slots all lose
+        assert (len(second.won), len(second.taken)) == (0, CLAIMS)
 
 
 def test_a_synchronous_standby_that_stopped_streaming_leaves_the_claims_unacknowledged() -> None:
-    with pg_pair(sync=True) as pair:
-        store = _open(pair.primary.url())
-        try:
-            fire = store.now().replace(microsecond=0)
-            store.epoch()
-            wait_for("the standby caught up", pair.caught_up)
-            # Given a synchronous standby that no longer streams
-            pair.cut_stream()
-            # When beat A claims, its commit waits for the standby
-            answer: list[Claimed] = []
-            claiming = threading.Thread(target=lambda: answer.append(_claim(store, fire)))
-            claiming.start()
-            wait_for("A's claims waiting for the standby", lambda: pair.commits_waiting() > 0)
-            assert answer == []
-            # and the primary dies before the standby confirms
-            pair.primary.kill()
-            claiming.join(timeout=60)
-            assert not claiming.is_alive()
-        finally:
-            store.close()
+    with pg_pair(sync=True) as pair, _opened(pair.primary.url()) as store:
+        fire = store.now().replace(microsecond=0)
+        store.epoch()
+        wait_for("the standby caught up", pair.caught_up)
+        # Given a synchronous standby that no longer streams
+        pair.cut_stream()
+        # When beat A claims, its commit waits for the standby
+        answer: list[Claimed] = []
+        claiming = threading.Thread(target=lambda: answer.append(_claim(store, fire)))
+        claiming.start()
+        wait_for("A's claims waiting for the standby", lambda: pair.commits_waiting() > 0)
+        assert answer == []
+        # and the primary dies before the standby confirms
+        pair.primary.kill()
+        claiming.join(timeout=60)
+        assert not claiming.is_alive()
         # Then A won nothing, so published nothing: its claims stay undecided
         (claimed,) = answer
         assert (len(claimed.won), len(claimed.failed)) == (0, CLAIMS)
         pair.standby.promote()
-        store = _open(pair.standby.url())
-        try:
-            # and B, on the promoted standby, is the one beat that dispatches each slot
-            second = _claim(store, fire)
-            assert (len(second.won), len(second.taken)) == (CLAIMS, 0)
-        finally:
-            store.close()
+        # and B, on the promoted standby, is the one beat that dispatches each slot
+        with _opened(pair.standby.url()) as promoted:
+            second = _claim(promoted, fire)
+        assert (len(second.won), len(second.taken)) == (CLAIMS, 0)
 
 
 def test_a_promoted_asynchronous_standby_loses_acknowledged_claims() -> None:
-    with pg_pair(sync=False) as pair:
-        store = _open(pair.primary.url())
-        try:
-            store.epoch()
-            wait_for("the standby caught up", pair.caught_up)
-            # Given an asynchronous standby that receives nothing more (a lagging one, frozen)
-            pair.cut_stream()
-            # When beat A's writes are acknowledged by the primary alone, and it is SIGKILLed
-            acked = _write(store)
-            new = pair.fail_over()
-        finally:
-            store.close()
-        store = _open(new.url())
-        try:
-            # Then the promoted standby has none of them, though its epoch is the same
-            kept = _kept(store, acked)
-            assert kept == {}
-            assert store.epoch() == acked.epoch
-            # and beat B wins every slot A had won: each would be dispatched twice
-            second = _claim(store, acked.fire)
-            _report("asynchronous standby, stream cut", acked, len(kept), second)
-            assert (len(second.won), len(second.taken)) == (CLAIMS, 0)
-        finally:
-            store.close()
+    with pg_pair(sync=False) as pair, _opened(pair.primary.url()) as store:
+        store.epoch()
+        wait_for("the standby caught up", pair.caught_up)
+        # Given an asynchronous standby that receives nothing more (a lagging one, frozen)
+        pair.cut_stream()
+        # When beat A's writes are acknowledged by the primary alone, and it is SIGKILLed
+        acked = _write(store)
+        new = pair.fail_over()
+        # Then the promoted standby has none of them, though its epoch is the same,
+        kept, second = _after_failover(new, acked, "asynchronous standby, stream cut")
+        assert kept == 0
+        # and beat B wins every slot A had won: each would be dispatched twice
+        assert (len(second.won), len(second.taken)) == (CLAIMS, 0)
 
 
 def test_a_store_on_a_multi_host_url_follows_the_promoted_standby() -> None:
     with pg_pair(sync=True) as pair:
         url = pair.multi_host_url("postgresql").replace("postgres@", "postgres:s3cret@")
-        store = _open(url)
-        try:
+        with _opened(url) as store:
             # Given a store on both servers, connected to the one that takes writes
             acked = _write(store)
             # When the primary is SIGKILLed, an operation before the promotion fails
@@ -229,5 +216,3 @@ def test_a_store_on_a_multi_host_url_follows_the_promoted_standby() -> None:
             pair.standby.promote()
             assert _kept(store, acked) == acked.records
             assert (len(_claim(store, acked.fire).taken), store.epoch()) == (CLAIMS, acked.epoch)
-        finally:
-            store.close()
