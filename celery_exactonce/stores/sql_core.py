@@ -44,7 +44,6 @@ from celery_exactonce.jobs import Job
 from celery_exactonce.refs import JobRef
 from celery_exactonce.stores import (
     redact_secrets,
-    redact_url,
     sql_engine,
     sql_schema,
     sql_statements,
@@ -144,7 +143,7 @@ class SqlCore:
         # The URL may carry credentials in its query too (``?password=``): redact
         # the whole of it, and remember every secret to blank from driver errors.
         full_url = engine.url.render_as_string(hide_password=False)
-        self._where = f"{engine.dialect.name} store {redact_url(full_url)}"
+        self._where = f"{engine.dialect.name} store {sql_engine.shown_url(engine.url)}"
         password = engine.url.password
         self._secrets: list[str] = [*url_secrets(full_url), *([str(password)] if password else [])]
         dbapi = getattr(engine.dialect, "dbapi", None)

@@ -5,8 +5,10 @@ MySQL/MariaDB and SQLite: the server clock, the insert that skips a duplicate
 key, whether rows can be locked, the error codes worth a rerun, and the engine
 defaults. :func:`engine_from_url` builds the engine
 :meth:`SqlStore.from_url <celery_exactonce.stores.sql.SqlStore.from_url>`
-uses, with its pool listeners; :func:`install_sqlite_listeners` makes any
-SQLite engine begin and journal as the store needs.
+uses, with its pool listeners, and :func:`shown_url` the way errors name it
+(credentials redacted, a multi-host URL's hosts as written);
+:func:`install_sqlite_listeners` makes any SQLite engine begin and journal as
+the store needs.
 
 Store time is the database server's clock, read once per statement or
 transaction (in SQL, as integer microseconds since the UNIX epoch):
@@ -203,6 +205,18 @@ def _reset_mysql(dbapi_conn: Any, _record: Any, state: Any) -> None:
     status = getattr(dbapi_conn, "server_status", None)
     if not isinstance(status, int) or status & _MYSQL_IN_TRANS:
         dbapi_conn.rollback()
+
+
+def shown_url(url: sa.URL) -> str:
+    """``url`` as errors and logs show it: credentials redacted, its hosts as written.
+
+    SQLAlchemy renders query values percent-encoded; a libpq multi-host URL
+    (``?host=db1:5432&host=db2:5432``) reads better with its ``:`` and ``,``
+    as the user wrote them, and neither is a credential.
+    """
+    text = redact_url(url.render_as_string(hide_password=False))
+    head, mark, query = text.partition("?")
+    return head + mark + query.replace("%3A", ":").replace("%2C", ",")
 
 
 def engine_from_url(url: str, engine_kwargs: dict[str, Any]) -> sa.Engine:

@@ -23,12 +23,8 @@ from contextlib import ExitStack, contextmanager
 import pytest
 import redis
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
+from tests.integration import servers
+from tests.integration.servers import free_port
 
 #: A cluster node also listens on its port + 10000 (the cluster bus).
 BUS_OFFSET = 10000
@@ -37,7 +33,7 @@ BUS_OFFSET = 10000
 def _free_cluster_port() -> int:
     """A free port whose cluster bus port (+ :data:`BUS_OFFSET`) is free too."""
     for _ in range(200):
-        port = _free_port()
+        port = free_port()
         if port + BUS_OFFSET > 65535:
             continue
         with socket.socket() as sock:
@@ -58,7 +54,7 @@ class RedisServer:
         self.binary = shutil.which("redis-server")
         if self.binary is None:
             pytest.skip("redis-server is not installed")
-        self.port = _free_port() if port is None else port
+        self.port = free_port() if port is None else port
         self.extra = extra
         self.dir = tempfile.mkdtemp(prefix="exactonce-redis-")
         self.sentinel_config = sentinel_config
@@ -136,16 +132,8 @@ def redis_server(
 
 
 def wait_for(what: str, check: Callable[[], bool], timeout: float = 30.0) -> None:
-    """Poll ``check`` until it holds, or fail naming ``what`` after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if check():
-                return
-        except (redis.RedisError, OSError):
-            pass
-        time.sleep(0.05)
-    raise TimeoutError(f"{what}: not within {timeout:g} s")
+    """Poll ``check`` until it holds (Redis errors count as not yet), else fail naming ``what``."""
+    servers.wait_for(what, check, timeout, errors=(redis.RedisError, OSError))
 
 
 SERVICE = "exactonce"

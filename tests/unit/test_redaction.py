@@ -157,6 +157,7 @@ def test_redis_store_where_repr_and_errors_hide_a_query_password() -> None:
         "postgresql://postgres@127.0.0.1:1/test?password=S3cretPw1&sslpassword=S3cretPw2",
         "postgresql://postgres:S3cretPw1@127.0.0.1:1/test?connect_timeout=2",
         "mysql://root:S3cretPw1@127.0.0.1:1/test",
+        "postgresql://postgres:S3cretPw1@/test?host=127.0.0.1:1&host=127.0.0.1:2",
     ],
 )
 def test_sql_store_errors_and_repr_hide_every_password(url: str) -> None:
@@ -180,3 +181,21 @@ def test_a_bad_store_url_error_never_shows_its_secret() -> None:
     with pytest.raises(exceptions.ConfigurationError) as caught:
         store_from_url("redis://h:notaport/0?password=S3cretPw1", namespace="x")
     assert "S3cret" not in str(caught.value)
+
+
+def test_a_multi_host_sql_store_names_its_hosts_as_written() -> None:
+    """A libpq multi-host URL: each ``host=H:P`` shown with its colon, not ``%3A``."""
+    url = (
+        "postgresql://postgres:S3cretPw1@/test?host=127.0.0.1:1&host=127.0.0.1:2"
+        "&target_session_attrs=read-write"
+    )
+    store = store_from_url(url, namespace="redaction")
+    try:
+        shown = "postgresql+psycopg://postgres:***@/test?host=127.0.0.1:1&host=127.0.0.1:2"
+        assert f"store {shown}&target_session_attrs=read-write," in repr(store)
+        with pytest.raises(exceptions.StoreUnavailable) as caught:
+            store.now()
+        assert shown in str(caught.value)
+        assert "S3cret" not in str(caught.value)
+    finally:
+        store.close()
