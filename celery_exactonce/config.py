@@ -28,6 +28,9 @@ ReconcileOn = Literal["beat", "worker"]
 
 _PREFIX_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 _TABLE_PREFIX_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,31}$")
+#: Most shards a namespace may have: every tick and sweep reads every shard, so a
+#: few per master is all a cluster can use (and each finds its tag at start-up).
+MAX_SHARDS = 256
 
 
 class UnknownSettingWarning(UserWarning):
@@ -99,8 +102,8 @@ class ExactOnceConfig:
     """Redis Cluster only: how many hash slots (shards, each with its own epoch) one
     namespace spreads over, so that its claims and sweeps spread over the masters. Pinned
     in the store: every node must use the same value (another is refused at start-up), and
-    changing it needs a migration. 1 keeps the one-slot layout. >= 1; above 1 refused off
-    a Redis Cluster."""
+    changing it needs a migration. 1 keeps the one-slot layout. 1 to 256; above 1 refused
+    off a Redis Cluster."""
     publish_timeout: float = 10.0
     """How long a publish may take before it counts as ambiguous. > 0."""
     retry_delay_store: float = 1.0
@@ -156,8 +159,8 @@ class ExactOnceConfig:
             raise _error("max_skew", f"must be >= 0, got {self.max_skew!r}")
         if self.min_replicas < 0:
             raise _error("min_replicas", f"must be >= 0, got {self.min_replicas!r}")
-        if self.shards < 1:
-            raise _error("shards", f"must be >= 1, got {self.shards!r}")
+        if not 1 <= self.shards <= MAX_SHARDS:
+            raise _error("shards", f"must be 1 to {MAX_SHARDS}, got {self.shards!r}")
         if self.max_lateness is not None and self.max_lateness <= 0:
             raise _error("max_lateness", f"must be > 0 or None, got {self.max_lateness!r}")
         if not _PREFIX_RE.match(self.key_prefix):

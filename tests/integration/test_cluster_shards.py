@@ -22,7 +22,7 @@ from celery_exactonce.messages import message_headers
 from celery_exactonce.refs import JobRef
 from celery_exactonce.states import State
 from celery_exactonce.stores.redis_sharded import ShardedRedisStore
-from celery_exactonce.stores.shards import shard_of
+from celery_exactonce.stores.shards import shard_bases, shard_of
 from celery_exactonce.task import ExactOnceTask
 from celery_exactonce.writes import NewJob
 from tests.integration.redis_server import cluster
@@ -68,7 +68,7 @@ def test_a_namespace_of_three_shards_spreads_over_the_three_masters() -> None:
             held = {s.port: s.client(1.0).keys("exactonce:{clustered:*") for s in masters}
             print(f"\nkeys of the namespace per master: { {p: len(k) for p, k in held.items()} }")
             assert len(held) == 3 and all(len(keys) > 5 for keys in held.values())
-            shard_slots = {key_slot(f"exactonce:{{clustered:{s}}}".encode()) for s in range(3)}
+            shard_slots = {key_slot(b.encode()) for b in shard_bases("exactonce:{clustered}", 3)}
             assert {
                 key_slot(str(k).encode()) for keys in held.values() for k in keys
             } == shard_slots

@@ -16,7 +16,7 @@ from celery_exactonce.stores import open_store, store_from_url
 from celery_exactonce.stores.redis import RedisStore
 from celery_exactonce.stores.redis_keys import key_base
 from celery_exactonce.stores.redis_sharded import ShardedRedisStore
-from celery_exactonce.stores.shards import shard_base, shard_bases, shard_of
+from celery_exactonce.stores.shards import shard_base, shard_bases, shard_of, slot_range
 from tests.support.helpers import occurrence
 
 #: Pinned: changing one moves records to another shard, where they are not looked for.
@@ -40,12 +40,17 @@ def test_one_shard_is_shard_zero_and_keeps_the_one_slot_base() -> None:
     assert shard_bases(base, 1) == ["exactonce:{default}"]
 
 
-def test_each_shard_has_its_own_hash_tag() -> None:
+def test_each_shard_has_its_own_hash_tag_pinned() -> None:
     base = key_base("exactonce", "default")
+    # Pinned: another tag is another shard's keys, where the records are not looked for.
     assert shard_bases(base, 3) == [
-        "exactonce:{default:0}",
-        "exactonce:{default:1}",
+        "exactonce:{default:0.20}",
+        "exactonce:{default:1.18}",
         "exactonce:{default:2}",
+    ]
+    assert shard_bases(key_base("eo", "payments"), 2) == [
+        "eo:{payments:0.4}",
+        "eo:{payments:1}",
     ]
     slots = {key_slot(f"{b}:job:t:x".encode()) for b in shard_bases(base, 3)}
     assert len(slots) == 3  # three slots: a script on one shard touches one slot
@@ -53,26 +58,39 @@ def test_each_shard_has_its_own_hash_tag() -> None:
         shard_base(base, 3, 3)
 
 
-def _master(slot: int) -> int:
-    """The master of ``slot`` in the even split ``redis-cli --cluster create`` makes of 3."""
-    return 0 if slot <= 5460 else 1 if slot <= 10922 else 2
+@pytest.mark.parametrize("shards", [2, 3, 5, 12, 256])
+def test_each_shard_hashes_into_the_middle_of_its_part_of_the_slots(shards: int) -> None:
+    for namespace in ("default", "bench-shards-1", "x"):
+        bases = shard_bases(key_base("exactonce", namespace), shards)
+        for s, b in enumerate(bases):
+            assert key_slot(f"{b}:due".encode()) in slot_range(s, shards), (namespace, s, b)
+    parts = [slot_range(s, 4) for s in range(4)]
+    assert [(r.start, r.stop) for r in parts] == [
+        (1024, 3072),
+        (5120, 7168),
+        (9216, 11264),
+        (13312, 15360),
+    ]
 
 
-@pytest.mark.parametrize("shards", [3, 6, 12])
-def test_the_spread_of_a_namespace_over_three_masters(shards: int) -> None:
-    base = key_base("exactonce", "default")
-    per_master = [0, 0, 0]
-    for b in shard_bases(base, shards):
-        per_master[_master(key_slot(b.encode()))] += 1
-    print(f"\nshards={shards}: per master {per_master}")
-    assert sum(per_master) == shards
-    if shards >= 6:
-        assert all(per_master)  # several shards per master: every master takes some
+def _master(slot: int, masters: int) -> int:
+    """The master of ``slot`` in the split ``redis-cli --cluster create`` makes of ``masters``."""
+    per = 16384 / masters  # redis-cli's: first = round(i * per), last = round((i+1) * per) - 1
+    return next(i for i in range(masters) if slot <= round((i + 1) * per) - 1)
+
+
+@pytest.mark.parametrize(("shards", "masters"), [(3, 3), (6, 3), (12, 3), (4, 4), (8, 4), (6, 6)])
+def test_a_namespace_spreads_evenly_over_the_masters(shards: int, masters: int) -> None:
+    for namespace in ("default", "orders", "bench-shards-3-1"):
+        per_master = [0] * masters
+        for b in shard_bases(key_base("exactonce", namespace), shards):
+            per_master[_master(key_slot(b.encode()), masters)] += 1
+        assert per_master == [shards // masters] * masters, (namespace, per_master)
 
 
 def test_shards_default_to_one_and_below_one_are_refused() -> None:
     assert ExactOnceConfig(store_url="memory://").shards == 1
-    for value in (0, -1):
+    for value in (0, -1, 257):
         with pytest.raises(ConfigurationError) as caught:
             ExactOnceConfig(store_url="memory://", shards=value)
         assert caught.value.setting == "exactonce_shards"
@@ -101,7 +119,7 @@ def test_a_cluster_url_with_shards_builds_a_sharded_store_touching_no_server() -
         assert isinstance(store, ShardedRedisStore) and store.shards == 3
         assert "secret" not in repr(store)
         bases = [part._base for part in store._parts]
-        assert bases == ["exactonce:{default:0}", "exactonce:{default:1}", "exactonce:{default:2}"]
+        assert bases == shard_bases("exactonce:{default}", 3)
     finally:
         store.close()
     with pytest.raises(ConfigurationError) as caught:
