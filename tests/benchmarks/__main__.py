@@ -13,6 +13,8 @@ Suites (``--suite all``, the default, runs every one):
 * ``entries``: beat with 1,000 to 100,000 entries spread over a day: start-up,
   memory per entry, and the tick's cost against the entry count (``entries.py``);
 * ``claims``: beat's claims per second per store, won and lost (``claims.py``);
+* ``shards``: beat's claims on a 3-master Redis Cluster, the namespace on one
+  shard against three: claims/s and the store's ceiling (``shards.py``);
 * ``submit``, ``e2e``, ``group``: ``.delay()`` per store and broker, no-op
   tasks through a real worker, and groups of 100 signatures, each from
   alternating plain and gated rounds of one run (``submit.py``, ``e2e.py``,
@@ -25,6 +27,7 @@ given on the command line still win.
 from __future__ import annotations
 
 import argparse
+import shutil
 import signal
 import sys
 import time
@@ -147,12 +150,15 @@ SMALL = {
     "entry_ticks": 50,
     "entry_due_ticks": 3,
     "claims": 1000,
+    "shard_processes": 2,
+    "shard_claims": 500,
+    "shard_runs": 1,
 }
 #: Seconds of the beat suite's slot and of the reconcile suite's stale/fresh gap, small runs.
 SMALL_SLOT_SECONDS = 2
 SMALL_SETTLE = 2.0
 
-SUITES = ("stores", "beat", "entries", "claims", "delayed", "submit", "e2e", "group")
+SUITES = ("stores", "beat", "entries", "claims", "shards", "delayed", "submit", "e2e", "group")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -185,6 +191,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--entry-ticks", type=int, default=1000, help="idle ticks per size")
     parser.add_argument("--entry-due-ticks", type=int, default=30, help="due ticks per size")
     parser.add_argument("--claims", type=int, default=20_000, help="claims (claims suite)")
+    parser.add_argument("--shard-processes", type=int, default=6, help="shards suite")
+    parser.add_argument("--shard-claims", type=int, default=5000, help="claims per process")
+    parser.add_argument("--shard-runs", type=int, default=2, help="runs per layout (best kept)")
     parser.add_argument("--delayed", type=int, default=100_000, help="due delayed jobs to sweep")
     parser.add_argument(
         "--reconcile-jobs", default="10000,1000000", help="small,large job counts of a pass"
@@ -206,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         "beat": beat_figures,
         "entries": entries_figures,
         "claims": claims_figures,
+        "shards": shards_figures,
         "delayed": delayed_figures,
         "submit": submit_figures,
         "e2e": e2e_figures,
@@ -321,6 +331,18 @@ def claims_figures(args: argparse.Namespace) -> int:
     )
     title = f"beat's claims, {args.claims:,} slots in batches of 500, one client"
     return print_rows(title, rows, 16, 20)
+
+
+def shards_figures(args: argparse.Namespace) -> int:
+    missing = [b for b in ("redis-server", "redis-cli") if shutil.which(b) is None]
+    if missing:
+        print(f"shards: skipped, {' and '.join(missing)} not installed")
+        return 1
+    from tests.benchmarks import shards
+
+    best = shards.run(args.shard_processes, args.shard_claims, args.shard_runs)
+    print("\n".join(shards.report(best, args.shard_processes, args.shard_claims, args.shard_runs)))
+    return 0
 
 
 def per_backend(

@@ -28,6 +28,7 @@ TABLES = {
     "beat": "beat / plain, median of",
     "entries": "tick ratio 2,000 / 200 entries",
     "claims": "beat's claims, 1,000 slots",
+    "shards": "store ceiling: claims per CPU second",
     "delayed": "reconcile large / small",
     "submit": "redis / redis",
     "e2e": "prefork, queued first",
