@@ -53,15 +53,8 @@ class Shard(RedisStore):
     def __repr__(self) -> str:
         return f"Shard({self._where}, namespace={self._namespace!r}, shard={self.index})"
 
-    def list_stale(
-        self,
-        state: State,
-        older_than: float,
-        limit: int,
-        *,
-        after: tuple[datetime, JobRef] | None = None,
-    ) -> list[Job]:
-        found = super().list_stale(state, older_than, limit, after=after)
+    def list_stale(self, state: State, older_than: float, limit: int, **options: Any) -> list[Job]:
+        found = super().list_stale(state, older_than, limit, **options)
         self._owner._learn(self.index, found)
         return found
 

@@ -29,11 +29,15 @@ from celery_exactonce.writes import NewJob
 from tests.support.backends import StoreFactory
 from tests.support.helpers import poll, wait_store_past
 from tests.support.reconciling import (
+    DISPATCH_DEADLINE,
+    DISPATCH_TIMEOUT,
     GATED,
     NODE,
     PLAIN,
     REDISPATCH,
+    REPLAY_AGE,
     RERUN,
+    RUNNING_TIMEOUT,
     Broker,
     HookedStore,
     current,
@@ -44,28 +48,7 @@ from tests.support.reconciling import (
     put,
     reconciler_on,
 )
-
-REPLAY_AGE = 0.08
-DISPATCH_TIMEOUT = 0.3
-DISPATCH_DEADLINE = 0.6
-#: Twelve heartbeat intervals: a live job's heartbeat thread may stall on a loaded machine.
-RUNNING_TIMEOUT = 0.6
-
-#: Small timeouts that still pass the start-up checks (docs/reference/settings.md)
-#: (replay_age >= 2 x (tick_interval + publish_timeout + store_timeout) = 0.05 s).
-SETTINGS: dict[str, Any] = {
-    "exactonce_tick_interval": 0.005,
-    "exactonce_publish_timeout": 0.01,
-    "exactonce_store_timeout": 0.01,
-    "exactonce_replay_age": REPLAY_AGE,
-    "exactonce_dispatch_timeout": DISPATCH_TIMEOUT,
-    "exactonce_dispatch_deadline": DISPATCH_DEADLINE,
-    "exactonce_running_timeout": RUNNING_TIMEOUT,
-    "exactonce_heartbeat_interval": 0.05,
-    "exactonce_max_skew": 0.0,
-    "exactonce_window_lookback": 1.0,
-    "exactonce_lease_ttl": 5.0,
-}
+from tests.support.reconciling import QUICK_SETTINGS as SETTINGS
 
 #: The default timeouts (a minute and more), heartbeats often enough that a running
 #: timeout under a second is consistent.

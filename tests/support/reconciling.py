@@ -43,6 +43,30 @@ PLAIN = "rec.plain"
 
 Hook = Callable[..., Any]
 
+#: Timeouts of a fraction of a second, for tests in real (store) time (the contract
+#: suite's, and the sharded store's in tests/unit/reconciler/test_partitions.py).
+REPLAY_AGE = 0.08
+DISPATCH_TIMEOUT = 0.3
+DISPATCH_DEADLINE = 0.6
+#: Twelve heartbeat intervals: a live job's heartbeat thread may stall on a loaded machine.
+RUNNING_TIMEOUT = 0.6
+
+#: Small timeouts that still pass the start-up checks (docs/reference/settings.md)
+#: (replay_age >= 2 x (tick_interval + publish_timeout + store_timeout) = 0.05 s).
+QUICK_SETTINGS: dict[str, Any] = {
+    "exactonce_tick_interval": 0.005,
+    "exactonce_publish_timeout": 0.01,
+    "exactonce_store_timeout": 0.01,
+    "exactonce_replay_age": REPLAY_AGE,
+    "exactonce_dispatch_timeout": DISPATCH_TIMEOUT,
+    "exactonce_dispatch_deadline": DISPATCH_DEADLINE,
+    "exactonce_running_timeout": RUNNING_TIMEOUT,
+    "exactonce_heartbeat_interval": 0.05,
+    "exactonce_max_skew": 0.0,
+    "exactonce_window_lookback": 1.0,
+    "exactonce_lease_ttl": 5.0,
+}
+
 #: The live state a job passes through on its way to each terminal state.
 TERMINAL_VIA = {
     State.SUCCEEDED: State.RUNNING,

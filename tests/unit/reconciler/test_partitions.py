@@ -30,27 +30,23 @@ from celery_exactonce.states import State
 from celery_exactonce.stores.redis_sharded import ShardedRedisStore
 from celery_exactonce.stores.shards import shard_of
 from tests.support.helpers import wait_store_past
-from tests.support.reconciling import Broker, HookedStore, current, make_app, put, reconciler_on
+from tests.support.reconciling import (
+    DISPATCH_TIMEOUT,
+    QUICK_SETTINGS,
+    REPLAY_AGE,
+    Broker,
+    HookedStore,
+    current,
+    make_app,
+    put,
+    reconciler_on,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
 SHARDS = 3
-REPLAY_AGE = 0.08
-DISPATCH_AGE = 0.3
 RETENTION = 0.3
-SETTINGS: dict[str, Any] = {
-    "exactonce_tick_interval": 0.005,
-    "exactonce_publish_timeout": 0.01,
-    "exactonce_store_timeout": 0.01,
-    "exactonce_replay_age": REPLAY_AGE,
-    "exactonce_dispatch_timeout": DISPATCH_AGE,
-    "exactonce_dispatch_deadline": 0.6,
-    "exactonce_running_timeout": 0.6,
-    "exactonce_heartbeat_interval": 0.05,
-    "exactonce_max_skew": 0.0,
-    "exactonce_window_lookback": 1.0,
-    "exactonce_lease_ttl": 5.0,
-}
+
 #: A gated task whose dispatched jobs wait a minute before anything is done to them: a
 #: replayed job is acted on once, however slow the machine.
 PATIENT = "rec.patient"
@@ -64,7 +60,7 @@ class Namespace:
         self.server = fakeredis.FakeServer()
         self.store = self.client()
         self.store.setup()
-        self.app = make_app(SETTINGS, TASKS)
+        self.app = make_app(QUICK_SETTINGS, TASKS)
         self.broker = Broker()
         self.shards = self.store.partitions()
 
@@ -172,7 +168,7 @@ def test_a_lease_lost_on_one_shard_stops_that_shard_only(ns: Namespace) -> None:
 
 def test_passes_start_on_a_shard_of_the_node_and_move_on_by_one(ns: Namespace) -> None:
     # Given a job on each shard that every pass lists and none acts on yet
-    ns.put(State.DISPATCHED, 1, DISPATCH_AGE)
+    ns.put(State.DISPATCHED, 1, DISPATCH_TIMEOUT)
     hooked = HookedStore(ns.client())
     order: list[int] = []
 
