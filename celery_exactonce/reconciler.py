@@ -64,7 +64,7 @@ from typing import Any
 
 from celery_exactonce import exceptions, jobs, metrics
 from celery_exactonce.jobs import Job
-from celery_exactonce.leased_passes import LEASE_NAME as LEASE_NAME  # noqa: PLC0414
+from celery_exactonce.leased_passes import LEASE_NAME as LEASE_NAME  # noqa: PLC0414  (its home)
 from celery_exactonce.leased_passes import LeasedPasses
 from celery_exactonce.messages import GATED_OPTION
 from celery_exactonce.outcomes import Outcome

@@ -14,8 +14,8 @@ The shards are the store's partitions
 reconciler takes its lease on each shard and reconciles the shards it holds.
 The store's own lease methods take a lease on every shard at once (all or
 none), for a caller that sees the namespace as one store.
-Every record read, on the store or on one of its shards, teaches the store
-which shard an ``o:`` ref lives on.
+Every record the store reads, and every record a shard lists, teaches the
+store which shard an ``o:`` ref lives on.
 """
 
 from __future__ import annotations
@@ -41,8 +41,9 @@ KNOWN_REFS = 65_536
 class Shard(RedisStore):
     """Shard ``index`` of a sharded namespace: a whole store on one slot.
 
-    What it lists teaches ``owner`` (the sharded store) where each ``o:`` ref
-    lives, so that a write through the sharded store goes straight to it.
+    What it lists (``list_stale``, which ``list_jobs`` pages through) teaches
+    ``owner`` (the sharded store) where each ``o:`` ref lives, so that a write
+    through the sharded store goes straight to it.
     """
 
     def __init__(self, client: Any, *, owner: ShardedScans, index: int, **options: Any) -> None:
@@ -55,11 +56,6 @@ class Shard(RedisStore):
 
     def list_stale(self, state: State, older_than: float, limit: int, **options: Any) -> list[Job]:
         found = super().list_stale(state, older_than, limit, **options)
-        self._owner._learn(self.index, found)
-        return found
-
-    def list_jobs(self, state: State, limit: int, **options: Any) -> list[Job]:
-        found = super().list_jobs(state, limit, **options)
         self._owner._learn(self.index, found)
         return found
 
