@@ -1,8 +1,10 @@
 """A reconcile pass as values: what it did, what its handlers share, and its records.
 
 * :class:`PassReport`: what one pass did (``Reconciler.run_pass`` returns it);
-* :class:`Pass`: the state of one pass, handed to every handler (its report,
-  its lease, whether timeouts may act, the store's time of the page);
+* :class:`Pass`: the state of one pass over one partition of the store
+  (:func:`~celery_exactonce.stores.base.partitions_of`), handed to every
+  handler (the pass's report, the partition and its lease, whether timeouts
+  may act, the store's time of the page);
 * :func:`lease_token` and :func:`lease_holder`: the lease's token names the
   node that holds it (``celery exactonce status`` shows it);
 * :func:`count_actions`: what earlier passes did to a job, from its history
@@ -10,8 +12,9 @@
 * the records: :func:`count_store_error` (``reconcile_store_error``) and
   :func:`report_pass` (``stale_jobs``, ``reconcile_pass``), at the end of a pass.
 
-Not here: what a pass does to each stale job, its bounds and its lease
-(:mod:`~celery_exactonce.reconciler`); running passes on beat or as a task
+Not here: what a pass does to each stale job and its bounds
+(:mod:`~celery_exactonce.reconciler`), its partitions and their leases
+(:mod:`~celery_exactonce.leased_passes`); running passes on beat or as a task
 (:mod:`~celery_exactonce.reconcile_task`).
 """
 
@@ -24,12 +27,19 @@ from typing import Any
 
 from celery_exactonce import metrics, refs, times
 from celery_exactonce.jobs import Job
+from celery_exactonce.stores.base import StateStore
 from celery_exactonce.writes import Action, Lease
 
 
 @dataclasses.dataclass
 class PassReport:
-    """What one pass did. ``ran`` is ``False`` when another node held the lease."""
+    """What one pass did, summed over the partitions it reconciled.
+
+    ``ran`` is ``False`` when another node held the lease of every partition
+    (of the store, when it has one: every store but a sharded one).
+    ``partitions``: those it reconciled under their lease; ``held_elsewhere``:
+    those it skipped, another node holding their lease.
+    """
 
     ran: bool = False
     stale: dict[str, int] = dataclasses.field(default_factory=dict)
@@ -43,6 +53,8 @@ class PassReport:
     errors: int = 0
     skipped: int = 0
     lease_lost: bool = False
+    partitions: int = 0
+    held_elsewhere: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -51,7 +63,8 @@ class PassReport:
         """The figures that are not zero, for people: ``replayed=1 timed_out=2``."""
         if not self.ran:
             return "not run: another node holds the lease"
-        figures = {k: v for k, v in self.as_dict().items() if v and k not in ("ran", "stale")}
+        hidden = ("ran", "stale", "partitions")
+        figures = {k: v for k, v in self.as_dict().items() if v and k not in hidden}
         stale = sum(self.stale.values())
         text = " ".join(f"{k}={v}" for k, v in {"stale": stale, **figures}.items() if v)
         return text or "nothing to do"
@@ -70,12 +83,17 @@ def lease_holder(token: str) -> str | None:
 
 @dataclasses.dataclass
 class Pass:
-    """The state of one pass, handed to every handler."""
+    """The state of one pass over one partition, handed to every handler."""
 
     report: PassReport
     lease: Lease
     #: Whether timeouts may act (not within the grace period after a store error).
     timeouts_ok: bool
+    #: The partition (the store, or one of its shards) whose ``lease`` is held, and its
+    #: place among the store's partitions. Writes go through the whole store, which
+    #: routes each to the partition its record lives on.
+    part: StateStore
+    index: int
     #: The store's time when the page being acted on was listed.
     now: datetime = times.UNIX_EPOCH
 

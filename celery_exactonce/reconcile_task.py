@@ -77,9 +77,9 @@ class BeatRunner:
     CAS on the rev the claim returned), the pass runs, and the job ends
     ``SUCCEEDED``. While a pass is still running the next occurrence is
     ``CANCELLED`` (one pass at a time per node; the lease makes it one across
-    nodes). An end the store could not take (an outage) is written again
-    before the next pass, rather than left ``RUNNING`` for the reconciler to
-    time out and report.
+    nodes, or one per shard on a sharded namespace). An end the store could
+    not take (an outage) is written again before the next pass, rather than
+    left ``RUNNING`` for the reconciler to time out and report.
     """
 
     def __init__(self, runtime: Runtime, *, threaded: bool = True) -> None:

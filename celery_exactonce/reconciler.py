@@ -4,7 +4,11 @@ docs/design/protocol.md, "The reconciler". One pass, under a token-checked lease
 (``exactonce_lease_ttl``, renewed between batches, released at the end), looks
 at the stale jobs of each live state, oldest first, and acts on each with a
 compare-and-swap on the ``rev`` it listed, so a job that moved meanwhile (a
-worker picked it up) is left alone:
+worker picked it up) is left alone. On a store of several partitions (the
+shards of a sharded Redis Cluster namespace) it does so in each partition
+whose lease it takes (:mod:`~celery_exactonce.leased_passes`): the pages,
+the cursors and the purge below are per partition, the budget of
+redispatches per pass:
 
 * ``SCHEDULED`` older than ``replay_age``: replayed through the dispatch path
   (safe even if an earlier publish landed: the gate admits one delivery).
@@ -43,7 +47,9 @@ Per task, as attributes: ``exactonce_dispatch_timeout``,
 ``exactonce_dispatch_deadline``, ``exactonce_running_timeout``,
 ``exactonce_redispatch``, ``exactonce_rerun``.
 
-Not here: what a pass reports and logs, and what its handlers share
+Not here: the pass over the partitions and their leases
+(:mod:`~celery_exactonce.leased_passes`, the base of :class:`Reconciler`);
+what a pass reports and logs, and what its handlers share
 (:mod:`~celery_exactonce.passes`); a task's limits (:mod:`~celery_exactonce.policy`);
 running passes on beat or as a task (:mod:`~celery_exactonce.reconcile_task`).
 """
@@ -51,7 +57,6 @@ running passes on beat or as a task (:mod:`~celery_exactonce.reconcile_task`).
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable, Mapping
 from datetime import datetime
@@ -59,20 +64,21 @@ from typing import Any
 
 from celery_exactonce import exceptions, jobs, metrics
 from celery_exactonce.jobs import Job
+from celery_exactonce.leased_passes import LEASE_NAME as LEASE_NAME  # noqa: PLC0414  (its home)
+from celery_exactonce.leased_passes import LeasedPasses
 from celery_exactonce.messages import GATED_OPTION
 from celery_exactonce.outcomes import Outcome
-from celery_exactonce.passes import Pass, count_actions, count_store_error, lease_token, report_pass
+from celery_exactonce.passes import Pass, count_actions
 from celery_exactonce.passes import PassReport as PassReport  # noqa: PLC0414  (run_pass's)
 from celery_exactonce.policy import Timeouts, youngest_ages
 from celery_exactonce.refs import JobRef
 from celery_exactonce.runtime import Runtime
 from celery_exactonce.states import State
 from celery_exactonce.stores import settle
-from celery_exactonce.writes import Action, Lease, Transition
+from celery_exactonce.writes import Action, Transition
 
-#: The lease every reconciler of a namespace takes for a pass.
-LEASE_NAME = "reconcile"
-#: Stale jobs listed per page, pages per state and pass; and the batch between lease renewals.
+#: Stale jobs listed per page, pages per state, partition and pass; and the batch between
+#: lease renewals.
 LIST_LIMIT = 1000
 LIST_PAGES = 3
 BATCH = 100
@@ -89,7 +95,7 @@ MAX_RERUNS = 3
 #: Redispatches of one opted-in ``DISPATCHED`` job, and of all jobs in one pass.
 MAX_REDISPATCHES = 10
 REDISPATCH_BUDGET = 100
-#: Purged terminal records per pass.
+#: Purged terminal records per partition and pass.
 PURGE_LIMIT = 1000
 #: How long (seconds) a job whose action failed waits before this reconciler retries it.
 RETRY_BACKOFF = 5.0
@@ -100,7 +106,7 @@ RETRY_BACKOFF_MAX = 300.0
 Handler = Callable[[Pass, Job], None]
 
 
-class Reconciler:
+class Reconciler(LeasedPasses):
     """Runs reconcile passes for one app's namespace (see the module docs)."""
 
     def __init__(
@@ -111,52 +117,24 @@ class Reconciler:
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         """``tasks``: where per-task limits are read (default: the runtime's app's registry)."""
-        self.runtime = runtime
+        super().__init__(runtime, monotonic)
         self._tasks = tasks if tasks is not None else getattr(runtime.app, "tasks", {})
-        self._monotonic = monotonic
         self._retry_at: dict[JobRef, tuple[float, int]] = {}
-        # Per state, the (touched_at, ref) the previous pass stopped after; absent: the oldest.
-        self._cursors: dict[State, tuple[datetime, JobRef]] = {}
+        # Per partition and state, the (touched_at, ref) the previous pass stopped after;
+        # absent: the oldest.
+        self._cursors: dict[tuple[int, State], tuple[datetime, JobRef]] = {}
 
-    # -- one pass ----------------------------------------------------------------------
-
-    def run_pass(self) -> PassReport:
-        """One bounded pass; returns what it did. Never raises for a store error."""
-        report = PassReport()
-        store, config = self.runtime.store, self.runtime.config
-        lease = Lease(LEASE_NAME, lease_token(self.runtime.node))
-        try:
-            if not store.acquire_lease(lease.name, lease.token, config.lease_ttl):
-                return report
-        except exceptions.StoreError as exc:
-            self._store_error(report, exc, "lease")
-            return report
-        report.ran = True
-        try:
-            self._pass(Pass(report, lease, timeouts_ok=self._monotonic() >= self._grace_end()))
-        except exceptions.LeaseLost:
-            report.lease_lost = True
-            metrics.event(
-                "reconcile_lease_lost",
-                "the reconciler lost its lease mid-pass: stopped",
-                level=logging.WARNING,
-            )
-        finally:
-            try:
-                store.release_lease(lease.name, lease.token)
-            except exceptions.StoreError as exc:
-                self._store_error(report, exc, "lease")
-        report_pass(report)
-        return report
+    # -- one partition ----------------------------------------------------------------
 
     def _pass(self, run: Pass) -> None:
+        """The stale jobs of ``run.part``, state by state, then its expired records."""
         dispatch_age, running_age = self._ages()
         self._each(run, State.SCHEDULED, self.runtime.config.replay_age, self._scheduled)
         self._each(run, State.DISPATCHED, dispatch_age, self._dispatched)
         if run.timeouts_ok:
             self._each(run, State.RUNNING, running_age, self._running)
         try:
-            run.report.expired = self.runtime.store.purge_expired(PURGE_LIMIT)
+            run.report.expired += run.part.purge_expired(PURGE_LIMIT)
         except exceptions.StoreError as exc:
             self._store_error(run.report, exc, "purge")
 
@@ -169,13 +147,11 @@ class Reconciler:
         behind them anyway. The cursor moves only past a page acted on to its
         end, so a pass cut short (a lost lease, a bug) skips nothing.
         """
-        store, report = self.runtime.store, run.report
+        store, report, at = run.part, run.report, (run.index, state)
         for _ in range(LIST_PAGES):
-            self._renew(run.lease)
+            self._renew(run)
             try:
-                stale = store.list_stale(
-                    state, older_than, LIST_LIMIT, after=self._cursors.get(state)
-                )
+                stale = store.list_stale(state, older_than, LIST_LIMIT, after=self._cursors.get(at))
                 run.now = store.now()  # ages below err young: nothing is acted on early
             except exceptions.StoreError as exc:
                 self._store_error(report, exc, f"list {state}")
@@ -183,16 +159,16 @@ class Reconciler:
             report.stale[state.value] = report.stale.get(state.value, 0) + len(stale)
             self._act_on(run, stale, act)
             if len(stale) < LIST_LIMIT:
-                self._cursors.pop(state, None)  # the end: the next pass starts from the oldest
+                self._cursors.pop(at, None)  # the end: the next pass starts from the oldest
                 return
-            self._cursors[state] = (stale[-1].touched_at, stale[-1].ref)
+            self._cursors[at] = (stale[-1].touched_at, stale[-1].ref)
 
     def _act_on(self, run: Pass, stale: list[Job], act: Handler) -> None:
         """``act(run, job)`` on each listed job not backing off."""
         now = self._monotonic()
         for i, job in enumerate(stale):
             if i and i % BATCH == 0:
-                self._renew(run.lease)
+                self._renew(run)
             retry = self._retry_at.get(job.ref)
             if retry is not None and retry[0] > now:
                 run.report.skipped += 1
@@ -361,16 +337,6 @@ class Reconciler:
     def _timeouts(self, job: Job) -> Timeouts:
         return Timeouts.of(self.runtime.config, self._tasks.get(job.task), job)
 
-    def _renew(self, lease: Lease) -> None:
-        try:
-            held = self.runtime.store.renew_lease(
-                lease.name, lease.token, self.runtime.config.lease_ttl
-            )
-        except exceptions.StoreError:
-            return  # the next write's lease guard decides
-        if not held:
-            raise exceptions.LeaseLost("lease not renewed: another reconciler holds it")
-
     def _back_off(self, ref: JobRef) -> None:
         _, tries = self._retry_at.get(ref, (0.0, 0))
         delay = min(RETRY_BACKOFF * 2**tries, RETRY_BACKOFF_MAX)
@@ -378,22 +344,3 @@ class Reconciler:
         if len(self._retry_at) > 10 * LIST_LIMIT:  # bounded memory: forget the oldest
             for stale in list(self._retry_at)[:LIST_LIMIT]:
                 del self._retry_at[stale]
-
-    def _grace_end(self) -> float:
-        """When the grace period ends: ``running_timeout`` after the last store error.
-
-        Any store-wide error this process met counts (the runtime's note), not
-        only the reconciler's own: during an outage beat cannot even claim the
-        pass, so the first pass after it would otherwise time out jobs whose
-        heartbeats failed all along.
-        """
-        seen = self.runtime.store_error_at
-        return -math.inf if seen is None else seen + self.runtime.config.running_timeout
-
-    def _store_error(
-        self, report: PassReport, exc: BaseException, where: str, *, outage: bool = True
-    ) -> None:
-        """Count a store error; an ``outage`` (not one job's write) starts the grace period."""
-        if outage:
-            self.runtime.note_store_error(self._monotonic())
-        count_store_error(report, exc, where)

@@ -35,7 +35,7 @@ from celery_exactonce.jobs import CreateResult, Job, TransitionResult
 from celery_exactonce.refs import JobRef
 from celery_exactonce.skipped_slots import SkippedSlots
 from celery_exactonce.states import State
-from celery_exactonce.stores.base import DueBacklog, StateStore
+from celery_exactonce.stores.base import DueBacklog, StateStore, partitions_of
 from celery_exactonce.writes import NewJob, Transition
 
 #: Prefix of every signature this version writes (the scheme, should it change).
@@ -278,6 +278,10 @@ class SigningStore:
 
     def close(self) -> None:
         self.inner.close()
+
+    def partitions(self) -> list[StateStore]:
+        """The wrapped store's partitions (itself, for most), each signing what it writes."""
+        return [SigningStore(part, self.signer) for part in partitions_of(self.inner)]
 
     def _signed_new(self, new: NewJob) -> NewJob:
         """``new`` signed, unless its writer signed it already.

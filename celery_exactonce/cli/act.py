@@ -23,7 +23,10 @@ def reconcile(ctx: click.Context, as_json: bool) -> None:
     """Run one reconciler pass now and print its report.
 
     The pass takes the reconciler's lease like any other: when another node
-    holds it, nothing runs (``ran: false``) and the exit status is 1.
+    holds it, nothing runs (``ran: false``) and the exit status is 1. On a
+    sharded store the lease is each shard's: the pass reconciles the shards
+    it takes and skips those another node holds (``held_elsewhere``); it runs
+    unless every shard is held.
     """
     with base.session(ctx) as s:
         rt = runtime.install(s.app, s.store, s.config)  # signs what it writes, as nodes do

@@ -16,7 +16,7 @@ from celery_exactonce.reconciler import LEASE_NAME
 from celery_exactonce.refs import JobRef
 from celery_exactonce.states import State
 from celery_exactonce.stores import redact_url
-from celery_exactonce.stores.base import StateStore
+from celery_exactonce.stores.base import StateStore, partitions_of
 
 #: The live states whose oldest job ``status`` shows.
 WATCHED = (State.PENDING, State.SCHEDULED, State.DISPATCHED, State.RUNNING)
@@ -52,8 +52,24 @@ def _entry_rows(s: base.Session) -> list[dict[str, Any]]:
     return rows
 
 
+def _leases(store: StateStore) -> list[dict[str, Any]]:
+    """Who holds the reconciler's lease, per partition (per shard on a sharded store)."""
+    rows = []
+    for shard, part in enumerate(partitions_of(store)):
+        held = part.lease(LEASE_NAME)
+        rows.append(
+            {
+                "shard": shard,
+                "holder": None if held is None else passes.lease_holder(held[0]) or "(unknown)",
+                "expires": None if held is None else held[1],
+            }
+        )
+    return rows
+
+
 def _reconciler(store: StateStore, entries: list[dict[str, Any]]) -> dict[str, Any]:
-    held = store.lease(LEASE_NAME)
+    leases = _leases(store)
+    held = [row for row in leases if row["holder"] is not None]
     own = next((row for row in entries if row["entry"] == RECONCILE_TASK), None)
     last = None
     if own is not None and own["watermark"] is not None:
@@ -64,8 +80,10 @@ def _reconciler(store: StateStore, entries: list[dict[str, Any]]) -> dict[str, A
             "reason": own["last_reason"],
         }
     return {
-        "lease_holder": None if held is None else passes.lease_holder(held[0]) or "(unknown)",
-        "lease_expires": None if held is None else base.iso(held[1]),
+        # Every node holding it somewhere, and the latest expiry: on one slot, its holder.
+        "lease_holder": ", ".join(dict.fromkeys(row["holder"] for row in held)) or None,
+        "lease_expires": base.iso(max(row["expires"] for row in held)) if held else None,
+        "leases": [{**row, "expires": base.iso(row["expires"])} for row in leases],
         "last_pass": last,
     }
 
@@ -138,12 +156,14 @@ def _print_status(data: dict[str, Any]) -> None:
     )
     rec = data["reconciler"]
     last = rec["last_pass"] or {}
+    shards = rec["leases"] if len(rec["leases"]) > 1 else []
     click.echo("\nreconciler")
     click.echo(
         base.pairs(
             [
                 ("lease holder", rec["lease_holder"] or "(free)"),
                 ("lease expires", rec["lease_expires"]),
+                *((f"lease of shard {row['shard']}", row["holder"] or "(free)") for row in shards),
                 ("last pass slot", last.get("slot")),
                 ("last pass", f"{last.get('state')} on {last.get('node')}" if last else None),
                 ("last pass said", last.get("reason")),
@@ -158,7 +178,8 @@ def _print_status(data: dict[str, Any]) -> None:
 @base.handles_errors
 def status(ctx: click.Context, as_json: bool) -> None:
     """Jobs per state, the oldest live jobs, each beat entry's watermark and last
-    occurrence, skipped slots, the reconciler's lease holder and last pass."""
+    occurrence, skipped slots, the reconciler's lease holder (each shard's, on a
+    sharded store) and last pass."""
     with base.session(ctx) as s:
         data = status_data(s)
     if as_json:

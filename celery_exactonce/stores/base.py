@@ -18,6 +18,12 @@ Conventions shared by every operation:
   :mod:`celery_exactonce.stores.settle` does both for every writer.
 * Lost races are return values (:class:`~celery_exactonce.jobs.CreateStatus`,
   :class:`~celery_exactonce.jobs.TransitionStatus`), never exceptions.
+
+A store may also be :class:`Partitioned`: made of parts that are each a whole
+store of their own (records, indexes, leases), as the shards of a sharded
+Redis Cluster namespace are. :func:`partitions_of` gives any store's parts
+(itself, for a store of one part); the reconciler takes its lease on each part
+and reconciles the parts it holds, so that several nodes reconcile at once.
 """
 
 from __future__ import annotations
@@ -315,3 +321,24 @@ class StateStore(Protocol):
     def close(self) -> None:
         """Release connections. The store may not be used afterwards."""
         ...
+
+
+@runtime_checkable
+class Partitioned(Protocol):
+    """A store made of parts, each a whole :class:`StateStore` with its own leases.
+
+    Every record lives in exactly one part, and a write through the whole
+    store reaches that part: so a transition guarded by a lease taken on a
+    part is checked where the record lives, when the record was found there.
+    """
+
+    def partitions(self) -> Sequence[StateStore]:
+        """The parts, always in the same order, each on its own keys (two never share one)."""
+        ...
+
+
+def partitions_of(store: StateStore) -> Sequence[StateStore]:
+    """The parts of ``store`` (:class:`Partitioned`); a store of one part is its own."""
+    if isinstance(store, Partitioned):
+        return store.partitions()
+    return [store]

@@ -1,7 +1,9 @@
 """The Redis store of a namespace spread over ``exactonce_shards`` slots of a Redis Cluster.
 
-:class:`ShardedRedisStore` holds one :class:`~celery_exactonce.stores.redis.RedisStore`
-per shard, all on one cluster client, each under its own hash tag
+:class:`ShardedRedisStore` holds one
+:class:`~celery_exactonce.stores.redis_sharded_scans.Shard` (a
+:class:`~celery_exactonce.stores.redis.RedisStore`) per shard, all on one
+cluster client, each under its own hash tag
 (:mod:`~celery_exactonce.stores.shards`): each shard has every key of the
 one-slot layout (records, indexes, ``due``, ``wm``, ``epoch``, leases,
 ``meta``), so every script still touches one slot. This class only routes:
@@ -31,10 +33,15 @@ one-slot layout (records, indexes, ``due``, ``wm``, ``epoch``, leases,
   (:mod:`~celery_exactonce.stores.redis_sharded_scans`): ``claim_due`` in
   ``run_at`` order across the shards, pages of ``list_stale`` merged in
   ``(touched_at, ref)`` order.
-* **Leases** are taken on every shard (in shard order, all or none), since
-  a transition guarded by a lease checks it on its own shard: one reconciler
-  at a time for the namespace, as with one slot (a lease per shard, so that
-  several nodes reconcile at once, is designed, not built).
+* **Leases.** The shards are the store's partitions (:meth:`partitions`,
+  :class:`~celery_exactonce.stores.base.Partitioned`): the reconciler takes
+  its lease on each shard on its own and reconciles the shards it holds, so
+  several nodes reconcile at once, each on shards the others do not hold. A
+  transition guarded by a shard's lease checks it on that shard, where the
+  record the reconciler listed there lives. The store's own lease methods
+  take a lease on every shard at once (in shard order, all or none), for a
+  caller that sees the namespace as one store; such a holder and a shard's
+  holder exclude each other.
 
 ``exactonce_shards`` is pinned: each shard's ``meta`` holds it and the
 one-slot ``meta`` (``{prefix}:{<namespace>}:meta``) holds it too, so a node
@@ -65,7 +72,7 @@ from celery_exactonce.stores.redis import RedisStore
 from celery_exactonce.stores.redis_client import client_from_url
 from celery_exactonce.stores.redis_codec import as_text
 from celery_exactonce.stores.redis_keys import key_base
-from celery_exactonce.stores.redis_sharded_scans import ShardedScans
+from celery_exactonce.stores.redis_sharded_scans import Shard, ShardedScans
 from celery_exactonce.stores.shards import pinned_elsewhere, shard_of
 from celery_exactonce.writes import NewJob, Transition
 
@@ -91,13 +98,14 @@ class ShardedRedisStore(ShardedScans):
                 setting="exactonce_shards",
             )
         self._parts = [
-            RedisStore(
+            Shard(
                 client,
+                owner=self,
+                index=s,
                 namespace=namespace,
                 retention=retention,
                 prefix=prefix,
                 replica_timeout=replica_timeout,
-                shard=s,
                 shards=shards,
             )
             for s in range(shards)

@@ -1,4 +1,4 @@
-"""The sharded Redis store's scans and leases: what goes over every shard of a namespace.
+"""The sharded Redis store's scans, partitions and leases: what goes over every shard.
 
 A base of :class:`~celery_exactonce.stores.redis_sharded.ShardedRedisStore`
 (which says how a namespace is sharded): counts are summed, ``list_stale``
@@ -6,15 +6,23 @@ pages merged in ``(touched_at, ref)`` order (each shard answers its first
 ``limit`` past the cursor, so the first ``limit`` of the merge are the
 namespace's), ``claim_due`` reads the head of each shard's ``due`` first, so
 that the jobs come in ``run_at`` order across the shards (one read per shard
-more than on one slot), leases are held on every shard.
-Every record read teaches the store which shard an ``o:`` ref lives on.
+more than on one slot).
+
+The shards are the store's partitions
+(:class:`~celery_exactonce.stores.base.Partitioned`): each is a
+:class:`Shard`, a whole one-slot store, with its own lease keys. The
+reconciler takes its lease on each shard and reconciles the shards it holds.
+The store's own lease methods take a lease on every shard at once (all or
+none), for a caller that sees the namespace as one store.
+Every record the store reads, and every record a shard lists, teaches the
+store which shard an ``o:`` ref lives on.
 """
 
 from __future__ import annotations
 
 import collections
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -30,10 +38,32 @@ from celery_exactonce.stores.redis import RedisStore
 KNOWN_REFS = 65_536
 
 
+class Shard(RedisStore):
+    """Shard ``index`` of a sharded namespace: a whole store on one slot.
+
+    What it lists (``list_stale``, which ``list_jobs`` pages through) teaches
+    ``owner`` (the sharded store) where each ``o:`` ref lives, so that a write
+    through the sharded store goes straight to it.
+    """
+
+    def __init__(self, client: Any, *, owner: ShardedScans, index: int, **options: Any) -> None:
+        super().__init__(client, shard=index, **options)
+        self._owner = owner
+        self.index = index
+
+    def __repr__(self) -> str:
+        return f"Shard({self._where}, namespace={self._namespace!r}, shard={self.index})"
+
+    def list_stale(self, state: State, older_than: float, limit: int, **options: Any) -> list[Job]:
+        found = super().list_stale(state, older_than, limit, **options)
+        self._owner._learn(self.index, found)
+        return found
+
+
 class ShardedScans:
     """Scans, counts and leases over ``_parts``, the shards' stores (shard ``s`` at ``s``)."""
 
-    _parts: list[RedisStore]
+    _parts: list[Shard]
     _n: int
     _known: collections.OrderedDict[JobRef, int]
     _lock: threading.Lock
@@ -80,12 +110,14 @@ class ShardedScans:
             now=max(b.now for b in backlogs),
         )
 
-    def _merged(self, shard_pages: Callable[[RedisStore], list[Job]], limit: int) -> list[Job]:
+    def partitions(self) -> Sequence[Shard]:
+        """The shards, in shard order (:class:`~celery_exactonce.stores.base.Partitioned`)."""
+        return list(self._parts)
+
+    def _merged(self, shard_pages: Callable[[Shard], list[Job]], limit: int) -> list[Job]:
         jobs: list[Job] = []
-        for shard, part in enumerate(self._parts):
-            page = shard_pages(part)
-            self._learn(shard, page)
-            jobs.extend(page)
+        for part in self._parts:
+            jobs.extend(shard_pages(part))  # each shard learns what it lists
         jobs.sort(key=lambda job: (job.touched_at, str(job.ref).encode()))
         return jobs[: max(limit, 0)]
 
@@ -142,14 +174,15 @@ class ShardedScans:
             purged += part.purge_expired(limit - purged)
         return purged
 
-    # -- leases: held on every shard, as a transition checks its shard's ----------------------
+    # -- the namespace's lease: held on every shard, as a transition checks its shard's ------
 
     def acquire_lease(self, name: str, token: str, ttl: float) -> bool:
         """Take the lease on every shard, in shard order (so two takers meet at the first).
 
-        A shard refusing (another holder) releases what was taken, and nothing is held.
+        A shard refusing (another holder, of this lease or of that shard's
+        alone) releases what was taken, and nothing is held.
         """
-        taken: list[RedisStore] = []
+        taken: list[Shard] = []
         try:
             for part in self._parts:
                 if not part.acquire_lease(name, token, ttl):
@@ -166,7 +199,12 @@ class ShardedScans:
         return all(renewed)
 
     def lease(self, name: str) -> tuple[str, datetime] | None:
-        return self._parts[0].lease(name)
+        """The holder of the first shard whose lease ``name`` is held (``None``: none is)."""
+        for part in self._parts:
+            held = part.lease(name)
+            if held is not None:
+                return held
+        return None
 
     def release_lease(self, name: str, token: str) -> bool:
         released = [part.release_lease(name, token) for part in self._parts]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -18,20 +19,25 @@ import pytest
 
 from celery_exactonce import exceptions, reconciler
 from celery_exactonce.jobs import Job
+from celery_exactonce.passes import lease_holder
 from celery_exactonce.publisher import PublishFailed
 from celery_exactonce.reconciler import LEASE_NAME, PassReport, Reconciler
 from celery_exactonce.refs import JobRef
 from celery_exactonce.states import State
-from celery_exactonce.stores.base import StateStore
+from celery_exactonce.stores.base import StateStore, partitions_of
 from celery_exactonce.writes import NewJob
 from tests.support.backends import StoreFactory
 from tests.support.helpers import poll, wait_store_past
 from tests.support.reconciling import (
+    DISPATCH_DEADLINE,
+    DISPATCH_TIMEOUT,
     GATED,
     NODE,
     PLAIN,
     REDISPATCH,
+    REPLAY_AGE,
     RERUN,
+    RUNNING_TIMEOUT,
     Broker,
     HookedStore,
     current,
@@ -42,28 +48,7 @@ from tests.support.reconciling import (
     put,
     reconciler_on,
 )
-
-REPLAY_AGE = 0.08
-DISPATCH_TIMEOUT = 0.3
-DISPATCH_DEADLINE = 0.6
-#: Twelve heartbeat intervals: a live job's heartbeat thread may stall on a loaded machine.
-RUNNING_TIMEOUT = 0.6
-
-#: Small timeouts that still pass the start-up checks (docs/reference/settings.md)
-#: (replay_age >= 2 x (tick_interval + publish_timeout + store_timeout) = 0.05 s).
-SETTINGS: dict[str, Any] = {
-    "exactonce_tick_interval": 0.005,
-    "exactonce_publish_timeout": 0.01,
-    "exactonce_store_timeout": 0.01,
-    "exactonce_replay_age": REPLAY_AGE,
-    "exactonce_dispatch_timeout": DISPATCH_TIMEOUT,
-    "exactonce_dispatch_deadline": DISPATCH_DEADLINE,
-    "exactonce_running_timeout": RUNNING_TIMEOUT,
-    "exactonce_heartbeat_interval": 0.05,
-    "exactonce_max_skew": 0.0,
-    "exactonce_window_lookback": 1.0,
-    "exactonce_lease_ttl": 5.0,
-}
+from tests.support.reconciling import QUICK_SETTINGS as SETTINGS
 
 #: The default timeouts (a minute and more), heartbeats often enough that a running
 #: timeout under a second is consistent.
@@ -389,6 +374,64 @@ def test_the_lease_another_token_holds_it_then_each_pass_releases_it(scene: Scen
     assert scene.store.acquire_lease(LEASE_NAME, "next", 60)
 
 
+def test_a_second_reconciler_reconciles_the_partitions_the_first_does_not_hold(
+    scene: Scene,
+) -> None:
+    # Given stale jobs on each partition of the store (it is one, but for a sharded store)
+    parts = partitions_of(scene.store)
+    homes: dict[int, list[Job]] = {i: [] for i in range(len(parts))}
+    for _ in range(200):
+        job = scene.put(State.SCHEDULED, PATIENT)
+        home = next(i for i, part in enumerate(parts) if part.get(job.ref) is not None)
+        homes[home].append(job)
+        if all(len(jobs) >= 3 for jobs in homes.values()):
+            break
+    everything = [job for jobs in homes.values() for job in jobs]
+    assert all(len(jobs) >= 3 for jobs in homes.values())
+    scene.wait_stale(max(everything, key=lambda job: job.touched_at), REPLAY_AGE)
+    # When reconciler A, having listed its first partition (its lease held), waits while
+    # reconciler B, another node with its own client, runs a whole pass
+    other = HookedStore(scene.factory())
+    listed_by_a: list[JobRef] = []
+    holders_seen: list[list[str | None]] = []
+    passes: list[PassReport] = []
+
+    def holders() -> list[str | None]:
+        held = [part.lease(LEASE_NAME) for part in parts]
+        return [None if h is None else lease_holder(h[0]) for h in held]
+
+    def b_listed(listed: list[Job], state: State, *args: Any, **kwargs: Any) -> list[Job]:
+        if State(state) is State.SCHEDULED and listed and not holders_seen:
+            holders_seen.append(holders())
+        return listed
+
+    def a_listed(listed: list[Job], state: State, *args: Any, **kwargs: Any) -> list[Job]:
+        if State(state) is State.SCHEDULED and listed and not passes:
+            listed_by_a.extend(job.ref for job in listed)
+            passes.append(scene.new_reconciler(other, node="other").run_pass())
+        return listed
+
+    other.after["list_stale"] = b_listed
+    scene.hooked.after["list_stale"] = a_listed
+    first = scene.reconciler.run_pass()
+    # Then B skipped only A's partition, and while B worked, each held a partition of its own
+    (second,) = passes
+    assert (second.ran, second.partitions, second.held_elsewhere) == (
+        len(parts) > 1,
+        len(parts) - 1,
+        1,
+    )
+    assert (first.ran, first.partitions, first.held_elsewhere) == (True, len(parts), 0)
+    if len(parts) > 1:
+        (seen,) = holders_seen
+        assert sorted(holder for holder in seen if holder) == ["other", "reconciler"]
+    # and between them every stale job was replayed once: A its first partition's, B the rest
+    assert first.replayed == len(listed_by_a)
+    assert first.replayed + second.replayed == len(everything)
+    assert scene.broker.count() == Counter((job.ref.id, 0) for job in everything)
+    assert holders() == [None] * len(parts)
+
+
 # -- racing -------------------------------------------------------------------------------
 
 
@@ -548,10 +591,11 @@ def test_a_store_outage_longer_than_running_timeout_times_out_no_live_job(
     # Given an outage longer than running_timeout (no heartbeat could be written)
     scene.hooked.down = True
     outage_end = scene.store.now() + timedelta(seconds=RUNNING_TIMEOUT + 0.1)
+    partitions = len(partitions_of(scene.store))
 
     def failed_pass() -> bool:
         report = scene.reconciler.run_pass()
-        assert not report.ran and report.errors == 1
+        assert not report.ran and report.errors == partitions  # each one's lease refused
         mono.now += 0.02  # the reconciler's clock runs with the store's
         return scene.store.now() > outage_end
 

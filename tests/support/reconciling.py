@@ -28,7 +28,7 @@ from celery_exactonce.publisher import PublishFailed
 from celery_exactonce.reconciler import Reconciler
 from celery_exactonce.refs import JobRef
 from celery_exactonce.states import State
-from celery_exactonce.stores.base import StateStore
+from celery_exactonce.stores.base import StateStore, partitions_of
 from celery_exactonce.task import ExactOnceTask
 from celery_exactonce.writes import NewJob, Transition
 
@@ -42,6 +42,30 @@ RERUN = "rec.rerun"
 PLAIN = "rec.plain"
 
 Hook = Callable[..., Any]
+
+#: Timeouts of a fraction of a second, for tests in real (store) time (the contract
+#: suite's, and the sharded store's in tests/unit/reconciler/test_partitions.py).
+REPLAY_AGE = 0.08
+DISPATCH_TIMEOUT = 0.3
+DISPATCH_DEADLINE = 0.6
+#: Twelve heartbeat intervals: a live job's heartbeat thread may stall on a loaded machine.
+RUNNING_TIMEOUT = 0.6
+
+#: Small timeouts that still pass the start-up checks (docs/reference/settings.md)
+#: (replay_age >= 2 x (tick_interval + publish_timeout + store_timeout) = 0.05 s).
+QUICK_SETTINGS: dict[str, Any] = {
+    "exactonce_tick_interval": 0.005,
+    "exactonce_publish_timeout": 0.01,
+    "exactonce_store_timeout": 0.01,
+    "exactonce_replay_age": REPLAY_AGE,
+    "exactonce_dispatch_timeout": DISPATCH_TIMEOUT,
+    "exactonce_dispatch_deadline": DISPATCH_DEADLINE,
+    "exactonce_running_timeout": RUNNING_TIMEOUT,
+    "exactonce_heartbeat_interval": 0.05,
+    "exactonce_max_skew": 0.0,
+    "exactonce_window_lookback": 1.0,
+    "exactonce_lease_ttl": 5.0,
+}
 
 #: The live state a job passes through on its way to each terminal state.
 TERMINAL_VIA = {
@@ -238,7 +262,7 @@ class HookedStore:
     was lost). Everything else is delegated to the wrapped store.
     """
 
-    def __init__(self, inner: StateStore) -> None:
+    def __init__(self, inner: StateStore, *, shares: HookedStore | None = None) -> None:
         self.inner = inner
         self.before: dict[str, Hook] = {}
         self.after: dict[str, Hook] = {}
@@ -246,6 +270,19 @@ class HookedStore:
         self.down = False
         """While set, every call raises StoreUnavailable (a store outage)."""
         self._lock = threading.Lock()
+        #: Whose hooks, counts and outage switch these are (a partition's view: its store's).
+        self._root = self
+        if shares is not None:
+            self._root = shares
+            self.before, self.after, self.calls = shares.before, shares.after, shares.calls
+            self._lock = shares._lock
+
+    def partitions(self) -> list[Any]:
+        """The wrapped store's partitions, each seen through this store's hooks and counts."""
+        parts = partitions_of(self.inner)
+        if len(parts) == 1 and parts[0] is self.inner:
+            return [self]
+        return [HookedStore(part, shares=self) for part in parts]
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self.inner, name)
@@ -255,7 +292,7 @@ class HookedStore:
         def call(*args: Any, **kwargs: Any) -> Any:
             with self._lock:
                 self.calls[name] += 1
-            if self.down:
+            if self._root.down:
                 raise exceptions.StoreUnavailable(f"injected outage ({name})")
             hook = self.before.get(name)
             if hook is not None:

@@ -40,7 +40,7 @@ FIRE = datetime(2026, 3, 1, tzinfo=timezone.utc)
 
 T = TypeVar("T")
 
-_SHARD = re.compile(r"\{[^}:]*:(\d+)\}")
+_SHARD = re.compile(r"\{[^}:]*:(\d+)(?:\.\d+)?\}")  # a shard tag: <ns>:<s> or <ns>:<s>.<k>
 
 
 def entry_on(shard: int, stem: str = "nightly") -> str:

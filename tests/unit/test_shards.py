@@ -12,6 +12,7 @@ from celery_exactonce.config import ExactOnceConfig
 from celery_exactonce.exceptions import ConfigurationError
 from celery_exactonce.jobs import CreateStatus
 from celery_exactonce.refs import epoch_born
+from celery_exactonce.states import State
 from celery_exactonce.stores import open_store, store_from_url
 from celery_exactonce.stores.redis import RedisStore
 from celery_exactonce.stores.redis_keys import key_base
@@ -179,3 +180,25 @@ def test_an_epoch_with_an_empty_part_is_refused_on_that_shard() -> None:
     for new, result in zip(news, results, strict=True):
         refused = result.status is CreateStatus.EPOCH_MISMATCH
         assert refused == (shard_of(new.entry or "", 3) == 1)
+
+
+def test_the_shards_are_the_partitions_and_what_one_lists_teaches_the_store() -> None:
+    client = fakeredis.FakeRedis()
+    writer = _sharded(client)
+    writer.setup()
+    news = [occurrence(f"e{i}", writer.now()) for i in range(6)]
+    assert {r.status for r in writer.create_many(news)} == {CreateStatus.CREATED}
+    # Another node's store, which never created them, lists each shard on its own
+    reader = _sharded(client)
+    parts = reader.partitions()
+    assert [part._base for part in parts] == shard_bases("exactonce:{n}", 3)
+    found = {
+        job.ref: shard
+        for shard, part in enumerate(parts)
+        for job in part.list_stale(State.SCHEDULED, 0, 100)
+    }
+    assert found == {new.ref: shard_of(new.entry or "", 3) for new in news}
+    # and then knows where each lives without reading a record
+    assert {ref: reader._locate(ref) for ref in found} == {
+        ref: (shard, None) for ref, shard in found.items()
+    }

@@ -39,6 +39,7 @@ def test_a_pass_while_another_token_holds_the_lease_does_nothing(world: World) -
     world.advance(RUNNING_TIMEOUT)
     report = world.reconciler.run_pass()
     assert report.ran is False and report.errors == 0
+    assert (report.partitions, report.held_elsewhere) == (0, 1)  # the store is one partition
     assert [world.get(job) for job in jobs] == jobs and world.broker.tries == 0
     # and it did not release the other's lease
     assert not world.store.acquire_lease(LEASE_NAME, "third", LEASE_TTL)
@@ -49,7 +50,9 @@ def test_an_expired_lease_does_not_block_a_pass(world: World) -> None:
     job = world.put(State.RUNNING)
     assert world.store.acquire_lease(LEASE_NAME, "crashed-node", LEASE_TTL)
     world.advance(RUNNING_TIMEOUT)
-    assert world.run().timed_out == 1 and world.state(job) is State.TIMEOUT
+    report = world.run()
+    assert (report.timed_out, report.partitions, report.held_elsewhere) == (1, 1, 0)
+    assert world.state(job) is State.TIMEOUT
 
 
 def test_the_lease_is_released_at_the_end_of_every_pass(world: World) -> None:
