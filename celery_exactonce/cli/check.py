@@ -234,14 +234,19 @@ def _eviction(store: StateStore) -> str:
 
 
 def _replicas(store: StateStore, config: ExactOnceConfig) -> str:
-    """``exactonce_min_replicas``: the Redis store has that many replicas connected."""
+    """``exactonce_min_replicas``: each master holding the namespace has that many replicas.
+
+    One master (a server, Sentinel's) or, on a cluster, the master of each of
+    the namespace's slots, named by its address.
+    """
     if not config.min_replicas:
         return "writes wait for no replica (exactonce_min_replicas = 0)"
-    connected = store.check_replicas()  # type: ignore[attr-defined]  # only Redis gets here
-    return (
-        f"{connected} replica(s) connected; each counted write waits for "
-        f"{config.min_replicas} (exactonce_min_replicas)"
-    )
+    counts = store.check_replicas()  # type: ignore[attr-defined]  # only Redis gets here
+    if len(counts) == 1 and redact_url(config.store_url) in counts:
+        found = f"{next(iter(counts.values()))} replica(s) connected"
+    else:
+        found = "replicas connected: " + ", ".join(f"{m} has {n}" for m, n in counts.items())
+    return f"{found}; each counted write waits for {config.min_replicas} (exactonce_min_replicas)"
 
 
 def _clock(store: StateStore, config: ExactOnceConfig) -> str | tuple[str, str]:

@@ -15,7 +15,8 @@
   never through Sentinel, whose master moves, nor on a cluster);
 * :func:`masters` and :func:`node`: the plain clients of a cluster's masters,
   and of the master serving a key (a plain client's own server otherwise);
-* :func:`replicas`: how many replicas the server has connected, from ``INFO replication``;
+* :func:`replicas`: how many replicas the server has connected, from ``INFO replication``,
+  and :func:`address`: a cluster node's ``host:port``, as messages name a master;
 * :func:`maxmemory_policy`: the server's ``maxmemory-policy``, which must be
   ``noeviction``: from ``CONFIG GET``, else ``INFO memory``, else unknown.
 
@@ -46,14 +47,20 @@ from celery_exactonce.stores.redis_sentinel import (
 )
 
 
-def client_from_url(url: str, socket_timeout: float, kwargs: dict[str, Any]) -> redis.Redis:
+def client_from_url(
+    url: str, socket_timeout: float, kwargs: dict[str, Any], *, min_replicas: int = 0
+) -> redis.Redis:
     """A new client for ``url``; ``kwargs`` go to ``redis.Redis.from_url``.
 
     The client does not retry commands by itself (unless ``kwargs`` pass a
     ``retry``): a script resent after a timeout could apply twice and answer
     as if another writer had won, where the caller must instead settle the
-    unknown outcome by reading the record back.
+    unknown outcome by reading the record back. With ``min_replicas`` ≥ 1 a
+    counted write waits up to ``socket_timeout`` for its replicas after it
+    ran, so the socket waits twice that.
     """
+    if min_replicas > 0:
+        socket_timeout *= 2
     kwargs.setdefault("socket_connect_timeout", socket_timeout)
     kwargs.setdefault("retry", Retry(NoBackoff(), 0))
     if is_sentinel_url(url):
@@ -135,6 +142,12 @@ def maxmemory_policy(client: redis.Redis) -> str | None:
         return None if policy is None else as_text(policy)
     except rexc.ResponseError:
         return None
+
+
+def address(server: redis.Redis) -> str:
+    """``host:port`` of a plain client's server (a cluster's node), no credentials."""
+    kwargs = server.connection_pool.connection_kwargs
+    return f"{kwargs.get('host', 'localhost')}:{kwargs.get('port', 6379)}"
 
 
 def replicas(client: redis.Redis) -> int:

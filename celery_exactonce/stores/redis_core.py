@@ -23,8 +23,10 @@ for a URL, which it owns and closes), and:
   outcome is unknown, and its writer settles it by reading back). A
   confirmed read (:meth:`RedisCore._confirmed_read`, what ``get`` and so every
   read-back is) bumps a counter after reading and waits the same way, so that
-  a record read back is one a promoted replica has too. With ``N = 0`` none
-  of this runs;
+  a record read back is one a promoted replica has too. On a cluster both go
+  to the master of the namespace's slot (of the shard's, when sharded), so
+  ``WAIT`` counts that master's replicas; start-up checks each such master
+  (:meth:`RedisCore.check_replicas`). With ``N = 0`` none of this runs;
 * **errors**: :meth:`RedisCore._wrap`, the one boundary of the store, turns
   driver errors into ``StoreUnavailable`` (retrying may help: the server is
   unreachable, slow, loading, failing over or read-only) or ``StoreError``,
@@ -55,8 +57,14 @@ import redis.exceptions as rexc
 from celery_exactonce import exceptions, jobs
 from celery_exactonce.states import TERMINAL, State
 from celery_exactonce.stores import redact_secrets, redact_url, url_secrets, validate_namespace
-from celery_exactonce.stores.redis_client import client_from_url, describe, node, replicas
-from celery_exactonce.stores.redis_cluster import ClusterClient, is_cluster_url
+from celery_exactonce.stores.redis_client import (
+    address,
+    client_from_url,
+    describe,
+    node,
+    replicas,
+)
+from celery_exactonce.stores.redis_cluster import ClusterClient
 from celery_exactonce.stores.redis_keys import RedisKeys, key_base
 from celery_exactonce.stores.shards import shard_base
 
@@ -192,14 +200,7 @@ class RedisCore(RedisKeys):
         With ``min_replicas`` ≥ 1 each counted write waits up to
         ``socket_timeout`` for its replicas, so the socket waits twice that.
         """
-        if min_replicas > 0 and is_cluster_url(url):
-            raise exceptions.ConfigurationError(
-                f"exactonce_min_replicas={min_replicas}: not supported on a Redis Cluster "
-                f"(store {redact_url(url)}) in this release",
-                setting="exactonce_min_replicas",
-            )
-        wait = socket_timeout if min_replicas > 0 else 0.0
-        client = client_from_url(url, socket_timeout + wait, kwargs)
+        client = client_from_url(url, socket_timeout, kwargs, min_replicas=min_replicas)
         store = cls(
             client,
             namespace=namespace,
@@ -289,14 +290,15 @@ class RedisCore(RedisKeys):
         With ``wait``, ``WAIT`` ends the pipeline: :class:`NotReplicated` unless enough
         replicas confirm.
         """
-        with self._node(calls[0][0][0]).pipeline(transaction=False) as pipe:
+        server = self._node(calls[0][0][0])
+        with server.pipeline(transaction=False) as pipe:
             for keys, args in calls:
                 pipe.evalsha(sha, len(keys), *keys, *args)
             if wait:
                 pipe.wait(self._min_replicas, self._wait_ms)
             replies = list(pipe.execute(raise_on_error=False))
         if wait:
-            self._check_replicas(replies.pop(), "write")
+            self._check_replicas(replies.pop(), "write", server)
         return replies
 
     def _node(self, key: str) -> redis.Redis:
@@ -313,40 +315,65 @@ class RedisCore(RedisKeys):
         """Run read ``command``; with ``min_replicas``, confirm what it saw is on the replicas.
 
         ``WAIT`` waits for the writes of its own connection: a counter bumped
-        after the read makes everything the read saw one of them.
+        after the read makes everything the read saw one of them. The three go
+        on one connection to the master of the namespace's slot (where the
+        counter is: the read's keys must be in that slot too), never through
+        redis-py's cluster pipeline, which could send them to several.
         """
         if not self._min_replicas:
             return self._client.execute_command(command, *args)  # type: ignore[no-untyped-call]
-        with self._client.pipeline(transaction=False) as pipe:
+        sync = self._key("sync")
+        server = self._node(sync)
+        with server.pipeline(transaction=False) as pipe:
             pipe.execute_command(command, *args)  # type: ignore[no-untyped-call]
-            pipe.incr(self._key("sync"))
+            pipe.incr(sync)
             pipe.wait(self._min_replicas, self._wait_ms)
             reply, _, confirmed = pipe.execute()
-        self._check_replicas(confirmed, "read")
+        self._check_replicas(confirmed, "read", server)
         return reply
 
-    def check_replicas(self) -> int:
-        """The replicas the server has connected; refused below ``exactonce_min_replicas``."""
-        if not self._min_replicas:
-            return 0
-        with self._wrap("check_replicas"):
-            connected = replicas(self._client)
-        if connected < self._min_replicas:
-            raise exceptions.ConfigurationError(
-                f"exactonce_min_replicas={self._min_replicas}: Redis store {self._where} has "
-                f"{connected} connected replica(s); no write could be confirmed on "
-                f"{self._min_replicas}",
-                setting="exactonce_min_replicas",
-            )
-        return connected
+    def replica_counts(self) -> dict[str, int]:
+        """The replicas connected to the master holding this namespace, by that master.
 
-    def _check_replicas(self, confirmed: Any, what: str) -> None:
+        On a cluster, the master of the namespace's slot, named ``host:port``;
+        elsewhere the store's server, named as the store is (no credentials).
+        """
+        with self._wrap("check_replicas"):
+            server = self._node(self._key("meta"))
+            return {self._master_name(server): replicas(server)}
+
+    def check_replicas(self) -> dict[str, int]:
+        """:meth:`replica_counts`, refused if one is below ``exactonce_min_replicas`` (or none)."""
+        if not self._min_replicas:
+            return {}
+        return self._enough_replicas(self.replica_counts())
+
+    def _enough_replicas(self, counts: dict[str, int]) -> dict[str, int]:
+        """``counts``, or the refusal naming the first master with too few replicas."""
+        for master, connected in counts.items():
+            if connected < self._min_replicas:
+                which = "" if master == self._where else f": master {master}"
+                raise exceptions.ConfigurationError(
+                    f"exactonce_min_replicas={self._min_replicas}: Redis store {self._where}"
+                    f"{which} has {connected} connected replica(s); no write could be "
+                    f"confirmed on {self._min_replicas}",
+                    setting="exactonce_min_replicas",
+                )
+        return counts
+
+    def _master_name(self, server: redis.Redis) -> str:
+        """How messages name ``server``: a cluster's node by address, else as the store."""
+        return self._where if server is self._client else address(server)
+
+    def _check_replicas(self, confirmed: Any, what: str, server: redis.Redis) -> None:
         if isinstance(confirmed, Exception):
             raise confirmed
         if int(confirmed) < self._min_replicas:
+            master = self._master_name(server)
+            at = "" if master == self._where else f" (master {master})"
             raise NotReplicated(
                 redact_secrets(
-                    f"Redis store {self._where}: a {what} confirmed by {int(confirmed)} "
+                    f"Redis store {self._where}{at}: a {what} confirmed by {int(confirmed)} "
                     f"replica(s) of the {self._min_replicas} exactonce_min_replicas asks "
                     f"within {self._wait_ms} ms: its outcome is unknown",
                     self._secrets,

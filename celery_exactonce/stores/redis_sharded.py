@@ -90,6 +90,7 @@ class ShardedRedisStore(ShardedScans):
         retention: float,
         shards: int,
         prefix: str = "exactonce",
+        min_replicas: int = 0,
         replica_timeout: float = 5.0,
     ) -> None:
         if shards < 2:
@@ -105,6 +106,7 @@ class ShardedRedisStore(ShardedScans):
                 namespace=namespace,
                 retention=retention,
                 prefix=prefix,
+                min_replicas=min_replicas,
                 replica_timeout=replica_timeout,
                 shards=shards,
             )
@@ -128,19 +130,18 @@ class ShardedRedisStore(ShardedScans):
         min_replicas: int = 0,
         **kwargs: Any,
     ) -> ShardedRedisStore:
-        """A store on a new cluster client for ``url`` (``redis+cluster://``)."""
-        if min_replicas > 0:
-            raise exceptions.ConfigurationError(
-                f"exactonce_min_replicas={min_replicas}: not supported on a Redis Cluster "
-                f"(store {redact_url(url)}) in this release",
-                setting="exactonce_min_replicas",
-            )
+        """A store on a new cluster client for ``url`` (``redis+cluster://``).
+
+        With ``min_replicas`` ≥ 1 each shard's counted writes wait for the
+        replicas of that shard's master (the socket waits twice ``socket_timeout``).
+        """
         store = cls(
-            client_from_url(url, socket_timeout, kwargs),
+            client_from_url(url, socket_timeout, kwargs, min_replicas=min_replicas),
             namespace=namespace,
             retention=retention,
             shards=shards,
             prefix=prefix,
+            min_replicas=min_replicas,
             replica_timeout=socket_timeout,
         )
         store._parts[0]._owns_client = True  # the shards share it: the first closes it
@@ -284,8 +285,17 @@ class ShardedRedisStore(ShardedScans):
     def check_config(self, *, replicas: bool = True) -> None:
         self._parts[0].check_config(replicas=replicas)  # reads every master
 
-    def check_replicas(self) -> int:
-        return self._parts[0].check_replicas()
+    def replica_counts(self) -> dict[str, int]:
+        """The replicas connected to each master holding a shard, by master (``host:port``)."""
+        counts: dict[str, int] = {}
+        for part in self._parts:
+            counts.update(part.replica_counts())
+        return counts
+
+    def check_replicas(self) -> dict[str, int]:
+        """:meth:`replica_counts`, refused if a master has fewer than ``exactonce_min_replicas``."""
+        first = self._parts[0]
+        return first._enough_replicas(self.replica_counts()) if first._min_replicas else {}
 
     def drop_namespace(self) -> None:
         for part in self._parts:

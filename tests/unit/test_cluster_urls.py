@@ -69,11 +69,19 @@ def test_a_cluster_store_is_built_without_touching_the_network() -> None:
         store.close()
 
 
-def test_min_replicas_on_a_cluster_is_refused() -> None:
-    with pytest.raises(ConfigurationError) as caught:
-        store_from_url(URL, namespace="n", min_replicas=1)
-    assert caught.value.setting == "exactonce_min_replicas"
-    assert "pw-s3cret" not in str(caught.value)
+def test_min_replicas_on_a_cluster_builds_a_waiting_store_touching_no_server() -> None:
+    store = store_from_url(URL, namespace="n", min_replicas=1, socket_timeout=2.0)
+    try:
+        assert isinstance(store, RedisStore)
+        assert store._min_replicas == 1 and store._wait_ms == 2000
+        assert store._counted == frozenset({"create", "transition", "enqueue"})
+        client = store._client
+        assert isinstance(client, ClusterClient) and client._cluster is None
+        # the socket waits for the script, then for WAIT
+        assert client._options["socket_timeout"] == 4.0
+        assert "pw-s3cret" not in repr(store)
+    finally:
+        store.close()
 
 
 @pytest.mark.timeout(30)
@@ -85,5 +93,21 @@ def test_a_cluster_no_node_answers_is_unavailable_with_the_password_blanked() ->
         with pytest.raises(StoreUnavailable) as caught:
             store.ping()
         assert "pw-s3cret" not in str(caught.value)
+    finally:
+        store.close()
+
+
+def test_a_cluster_master_with_too_few_replicas_is_refused_by_its_address() -> None:
+    store = store_from_url(URL, namespace="n", min_replicas=1)
+    try:
+        counts = {"10.0.0.1:7000": 1, "10.0.0.2:7000": 0}
+        with pytest.raises(ConfigurationError) as caught:
+            store._enough_replicas(counts)
+        assert caught.value.setting == "exactonce_min_replicas"
+        message = str(caught.value)
+        assert "master 10.0.0.2:7000 has 0 connected replica(s)" in message
+        assert "exactonce_min_replicas=1" in message and "10.0.0.1" not in message
+        assert "pw-s3cret" not in message and "redis+cluster://:***@h1:7000" in message
+        assert store._enough_replicas({"10.0.0.1:7000": 1}) == {"10.0.0.1:7000": 1}
     finally:
         store.close()

@@ -11,7 +11,7 @@ from redis.crc import key_slot
 from celery_exactonce.config import ExactOnceConfig
 from celery_exactonce.exceptions import ConfigurationError
 from celery_exactonce.jobs import CreateStatus
-from celery_exactonce.refs import epoch_born
+from celery_exactonce.refs import JobRef, epoch_born
 from celery_exactonce.states import State
 from celery_exactonce.stores import open_store, store_from_url
 from celery_exactonce.stores.redis import RedisStore
@@ -123,9 +123,14 @@ def test_a_cluster_url_with_shards_builds_a_sharded_store_touching_no_server() -
         assert bases == shard_bases("exactonce:{default}", 3)
     finally:
         store.close()
-    with pytest.raises(ConfigurationError) as caught:
-        store_from_url(config.store_url, shards=3, min_replicas=1)
-    assert caught.value.setting == "exactonce_min_replicas"
+    # with min_replicas, every shard waits for its master's replicas
+    waiting = store_from_url(config.store_url, shards=3, min_replicas=1, socket_timeout=2.0)
+    try:
+        assert isinstance(waiting, ShardedRedisStore)
+        assert [(p._min_replicas, p._wait_ms) for p in waiting._parts] == [(1, 2000)] * 3
+        assert waiting._parts[0]._client._options["socket_timeout"] == 4.0
+    finally:
+        waiting.close()
 
 
 def _sharded(client: Any, shards: int = 3) -> ShardedRedisStore:
@@ -202,3 +207,15 @@ def test_the_shards_are_the_partitions_and_what_one_lists_teaches_the_store() ->
     assert {ref: reader._locate(ref) for ref in found} == {
         ref: (shard, None) for ref, shard in found.items()
     }
+
+
+@pytest.mark.parametrize("shards", [1, 3])
+def test_a_confirmed_read_and_its_sync_counter_share_the_shards_slot(shards: int) -> None:
+    # _confirmed_read sends the read, the counter's INCR and WAIT to the master of the
+    # sync key's slot: the record read must be in that slot, whatever its id holds
+    client = fakeredis.FakeRedis()
+    for shard in range(shards):
+        part = RedisStore(client, namespace="n", retention=60.0, shard=shard, shards=shards)
+        sync = key_slot(part._key("sync").encode())
+        for job_id in ("plain", "{other}", "a}{b", "é"):
+            assert key_slot(part._job_key(JobRef.submitted(job_id)).encode()) == sync
