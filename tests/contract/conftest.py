@@ -9,6 +9,7 @@ from celery_exactonce.stores.base import StateStore
 from tests import services
 from tests.support.backends import (
     BACKENDS,
+    CLUSTER,
     CLUSTER_URL_VARIABLE,
     DJANGO_BACKENDS,
     SENTINEL_URL_VARIABLE,
@@ -54,7 +55,7 @@ def backend(request: pytest.FixtureRequest) -> str:
     _need(request.param)
     if request.param == "sentinel":
         request.getfixturevalue("sentinel_url")
-    if request.param in ("cluster", "cluster-shards"):
+    if request.param in CLUSTER:
         request.getfixturevalue("cluster_url")
     if request.param in DJANGO_BACKENDS:  # pytest-django blocks the ORM's connections
         blocker = request.getfixturevalue("django_db_blocker")

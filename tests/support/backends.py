@@ -22,8 +22,14 @@ SENTINEL_URL_VARIABLE = "EXACTONCE_TEST_SENTINEL_URL"
 #: Opt-in (``EXACTONCE_TEST_CLUSTER=1``): the Redis store on a Redis Cluster of
 #: three masters with a replica each, which the contract suite starts (once per
 #: test process), through a ``redis+cluster://`` URL: one slot per namespace
-#: (``cluster``), and the namespace over ``CLUSTER_SHARDS`` slots (``cluster-shards``).
-CLUSTER = ("cluster", "cluster-shards") if os.environ.get("EXACTONCE_TEST_CLUSTER") == "1" else ()
+#: (``cluster``), and the namespace over ``CLUSTER_SHARDS`` slots (``cluster-shards``);
+#: each again with ``min_replicas=1`` (``-replicas``: every counted write and
+#: confirmed read waits for its master's replica).
+CLUSTER = (
+    ("cluster", "cluster-shards", "cluster-replicas", "cluster-shards-replicas")
+    if os.environ.get("EXACTONCE_TEST_CLUSTER") == "1"
+    else ()
+)
 #: ``exactonce_shards`` of the ``cluster-shards`` backend.
 CLUSTER_SHARDS = 3
 #: Where the suite's cluster is (set by the fixture that starts it).
@@ -59,7 +65,7 @@ def store_url(backend: str, tmpdir: str) -> str:
         return f"django://{DJANGO_BACKENDS[backend]}"
     if backend == "sentinel":
         return os.environ[SENTINEL_URL_VARIABLE]
-    if backend in ("cluster", "cluster-shards"):
+    if backend in CLUSTER:
         return os.environ[CLUSTER_URL_VARIABLE]
     return services.SERVICE_URLS[backend]
 
@@ -69,8 +75,9 @@ def make_store(backend: str, url: str, namespace: str, retention: float = 3600.0
         return InMemoryStore(namespace, retention=retention)
     if backend in DJANGO_BACKENDS:
         migrate_django_store(DJANGO_BACKENDS[backend])
-    options: dict[str, Any] = {"min_replicas": 1} if backend == "sentinel" else {}
-    if backend == "cluster-shards":
+    waits = backend == "sentinel" or backend.endswith("-replicas")
+    options: dict[str, Any] = {"min_replicas": 1} if waits else {}
+    if backend.startswith("cluster-shards"):
         options["shards"] = CLUSTER_SHARDS
     store = store_from_url(url, namespace=namespace, retention=retention, **options)
     store.setup()
