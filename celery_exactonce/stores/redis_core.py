@@ -80,6 +80,11 @@ _TRANSIENT: tuple[type[Exception], ...] = (
     rexc.MovedError,  # a cluster's slot moved (the command did not run)
     rexc.AskError,
 )
+#: Errors after which a cluster's slot table is read again: the slot moved, or its
+#: master does not answer (dead, and maybe failed over: a pipeline, sent to the
+#: slot's master as the table says, would go on trying it). Single commands
+#: already reread it inside redis-py.
+_REROUTE = (rexc.MovedError, rexc.AskError, rexc.ConnectionError, rexc.TimeoutError)
 #: Server replies that mean the same though redis-py has no class for them.
 _TRANSIENT_REPLIES = ("BUSY", "MASTERDOWN", "NOREPLICAS", "LOADING", "TRYAGAIN")
 
@@ -307,7 +312,8 @@ class RedisCore(RedisKeys):
         A pipeline goes there, never through redis-py's cluster pipeline, which
         resends a command that timed out (a script could apply twice). A
         ``MOVED`` or ``ASK`` reply there (the slot moved: the command did not
-        run) fails the operation as unavailable, and the slot table is read again.
+        run), or no answer (the master died: a replica may be promoted), fails
+        the operation as unavailable, and the slot table is read again.
         """
         return node(self._client, key)
 
@@ -393,9 +399,7 @@ class RedisCore(RedisKeys):
         try:
             yield
         except rexc.RedisError as exc:
-            if isinstance(exc, (rexc.MovedError, rexc.AskError)) and isinstance(
-                self._client, ClusterClient
-            ):
+            if isinstance(exc, _REROUTE) and isinstance(self._client, ClusterClient):
                 with contextlib.suppress(rexc.RedisError, rexc.RedisClusterException):
                     self._client.refresh()
             message = redact_secrets(
