@@ -251,19 +251,58 @@ class Cluster:
         info = server.client(1.0).execute_command("CLUSTER INFO")  # parsed by redis-py
         return {str(name): str(value) for name, value in dict(info).items()}
 
+    @property
+    def live(self) -> list[RedisServer]:
+        """The servers running (not killed)."""
+        return [s for s in self.servers if s.process is not None]
+
     def master_servers(self) -> list[RedisServer]:
         """The servers that are masters now."""
-        return [s for s in self.servers if s.client(1.0).info("replication")["role"] == "master"]
+        return [s for s in self.live if s.client(1.0).info("replication")["role"] == "master"]
+
+    def replicas_online(self, master: RedisServer) -> int:
+        """How many replicas of ``master`` are online (synced: they acknowledge writes)."""
+        info = master.client(1.0).info("replication")
+        links = [v for k, v in info.items() if k.startswith("slave") and isinstance(v, dict)]
+        return sum(link.get("state") == "online" for link in links)
+
+    def replica_of(self, master: RedisServer) -> RedisServer:
+        """The first running replica of ``master``."""
+        for server in self.live:
+            info = server.client(1.0).info("replication")
+            if info["role"] == "slave" and int(info["master_port"]) == master.port:
+                return server
+        raise LookupError(f"no replica of the master on port {master.port}")
 
     def owner(self, slot: int) -> RedisServer:
-        """The master serving ``slot``, as the first server's slot table says."""
+        """The master serving ``slot``, as the first running server's slot table says."""
         for first, last, (_, port, *_) in (
             (int(r[0]), int(r[1]), r[2])
-            for r in self.servers[0].client(1.0).execute_command("CLUSTER SLOTS")
+            for r in self.live[0].client(1.0).execute_command("CLUSTER SLOTS")
         ):
             if first <= slot <= last:
                 return next(s for s in self.servers if s.port == int(port))
         raise LookupError(f"no master serves slot {slot}")
+
+    def failover_after_kill(
+        self, slot: int, timeout: float = 60.0
+    ) -> tuple[RedisServer, RedisServer]:
+        """SIGKILL the master of ``slot``, wait until its replica serves the slot: (old, new).
+
+        The cluster promotes the replica once the master has been unreachable
+        for ``cluster-node-timeout`` (3 s here) and a majority of masters agree.
+        """
+        old = self.owner(slot)
+        new = self.replica_of(old)
+        old.kill()
+
+        def promoted() -> bool:
+            if new.client(1.0).info("replication")["role"] != "master":
+                return False
+            return self.owner(slot) is new and self.ready()
+
+        wait_for(f"the replica on port {new.port} serving slot {slot}", promoted, timeout)
+        return old, new
 
     def move_slot(
         self, slot: int, source: RedisServer, target: RedisServer, batch: int = 100
@@ -279,8 +318,8 @@ class Cluster:
         return SlotMove(self, slot, source, target)
 
     def ready(self) -> bool:
-        """Every server says ``cluster_state:ok``, every slot assigned, every node known."""
-        for server in self.servers:
+        """Every running server says ``cluster_state:ok``, every slot assigned, every node known."""
+        for server in self.live:
             info = self.info(server)
             if info.get("cluster_state") != "ok" or info.get("cluster_slots_ok") != "16384":
                 return False
@@ -312,6 +351,8 @@ def cluster(masters: int = 3, replicas_per_master: int = 1) -> Iterator[Cluster]
                     "nodes.conf",
                     "--cluster-node-timeout",
                     "3000",
+                    "--repl-diskless-sync-delay",  # a replica syncs at once, not 5 s later
+                    "0",
                     port=_free_cluster_port(),
                 )
             )
@@ -335,6 +376,13 @@ def cluster(masters: int = 3, replicas_per_master: int = 1) -> Iterator[Cluster]
             raise RuntimeError(f"redis-cli --cluster create failed: {created.stdout!r}")
         group = Cluster(servers, masters)
         wait_for("the cluster ready (cluster_state:ok on every node)", group.ready, timeout=60)
+
+        def synced() -> bool:
+            return all(
+                group.replicas_online(m) >= replicas_per_master for m in group.master_servers()
+            )
+
+        wait_for("every master's replicas online (synced)", synced, timeout=60)
         yield group
 
 
