@@ -29,9 +29,12 @@ for a URL, which it owns and closes), and:
   (:meth:`RedisCore.check_replicas`). With ``N = 0`` none of this runs;
 * **errors**: :meth:`RedisCore._wrap`, the one boundary of the store, turns
   driver errors into ``StoreUnavailable`` (retrying may help: the server is
-  unreachable, slow, loading, failing over or read-only) or ``StoreError``,
-  secrets blanked, and an identifier redis-py cannot encode into
-  ``InvalidPayload``; an operation on a closed store is refused (``StoreError``).
+  unreachable, slow, loading, failing over or read-only) or ``StoreError``
+  (:mod:`~celery_exactonce.stores.redis_errors`, which also defines
+  :class:`NotReplicated`, importable from here too), secrets blanked, and an
+  identifier redis-py cannot encode into ``InvalidPayload``; on a cluster, the
+  slot table read again after a redirection or no answer; an operation on a
+  closed store is refused (``StoreError``).
 
 All times are integer microseconds since the UNIX epoch, read from Redis
 ``TIME`` inside the scripts.
@@ -65,28 +68,11 @@ from celery_exactonce.stores.redis_client import (
     replicas,
 )
 from celery_exactonce.stores.redis_cluster import ClusterClient
+from celery_exactonce.stores.redis_errors import REROUTE, NotReplicated, store_error
 from celery_exactonce.stores.redis_keys import RedisKeys, key_base
 from celery_exactonce.stores.shards import shard_base
 
-#: Errors after which retrying may help: the server is unreachable, slow,
-#: loading, failing over or read-only (a replica promoted under us).
-_TRANSIENT: tuple[type[Exception], ...] = (
-    rexc.ConnectionError,
-    rexc.TimeoutError,
-    rexc.TryAgainError,
-    rexc.ClusterDownError,
-    rexc.MasterDownError,
-    rexc.ReadOnlyError,
-    rexc.MovedError,  # a cluster's slot moved (the command did not run)
-    rexc.AskError,
-)
-#: Errors after which a cluster's slot table is read again: the slot moved, or its
-#: master does not answer (dead, and maybe failed over: a pipeline, sent to the
-#: slot's master as the table says, would go on trying it). Single commands
-#: already reread it inside redis-py.
-_REROUTE = (rexc.MovedError, rexc.AskError, rexc.ConnectionError, rexc.TimeoutError)
-#: Server replies that mean the same though redis-py has no class for them.
-_TRANSIENT_REPLIES = ("BUSY", "MASTERDOWN", "NOREPLICAS", "LOADING", "TRYAGAIN")
+__all__ = ["COUNTED", "SCRIPT_BATCH", "NotReplicated", "RedisCore"]
 
 #: Jobs per call of a batch script (``create``, ``transition``): bounds how long one
 #: call holds the server (a few milliseconds) while sparing most per-call costs.
@@ -132,13 +118,6 @@ def _lua_header() -> str:
 def _lua(name: str) -> str:
     lua = resources.files("celery_exactonce.stores").joinpath("lua")
     return lua.joinpath(f"{name}.lua").read_text(encoding="utf-8")
-
-
-class NotReplicated(exceptions.StoreUnavailable):
-    """A write the master applied, not confirmed by ``min_replicas`` replicas in time.
-
-    Its outcome is unknown, as after a lost answer: a failover may yet lose it.
-    """
 
 
 class RedisCore(RedisKeys):
@@ -399,17 +378,13 @@ class RedisCore(RedisKeys):
         try:
             yield
         except rexc.RedisError as exc:
-            if isinstance(exc, _REROUTE) and isinstance(self._client, ClusterClient):
+            if isinstance(exc, REROUTE) and isinstance(self._client, ClusterClient):
                 with contextlib.suppress(rexc.RedisError, rexc.RedisClusterException):
                     self._client.refresh()
             message = redact_secrets(
                 f"Redis store {self._where}: {action} failed: {type(exc).__name__}: {exc}",
                 self._secrets,
             )
-            transient = isinstance(exc, _TRANSIENT) or (
-                isinstance(exc, rexc.ResponseError) and str(exc).startswith(_TRANSIENT_REPLIES)
-            )
-            error = exceptions.StoreUnavailable if transient else exceptions.StoreError
-            raise error(message) from exc
+            raise store_error(exc, message) from exc
         except UnicodeError as exc:  # an identifier redis-py cannot encode (lone surrogate)
             raise exceptions.InvalidPayload(f"{action}: {exc}") from exc
