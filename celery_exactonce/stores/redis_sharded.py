@@ -283,7 +283,9 @@ class ShardedRedisStore(ShardedScans):
         return max(known) if known else None
 
     def check_config(self, *, replicas: bool = True) -> None:
-        self._parts[0].check_config(replicas=replicas)  # reads every master
+        self._parts[0].check_config(replicas=False)  # the policy: reads every master
+        if replicas:
+            self.check_replicas()  # the master of every shard, not only the first's
 
     def replica_counts(self) -> dict[str, int]:
         """The replicas connected to each master holding a shard, by master (``host:port``)."""

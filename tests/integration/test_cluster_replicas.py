@@ -172,17 +172,17 @@ def test_every_acknowledged_claim_survives_a_failover_of_its_master(shards: int)
             epoch = beat_a.epoch()
             won = beat_claims.claim(beat_a, ours, epoch=epoch, now=now).won
             assert len(won) == len(ours)
-            # When the master of the first shard's slot is SIGKILLed, and its replica promoted
-            slot = key_slot(_parts(beat_a)[0]._key("meta").encode())
-            old, new = group.failover_after_kill(slot)
+            # When the master of the last shard's slot is SIGKILLed, and its replica promoted
+            last = shards - 1
+            part = _parts(beat_a)[last]
+            old, new = group.failover_after_kill(key_slot(part._key("meta").encode()))
             # Then beat A reaches the promoted master (the slot table read again), which
             # has no replica left: A's claims of that shard are refused as unconfirmed
-            part = _parts(beat_a)[0]
-            again = [n for n in _claims(ENTRIES, fires) if _home(beat_a, n) == 0]
+            again = [n for n in _claims(ENTRIES, fires) if _home(beat_a, n) == last]
 
             def refused_unconfirmed() -> bool:
                 try:
-                    part.create_many(again, epoch=epoch.split(",")[0])
+                    part.create_many(again, epoch=epoch.split(",")[last])
                 except NotReplicated as exc:
                     return f"master 127.0.0.1:{new.port}" in str(exc)
                 except StoreUnavailable:
