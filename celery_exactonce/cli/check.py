@@ -245,7 +245,7 @@ def _replicas(store: StateStore, config: ExactOnceConfig) -> str:
     if len(counts) == 1 and redact_url(config.store_url) in counts:
         found = f"{next(iter(counts.values()))} replica(s) connected"
     else:
-        found = "replicas connected: " + ", ".join(f"{m} has {n}" for m, n in counts.items())
+        found = "replicas connected: " + ", ".join(f"master {m} has {n}" for m, n in counts.items())
     return f"{found}; each counted write waits for {config.min_replicas} (exactonce_min_replicas)"
 
 

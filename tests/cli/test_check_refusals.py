@@ -18,7 +18,7 @@ import pytest
 
 from tests import services
 from tests.acceptance.test_startup_refusals import APP_MODULE, CASES, Bad, environment
-from tests.integration.redis_server import RedisServer, redis_server
+from tests.integration.redis_server import Cluster, RedisServer, cluster, redis_server
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -61,3 +61,35 @@ def test_check_fails_naming_the_setting(case: Bad, request: pytest.FixtureReques
         c["status"] == "FAIL" and case.names in c["message"] + str(c["setting"])
         for c in data["checks"]
     ), data
+
+
+@pytest.fixture(scope="module")
+def replicated_cluster() -> Iterator[Cluster]:
+    """Three masters, a replica each (killed by pid at the end of the module)."""
+    with cluster(masters=3, replicas_per_master=1) as group:
+        yield group
+
+
+def test_check_on_a_cluster_names_each_masters_replicas(replicated_cluster: Cluster) -> None:
+    services.need("redis")  # the broker's URL (never connected to)
+    url = replicated_cluster.url()
+    masters = sorted(s.port for s in replicated_cluster.master_servers())
+    # Given min_replicas=1, a replica on each master: the replicas line lists them, ok
+    waiting = Bad("cluster-replicas", "", conf={"exactonce_min_replicas": 1})
+    done = check(waiting, url)
+    assert done.returncode == 0, done.stdout + done.stderr
+    (line,) = [line for line in done.stdout.splitlines() if " replicas " in f" {line} "]
+    assert line.startswith("ok") and "each counted write waits for 1" in line
+    namespace_master = [p for p in masters if f"127.0.0.1:{p} has 1" in line]
+    assert len(namespace_master) == 1, line  # the one master of the namespace's slot
+    # When min_replicas asks more replicas than the master has: FAIL, naming the
+    # setting and the master, and so in --json
+    asking = Bad("cluster-too-few", "", conf={"exactonce_min_replicas": 2})
+    done = check(asking, url)
+    assert done.returncode == 1, done.stdout + done.stderr
+    failed = [line for line in done.stdout.splitlines() if line.startswith("FAIL")]
+    assert len(failed) == 1 and "exactonce_min_replicas=2" in failed[0], done.stdout
+    assert f"master 127.0.0.1:{namespace_master[0]} has 1 connected replica(s)" in failed[0]
+    data = json.loads(check(asking, url, "--json").stdout)
+    (refused,) = [c for c in data["checks"] if c["status"] == "FAIL"]
+    assert (refused["name"], refused["setting"]) == ("replicas", "exactonce_min_replicas")
