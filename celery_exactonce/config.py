@@ -97,7 +97,8 @@ class ExactOnceConfig:
     """Redis only: a claim, a gate write and a ``DISPATCHED`` write count once ``WAIT``
     confirms them on this many replicas within ``store_timeout`` (else their outcome is
     unknown, read back, and nothing is published on a guess); the store must have that
-    many connected at start-up. 0: no waiting. >= 0."""
+    many connected at start-up (on a Redis Cluster, each master holding the namespace:
+    its slot's, or every shard's). 0: no waiting. >= 0."""
     shards: int = 1
     """Redis Cluster only: how many hash slots (shards, each with its own epoch) one
     namespace spreads over, so that its claims and sweeps spread over the masters. Pinned

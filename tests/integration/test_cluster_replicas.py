@@ -175,7 +175,9 @@ def test_every_acknowledged_claim_survives_a_failover_of_its_master(shards: int)
             # When the master of the last shard's slot is SIGKILLed, and its replica promoted
             last = shards - 1
             part = _parts(beat_a)[last]
+            killed = time.monotonic()
             old, new = group.failover_after_kill(key_slot(part._key("meta").encode()))
+            promoted = time.monotonic() - killed
             # Then beat A reaches the promoted master (the slot table read again), which
             # has no replica left: A's claims of that shard are refused as unconfirmed
             again = [n for n in _claims(ENTRIES, fires) if _home(beat_a, n) == last]
@@ -205,7 +207,8 @@ def test_every_acknowledged_claim_survives_a_failover_of_its_master(shards: int)
             kept = _kept(beat_b, ours)
             print(
                 f"\nshards={shards}: claims acknowledged {len(won)}, kept after the failover "
-                f"{kept}, a second beat's claims taken {len(claimed.taken)} of {len(theirs)}"
+                f"{kept} (replica promoted {promoted:.1f} s after the kill), a second beat's "
+                f"claims taken {len(claimed.taken)} of {len(theirs)}"
             )
             assert (len(claimed.won), len(claimed.failed), len(claimed.refused)) == (0, 0, 0)
             assert len(claimed.taken) == len(theirs)
