@@ -80,16 +80,17 @@ def test_check_on_a_cluster_names_each_masters_replicas(replicated_cluster: Clus
     assert done.returncode == 0, done.stdout + done.stderr
     (line,) = [line for line in done.stdout.splitlines() if " replicas " in f" {line} "]
     assert line.startswith("ok") and "each counted write waits for 1" in line
-    namespace_master = [p for p in masters if f"127.0.0.1:{p} has 1" in line]
-    assert len(namespace_master) == 1, line  # the one master of the namespace's slot
+    named = [p for p in masters if f"master 127.0.0.1:{p} has 1" in line]
+    assert len(named) == 1, line  # the one master of the namespace's slot
     # When min_replicas asks more replicas than the master has: FAIL, naming the
-    # setting and the master, and so in --json
+    # setting and the master (each check has a namespace of its own), and so in --json
     asking = Bad("cluster-too-few", "", conf={"exactonce_min_replicas": 2})
     done = check(asking, url)
     assert done.returncode == 1, done.stdout + done.stderr
     failed = [line for line in done.stdout.splitlines() if line.startswith("FAIL")]
     assert len(failed) == 1 and "exactonce_min_replicas=2" in failed[0], done.stdout
-    assert f"master 127.0.0.1:{namespace_master[0]} has 1 connected replica(s)" in failed[0]
+    named = [p for p in masters if f"master 127.0.0.1:{p} has 1 connected replica(s)" in failed[0]]
+    assert len(named) == 1, failed[0]
     data = json.loads(check(asking, url, "--json").stdout)
     (refused,) = [c for c in data["checks"] if c["status"] == "FAIL"]
     assert (refused["name"], refused["setting"]) == ("replicas", "exactonce_min_replicas")
