@@ -42,6 +42,8 @@ one-slot layout (records, indexes, ``due``, ``wm``, ``epoch``, leases,
   take a lease on every shard at once (in shard order, all or none), for a
   caller that sees the namespace as one store; such a holder and a shard's
   holder exclude each other.
+* **Replicas** (``exactonce_min_replicas``): each shard's writes wait for the
+  replicas of that shard's master; start-up checks every shard's master.
 
 ``exactonce_shards`` is pinned: each shard's ``meta`` holds it and the
 one-slot ``meta`` (``{prefix}:{<namespace>}:meta``) holds it too, so a node
