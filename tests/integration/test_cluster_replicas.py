@@ -33,7 +33,7 @@ from tests.support.helpers import occurrence
 
 pytestmark = pytest.mark.timeout(180)
 
-#: The entries a beat claims here, every shard of three among their shards.
+#: The entries a beat claims here: with three shards, each shard is home to some.
 ENTRIES = [f"entry-{i}" for i in range(12)]
 
 
