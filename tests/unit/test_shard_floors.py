@@ -205,7 +205,7 @@ def test_a_failed_replacement_keeps_the_loss_found_on_the_lost_shard() -> None:
             raise exceptions.StoreUnavailable("READONLY")
         return original(replace=replace)
 
-    store.epoch = epoch  # type: ignore[method-assign,assignment]
+    store.epoch = epoch  # type: ignore[method-assign]
     now = store.now()
     # When the replacement of shard 1's epoch fails
     with pytest.raises(exceptions.StoreUnavailable):
