@@ -107,6 +107,11 @@ class StoreLossGuard:
         return max(known) if known else None
 
     @property
+    def floors(self) -> tuple[datetime | None, ...]:
+        """Each shard's floor, in shard order (one on a one-slot store)."""
+        return tuple(self._floors)
+
+    @property
     def floor_reason(self) -> str:
         return "store_loss" if "store_loss" in self._reasons else "unprovable"
 

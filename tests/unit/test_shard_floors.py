@@ -9,12 +9,13 @@ on the real clock; the guard's ``max_skew`` is 0 so its floors are the births.
 from __future__ import annotations
 
 import itertools
+import logging
 from datetime import datetime, timedelta, timezone
 
 import fakeredis
 import pytest
 
-from celery_exactonce import exceptions, planner, refs, times
+from celery_exactonce import beat_log, exceptions, planner, refs, times
 from celery_exactonce.config import ExactOnceConfig
 from celery_exactonce.entries import EntryPolicy
 from celery_exactonce.jobs import CreateStatus
@@ -263,3 +264,24 @@ def test_a_one_slot_guard_reports_a_loss_in_the_words_it_always_did() -> None:
         f"slots up to {NOW + SKEW} are skipped"
     )
     assert g.floor_for("any-entry") == g.floor == NOW + SKEW and g.reason_for("x") == "store_loss"
+
+
+def test_the_start_message_names_the_shards_a_young_epoch_holds_back(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    config = ExactOnceConfig(store_url="memory://", namespace="ns")
+    old = NOW - timedelta(days=1)
+    messages = []
+    for births in ((old, NOW, old), (NOW, NOW, NOW)):
+        g = _guard()
+        g.adopt(_epoch(*births))
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="celery_exactonce"):
+            beat_log.started(config, "node-1", g, NOW)
+        (guard,) = [r for r in caplog.records if getattr(r, "action", "") == "epoch_guard"]
+        messages.append(guard.getMessage())
+    # One shard reborn: only its entries are held back, and the message says so
+    assert "for the entries of shard(s) 1 only" in messages[0]
+    assert (NOW + SKEW).isoformat() in messages[0]
+    # A new namespace (every shard young): the one-slot words, unchanged
+    assert "shard" not in messages[1] and messages[1].endswith("every slot after it.")
