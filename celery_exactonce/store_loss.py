@@ -23,11 +23,18 @@ and the store's is theirs joined by ``,`` in shard order. An entry's claims
 and watermark live on its own shard only (:func:`~celery_exactonce.stores.shards.shard_of`
 of its key), so only the entries of a shard that lost data can have
 forgotten claims: the guard keeps a floor per shard, each from its own part's
-birth, and an entry is held back by its shard's floor alone. A recheck that
-finds claims gone raises the floors of their shards and replaces those
-shards' epochs only. An epoch whose parts are not ``N``, or one part of which
-has no birth, is not split (fail closed): every shard then shares one floor
-from the whole epoch, as on one slot. A one-slot store has one part: one
+birth, and an entry is held back by its shard's floor alone. That is what an
+epoch shows, shard by shard: a shard's epoch lives in its slot, and goes with
+its data. A recheck that finds claims gone reads the epochs: if every shard
+a claim vanished from has a new epoch part, its data went with its epoch
+(a master restarted without persistence) and those shards' floors move
+alone. If one kept its epoch, a server forgot its last writes and kept its
+epochs (a lagging replica promoted): it forgot them on every shard it
+holds, and the few claims re-read show only some of those, so every
+shard's floor moves and every shard's epoch is replaced, as on one slot.
+An epoch whose parts are not ``N``, or one part of which has no birth, is
+not split (fail closed): every shard then shares one floor from the whole
+epoch. A one-slot store has one part: one
 floor, as ever.
 
 What this leaves open (a store that forgot only its last writes, for about
@@ -60,8 +67,8 @@ RECHECK_PER_TICK = 8
 class Forgotten:
     """Recent claims of this node gone from the store: the floor moved past them.
 
-    ``shards``: the shards whose floor moved, or ``None`` for every one (a
-    one-slot store, or an epoch the guard does not split).
+    ``shards``: the shards whose floor moved (their data and epochs gone), or
+    ``None`` for every one (one slot, or a loss the epochs do not show).
     """
 
     missing: list[JobRef]
@@ -96,7 +103,7 @@ class StoreLossGuard:
         self._floors: list[datetime | None] = [None] * shards
         self._reasons = ["unprovable"] * shards
         self._split = False  # whether the held epoch's parts are the shards' own
-        #: (claim, fire time, its shard or None: unknown, every shard)
+        #: (claim, fire time, its shard or None: unknown)
         self._recent: collections.deque[tuple[JobRef, datetime, int | None]] = collections.deque(
             maxlen=RECENT_CLAIMS
         )
@@ -178,32 +185,53 @@ class StoreLossGuard:
         while self._recent and self._recent[0][1] < horizon:
             self._recent.popleft()
         sample = list(self._recent)[-RECHECK_PER_TICK:]
-        missing = [(ref, shard) for ref, _, shard in sample if store.get(ref) is None]
-        if not missing:
+        gone = [(ref, shard) for ref, _, shard in sample if store.get(ref) is None]
+        if not gone:
             return None
-        found = {shard for _, shard in missing}
-        shards = sorted(s for s in found if s is not None)
-        scope = shards if self._split and self._n > 1 and None not in found else None
-        self._lost(scope)
-        for shard in self._each(scope):
+        missing = [ref for ref, _ in gone]
+        wiped = self._wiped(store, {shard for _, shard in gone})
+        if wiped is not None:
+            floors = [self._floors[shard] for shard in wiped]
+            return Forgotten(missing, max(f for f in floors if f is not None), wiped)
+        # Every shard, not only those of the claims found gone: a server that forgot its
+        # last writes and kept its epochs forgot them on every shard it holds, and the
+        # sample shows some of those only.
+        self._lost(None)
+        for shard in range(self._n):
             self._raise(shard, now + self._max_skew)
         # A store that forgot only its last writes (Redis appendfsync everysec, a lagging
         # replica) kept its epoch: replacing it makes every other node's next claim an
         # epoch mismatch, so they stop short of the forgotten slots too. After a restart
         # without persistence the epoch is gone already, and this takes the new one.
-        # On a split epoch only the lost shards' parts are replaced: the others are
-        # named as no epoch (refs.NO_EPOCH), which no shard holds, so theirs stay.
         # The recent claims are dropped only once that worked: if the replacement fails
         # (a failover not over yet), the next recheck finds the loss again.
-        self.adopt(store.epoch(replace=self._replacing(scope)))
-        dropped = set(self._each(scope))
-        kept = [claim for claim in self._recent if claim[2] is not None and claim[2] not in dropped]
+        self.adopt(store.epoch(replace=self.epoch))
+        self._recent.clear()
+        assert self.floor is not None  # noqa: S101  (raised just above)
+        return Forgotten(missing, self.floor)
+
+    def _wiped(self, store: StateStore, shards: set[int | None]) -> list[int] | None:
+        """The shards that lost their data, epochs included, if they explain ``shards``.
+
+        On a split epoch, when every shard a claim was found gone on has a new
+        epoch part (its data went with its epoch, as a master restarted without
+        persistence loses both), the loss is the epochs' to tell: the new parts
+        are adopted, which raises those shards' floors from their births, and
+        nothing is replaced. ``None`` otherwise (one slot, an unknown shard, or
+        a shard that kept its epoch): the loss is not the epochs' to tell.
+        """
+        if not self._split or self._n == 1 or None in shards:
+            return None
+        old, new = self._parts(self.epoch), self._parts(epoch := store.epoch())
+        changed = None if old is None or new is None else _differ(old, new)
+        if changed is None or not shards <= changed:
+            return None
+        self._lost(changed)
+        self.adopt(epoch)
+        kept = [claim for claim in self._recent if claim[2] not in changed]
         self._recent.clear()
         self._recent.extend(kept)
-        floors = [self._floors[shard] for shard in self._each(scope)]
-        return Forgotten(
-            [ref for ref, _ in missing], max(f for f in floors if f is not None), scope
-        )
+        return sorted(changed)
 
     def _parts(self, epoch: str | None) -> list[str] | None:
         """``epoch``'s parts, one per shard, or ``None`` if it has not one per shard."""
@@ -211,15 +239,6 @@ class StoreLossGuard:
             return None
         parts = epoch.split(EPOCHS_SEPARATOR) if self._n > 1 else [epoch]
         return parts if len(parts) == self._n else None
-
-    def _replacing(self, scope: list[int] | None) -> str | None:
-        """The epoch to replace: the held one, or only ``scope``'s parts of it."""
-        if scope is None or self.epoch is None:
-            return self.epoch
-        parts = self.epoch.split(EPOCHS_SEPARATOR)
-        return EPOCHS_SEPARATOR.join(
-            part if shard in scope else refs.NO_EPOCH for shard, part in enumerate(parts)
-        )
 
     def _each(self, scope: Iterable[int] | None) -> Iterable[int]:
         return range(self._n) if scope is None else scope

@@ -28,7 +28,8 @@ one-slot layout (records, indexes, ``due``, ``wm``, ``epoch``, leases,
   whole new list, and its store-loss guard
   (:mod:`~celery_exactonce.store_loss`) holds a floor per shard from each
   part's birth, so only the lost shard's entries are held back. A
-  replacement replaces the shards whose part it names, and only those.
+  replacement replaces each shard whose current part it names (a part
+  given as no epoch leaves that shard's alone).
 * **Scans** (``claim_due``, ``purge_expired``, ``list_stale``, counts,
   skipped slots) go over every shard
   (:mod:`~celery_exactonce.stores.redis_sharded_scans`): ``claim_due`` in

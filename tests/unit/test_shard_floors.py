@@ -144,51 +144,83 @@ def test_a_wiped_shard_refuses_only_its_claims_and_the_others_keep_claiming() ->
     assert {r.status for r in again} == {CreateStatus.CREATED}
 
 
-def test_a_recheck_replaces_the_lost_shards_epoch_only_and_another_node_follows() -> None:
+def test_a_recheck_holds_back_every_shard_and_replaces_every_epoch() -> None:
+    # A server that forgot its last writes and kept its epochs (a lagging replica
+    # promoted) forgot them on every shard it holds; the few claims re-read show some.
     store = _store()
     a, b = _guard(), _guard()
     a.adopt(store.epoch())
     b.adopt(store.epoch())
     held = store.epoch().split(refs.EPOCHS_SEPARATOR)
-    floors = [a.floor_for(_on(s)) for s in range(SHARDS)]
     # Given node A's claims of an entry on each shard
     fire = store.now()
     news = [occurrence(_on(s), fire) for s in range(SHARDS)]
     assert {r.status for r in store.create_many(news, epoch=a.epoch)} == {CreateStatus.CREATED}
     for new in news:
-        a.claimed(new.ref, fire, new.entry)
-    # When shard 1 forgets A's claim but keeps its epoch (a lagging replica promoted)
+        a.claimed(new.ref, fire)
+    # When shard 1 forgets A's claim but keeps its epoch
     part = store._parts[1]
     part._client.delete(part._job_key(news[1].ref))
     now = store.now()
     found = a.recheck(store, now)
-    # Then A skips shard 1's slots up to now + max_skew, and only shard 1's epoch is new
+    # Then A skips every shard's slots up to now + max_skew, and every epoch is new
+    assert found is not None and found.missing == [news[1].ref]
+    assert found.floor >= now + SKEW
+    floors = [a.floor_for(_on(s)) for s in range(SHARDS)]
+    assert all(f is not None and now + SKEW <= f <= found.floor for f in floors)
+    assert {a.reason_for(_on(s)) for s in range(SHARDS)} == {"store_loss"}
+    assert found.message().endswith(f"slots up to {found.floor} are skipped")
+    renewed = store.epoch().split(refs.EPOCHS_SEPARATOR)
+    assert all(r != h for r, h in zip(renewed, held, strict=True)) and a.epoch == store.epoch()
+    # When node B, still holding the old epoch, claims on shard 0
+    later = store.now() + timedelta(seconds=1)
+    tries = [occurrence(_on(0, "b"), later)]
+    statuses = [r.status for r in store.create_many(tries, epoch=b.epoch)]
+    assert statuses == [CreateStatus.EPOCH_MISMATCH]
+    b.epoch_refused(store, [_on(0, "b")])
+    # Then B's floors move on every shard too
+    assert b.epoch == store.epoch()
+    for s in range(SHARDS):
+        b_floor = b.floor_for(_on(s))
+        assert b_floor is not None and b_floor >= now + SKEW
+    assert {b.reason_for(_on(s)) for s in range(SHARDS)} == {"store_loss"}
+
+
+def test_a_recheck_on_a_shard_wiped_with_its_epoch_moves_that_shards_floor_alone() -> None:
+    # A master restarted without persistence lost its shards' data and epochs alike:
+    # the epochs tell which shards, and the recheck takes their word for it.
+    store = _store()
+    g = _guard()
+    g.adopt(store.epoch())
+    held = store.epoch().split(refs.EPOCHS_SEPARATOR)
+    floors = [g.floor_for(_on(s)) for s in range(SHARDS)]
+    fire = store.now()
+    news = [occurrence(_on(s), fire) for s in range(SHARDS)]
+    assert {r.status for r in store.create_many(news, epoch=g.epoch)} == {CreateStatus.CREATED}
+    for new in news:
+        g.claimed(new.ref, fire, new.entry)
+    # When every key of shard 1 is gone, its epoch with them
+    part = store._parts[1]
+    part._client.delete(*part._client.keys(f"{part._base}*"))
+    now = store.now()
+    found = g.recheck(store, now)
+    # Then only shard 1's floor moves (to its new epoch's birth + max_skew), nothing is
+    # replaced, and the other shards' claims are still re-read
     assert found is not None and found.missing == [news[1].ref] and found.shards == [1]
-    assert found.floor == a.floor_for(_on(1)) and found.floor >= now + SKEW
+    assert found.floor == g.floor_for(_on(1)) and found.floor >= now + SKEW
     assert "of the entries on shard(s) 1 up to" in found.message()
     renewed = store.epoch().split(refs.EPOCHS_SEPARATOR)
-    assert renewed[0::2] == held[0::2] and renewed[1] != held[1] and a.epoch == store.epoch()
-    assert [a.floor_for(_on(s)) for s in (0, 2)] == [floors[0], floors[2]]
-    assert a.reason_for(_on(0)) == "unprovable" and a.reason_for(_on(1)) == "store_loss"
-    # and A's claims on the other shards are still re-read (found there: no loss)
-    assert a.recheck(store, now) is None
+    assert renewed[0::2] == held[0::2] and renewed[1] != held[1] and g.epoch == store.epoch()
+    assert [g.floor_for(_on(s)) for s in (0, 2)] == [floors[0], floors[2]]
+    assert g.reason_for(_on(0)) == "unprovable" and g.reason_for(_on(1)) == "store_loss"
+    assert g.recheck(store, now) is None
     store._parts[2]._client.delete(store._parts[2]._job_key(news[2].ref))
-    assert a.recheck(store, now) is not None  # shard 2's claim was kept for the re-check
-    # When node B, still holding the old epoch, claims on shard 0 and on shard 1
-    later = store.now() + timedelta(seconds=1)
-    tries = [occurrence(_on(0, "b"), later), occurrence(_on(1, "b"), later)]
-    statuses = [r.status for r in store.create_many(tries, epoch=b.epoch)]
-    assert statuses == [CreateStatus.CREATED, CreateStatus.EPOCH_MISMATCH]
-    b.epoch_refused(store, [_on(1, "b")])
-    # Then B's floor moves on shard 1 (and 2, replaced since) only
-    assert b.epoch == store.epoch() and b.floor_for(_on(0)) == floors[0]
-    b_floor = b.floor_for(_on(1))
-    assert b_floor is not None and b_floor >= now + SKEW
-    assert b.reason_for(_on(0)) == "unprovable"
-    assert b.reason_for(_on(1)) == b.reason_for(_on(2)) == "store_loss"
+    again = g.recheck(store, now)  # shard 2 kept its epoch: every shard held back
+    assert again is not None and again.shards is None
+    assert {g.reason_for(_on(s)) for s in range(SHARDS)} == {"store_loss"}
 
 
-def test_a_failed_replacement_keeps_the_loss_found_on_the_lost_shard() -> None:
+def test_a_failed_replacement_keeps_the_loss_found() -> None:
     store = _store()
     g = _guard()
     g.adopt(store.epoch())
@@ -196,7 +228,7 @@ def test_a_failed_replacement_keeps_the_loss_found_on_the_lost_shard() -> None:
     fire = store.now()
     new = occurrence(_on(1), fire)
     assert store.create_many([new], epoch=g.epoch)[0].status is CreateStatus.CREATED
-    g.claimed(new.ref, fire, new.entry)
+    g.claimed(new.ref, fire)
     store._parts[1]._client.delete(store._parts[1]._job_key(new.ref))
     original = store.epoch
     failing = [True]
@@ -208,15 +240,16 @@ def test_a_failed_replacement_keeps_the_loss_found_on_the_lost_shard() -> None:
 
     store.epoch = epoch  # type: ignore[method-assign]
     now = store.now()
-    # When the replacement of shard 1's epoch fails
+    # When the replacement of the epoch fails
     with pytest.raises(exceptions.StoreUnavailable):
         g.recheck(store, now)
-    # Then shard 1 is held back already, the others not, and the loss is found again
-    floor = g.floor_for(_on(1))
-    assert floor is not None and floor >= now + SKEW and g.floor_for(_on(0)) != floor
+    # Then every shard is held back already, and the loss is found again
+    for s in range(SHARDS):
+        floor = g.floor_for(_on(s))
+        assert floor is not None and floor >= now + SKEW
     failing[0] = False
     found = g.recheck(store, now)
-    assert found is not None and found.shards == [1] and store.epoch() != held
+    assert found is not None and store.epoch() != held
 
 
 def test_an_epoch_not_one_part_per_shard_sets_one_floor_over_every_shard() -> None:
@@ -231,9 +264,9 @@ def test_an_epoch_with_a_part_of_no_birth_is_not_split_and_a_loss_holds_back_eve
     g = _guard()
     old = NOW - timedelta(days=1)
     g.adopt(_epoch(old, None, old))  # shard 1's part has no birth: not split
-    g.claimed(JobRef.submitted("forgotten"), NOW, _on(1))  # never written: forgotten
+    g.claimed(JobRef.submitted("forgotten"), NOW)  # never written: forgotten
     found = g.recheck(store, NOW)
-    assert found is not None and found.shards is None
+    assert found is not None
     assert [g.floor_for(_on(s)) for s in range(SHARDS)] == [NOW + SKEW] * SHARDS
     assert {g.reason_for(_on(s)) for s in range(SHARDS)} == {"store_loss"}
     assert found.message().endswith(f"slots up to {NOW + SKEW} are skipped")
@@ -246,9 +279,9 @@ def test_a_one_slot_stores_epoch_under_a_sharded_guard_is_one_floor() -> None:
     g = _guard()
     g.adopt(store.epoch())
     held = g.epoch
-    g.claimed(JobRef.submitted("gone"), NOW, _on(2))
+    g.claimed(JobRef.submitted("gone"), NOW)
     found = g.recheck(store, NOW)
-    assert found is not None and found.shards is None and store.epoch() == g.epoch != held
+    assert found is not None and store.epoch() == g.epoch != held
     assert {g.floor_for(_on(s)) for s in range(SHARDS)} == {NOW + SKEW}
 
 
@@ -256,9 +289,9 @@ def test_a_one_slot_guard_reports_a_loss_in_the_words_it_always_did() -> None:
     store = InMemoryStore(clock=FrozenClock(NOW))
     g = StoreLossGuard(max_skew=5.0, window_lookback=300.0)
     g.adopt(store.epoch())
-    g.claimed(JobRef.submitted("gone"), NOW, "any-entry")
+    g.claimed(JobRef.submitted("gone"), NOW)
     found = g.recheck(store, NOW)
-    assert found is not None and found.shards is None
+    assert found is not None
     assert found.message() == (
         f"1 of this node's recent claims are gone from the store (e.g. t:gone): "
         f"slots up to {NOW + SKEW} are skipped"
