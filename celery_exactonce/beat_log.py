@@ -47,19 +47,28 @@ def started(config: ExactOnceConfig, node: str, guard: StoreLossGuard, now: date
         epoch=guard.epoch,
     )
     floor = guard.floor
-    if floor is None or floor <= now - timedelta(seconds=config.window_lookback):
+    oldest = now - timedelta(seconds=config.window_lookback)
+    if floor is None or floor <= oldest:
         return  # an older epoch: no slot beat would consider is held back
     born = refs.epoch_born(guard.epoch)
+    held = [str(s) for s, at in enumerate(guard.floors) if at is not None and at > oldest]
+    scope = (  # a sharded namespace with some shards older: those hold nothing back
+        ""
+        if len(held) == len(guard.floors)
+        else f" On this sharded namespace this holds for the entries of shard(s) "
+        f"{', '.join(held)} only: the other shards' epochs are older."
+    )
     metrics.event(
         "epoch_guard",
         "The store's epoch began at %s: a new namespace, or a store that lost its data. "
         "Slots claimed before that could have been forgotten, so to be sure no slot runs "
         "twice, beat claims no slot at or before %s (the epoch's start plus exactonce_max_skew, "
         "%g s). Slots due until then are skipped on purpose, counted as slot_skipped "
-        "(where=unprovable) and not logged one by one; beat claims every slot after it.",
+        "(where=unprovable) and not logged one by one; beat claims every slot after it.%s",
         born.isoformat() if born is not None else "an unknown time",
         floor.isoformat(),
         config.max_skew,
+        scope,
         epoch=guard.epoch,
         floor=floor.isoformat(),
     )

@@ -12,9 +12,10 @@ is noted here too:
 * a claim that failed on a store error leaves its slot undecided (fail
   closed): the plan records it, and the next tick inside the window tries
   again;
-* a slot the floor moved past (a loss found earlier in the tick), or whose
-  claim the store refused for its epoch, is skipped and counted; a refusal
-  also reports the loss and has the guard adopt the store's new epoch;
+* a slot its entry's floor moved past (a loss found earlier in the tick), or
+  whose claim the store refused for its epoch, is skipped and counted; a
+  refusal also reports the loss and has the guard adopt the store's new epoch
+  (on a sharded store, only the refused shards' floors move);
 * a slot found claimed by another app's entry of the same name is reported
   (:mod:`~celery_exactonce.conflicts`).
 
@@ -161,10 +162,12 @@ class Claimer:
         provable: list[NewJob] = []
         for plan, new in batch:  # a loss found earlier in this tick moved the floor
             plans[plan.name] = plan
-            if guard.provable(fire_of(new)):
+            if guard.provable(fire_of(new), plan.name):
                 provable.append(new)
             else:
-                self.skipped(plan.name, [fire_of(new)], guard.floor_reason, policies, new.task)
+                self.skipped(
+                    plan.name, [fire_of(new)], guard.reason_for(plan.name), policies, new.task
+                )
         if not provable:
             return []
         claimed = claims.claim(self._runtime.store, provable, epoch=guard.epoch, now=now)
@@ -179,7 +182,7 @@ class Claimer:
         for new in claimed.failed:
             plans[entry_of(new)].failed.append(fire_of(new))
         for new, _ in claimed.won:
-            guard.claimed(new.ref, fire_of(new))
+            guard.claimed(new.ref, fire_of(new), entry_of(new))
             plans[entry_of(new)].won.append(fire_of(new))
         for new, _ in [*claimed.won, *claimed.taken]:
             plans[entry_of(new)].claimed.append(fire_of(new))
@@ -201,7 +204,7 @@ class Claimer:
         )
         for new in lost:
             self.skipped(entry_of(new), [fire_of(new)], "store_loss", policies, new.task)
-        self._guard.epoch_refused(self._runtime.store)
+        self._guard.epoch_refused(self._runtime.store, [entry_of(new) for new in lost])
 
 
 def _internal(job: Job, policies: Mapping[str, EntryPolicy]) -> bool:

@@ -9,8 +9,9 @@ far it has decided the entry's slots, the store-loss floor) and returns a
   never claims a slot before ``store time >= fire_time``;
 * slots that left the window unclaimed while this node held the entry are
   skipped (``window``);
-* slots at or before the store-loss floor are skipped (``unprovable`` or
-  ``store_loss``, :mod:`~celery_exactonce.loss`);
+* slots at or before the store-loss floor of the entry (its shard's, on a
+  sharded store) are skipped (``unprovable`` or ``store_loss``,
+  :mod:`~celery_exactonce.store_loss`);
 * after downtime, the entry's catch-up policy picks which missed slots to
   claim (``latest`` by default, the newest ``catchup_limit`` with ``all``,
   ``none``); ``max_lateness`` skips slots that are too late (``catchup``).

@@ -43,6 +43,9 @@ def new_token() -> str:
 EPOCH_SEPARATOR = "@"
 #: Between the shards' epochs in a sharded store's epoch (celery_exactonce.stores.redis_sharded).
 EPOCHS_SEPARATOR = ","
+#: A part of a sharded epoch that is no shard's epoch: a claim carrying it is refused on
+#: that shard, and an ``epoch(replace=...)`` carrying it leaves that shard's epoch as it is.
+NO_EPOCH = "-"
 
 
 def epoch_born(epoch: str | None) -> datetime | None:

@@ -122,8 +122,9 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
         self._config = self._runtime.config
         self._tz = ZoneInfo(str(app.timezone))
         self._decided: dict[str, datetime] = {}
+        config = self._config
         self._guard = StoreLossGuard(
-            max_skew=self._config.max_skew, window_lookback=self._config.window_lookback
+            max_skew=config.max_skew, window_lookback=config.window_lookback, shards=config.shards
         )
         self._skips = SkipTally()
         self._policies: dict[str, EntryPolicy] = {}
@@ -300,8 +301,7 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
         if forgotten is not None:
             metrics.event(
                 "store_loss_detected",
-                f"{len(forgotten.missing)} of this node's recent claims are gone from the store "
-                f"(e.g. {forgotten.missing[0]}): slots up to {forgotten.floor} are skipped",
+                forgotten.message(),
                 level=logging.ERROR,
                 labels={"where": "recheck"},
                 sentry=True,
@@ -405,8 +405,8 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
             config=self._config,
             decided=decided,
             now=now,
-            floor=self._guard.floor,
-            floor_reason=self._guard.floor_reason,
+            floor=self._guard.floor_for(name),
+            floor_reason=self._guard.reason_for(name),
         )
         if decided is not None:
             self._decided[name] = plan.start

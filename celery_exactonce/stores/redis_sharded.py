@@ -25,9 +25,11 @@ one-slot layout (records, indexes, ``due``, ``wm``, ``epoch``, leases,
 * **The epoch.** :meth:`epoch` is every shard's epoch joined by ``,`` in
   shard order; a claim carries it and each shard checks its own part. A
   mismatch on any shard refuses that shard's claims; the node then adopts the
-  whole new list, whose birth (:func:`~celery_exactonce.refs.epoch_born`) is
-  the newest shard's, so its floor covers the lost shard (and, more than
-  needed, the others: fail closed). A replacement replaces every shard's.
+  whole new list, and its store-loss guard
+  (:mod:`~celery_exactonce.store_loss`) holds a floor per shard from each
+  part's birth, so only the lost shard's entries are held back. A
+  replacement replaces each shard whose current part it names (a part
+  given as no epoch leaves that shard's alone).
 * **Scans** (``claim_due``, ``purge_expired``, ``list_stale``, counts,
   skipped slots) go over every shard
   (:mod:`~celery_exactonce.stores.redis_sharded_scans`): ``claim_due`` in
@@ -67,7 +69,7 @@ from celery_exactonce.jobs import (
     TransitionResult,
     TransitionStatus,
 )
-from celery_exactonce.refs import EPOCHS_SEPARATOR, JobRef, Space
+from celery_exactonce.refs import EPOCHS_SEPARATOR, NO_EPOCH, JobRef, Space
 from celery_exactonce.skipped_slots import SkippedSlots
 from celery_exactonce.stores import redact_url, url_secrets
 from celery_exactonce.stores.redis import RedisStore
@@ -243,8 +245,9 @@ class ShardedRedisStore(ShardedScans):
         if len(parts) != self._n:  # another layout's epoch: every shard refuses it
             return [epoch] * self._n
         # An empty part (a shard that had none) must not read as "no epoch held": the
-        # script would skip the check. "-" is no epoch, so that shard refuses (fail closed).
-        return [part or "-" for part in parts]
+        # script would skip the check. NO_EPOCH is no epoch, so that shard refuses (fail
+        # closed), and a replacement leaves its epoch as it is.
+        return [part or NO_EPOCH for part in parts]
 
     def _grouped(
         self, items: Sequence[Any], shard_of_item: Callable[[Any], int]
@@ -319,6 +322,15 @@ class ShardedRedisStore(ShardedScans):
     # -- epoch and create ------------------------------------------------------------------
 
     def epoch(self, *, replace: str | None = None) -> str:
+        """Every shard's epoch, joined by ``,`` in shard order (each created if absent).
+
+        With ``replace`` (such a list), each shard whose epoch is still its part
+        of it starts a new one, by compare-and-set, as one slot's
+        :meth:`~celery_exactonce.stores.base.StateStore.epoch` does; a part that
+        is no epoch (:data:`~celery_exactonce.refs.NO_EPOCH`) leaves that shard's
+        as it is. So a node replaces the epochs of the shards it found lost, and
+        only those. A list of another length matches no shard: nothing is replaced.
+        """
         olds = self._split_epoch(replace)
         return EPOCHS_SEPARATOR.join(
             part.epoch(replace=old) for part, old in zip(self._parts, olds, strict=True)
