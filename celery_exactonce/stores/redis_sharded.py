@@ -57,9 +57,9 @@ from __future__ import annotations
 import collections
 import dataclasses
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from datetime import datetime
-from typing import Any, TypeVar
+from typing import Any
 
 from celery_exactonce import exceptions
 from celery_exactonce.jobs import (
@@ -67,23 +67,21 @@ from celery_exactonce.jobs import (
     CreateStatus,
     Job,
     TransitionResult,
-    TransitionStatus,
 )
-from celery_exactonce.refs import EPOCHS_SEPARATOR, NO_EPOCH, JobRef, Space
+from celery_exactonce.refs import EPOCHS_SEPARATOR, NO_EPOCH, JobRef
 from celery_exactonce.skipped_slots import SkippedSlots
 from celery_exactonce.stores import redact_url, url_secrets
 from celery_exactonce.stores.redis import RedisStore
 from celery_exactonce.stores.redis_client import client_from_url
 from celery_exactonce.stores.redis_codec import as_text
 from celery_exactonce.stores.redis_keys import key_base
-from celery_exactonce.stores.redis_sharded_scans import Shard, ShardedScans
+from celery_exactonce.stores.redis_sharded_routes import ShardRoutes, found
+from celery_exactonce.stores.redis_sharded_scans import Shard
 from celery_exactonce.stores.shards import pinned_elsewhere, shard_of
 from celery_exactonce.writes import NewJob, Transition
 
-_A = TypeVar("_A")  # an answer of a store operation
 
-
-class ShardedRedisStore(ShardedScans):
+class ShardedRedisStore(ShardRoutes):
     """A :class:`~celery_exactonce.stores.base.StateStore` over ``shards`` Redis Cluster slots."""
 
     def __init__(
@@ -157,87 +155,6 @@ class ShardedRedisStore(ShardedScans):
     def __repr__(self) -> str:
         return f"ShardedRedisStore({self._parts[0]._where}, shards={self._n})"
 
-    # -- routing ---------------------------------------------------------------------------
-
-    def _home(self, new: NewJob) -> int:
-        """The shard a new job is created on (see the module docs)."""
-        if new.ref.space is Space.OCCURRENCE and new.entry:
-            return shard_of(new.entry, self._n)
-        return shard_of(str(new.ref), self._n)
-
-    def _locate(self, ref: JobRef) -> tuple[int, Job | None]:
-        """The shard ``ref`` lives on, and its record when that had to be read to know."""
-        if ref.space is not Space.OCCURRENCE:
-            return shard_of(str(ref), self._n), None
-        with self._lock:
-            known = self._known.get(ref)
-        if known is not None:
-            return known, None
-        return self._search(ref)
-
-    def _search(self, ref: JobRef, skip: int | None = None) -> tuple[int, Job | None]:
-        """Read ``ref`` on each shard but ``skip`` in turn, its hint's first, until found."""
-        first = 0 if ref.entry_hint is None else shard_of(ref.entry_hint, self._n)
-        for shard in (first, *range(first), *range(first + 1, self._n)):
-            if shard == skip:
-                continue
-            job = self._parts[shard].get(ref)
-            if job is not None:
-                self._remember(ref, shard)
-                return shard, job
-        return shard_of(str(ref), self._n), None  # nowhere: any shard answers "not found"
-
-    def _route(self, ref: JobRef) -> tuple[int, bool]:
-        """The shard a write on ``ref`` goes to, and whether that is only its hint's, unread."""
-        if ref.space is Space.OCCURRENCE and ref.entry_hint is not None:
-            with self._lock:
-                known = self._known.get(ref)
-            if known is None:
-                return shard_of(ref.entry_hint, self._n), True
-            return known, False
-        return self._locate(ref)[0], False
-
-    def _routed(
-        self,
-        refs: Sequence[JobRef],
-        run: Callable[[int, list[int]], Sequence[_A]],
-        found: Callable[[_A], bool],
-    ) -> list[_A]:
-        """``run(shard, indexes)``: the answers for the ``refs`` at ``indexes``, all on ``shard``.
-
-        A ref routed by its hint alone (:meth:`_route`) is checked by its answer:
-        if it says the record is not there (not ``found``: no write applies where
-        the record is not), the ref goes again to the shard a search finds it on;
-        found nowhere else, the first answer stands.
-        """
-        routes = [self._route(ref) for ref in refs]
-        answers: dict[int, _A] = {}
-        self._run_on(run, {i: shard for i, (shard, _) in enumerate(routes)}, answers)
-        again: dict[int, int] = {}
-        for i, (shard, hinted) in enumerate(routes):
-            if not hinted:
-                continue
-            if found(answers[i]):
-                self._remember(refs[i], shard)
-                continue
-            home, job = self._search(refs[i], skip=shard)  # a wrong hint: elsewhere, if anywhere
-            if job is not None:
-                again[i] = home
-        self._run_on(run, again, answers)
-        return [answers[i] for i in range(len(refs))]
-
-    def _run_on(
-        self,
-        run: Callable[[int, list[int]], Sequence[_A]],
-        shards: dict[int, int],
-        answers: dict[int, _A],
-    ) -> None:
-        """``run`` once per shard in ``shards`` (index to shard), its answers into ``answers``."""
-        indexes = list(shards)
-        for shard, positions in self._grouped(indexes, shards.__getitem__).items():
-            group = [indexes[p] for p in positions]
-            answers.update(zip(group, run(shard, group), strict=True))
-
     def _split_epoch(self, epoch: str | None) -> list[str | None]:
         if epoch is None:
             return [None] * self._n
@@ -248,14 +165,6 @@ class ShardedRedisStore(ShardedScans):
         # script would skip the check. NO_EPOCH is no epoch, so that shard refuses (fail
         # closed), and a replacement leaves its epoch as it is.
         return [part or NO_EPOCH for part in parts]
-
-    def _grouped(
-        self, items: Sequence[Any], shard_of_item: Callable[[Any], int]
-    ) -> dict[int, list[int]]:
-        groups: dict[int, list[int]] = {}
-        for i, item in enumerate(items):
-            groups.setdefault(shard_of_item(item), []).append(i)
-        return groups
 
     # -- properties and housekeeping -------------------------------------------------------
 
@@ -378,7 +287,7 @@ class ShardedRedisStore(ShardedScans):
 
     def transition(self, ref: JobRef, request: Transition) -> TransitionResult:
         return self._routed(
-            [ref], lambda shard, _: [self._parts[shard].transition(ref, request)], _found
+            [ref], lambda shard, _: [self._parts[shard].transition(ref, request)], found
         )[0]
 
     def transition_many(
@@ -388,7 +297,7 @@ class ShardedRedisStore(ShardedScans):
             batch = [requests[i] for i in indexes]
             return self._parts[shard].transition_many(batch, brief=brief)
 
-        return self._routed([ref for ref, _ in requests], run, _found)
+        return self._routed([ref for ref, _ in requests], run, found)
 
     def heartbeat(self, ref: JobRef, run_id: str) -> bool:
         # False is also a run that lost the job: then the search finds nothing elsewhere.
@@ -414,8 +323,3 @@ class ShardedRedisStore(ShardedScans):
     def note_skipped(self, skipped: Sequence[SkippedSlots]) -> None:
         for shard, indexes in self._grouped(skipped, lambda s: shard_of(s.entry, self._n)).items():
             self._parts[shard].note_skipped([skipped[i] for i in indexes])
-
-
-def _found(result: TransitionResult) -> bool:
-    """Whether a transition's answer says its record is on the shard that gave it."""
-    return result.status is not TransitionStatus.NOT_FOUND
