@@ -1,6 +1,6 @@
 """Ten beat nodes, 10,000 entries every minute, five slots, on one store: none missed or twice.
 
-Issue 17, item 4. Ten real ``celery beat -S exactonce`` processes share one
+Ten real ``celery beat -S exactonce`` processes share one
 store (Redis, or PostgreSQL) and tick the ledger app's 10,000 entries, each due
 every minute. Over five whole slots, each ``(entry, fire_time)`` must be
 claimed once (a record in the store, dispatched once) and published once (one
