@@ -28,6 +28,7 @@ from celery_exactonce import ExactOnceConfig
 from celery_exactonce.entries import occurrence_id
 from celery_exactonce.jobs import Job
 from celery_exactonce.states import State
+from tests import services
 from tests.acceptance import beats as b
 from tests.acceptance.harness import Deployment, poll
 
@@ -92,6 +93,8 @@ def run(deployment: Deployment, *, nodes: int, entries: int, every: float, slots
     ``window_lookback`` (past it, a slot not yet claimed is skipped: a miss,
     which :class:`Run` reports).
     """
+    if deployment.store_kind == "postgres":
+        services.vacuum_postgres()  # the rows the runs before deleted
     beats = b.start_beats(deployment, [{}] * nodes, entries=entries, every=every)
     floor = b.claim_floor(deployment)
     begin = max(b.store_now(deployment), floor) + timedelta(seconds=1)
