@@ -29,16 +29,25 @@ or a batch: :mod:`~celery_exactonce.stores.sql`), running and retrying it
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy import exc as sa_exc
 
 from celery_exactonce import jobs, refs, times
 from celery_exactonce.jobs import CreateResult, CreateStatus
+from celery_exactonce.refs import Space
 from celery_exactonce.stores import sql_engine
 from celery_exactonce.stores.sql_core import Rerun, Slow, SqlCore
 from celery_exactonce.writes import NewJob
+
+#: How many times a brief batch reads its undecided claims again (see ``_create_many_op``).
+REREADS = 4
+
+#: Answers that mean another create holds the slot: the rest of the batch may be decided too.
+_TAKEN = frozenset({CreateStatus.EXISTS, CreateStatus.BELOW_WATERMARK})
 
 
 def _lock_order(new: NewJob) -> tuple[str, str]:
@@ -78,7 +87,13 @@ class SqlCreates(SqlCore):
     def _create_many_op(
         self, news: Sequence[NewJob], epoch: str | None, brief: bool
     ) -> Callable[[sa.Connection], list[CreateResult]]:
-        """The transaction of ``create_many`` (a batch that is not empty)."""
+        """The transaction of ``create_many`` (a batch that is not empty).
+
+        A brief batch first reads which of its claims are decided already
+        (:meth:`_decided`): only the others are created one by one. When one of
+        those finds its slot taken (another node's batch got there first), the
+        rest are read again, up to :data:`REREADS` times a batch.
+        """
         order = sorted(range(len(news)), key=lambda i: _lock_order(news[i]))
         fast = True  # until a statement fails in a way that aborts the transaction
 
@@ -86,7 +101,12 @@ class SqlCreates(SqlCore):
             nonlocal fast
             results: dict[int, CreateResult] = {}
             clock: tuple[int, str | None] | None = None  # once for the locking creates
-            for i in order:
+            rereads = REREADS if brief else -1
+            if brief:
+                results.update(self._decided(conn, news, order, epoch))
+            for n, i in enumerate(order):
+                if i in results:
+                    continue
                 result = None
                 if fast and self._fast_create(news[i]):
                     try:
@@ -98,9 +118,82 @@ class SqlCreates(SqlCore):
                     clock = clock or self._clock_and_epoch(conn)
                     result = self._create(conn, news[i], epoch, clock)
                 results[i] = result
+                if rereads > 0 and result.status in _TAKEN and n + 1 < len(order):
+                    rereads -= 1
+                    results.update(self._decided(conn, news, order[n + 1 :], epoch))
             return [results[i] for i in range(len(news))]
 
         return op
+
+    def _decided(
+        self, conn: sa.Connection, news: Sequence[NewJob], indices: Sequence[int], epoch: str | None
+    ) -> dict[int, CreateResult]:
+        """The occurrences among ``news[i]`` that one read shows decided, by index.
+
+        One statement reads the epoch, the entries' watermarks and which
+        records exist. A slot whose record exists is ``EXISTS``; one at or
+        below its entry's mark is ``BELOW_WATERMARK`` (marks only rise, and a
+        record is created only above the mark, so neither answer can change).
+        These are the answers a create would give, without a write or a lock:
+        what every beat node but the first gets for most of a tick's claims.
+        Nothing is decided when the epoch differs from ``epoch`` (each create
+        answers the mismatch) or when no occurrence is among them.
+        """
+        todo = [
+            i
+            for i in indices
+            if news[i].ref.space is Space.OCCURRENCE
+            and news[i].entry is not None
+            and news[i].fire_time is not None
+        ]
+        if not todo:
+            return {}
+        params = {
+            "k_ns": self._namespace,
+            "entries": sorted({str(news[i].entry) for i in todo}),
+            "ids": [news[i].ref.id for i in todo],
+        }
+        marks: dict[str, int | None] = {}
+        found: set[str] = set()
+        stored: str | None = None
+        for kind, key, mark in conn.execute(self._decided_query, params):
+            if kind == "m":
+                marks[key] = mark
+            elif kind == "j":
+                found.add(key)
+            else:
+                stored = key
+        if stored is None or (epoch is not None and stored != epoch):
+            return {}
+        decided = {}
+        for i in todo:
+            new = news[i]
+            mark = marks.get(str(new.entry))
+            if new.ref.id in found:
+                decided[i] = CreateResult(CreateStatus.EXISTS, epoch=stored)
+            elif mark is not None and times.to_micros(new.fire_time) <= mark:  # type: ignore[arg-type]
+                decided[i] = CreateResult(CreateStatus.BELOW_WATERMARK, epoch=stored)
+        return decided
+
+    @functools.cached_property
+    def _decided_query(self) -> sa.CompoundSelect[Any]:
+        """The statement of :meth:`_decided` (built once): rows of ``(kind, key, mark)``."""
+        wm, jobs_t, meta = self._t.watermarks, self._t.jobs, self._t.meta
+        ns: sa.BindParameter[str] = sa.bindparam("k_ns")
+        no_mark = sa.cast(sa.null(), sa.BigInteger)
+        return sa.union_all(
+            sa.select(sa.literal_column("'m'"), wm.c.entry, wm.c.fire_time).where(
+                wm.c.namespace == ns, wm.c.entry.in_(sa.bindparam("entries", expanding=True))
+            ),
+            sa.select(sa.literal_column("'j'"), jobs_t.c.id, no_mark).where(
+                jobs_t.c.namespace == ns,
+                jobs_t.c.space == Space.OCCURRENCE.value,
+                jobs_t.c.id.in_(sa.bindparam("ids", expanding=True)),
+            ),
+            sa.select(sa.literal_column("'e'"), meta.c.epoch, no_mark).where(
+                meta.c.namespace == ns
+            ),
+        )
 
     def _create_one(self, conn: sa.Connection, new: NewJob, epoch: str | None) -> CreateResult:
         """``create`` in a transaction that goes on after a failed statement (MySQL)."""

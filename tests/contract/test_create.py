@@ -219,6 +219,43 @@ def test_create_many_is_create_in_turn(store: StateStore) -> None:
     assert store.create_many([]) == []
 
 
+def test_a_brief_batch_answers_what_create_in_turn_answers_for_slots_decided_before_it(
+    store: StateStore,
+) -> None:
+    """A second node's claims: most slots are decided before its batch comes."""
+    t0 = store.now().replace(microsecond=0)
+    t1, t2 = t0 + timedelta(seconds=1), t0 + timedelta(seconds=2)
+    # Given one entry claimed at t1, another at t2 (its t1 slot never had a record)
+    assert store.create(occurrence("bd-a", t1)).created
+    assert store.create(occurrence("bd-b", t2)).created
+    # When a brief batch claims those slots, slots past them, and a new entry's
+    batch = [
+        occurrence("bd-a", t1),
+        occurrence("bd-b", t1),
+        occurrence("bd-b", t2),
+        occurrence("bd-a", t2),
+        occurrence("bd-c", t1),
+        occurrence("bd-c", t0),
+    ]
+    results = store.create_many(batch, epoch=store.epoch(), brief=True)
+    # Then each answer is create's, in the batch's order, and only the new slots were written
+    assert [r.status for r in results] == [
+        CreateStatus.EXISTS,
+        CreateStatus.BELOW_WATERMARK,
+        CreateStatus.EXISTS,
+        CreateStatus.CREATED,
+        CreateStatus.CREATED,
+        CreateStatus.BELOW_WATERMARK,
+    ]
+    assert {r.epoch for r in results} == {store.epoch()}
+    assert store.watermarks(["bd-a", "bd-b", "bd-c"]) == {"bd-a": t2, "bd-b": t2, "bd-c": t1}
+    assert store.get(occurrence("bd-b", t1).ref) is None
+    assert store.get(occurrence("bd-c", t0).ref) is None
+    # And under a stale epoch every claim is refused, decided or not
+    stale = store.create_many(batch, epoch="not-the-epoch", brief=True)
+    assert {r.status for r in stale} == {CreateStatus.EPOCH_MISMATCH}
+
+
 def test_watermarks_reads_many_entries_at_once(store: StateStore) -> None:
     t0 = store.now().replace(microsecond=0)
     assert store.create(occurrence("wms-a", t0)).created

@@ -399,3 +399,74 @@ def test_a_write_finds_its_row_by_the_key_not_by_its_state(tmp_path: Path) -> No
     finally:
         store.drop_namespace()
         store.close()
+
+
+def _statements_of(store: SqlStore) -> list[str]:
+    """The statements ``store`` sends from now on (a list that grows)."""
+    sent: list[str] = []
+
+    def count(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
+        if "exactonce_" in statement:
+            sent.append(statement)
+
+    sa.event.listen(store.engine, "before_cursor_execute", count)
+    return sent
+
+
+def test_a_batch_another_node_claimed_is_answered_by_one_read(
+    store: SqlStore, tmp_path: Path
+) -> None:
+    """Every beat node but the first finds a tick's slots taken: one statement, not one a slot."""
+    fire = store.now().replace(microsecond=0)
+    batch = [occurrence(f"taken-{i:03}", fire) for i in range(50)]
+    assert all(r.created for r in store.create_many(batch, brief=True))
+    other = _store(
+        store.engine.dialect.name.replace("postgresql", "postgres"), tmp_path, store.namespace
+    )
+    try:
+        epoch = other.epoch()
+        sent = _statements_of(other)
+        results = other.create_many(batch, epoch=epoch, brief=True)
+        assert {r.status for r in results} == {CreateStatus.EXISTS}
+        assert len(sent) == 1, sent
+    finally:
+        other.close()
+
+
+def test_a_batch_behind_another_nodes_reads_the_rest_again_once_a_slot_is_taken(
+    store: SqlStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch that read its slots before another node's batch committed them.
+
+    Its first create finds the slot taken (it waited for the other's commit):
+    the rest are read again rather than created one by one.
+    """
+    fire = store.now().replace(microsecond=0)
+    batch = [occurrence(f"behind-{i:03}", fire) for i in range(50)]
+    assert all(r.created for r in store.create_many(batch, brief=True))
+    reads: list[int] = []
+    decided = SqlStore._decided
+
+    def read(self: SqlStore, conn: Any, news: Any, indices: Any, epoch: Any) -> Any:
+        reads.append(len(indices))
+        return {} if len(reads) == 1 else decided(self, conn, news, indices, epoch)
+
+    monkeypatch.setattr(SqlStore, "_decided", read)
+    epoch = store.epoch()
+    sent = _statements_of(store)
+    results = store.create_many(batch, epoch=epoch, brief=True)
+    assert {r.status for r in results} == {CreateStatus.EXISTS}
+    assert reads == [50, 49]
+    # One create (on the locking way: the clock, the mark locked, the record read), one read
+    assert len(sent) <= 4, sent
+
+
+def test_postgresql_plans_each_statement_for_the_tables_as_they_are(tmp_path: Path) -> None:
+    """A generic plan made while the tables were empty would read a whole table per key."""
+    store = _store("postgres", tmp_path)
+    try:
+        with store.engine.connect() as conn:
+            assert conn.exec_driver_sql("SHOW plan_cache_mode").scalar() == "force_custom_plan"
+    finally:
+        store.drop_namespace()
+        store.close()
