@@ -117,7 +117,9 @@ class SqlStore(SqlCreates, SqlTransitions, SqlScans, SqlLeases):
         have nothing to read) and pinged only when that check fails; passing
         ``pool_pre_ping=True`` pings every checkout as well. A MySQL connection
         returned to the pool is rolled back only when a transaction is open
-        (not on every return).
+        (not on every return). A PostgreSQL connection plans each statement
+        anew (``plan_cache_mode = force_custom_plan``): a generic plan kept
+        from when the tables were empty would read a whole table per key.
         """
         engine = sql_engine.engine_from_url(url, engine_kwargs)
         store = cls(engine, namespace=namespace, retention=retention, table_prefix=table_prefix)
