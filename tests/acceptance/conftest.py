@@ -3,7 +3,9 @@
 ``deployment`` is parametrised over :data:`harness.MATRIX`; a test narrows it with
 ``@pytest.mark.acceptance_matrix(brokers=("redis",), stores=("redis",))``. A test
 that names its stores gets every named store (any of :data:`harness.STORES`,
-``mysql`` and ``sqlite`` included) with every broker it allows.
+``mysql`` and ``sqlite`` included) with every broker it allows. ``slow_stores=(...)``
+marks the pairs on those stores ``slow``: a long run repeated store by store runs
+on the other stores by default and on every store under ``-m slow`` (``tox -e chaos``).
 Every test here is marked ``acceptance`` and gets a 180 s timeout.
 """
 
@@ -36,7 +38,8 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     config.addinivalue_line(
         "markers",
-        "acceptance_matrix(brokers=..., stores=...): run a deployment test on these only",
+        "acceptance_matrix(brokers=..., stores=..., slow_stores=...): run a deployment test"
+        " on these only; the pairs on slow_stores only under -m slow",
     )
 
 
@@ -46,10 +49,16 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     marker = metafunc.definition.get_closest_marker("acceptance_matrix")
     brokers = marker.kwargs.get("brokers") if marker else None
     stores = marker.kwargs.get("stores") if marker else None
+    slow_stores = set(marker.kwargs.get("slow_stores", ())) if marker else set()
     for kind, names, known in (("broker", brokers, BROKERS), ("store", stores, STORES)):
         unknown = sorted(set(names or ()) - set(known))
         if unknown:
             raise pytest.UsageError(f"{metafunc.definition.nodeid}: unknown {kind}(s) {unknown}")
+    if slow_stores - set(stores or ()):
+        raise pytest.UsageError(
+            f"{metafunc.definition.nodeid}: slow_stores {sorted(slow_stores)} "
+            f"not all in stores {stores}"
+        )
     # Named stores may be any of STORES; otherwise the default MATRIX.
     candidates = MATRIX if stores is None else tuple(itertools.product(BROKERS, stores))
     pairs = [
@@ -59,7 +68,17 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     ]
     if not pairs:
         raise pytest.UsageError(f"{metafunc.definition.nodeid}: acceptance_matrix selects none")
-    metafunc.parametrize("deployment", pairs, ids=[f"{b}-{s}" for b, s in pairs], indirect=True)
+    if all(store in slow_stores for _, store in pairs):  # the default run keeps one at least
+        raise pytest.UsageError(f"{metafunc.definition.nodeid}: every store is in slow_stores")
+    params = [
+        pytest.param(
+            (broker, store),
+            id=f"{broker}-{store}",
+            marks=[pytest.mark.slow] if store in slow_stores else [],
+        )
+        for broker, store in pairs
+    ]
+    metafunc.parametrize("deployment", params, indirect=True)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -1,11 +1,14 @@
 """Real ``celery beat -S exactonce-django`` processes on django-celery-beat's rows.
 
-Two beats and a worker over one Django database (SQLite, then PostgreSQL),
-20 ``PeriodicTask`` rows (intervals, crontabs, clocked one-offs, interval
-one-offs) for a minute, while the test creates, edits, disables, renames and
-deletes rows through the ORM and SIGKILLs one beat and starts another. The
-ledger the task bodies write must show every occurrence run once, each one-off
-once, and each row's ``total_run_count`` must be its runs in the ledger.
+Two beats and a worker over one Django database (PostgreSQL; SQLite too under
+``-m slow``), 20 ``PeriodicTask`` rows (intervals, crontabs, clocked one-offs,
+interval one-offs) for a minute, while the test creates, edits, disables,
+renames and deletes rows through the ORM and SIGKILLs one beat and starts
+another. The ledger the task bodies write must show every occurrence run once,
+each one-off once, and each row's ``total_run_count`` must be its runs in the
+ledger. On SQLite the default run has the rows' logic with three scheduler
+nodes and edits (tests/django_tests/test_scheduler.py, both databases) and two
+real beats on the Django example's SQLite database (test_django_example.py).
 
 The control: two stock django-celery-beat ``DatabaseScheduler`` beats on the
 same kind of rows run the occurrences twice, which is what the test above
@@ -91,6 +94,9 @@ def runs_by_row(ledger: Ledger, names: Mapping[str, int]) -> Counter[int]:
 
 @pytest.mark.timeout(240)
 @pytest.mark.acceptance_matrix(brokers=("redis",), stores=("redis",))
+@pytest.mark.parametrize(
+    "django_database", ["postgres", pytest.param("sqlite", marks=pytest.mark.slow)], indirect=True
+)
 def test_two_beats_run_edited_rows_once_through_a_sigkill(
     deployment: Deployment, ledger: Ledger, gate: None, django_database: DjangoDatabase
 ) -> None:
