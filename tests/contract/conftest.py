@@ -76,7 +76,12 @@ def store(store_factory: StoreFactory) -> StateStore:
     return store_factory()
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m deselects: the slow marks added here count
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if "tests/contract/" in str(item.fspath).replace("\\", "/"):
             item.add_marker(pytest.mark.contract)
+        slow_backends = item.get_closest_marker("slow_backends")
+        callspec = getattr(item, "callspec", None)
+        if slow_backends and callspec and callspec.params.get("backend") in slow_backends.args:
+            item.add_marker(pytest.mark.slow)

@@ -19,7 +19,7 @@ import pytest
 from celery_exactonce.states import State
 from celery_exactonce.stores.base import StateStore
 from tests.contract.racers import run_threads
-from tests.support.backends import StoreFactory
+from tests.support.backends import DJANGO_BACKENDS, StoreFactory
 from tests.support.helpers import task_job
 
 pytestmark = pytest.mark.race
@@ -58,6 +58,9 @@ def race(
             return [result for f in futures for result in f.result(timeout=900)]
 
 
+# The Django store is the SQL store on Django's connection: its long races run under
+# -m slow (tox -e chaos); the shorter races below run it by default.
+@pytest.mark.slow_backends(*DJANGO_BACKENDS)
 def test_sixteen_creators_one_creator_per_job(store_factory: StoreFactory) -> None:
     # Given 1,000 job ids and 16 creators (8 threads in each of 2 processes)
     ids = [f"job-{i}" for i in range(CREATE_JOBS)]
@@ -114,6 +117,7 @@ def _create_due(store_factory: StoreFactory, count: int) -> set[str]:
         return {ref for batch in pool.map(create, range(0, count, 500)) for ref in batch}
 
 
+@pytest.mark.slow_backends(*DJANGO_BACKENDS)
 def test_three_processes_claim_every_due_job_once(store_factory: StoreFactory) -> None:
     # Given 10,000 due delayed jobs
     expected = _create_due(store_factory, CLAIM_JOBS)
