@@ -102,6 +102,19 @@ def build(prefix: str, *, mysql_collation: str = "utf8mb4_bin") -> Tables:
         sa.Index(f"{prefix}jobs_expiry", "namespace", "expires_at"),
         **opts,
     )
+    # PostgreSQL keeps no statistics of a job's namespace and key space. A
+    # namespace the last ANALYZE did not see (a new one, or the tables analyzed
+    # when another filled them) would be estimated at no rows, and a lookup by
+    # the key would then go by any index led by the namespace, reading all of its
+    # jobs. Without statistics the key's three equalities always pick the key.
+    sa.event.listen(
+        jobs,
+        "after_create",
+        sa.DDL(  # type: ignore[no-untyped-call]
+            "ALTER TABLE %(table)s ALTER COLUMN namespace SET STATISTICS 0,"
+            " ALTER COLUMN space SET STATISTICS 0"
+        ).execute_if(dialect="postgresql"),
+    )
     watermarks = sa.Table(
         f"{prefix}watermarks",
         md,
