@@ -101,7 +101,7 @@ class SqlCreates(SqlCore):
             nonlocal fast
             results: dict[int, CreateResult] = {}
             clock: tuple[int, str | None] | None = None  # once for the locking creates
-            rereads = REREADS if brief else -1
+            rereads = REREADS if brief else 0
             if brief:
                 results.update(self._decided(conn, news, order, epoch))
             for n, i in enumerate(order):
@@ -139,18 +139,18 @@ class SqlCreates(SqlCore):
         Nothing is decided when the epoch differs from ``epoch`` (each create
         answers the mismatch) or when no occurrence is among them.
         """
-        todo = [
-            i
+        todo = {  # index -> (entry, slot in microseconds)
+            i: (news[i].entry, times.to_micros(fire))
             for i in indices
             if news[i].ref.space is Space.OCCURRENCE
             and news[i].entry is not None
-            and news[i].fire_time is not None
-        ]
+            and (fire := news[i].fire_time) is not None
+        }
         if not todo:
             return {}
         params = {
             "k_ns": self._namespace,
-            "entries": sorted({str(news[i].entry) for i in todo}),
+            "entries": sorted({str(entry) for entry, _ in todo.values()}),
             "ids": [news[i].ref.id for i in todo],
         }
         marks: dict[str, int | None] = {}
@@ -166,12 +166,11 @@ class SqlCreates(SqlCore):
         if stored is None or (epoch is not None and stored != epoch):
             return {}
         decided = {}
-        for i in todo:
-            new = news[i]
-            mark = marks.get(str(new.entry))
-            if new.ref.id in found:
+        for i, (entry, slot) in todo.items():
+            mark = marks.get(str(entry))
+            if news[i].ref.id in found:
                 decided[i] = CreateResult(CreateStatus.EXISTS, epoch=stored)
-            elif mark is not None and times.to_micros(new.fire_time) <= mark:  # type: ignore[arg-type]
+            elif mark is not None and slot <= mark:
                 decided[i] = CreateResult(CreateStatus.BELOW_WATERMARK, epoch=stored)
         return decided
 
