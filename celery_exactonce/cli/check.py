@@ -21,6 +21,7 @@ from celery import beat
 
 from celery_exactonce import entries, exceptions, reconcile_task, runtime, startup
 from celery_exactonce.cli import base
+from celery_exactonce.cli.entries import uses_django_rows
 from celery_exactonce.config import ExactOnceConfig
 from celery_exactonce.gate import validate_gated_task
 from celery_exactonce.scheduler import entry_policy, internal_entries
@@ -101,6 +102,8 @@ def run_checks(app: Any) -> Report:
     if tasks:
         report.run("retention", lambda: _retention(app, config))
     report.run("beat entries", lambda: _entries(app, config))
+    if uses_django_rows(app):
+        report.run("periodic tasks", lambda: _rows(app, config))
     report.run("signing", lambda: _signing(config))
     try:
         store = open_store(config, setup=False)
@@ -171,6 +174,45 @@ def _entries(app: Any, config: ExactOnceConfig) -> str:
             node="check",
         )
     return f"{len(schedule) - len(internal)} entry(ies) of beat_schedule accepted"
+
+
+def _rows(app: Any, config: ExactOnceConfig) -> str:
+    """Each enabled django-celery-beat row as beat checks it; every refused one, named.
+
+    Beat runs the others and refuses these, one by one (an ``entry_refused``
+    error each): this check fails so that they are found before that.
+    """
+    from celery_exactonce.contrib import periodic_tasks
+
+    tz = ZoneInfo(str(app.timezone))
+    now = datetime.now(timezone.utc)
+    rows = periodic_tasks.enabled_rows()
+    refused: list[str] = []
+    for row in rows:
+        try:
+            fields = periodic_tasks.entry_of(row)
+            periodic_tasks.check_task(app, row.name, fields)
+            entry = beat.ScheduleEntry(**dict(fields, name=row.name, app=app))
+            entries.check_entry(
+                row.name,
+                entry,
+                lambda n, e: entry_policy(app, config, n, e),
+                tz=tz,
+                now=now,
+                namespace=config.namespace,
+                node="check",
+            )
+        except exceptions.ConfigurationError as exc:
+            refused.append(str(exc))
+        except Exception as exc:  # a row no check foresaw: still that row's
+            refused.append(f"periodic task {row.name!r}: {type(exc).__name__}: {exc}")
+    if refused:
+        raise exceptions.ConfigurationError(
+            f"{len(refused)} of {len(rows)} enabled row(s) refused (beat runs the others): "
+            + "; ".join(refused),
+            setting="django_celery_beat.PeriodicTask",
+        )
+    return f"{len(rows)} enabled row(s) of django_celery_beat.PeriodicTask accepted"
 
 
 def _signing(config: ExactOnceConfig) -> str | tuple[str, str]:
@@ -274,7 +316,8 @@ def _clock(store: StateStore, config: ExactOnceConfig) -> str | tuple[str, str]:
 def check(ctx: click.Context, as_json: bool) -> None:
     """Run every start-up check of a worker and a beat node; exit 1 if one fails.
 
-    Settings, publisher confirms, gated tasks, retention, beat entries, signing,
+    Settings, publisher confirms, gated tasks, retention, beat entries (and
+    django-celery-beat's rows under the exactonce-django scheduler), signing,
     one-host stores, store reachability, schema, Redis eviction policy and the
     clock offset against the store. Nothing is written.
     """

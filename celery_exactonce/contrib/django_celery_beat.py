@@ -139,34 +139,45 @@ class DatabaseScheduler(ExactOnceScheduler):
     def _apply(self, rows: list[Any], now: datetime) -> None:
         """Make the schedule what the rows say: add, replace and remove entries."""
         fresh = {row.name: row for row in rows if row.name not in self._settings_entries}
-        for name in [n for n in self._rows if n not in fresh]:
+        for name in [n for n in {**self._definitions, **self._rows} if n not in fresh]:
             self._drop(name)
         spent = timedelta(seconds=self._config.window_lookback)
         for name, row in fresh.items():
             if row.expires is not None and periodic_tasks.aware(row.expires) + spent <= now:
                 self._disable(name, row.pk, "expired")  # its last slot is out of the window
             definition = _definition(row, self._overrides.get(name))
-            if self._definitions.get(name) == definition and name in self.schedule:
-                self._rows[name] = row
-                continue
+            if self._definitions.get(name) == definition:
+                if name in self.schedule:
+                    self._rows[name] = row
+                continue  # unchanged: running, or refused until it changes
             try:
                 entry = periodic_tasks.entry_of(row, self._overrides.get(name))
+                periodic_tasks.check_task(self.app, name, entry)
                 self.update_from_dict({name: entry})
-            except exceptions.ConfigurationError as exc:
+            except Exception as exc:  # one row, whatever is wrong, not beat
                 self._drop(name)
                 self._definitions[name] = definition  # not refused again until it changes
-                metrics.event(
-                    "entry_refused",
-                    f"{exc}: this row does not run; the others do",
-                    level=logging.ERROR,
-                    sentry=True,
-                )
+                self._refused(name, exc)
                 continue
             self._rows[name], self._definitions[name] = row, definition
             if row.last_run_at is not None:  # a renamed row: its runs so far are not new slots
                 ran = periodic_tasks.aware(row.last_run_at)
                 if name not in self._decided or self._decided[name] < ran:
                     self._decided[name] = ran
+
+    def _refused(self, name: str, exc: Exception) -> None:
+        """A row beat cannot run, named and counted; the others keep running."""
+        if isinstance(exc, exceptions.ConfigurationError):
+            text = str(exc)
+        else:  # a row the checks did not foresee: still that row's, not beat's
+            text = f"periodic task {name!r}: {type(exc).__name__}: {exc}"
+        metrics.event(
+            "entry_refused",
+            f"{text}: this row does not run; the others do",
+            level=logging.ERROR,
+            sentry=True,
+            entry=name,
+        )
 
     def _drop(self, name: str) -> None:
         self._rows.pop(name, None)
@@ -239,10 +250,21 @@ def _definition(row: Any, overrides: dict[str, Any] | None) -> str:
         row.one_off,
         row.start_time,
         row.date_changed if row.one_off else None,
-        row.interval_id and (row.interval.every, row.interval.period),
-        row.crontab_id and str(row.crontab),
-        row.solar_id and (row.solar.event, row.solar.latitude, row.solar.longitude),
-        row.clocked_id and row.clocked.clocked_time,
+        _fields(row, "interval", "every", "period"),
+        _fields(row, "crontab", "minute", "hour", "day_of_month", "month_of_year", "day_of_week"),
+        row.crontab_id and str(getattr(periodic_tasks.related(row, "crontab"), "timezone", "")),
+        _fields(row, "solar", "event", "latitude", "longitude"),
+        _fields(row, "clocked", "clocked_time"),
         sorted((overrides or {}).items()),
     )
     return repr(fields)
+
+
+def _fields(row: Any, kind: str, *names: str) -> tuple[Any, ...] | None:
+    """The fields of the row's ``kind`` schedule; its id alone if that row is gone."""
+    if getattr(row, f"{kind}_id") is None:
+        return None
+    related = periodic_tasks.related(row, kind)
+    if related is None:  # a foreign key SQL bypassed: refused, until the id changes
+        return (getattr(row, f"{kind}_id"),)
+    return tuple(getattr(related, name) for name in names)
