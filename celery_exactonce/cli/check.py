@@ -159,20 +159,22 @@ def _entries(app: Any, config: ExactOnceConfig) -> str:
     schedule = {**(app.conf.beat_schedule or {}), **internal_entries(config)}
     internal = set(internal_entries(config))
     for name, fields in schedule.items():
-        entry = beat.ScheduleEntry(**dict(fields, name=name, app=app))
+        with entries.reading(name):
+            entry = beat.ScheduleEntry(**dict(fields, name=name, app=app))
 
         def policy(n: str, e: Any, internal: bool = name in internal) -> entries.EntryPolicy:
             return entry_policy(app, config, n, e, internal=internal)
 
-        entries.check_entry(
-            name,
-            entry,
-            policy,
-            tz=tz,
-            now=now,
-            namespace=config.namespace,
-            node="check",
-        )
+        with entries.reading(name):
+            entries.check_entry(
+                name,
+                entry,
+                policy,
+                tz=tz,
+                now=now,
+                namespace=config.namespace,
+                node="check",
+            )
     return f"{len(schedule) - len(internal)} entry(ies) of beat_schedule accepted"
 
 

@@ -88,12 +88,12 @@ class DatabaseScheduler(ExactOnceScheduler):
 
         kept: dict[str, Any] = {}
         for name, fields in entries.items():
-            options = dict(fields.get("options") or {})
-            overrides = options.pop(ENTRY_OPTIONS, None)
             try:
+                options = dict(fields.get("options") or {})
+                overrides = options.pop(ENTRY_OPTIONS, None)
                 ModelEntry.from_entry(name, app=self.app, **{**fields, "options": options})
-            except (ValueError, TypeError):  # a schedule no row holds: run from the settings
-                kept[name] = fields
+            except (ValueError, TypeError, AttributeError):
+                kept[name] = fields  # a schedule no row holds: run (or refused) from the settings
                 continue
             if overrides:
                 self._overrides[name] = dict(overrides)
