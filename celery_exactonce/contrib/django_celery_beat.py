@@ -37,8 +37,11 @@ import logging
 from datetime import datetime, timedelta
 from typing import Any
 
-from celery_exactonce import exceptions, metrics
+from celery import beat
+
+from celery_exactonce import exceptions, metrics, startup
 from celery_exactonce.contrib import periodic_tasks
+from celery_exactonce.contrib.django.connection import require_immediate
 from celery_exactonce.entries import ENTRY_OPTIONS
 from celery_exactonce.planner import Plan
 from celery_exactonce.scheduler import ExactOnceScheduler
@@ -50,10 +53,43 @@ __all__ = ["DatabaseScheduler"]
 FULL_READ_INTERVAL = 300.0
 
 
+def check_start(scheduler: type) -> None:
+    """What refuses the scheduler at start: a custom ``Entry``, rows on SQLite not ``IMMEDIATE``.
+
+    Its entries are built from the rows as ``beat_schedule`` entries are
+    (Celery's ``ScheduleEntry``); django-celery-beat's ``ModelEntry`` (and a
+    subclass a project sets as ``Entry``) is built from a row, and fails
+    inside Celery with a ``TypeError``. On SQLite, two beats starting at once
+    each write the change marker after reading it (django-celery-beat's
+    ``update_changed``): without ``IMMEDIATE`` one of them fails with
+    ``database is locked``.
+    """
+    from django.db import router
+    from django_celery_beat.models import PeriodicTask
+    from django_celery_beat.schedulers import ModelEntry
+
+    entry = getattr(scheduler, "Entry", beat.ScheduleEntry)
+    if issubclass(entry, ModelEntry) or not issubclass(entry, beat.ScheduleEntry):
+        raise exceptions.ConfigurationError(
+            f"{scheduler.__module__}.{scheduler.__qualname__} sets Entry = "
+            f"{entry.__module__}.{entry.__qualname__}: exactonce-django builds its entries from "
+            "the rows itself and takes no ModelEntry. Per-row policy goes in the row's headers "
+            '({"exactonce": {...}}), what is published in a before_task_publish handler '
+            "(docs/howto/migrate-django-celery-beat.md)",
+            setting="beat_scheduler",
+        )
+    alias = router.db_for_write(PeriodicTask)
+    require_immediate(alias, "exactonce-django (the periodic tasks' rows)", f"DATABASES[{alias!r}]")
+
+
 class DatabaseScheduler(ExactOnceScheduler):
     """An :class:`ExactOnceScheduler` whose entries are django-celery-beat's rows."""
 
     def __init__(self, app: Any, *args: Any, **kwargs: Any) -> None:
+        try:  # before the store is opened: one line, then beat ends
+            check_start(type(self))
+        except exceptions.ConfigurationError as exc:
+            startup.refuse("beat", exc)
         self._rows: dict[str, Any] = {}  # entry name -> the row it was read from
         self._definitions: dict[str, str] = {}  # entry name -> what it was built from
         self._overrides: dict[str, dict[str, Any]] = {}

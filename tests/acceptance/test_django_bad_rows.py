@@ -24,7 +24,7 @@ from zoneinfo import ZoneInfo
 import pytest
 
 from tests.acceptance import beats as b
-from tests.acceptance.django_project import DJANGO_APP, DjangoDatabase
+from tests.acceptance.django_project import DJANGO_APP, DjangoBeat, DjangoDatabase
 from tests.acceptance.harness import REPO_ROOT, Deployment, poll
 from tests.acceptance.test_django_beat import add, interval, start_beat
 
@@ -119,3 +119,51 @@ def test_scenario_75_a_row_that_cannot_be_parsed_is_refused_and_the_others_keep_
     assert {"bad-crontab", "bad-solar", "bad-later"}.isdisjoint(
         {event.get("key") for event in beat.events("dispatched")}
     )
+
+
+def beats_together(deployment: Deployment, database: DjangoDatabase, spec: str) -> list[DjangoBeat]:
+    """Two exactonce-django beats started at the same moment on database ``spec``."""
+    env = {
+        **deployment.env,
+        **database.env(),
+        "EXACTONCE_TEST_DJANGO_DB": spec,
+        "EXACTONCE_ACC_BEAT_EVERY": "0",
+        "EXACTONCE_ACC_EXTRA_CONF": json.dumps({"exactonce_reconcile_on": "beat"}),
+    }
+    made = [
+        DjangoBeat(env, deployment.tmp_path, f"{spec.partition(':')[0]}-{i}", "exactonce-django")
+        for i in (1, 2)
+    ]
+    deployment.beats.extend(made)
+    return [beat.start() for beat in made]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.acceptance_matrix(brokers=("redis",), stores=("redis",))
+@pytest.mark.parametrize("django_database", ["sqlite"], indirect=True)
+def test_two_beats_started_together_on_sqlite_refuse_without_immediate_and_run_with_it(
+    deployment: Deployment, django_database: DjangoDatabase
+) -> None:
+    """Before the fix, both started on the file without ``IMMEDIATE``, and one of two
+    beats starting at the same moment could die at once on a raw ``database is
+    locked`` traceback (django-celery-beat's ``update_changed`` upgrading a read lock)."""
+    add("good", interval=interval(1))
+    path = django_database.spec.removeprefix("sqlite:")
+    # Given two beats started together on the SQLite file without IMMEDIATE
+    deferred = beats_together(deployment, django_database, f"sqlite-deferred:{path}")
+    # Then each refuses to start with one line naming the setting, and no traceback
+    poll(lambda: not any(beat.alive() for beat in deferred), timeout=30, interval=0.1)
+    for beat in deferred:
+        assert beat.proc is not None and beat.proc.returncode == 1, beat.log_tail()
+        (line,) = [x for x in beat.log().splitlines() if "beat refused to start" in x]
+        assert "DATABASES['default']['OPTIONS']['transaction_mode'] = 'IMMEDIATE'" in line
+        assert "Traceback" not in beat.log() and not beat.events("dispatched")
+    # When two beats are started together with IMMEDIATE
+    immediate = beats_together(deployment, django_database, f"sqlite:{path}")
+    # Then both start and run the row, and neither meets a locked database
+    for beat in immediate:
+        beat.wait_ready()
+    poll(lambda: count("good") >= 3, timeout=20, interval=0.2)
+    for beat in immediate:
+        assert beat.alive(), beat.log_tail()
+        assert "database is locked" not in beat.log()

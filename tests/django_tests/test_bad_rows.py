@@ -168,3 +168,34 @@ def test_check_names_each_bad_row_and_fails(alias: str) -> None:
         assert f"periodic task {name!r}" in rows["message"], rows
     assert "'good'" not in rows["message"]
     assert rows["setting"] == "django_celery_beat.PeriodicTask"
+
+
+def test_a_custom_model_entry_is_refused_at_start_with_one_line(
+    alias: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """django-celery-beat projects subclass ``ModelEntry`` and set it as ``Entry``.
+
+    Before the fix, building such a scheduler ended on Celery's raw
+    ``TypeError`` (``ModelEntry.__init__() got an unexpected keyword argument``),
+    naming neither the class nor what replaces it.
+    """
+    from django_celery_beat.schedulers import ModelEntry
+
+    from celery_exactonce.contrib.django_celery_beat import DatabaseScheduler
+    from celery_exactonce.startup import StartupRefused
+
+    class AuditedEntry(ModelEntry):  # type: ignore[misc]
+        """What a project's own entry looks like."""
+
+    class AuditedScheduler(DatabaseScheduler):
+        Entry = AuditedEntry
+
+    add_row("good")
+    cluster = DjangoCluster(nodes=0, start=START)
+    with pytest.raises(StartupRefused):
+        AuditedScheduler(cluster.app)
+    err = capsys.readouterr().err
+    (line,) = err.splitlines()
+    assert line.startswith("celery-exactonce: beat refused to start: ")
+    assert "AuditedScheduler sets Entry = " in line and "AuditedEntry" in line
+    assert "headers" in line and "before_task_publish" in line
