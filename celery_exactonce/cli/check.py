@@ -181,11 +181,16 @@ def _entries(app: Any, config: ExactOnceConfig) -> str:
 def _rows(app: Any, config: ExactOnceConfig) -> str:
     """Each enabled django-celery-beat row as beat checks it; every refused one, named.
 
-    Beat runs the others and refuses these, one by one (an ``entry_refused``
+    First what refuses the scheduler at start (a custom ``Entry``, SQLite
+    without ``IMMEDIATE``). Beat runs the others and refuses these, one by one (an ``entry_refused``
     error each): this check fails so that they are found before that.
     """
-    from celery_exactonce.contrib import periodic_tasks
+    from celery_exactonce.contrib import django_celery_beat, periodic_tasks
 
+    scheduler = app.conf.beat_scheduler
+    django_celery_beat.check_start(
+        scheduler if isinstance(scheduler, type) else django_celery_beat.DatabaseScheduler
+    )
     tz = ZoneInfo(str(app.timezone))
     now = datetime.now(timezone.utc)
     rows = periodic_tasks.enabled_rows()

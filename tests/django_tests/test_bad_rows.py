@@ -199,3 +199,21 @@ def test_a_custom_model_entry_is_refused_at_start_with_one_line(
     assert line.startswith("celery-exactonce: beat refused to start: ")
     assert "AuditedScheduler sets Entry = " in line and "AuditedEntry" in line
     assert "headers" in line and "before_task_publish" in line
+
+
+@pytest.mark.django_db(databases=["default"], transaction=True)
+def test_check_fails_on_rows_in_sqlite_without_immediate(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before the fix, ``check`` passed a project whose beats would meet ``database is locked``."""
+    from django.db import connections
+
+    options = dict(connections["default"].settings_dict["OPTIONS"])
+    options.pop("transaction_mode")
+    monkeypatch.setitem(connections["default"].settings_dict, "OPTIONS", options)
+    app = Celery("check_sqlite", set_as_current=False)
+    app.conf.update(
+        broker_url="memory://", exactonce_store_url="memory://", beat_scheduler="exactonce-django"
+    )
+    result = CliRunner().invoke(exactonce, ["check", "--json"], obj=SimpleNamespace(app=app))
+    assert result.exit_code == 1, result.output
+    checks = {c["name"]: c for c in json.loads(result.output)["checks"]}
+    assert "transaction_mode'] = 'IMMEDIATE'" in checks["periodic tasks"]["message"]
