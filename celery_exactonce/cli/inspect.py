@@ -14,6 +14,7 @@ from celery_exactonce.jobs import Job
 from celery_exactonce.reconcile_task import RECONCILE_TASK
 from celery_exactonce.reconciler import LEASE_NAME
 from celery_exactonce.refs import JobRef
+from celery_exactonce.skipped_slots import merged
 from celery_exactonce.states import State
 from celery_exactonce.stores import redact_url
 from celery_exactonce.stores.base import StateStore, partitions_of
@@ -105,7 +106,7 @@ def status_data(s: base.Session) -> dict[str, Any]:
                 "last": base.iso(r.last),
                 "at": base.iso(r.at),
             }
-            for r in s.store.skipped(limit=20)
+            for r in merged(s.store.skipped(limit=20 * 4))[:20]
         ],
         "reconciler": _reconciler(s.store, entries),
     }
