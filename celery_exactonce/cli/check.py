@@ -110,7 +110,7 @@ def run_checks(app: Any) -> Report:
         return report
     try:
         report.run("one host", lambda: _one_host(config, store))
-        if report.run("store reachable", lambda: _reachable(store)):
+        if report.run("store reachable", lambda: _reachable(store, config)):
             report.run("schema", lambda: _schema(store))
             report.run("eviction", lambda: _eviction(store))
             report.run("replicas", lambda: _replicas(store, config))
@@ -201,9 +201,10 @@ def _one_host(config: ExactOnceConfig, store: StateStore) -> str | tuple[str, st
     return "the store is shared over the network: nodes may run on several hosts"
 
 
-def _reachable(store: StateStore) -> str:
+def _reachable(store: StateStore, config: ExactOnceConfig) -> str:
+    """The store answers: named by its redacted URL and namespace (never a Python repr)."""
     store.now()
-    return f"{store!r} answers"
+    return f"{redact_url(config.store_url)} answers (namespace {store.namespace!r})"
 
 
 def _schema(store: StateStore) -> str | tuple[str, str]:
