@@ -144,3 +144,24 @@ def test_the_skipped_slots_page_lists_each_record_and_filters_by_reason(
     page = client.get("/admin/celery_exactonce/skippedslots/?reason=window")  # type: ignore[attr-defined]
     listed = page.content.decode().split('id="result_list"', 1)[1].split("</table>", 1)[0]
     assert "hourly" in listed and "nightly" not in listed  # (the filters still name both)
+
+
+def test_a_range_several_nodes_skipped_is_one_row_naming_each_node(
+    client: object, store: StateStore
+) -> None:
+    """Every node plans every entry, so a range all skipped is noted once per node.
+
+    Before, the page listed one row per node for the same range, so a loss
+    that three beats met looked like three.
+    """
+    first = datetime(2026, 5, 1, 3, tzinfo=timezone.utc)
+    last = first + timedelta(hours=2)
+    store.note_skipped(
+        [SkippedSlots("hourly", "store_loss", first, last, 3, node) for node in ("b-1", "b-2")]
+        + [SkippedSlots("hourly", "window", first, last, 3, "b-1")]
+    )
+    page = client.get("/admin/celery_exactonce/skippedslots/")  # type: ignore[attr-defined]
+    assert page.status_code == 200
+    listed = page.content.decode().split('id="result_list"', 1)[1].split("</table>", 1)[0]
+    assert listed.count("store_loss") == 1 and listed.count("window") == 1
+    assert "b-2, b-1" in listed
