@@ -18,6 +18,7 @@ import dataclasses
 import difflib
 import inspect
 import os
+import re
 import sys
 import types
 import warnings
@@ -76,19 +77,23 @@ def source_of(app: Any, key: str) -> tuple[str, int]:
 
     The object given to ``app.config_from_object`` (a module, a module's
     name, or Django's settings: the project's settings module), else the
-    module that made the app (``Celery("proj")``) or that holds it. A line is
-    found when the file spells ``key`` literally.
+    module that made the app (``Celery("proj")``) or that holds it. The line is
+    the first that sets ``key`` literally (``key = …``, ``"key": …``), else the
+    first that names it, else 0.
     """
     path = _source_file(app)
     if path is None:
         return f"<the settings of Celery app {getattr(app, 'main', None)!r}>", 0
     try:
         with open(path, encoding="utf-8") as handle:
-            for number, line in enumerate(handle, 1):
-                if key.lower() in line.lower():
-                    return path, number
+            lines = handle.read().splitlines()
     except (OSError, UnicodeDecodeError):
-        pass
+        return path, 0
+    setting = re.compile(rf"\b{re.escape(key)}\b[\"']?\s*[=:]", re.IGNORECASE)
+    for pattern in (setting, re.compile(rf"\b{re.escape(key)}\b", re.IGNORECASE)):
+        for number, line in enumerate(lines, 1):  # where it is set, else where it is named
+            if pattern.search(line):
+                return path, number
     return path, 0
 
 
