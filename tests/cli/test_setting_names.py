@@ -3,8 +3,9 @@
 ``exactonce_tick_intervall`` on a Celery app, ``CELERY_EXACTONCE_TICK_INTERVALL``
 in a Django project's settings (``tests/cli/misspelt_app.py``): ``celery
 exactonce check`` fails naming it and the setting meant, and a real ``celery
-beat`` starts (an unknown setting is ignored) with a warning that names both
-and points at the file and line of the typo, not at library code.
+beat`` and ``celery worker`` start (an unknown setting is ignored) with a
+warning that names both and points at the file and line of the typo, not at
+library code.
 """
 
 from __future__ import annotations
@@ -84,44 +85,62 @@ def test_scenario_79_check_fails_on_a_misspelt_setting_naming_the_one_meant(
     assert data["ok"] is False
 
 
-class Beat(CeleryProcess):
-    """``celery -A misspelt_app beat -S exactonce`` (its store and broker in memory)."""
+class Node(CeleryProcess):
+    """``celery -A misspelt_app beat -S exactonce`` or ``worker -P solo`` (all in memory)."""
 
     app_module = APP
 
-    def __init__(self, env: dict[str, str], directory: Path) -> None:
+    def __init__(self, role: str, env: dict[str, str], directory: Path) -> None:
+        self.role = role
         self.env = env
         self.directory = directory
-        self.log_path = directory / "beat.log"
+        self.log_path = directory / f"{role}.log"
         self.proc = None
 
     @property
     def argv(self) -> list[str]:
+        if self.role == "worker":
+            return self.celery(
+                "worker",
+                "-P",
+                "solo",
+                "--without-heartbeat",
+                "--without-mingle",
+                "--without-gossip",
+                "--loglevel",
+                "INFO",
+            )
         schedule = str(self.directory / "celerybeat-schedule")
         return self.celery("beat", "-S", "exactonce", "-s", schedule, "--loglevel", "INFO")
 
+    def started(self) -> bool:
+        log = self.log()
+        if self.role == "worker":
+            return any(line.rstrip().endswith(" ready.") for line in log.splitlines())
+        return BEAT_STARTED in log
 
+
+@pytest.mark.parametrize("role", ["beat", "worker"])
 @pytest.mark.parametrize(("form", "key", "meant", "source"), FORMS)
-def test_scenario_79_beat_warns_at_the_typo_with_the_setting_meant(
-    form: str, key: str, meant: str, source: Path, tmp_path: Path
+def test_scenario_79_beat_and_worker_warn_at_the_typo_with_the_setting_meant(
+    form: str, key: str, meant: str, source: Path, role: str, tmp_path: Path
 ) -> None:
-    """Before the fix, beat's warning pointed at celery_exactonce's own code and listed
+    """Before the fix, the warning pointed at celery_exactonce's own code and listed
     every known setting rather than the one meant."""
-    beat = Beat(environment(form), tmp_path).start()
+    node = Node(role, environment(form), tmp_path).start()
     try:
-        # When beat starts with the typo: it starts (the setting is ignored), and warns
+        # When the node starts with the typo: it starts (the setting is ignored), and warns
         def warned() -> str | None:
-            log = beat.log()
-            lines = [line for line in log.splitlines() if "UnknownSettingWarning" in line]
-            return lines[0] if lines and BEAT_STARTED in log else None
+            lines = [line for line in node.log().splitlines() if "UnknownSettingWarning" in line]
+            return lines[0] if lines and node.started() else None
 
         try:
             line = poll(warned, timeout=20.0, interval=0.1)
         except AssertionError:
-            raise AssertionError(f"no warning once beat started; log:\n{beat.log()}") from None
-        assert beat.alive(), beat.log()
+            raise AssertionError(f"no warning once {role} started; log:\n{node.log()}") from None
+        assert node.alive(), node.log()
     finally:
-        beat.kill()
+        node.kill()
 
     # Then the warning names the key and the setting meant, at the typo's file and line
     assert f"{key!r}" in line and f"did you mean {meant!r}?" in line, line
