@@ -360,14 +360,14 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
         headers = messages.headers_of(request)
         ref = messages.ref_from_headers(headers, request.id)
         attempt = int(headers.get(messages.HEADER_ATTEMPT, request.retries or 0))
-        run_id = refs.new_token()
         key = headers.get(messages.HEADER_IDEMPOTENCY_KEY)
         delivery = Delivery(
-            self, runtime, ref, attempt, run_id, headers, request.delivery_info or {}
+            self, runtime, ref, attempt, refs.new_token(), headers, request.delivery_info or {}
         )
         # The record is wanted only for the idempotency key of a message without one:
         # otherwise the gate's CAS is brief (no record sent back and decoded).
         job = delivery.enter(args, kwargs, brief=bool(key))
+        run_id = delivery.run_id  # fresh for this delivery (another if it took its own run over)
         if not key and job is not None:
             key = messages.job_idempotency_key(job, runtime.store.namespace)
         request.idempotency_key = key
