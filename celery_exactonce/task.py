@@ -224,6 +224,7 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
         *,
         reason: str = "retry",
         publish: bool = True,
+        requeued: bool = False,
     ) -> Any:
         """Celery's retry re-publishes the task: make it the next attempt of the job first."""
         runtime = runtime_for(self.app)
@@ -264,7 +265,11 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
             )
             return self.AsyncResult(self.request.id)
         if publish and job.state is State.DISPATCHED:  # a delayed retry waits PENDING
-            runtime.dispatcher.publish(job, extra={"eta": eta} if eta is not None else None)
+            extra: dict[str, Any] = {"eta": eta} if eta is not None else {}
+            if requeued:
+                headers = {**dict(job.options.get("headers") or {}), messages.HEADER_REQUEUED: 1}
+                extra["headers"] = headers
+            runtime.dispatcher.publish(job, extra=extra)
         return self.AsyncResult(self.request.id)
 
     def _retry_eagerly(self, run: _Run, exc: Retry) -> None:
@@ -296,21 +301,42 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
         run.replaced_by = JobRef.submitted(messages.replacement_job_id(self.request.id, nesting))
         return super().on_replace(sig)  # submits it, then raises Ignore
 
-    def _requeue(self, run: _Run, exc: Reject) -> NoReturn:
+    def _requeue(self, run: _Run, delivery: Delivery, exc: Reject) -> NoReturn:
         """``Reject(requeue=True)``: the next attempt of the job, published; this message acked.
 
         Giving the message itself back would only meet the gate again (its
         attempt has run). The job moves to its next attempt first, as a retry
-        does, then a copy is published for it, at the back of the queue. Only
-        with ``acks_late``, as in Celery: a message acked on receipt cannot go back.
+        does, then a copy is published for it, at the back of the queue; its
+        body sees it redelivered (:data:`~celery_exactonce.messages.HEADER_REQUEUED`).
+        Only with ``acks_late``, as in Celery: a message acked on receipt
+        cannot go back. Each requeue is a retry: past ``max_retries`` the
+        job ends ``FAILED`` and the task raises ``MaxRetriesExceededError``,
+        where Celery would give the message back forever.
         """
+        if self.max_retries is not None and run.attempt >= self.max_retries:
+            why = f"requeue refused: out of retries (max_retries={self.max_retries})"
+            metrics.event(
+                "requeues_exhausted",
+                f"{self.name} rejected {run.ref} with requeue on attempt {run.attempt}: {why}",
+                level=logging.WARNING,
+                job_id=run.ref.id,
+                task=self.name,
+            )
+            delivery.finish(State.FAILED, f"rejected: {exc.reason}; {why}")
+            raise self.MaxRetriesExceededError(
+                f"Can't requeue {self.name}[{self.request.id}]: {why}",
+                task_args=self.request.args,
+                task_kwargs=self.request.kwargs,
+            ) from exc
         metrics.event(
             "requeued",
             f"{self.name} rejected {run.ref} with requeue: running it again as attempt "
             f"{run.attempt + 1}",
             job_id=run.ref.id,
         )
-        self._retry_next_attempt(run, None, None, {}, reason=f"requeued: {exc.reason}")
+        self._retry_next_attempt(
+            run, None, None, {}, reason=f"requeued: {exc.reason}", requeued=True
+        )
         raise Ignore()
 
     # -- the gate --------------------------------------------------------------------
@@ -334,17 +360,19 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
         headers = messages.headers_of(request)
         ref = messages.ref_from_headers(headers, request.id)
         attempt = int(headers.get(messages.HEADER_ATTEMPT, request.retries or 0))
-        run_id = refs.new_token()
         key = headers.get(messages.HEADER_IDEMPOTENCY_KEY)
         delivery = Delivery(
-            self, runtime, ref, attempt, run_id, headers, request.delivery_info or {}
+            self, runtime, ref, attempt, refs.new_token(), headers, request.delivery_info or {}
         )
         # The record is wanted only for the idempotency key of a message without one:
         # otherwise the gate's CAS is brief (no record sent back and decoded).
         job = delivery.enter(args, kwargs, brief=bool(key))
+        run_id = delivery.run_id  # fresh for this delivery (another if it took its own run over)
         if not key and job is not None:
             key = messages.job_idempotency_key(job, runtime.store.namespace)
         request.idempotency_key = key
+        if headers.get(messages.HEADER_REQUEUED):  # a requeue's copy: a redelivery to the body
+            request.delivery_info = {**dict(request.delivery_info or {}), "redelivered": True}
         run = _Run(ref, run_id, attempt, headers)
         token = _current.set(run)
         beat = heartbeats.start(runtime, ref, run_id)
@@ -364,7 +392,7 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
         except Reject as exc:
             if exc.requeue and self.acks_late and not request.is_eager:
                 # (acked at once, a message cannot go back; nor can an eager run)
-                self._requeue(run, exc)
+                self._requeue(run, delivery, exc)
             delivery.finish(State.FAILED, f"rejected: {exc.reason}")
             raise
         except BaseException as exc:
