@@ -38,16 +38,17 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import functools
 import logging
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime, timezone
 from typing import Any, NoReturn
 
 from celery import Task, signals
 from celery.exceptions import Ignore, Reject, Retry
 
-from celery_exactonce import call_options, eager, messages, metrics, refs, submit
+from celery_exactonce import call_options, eager, later, messages, metrics, refs, submit
 from celery_exactonce.gate import Delivery, raw_republish, record_revoke, validate_gated_task
 from celery_exactonce.heartbeats import heartbeats
 from celery_exactonce.jobs import Job
@@ -68,6 +69,10 @@ class _Run:
     headers: Mapping[str, Any]
     #: The job that replaced this run (``Task.replace``), once submitted.
     replaced_by: JobRef | None = None
+    #: Writes about this job's future (its retry, its replacement) asked for inside a
+    #: transaction the body holds open on the store's connection (``django://``): made
+    #: once the body has ended, so that its rollback cannot undo them (:mod:`~.later`).
+    later: list[Callable[[], object]] = dataclasses.field(default_factory=list)
 
 
 _current: contextvars.ContextVar[_Run | None] = contextvars.ContextVar(
@@ -133,7 +138,11 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
             and task_id is not None
             and task_id == self.request.id
             and run.replaced_by is None
-        ):  # the running task's own id: Celery's retry (or a Reject requeue) re-publishing it
+        ):  # the running task's own id: Celery's retry re-publishing it
+            if not later.made_now(runtime_for(self.app)):  # inside the body's transaction
+                retry = functools.partial(self._retry_next_attempt, run, args, kwargs, options)
+                run.later.append(later.as_celery_retry(retry))
+                return self.AsyncResult(self.request.id)
             return self._retry_next_attempt(run, args, kwargs, options)
         return self._submit(args, kwargs, task_id, link, link_error, shadow, options)
 
@@ -294,6 +303,9 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
             return super().on_replace(sig)
         nesting = int(self.request.get("replaced_task_nesting") or 0) + 1
         run.replaced_by = JobRef.submitted(messages.replacement_job_id(self.request.id, nesting))
+        if not later.made_now(runtime_for(self.app)):
+            run.later.append(sig.delay)  # submitted once the body's transaction has ended
+            raise Ignore("Replaced by new task")
         return super().on_replace(sig)  # submits it, then raises Ignore
 
     def _requeue(self, run: _Run, exc: Reject) -> NoReturn:
@@ -349,7 +361,7 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
         token = _current.set(run)
         beat = heartbeats.start(runtime, ref, run_id)
         try:
-            result = self.run(*args, **kwargs)
+            result = later.run_body(self.run, run.later, args, kwargs)
         except Retry as exc:
             if request.is_eager:  # Celery runs the retry itself, once this run has ended
                 self._retry_eagerly(run, exc)
