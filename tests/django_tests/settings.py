@@ -2,7 +2,8 @@
 
 In-process (pytest-django, configured by ``tests/conftest.py``): two databases,
 ``default`` (SQLite) and ``postgres``, every model of the apps routed to the one
-a test picks (:mod:`tests.django_tests.routing`).
+a test picks (:mod:`tests.django_tests.routing`); and ``mysql`` (MariaDB at
+``REPEATABLE READ``, with mysqlclient), which only the tests that name it use.
 
 As ``DJANGO_SETTINGS_MODULE`` of a ``celery beat`` or ``worker`` a test starts:
 one database, ``default``, which ``EXACTONCE_TEST_DJANGO_DB`` names
@@ -16,7 +17,7 @@ import uuid
 from typing import Any
 from urllib.parse import urlsplit
 
-from tests.services import POSTGRES_URL
+from tests.services import MYSQL_URL, POSTGRES_URL
 
 SECRET_KEY = "tests-only"
 USE_TZ = True
@@ -67,6 +68,20 @@ def postgres(name: str | None = None) -> dict[str, Any]:
     }
 
 
+def mysql(**options: Any) -> dict[str, Any]:
+    """The test MySQL/MariaDB, as a Django database (``OPTIONS``: ``options``)."""
+    parts = urlsplit(MYSQL_URL)
+    return {
+        "ENGINE": "django.db.backends.mysql",
+        "NAME": parts.path.lstrip("/") or "test",
+        "USER": parts.username or "root",
+        "PASSWORD": parts.password or "",
+        "HOST": parts.hostname or "127.0.0.1",
+        "PORT": str(parts.port or 3306),
+        "OPTIONS": options,
+    }
+
+
 def sqlite(path: str) -> dict[str, Any]:
     # IMMEDIATE: several processes write (the django:// store requires it on SQLite).
     options = {"timeout": 20, "transaction_mode": "IMMEDIATE"}
@@ -104,6 +119,11 @@ def in_process() -> dict[str, Any]:
             # file every process of the run shares, and the test PostgreSQL.
             "store_sqlite": sqlite(os.environ[STORE_SQLITE]),
             "store_postgres": postgres(),
+            # Django reads MySQL at READ COMMITTED unless told: this one is told otherwise.
+            "mysql": {
+                **mysql(isolation_level="repeatable read"),
+                "TEST": {"NAME": f"test_exactonce_{uuid.uuid4().hex[:8]}", "DEPENDENCIES": []},
+            },
         },
         "DATABASE_ROUTERS": ["tests.django_tests.routing.Router"],
     }
