@@ -12,6 +12,7 @@ one database, ``default``, which ``EXACTONCE_TEST_DJANGO_DB`` names
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import uuid
 from typing import Any
@@ -105,6 +106,16 @@ def one_database(spec: str) -> dict[str, Any]:
 STORE_SQLITE = "EXACTONCE_TEST_DJANGO_STORE_SQLITE"
 
 
+def _mysql_if_installed() -> dict[str, Any]:
+    """``mysql``, where mysqlclient is installed (Django's MySQL backend needs it)."""
+    if importlib.util.find_spec("MySQLdb") is None:
+        return {}
+    # Django reads MySQL at READ COMMITTED unless told: this one is told otherwise.
+    database = mysql(isolation_level="repeatable read")
+    database["TEST"] = {"NAME": f"test_exactonce_{uuid.uuid4().hex[:8]}", "DEPENDENCIES": []}
+    return {"mysql": database}
+
+
 def in_process() -> dict[str, Any]:
     """The settings ``tests/conftest.py`` configures for pytest-django."""
     names = {k: v for k, v in globals().items() if k.isupper()}
@@ -119,11 +130,7 @@ def in_process() -> dict[str, Any]:
             # file every process of the run shares, and the test PostgreSQL.
             "store_sqlite": sqlite(os.environ[STORE_SQLITE]),
             "store_postgres": postgres(),
-            # Django reads MySQL at READ COMMITTED unless told: this one is told otherwise.
-            "mysql": {
-                **mysql(isolation_level="repeatable read"),
-                "TEST": {"NAME": f"test_exactonce_{uuid.uuid4().hex[:8]}", "DEPENDENCIES": []},
-            },
+            **_mysql_if_installed(),
         },
         "DATABASE_ROUTERS": ["tests.django_tests.routing.Router"],
     }
