@@ -17,7 +17,9 @@ run at most once per attempt whatever the broker redelivers
   apply is recognised as its own.
 * **After the body.** ``RUNNING → SUCCEEDED`` or ``FAILED`` on the ``run_id``.
   A Celery retry (``self.retry``, ``autoretry_for``) is the next attempt of the
-  same job, written before the retry is published.
+  same job, written before the retry is published; asked for inside the body's
+  own transaction (``django://``), written once the body has ended, as is a
+  replacement (:mod:`~celery_exactonce.later`).
 * **Delayed jobs.** An ``eta`` or ``countdown`` in the future (on submit or on
   a retry) is never handed to the broker as an ETA message, which a Redis or
   SQS broker would deliver again after its visibility timeout: the job waits
