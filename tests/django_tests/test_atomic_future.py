@@ -22,6 +22,7 @@ from celery import Celery
 from celery.exceptions import Reject
 
 from celery_exactonce import ExactOnceTask, runtime
+from celery_exactonce.exceptions import StoreUnavailable
 from celery_exactonce.messages import HEADER_ATTEMPT, replacement_job_id
 from celery_exactonce.refs import JobRef
 from celery_exactonce.states import State
@@ -163,3 +164,31 @@ def test_scenario_76_a_submit_of_another_job_inside_the_bodys_atomic_stays_trans
     assert world.job("child") is None  # rolled back with the block, never published
     assert [i for i, _ in world.sent] == ["p", "p"]
     assert world.job("p").attempt == 1
+
+
+def test_scenario_76_a_retry_whose_write_fails_after_the_block_publishes_nothing_and_fails(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The next attempt cannot be written: no message for it, and the job ends ``FAILED``.
+
+    The write now waits for the body to end: this is its failure, loud (the
+    ``Reject`` Celery's retry raises when it cannot publish), never a message
+    without its write. (Before the fix the same write failed inside the block,
+    with the same outcome: this guards the new path, it does not reproduce the
+    old bug.)
+    """
+    write = world.store.transition
+
+    def refuse_next_attempt(ref: JobRef, request: Any, **kw: Any) -> Any:
+        if request.next_attempt:
+            raise StoreUnavailable("the store is down for the next attempt")
+        return write(ref, request, **kw)
+
+    monkeypatch.setattr(world.store, "transition", refuse_next_attempt)
+    world.app.tasks["t.body"].apply_async((1,), task_id="f")
+    assert world.deliver(0) == "requeued"  # Reject(requeue=False), as Celery's retry raises
+    assert _no_row("f")
+    job = world.job("f")
+    assert (job.state, job.attempt) == (State.FAILED, 0)
+    assert "rejected" in job.reason
+    assert [i for i, _ in world.sent] == ["f"]  # nothing published for attempt 1
