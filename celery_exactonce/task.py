@@ -17,7 +17,9 @@ run at most once per attempt whatever the broker redelivers
   apply is recognised as its own.
 * **After the body.** ``RUNNING → SUCCEEDED`` or ``FAILED`` on the ``run_id``.
   A Celery retry (``self.retry``, ``autoretry_for``) is the next attempt of the
-  same job, written before the retry is published.
+  same job, written before the retry is published; asked for inside the body's
+  own transaction (``django://``), written once the body has ended, as is a
+  replacement (:mod:`~celery_exactonce.later`).
 * **Delayed jobs.** An ``eta`` or ``countdown`` in the future (on submit or on
   a retry) is never handed to the broker as an ETA message, which a Redis or
   SQS broker would deliver again after its visibility timeout: the job waits
@@ -38,16 +40,17 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import functools
 import logging
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime, timezone
 from typing import Any, NoReturn
 
 from celery import Task, signals
 from celery.exceptions import Ignore, Reject, Retry
 
-from celery_exactonce import call_options, eager, messages, metrics, refs, submit
+from celery_exactonce import call_options, eager, later, messages, metrics, refs, submit
 from celery_exactonce.gate import Delivery, raw_republish, record_revoke, validate_gated_task
 from celery_exactonce.heartbeats import heartbeats
 from celery_exactonce.jobs import Job
@@ -68,6 +71,10 @@ class _Run:
     headers: Mapping[str, Any]
     #: The job that replaced this run (``Task.replace``), once submitted.
     replaced_by: JobRef | None = None
+    #: Writes about this job's future (its retry, its replacement) asked for inside a
+    #: transaction the body holds open on the store's connection (``django://``): made
+    #: once the body has ended, so that its rollback cannot undo them (:mod:`~.later`).
+    later: list[Callable[[], object]] = dataclasses.field(default_factory=list)
 
 
 _current: contextvars.ContextVar[_Run | None] = contextvars.ContextVar(
@@ -133,7 +140,11 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
             and task_id is not None
             and task_id == self.request.id
             and run.replaced_by is None
-        ):  # the running task's own id: Celery's retry (or a Reject requeue) re-publishing it
+        ):  # the running task's own id: Celery's retry re-publishing it
+            if not later.made_now(runtime_for(self.app)):  # inside the body's transaction
+                retry = functools.partial(self._retry_next_attempt, run, args, kwargs, options)
+                run.later.append(later.as_celery_retry(retry))
+                return self.AsyncResult(self.request.id)
             return self._retry_next_attempt(run, args, kwargs, options)
         return self._submit(args, kwargs, task_id, link, link_error, shadow, options)
 
@@ -299,6 +310,9 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
             return super().on_replace(sig)
         nesting = int(self.request.get("replaced_task_nesting") or 0) + 1
         run.replaced_by = JobRef.submitted(messages.replacement_job_id(self.request.id, nesting))
+        if not later.made_now(runtime_for(self.app)):
+            run.later.append(sig.delay)  # submitted once the body's transaction has ended
+            raise Ignore("Replaced by new task")
         return super().on_replace(sig)  # submits it, then raises Ignore
 
     def _requeue(self, run: _Run, delivery: Delivery, exc: Reject) -> NoReturn:
@@ -377,7 +391,7 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
         token = _current.set(run)
         beat = heartbeats.start(runtime, ref, run_id)
         try:
-            result = self.run(*args, **kwargs)
+            result = later.run_body(self.run, run.later, args, kwargs)
         except Retry as exc:
             if request.is_eager:  # Celery runs the retry itself, once this run has ended
                 self._retry_eagerly(run, exc)
