@@ -39,7 +39,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     if item.get_closest_marker("postgres") is not None:
         services.need("postgres")
     if item.get_closest_marker("mysql") is not None:
-        pytest.importorskip("MySQLdb", reason="Django's MySQL backend needs mysqlclient")
+        pytest.importorskip("MySQLdb", reason="Django's MySQL backend needs mysqlclient or PyMySQL")
         services.need("mysql")
 
 
