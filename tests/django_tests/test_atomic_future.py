@@ -155,9 +155,7 @@ def test_scenario_76_a_submit_of_another_job_inside_the_bodys_atomic_stays_trans
             world.app.tasks["t.after"].apply_async((2,), task_id="child")
             raise self.retry(countdown=0, max_retries=3)
 
-    world.app.task(base=ExactOnceTask, shared=False, bind=True, name="t.parent")(
-        submit_then_retry
-    )
+    world.app.task(base=ExactOnceTask, shared=False, bind=True, name="t.parent")(submit_then_retry)
     world.app.tasks["t.parent"].apply_async((1,), task_id="p")
     task_id, headers = world.sent[0]
     assert deliver_to(world.app.tasks["t.parent"], task_id, headers) == "sent_back"

@@ -295,9 +295,7 @@ def _register_tasks(app: Celery) -> None:  # noqa: PLR0915 - one definition per 
             raise Reject("not redelivered yet", requeue=True)
         return run
 
-    @app.task(
-        bind=True, shared=False, name="compat.reject_always", acks_late=True, max_retries=2
-    )
+    @app.task(bind=True, shared=False, name="compat.reject_always", acks_late=True, max_retries=2)
     def reject_always(self: Task, tag: str) -> None:
         """``Reject(requeue=True)`` on every delivery (plain Celery requeues it forever)."""
         run = bump(app, tag)
