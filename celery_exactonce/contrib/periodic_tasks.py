@@ -100,12 +100,15 @@ def schedule_of(row: Any) -> Any:
     start = None if row.start_time is None else aware(row.start_time)
     end = None if row.expires is None else aware(row.expires)
     one_off = bool(row.one_off) and not isinstance(inner, at)
+    # An interval counts from its start_time, as django-celery-beat runs it (the row
+    # carries it: every node derives the same slots); without one, from the epoch.
+    anchored = start is not None and isinstance(inner, timedelta)
     if one_off and start is None:
         # The first slot after the row's last change: every node reads the same row.
         start = aware(row.date_changed)
     if start is None and end is None and not one_off:
         return inner
-    return bounded(inner, start=start, end=end, first_only=one_off)
+    return bounded(inner, start=start, end=end, first_only=one_off, anchored=anchored)
 
 
 def entry_of(row: Any, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
