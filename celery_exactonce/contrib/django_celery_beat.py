@@ -14,8 +14,11 @@ dispatched once, with no leader.
   marker (one row); when it moved, or every five minutes, the rows are read
   again. An edited schedule moves the entry's future slots, and no slot at or
   below its watermark fires again; a disabled or deleted row fires no more; a
-  renamed row is a new entry, which starts after the row's ``last_run_at``
-  (its slots up to then ran under the old name). A row beat cannot run (arguments that are not
+  renamed row is a new entry, which starts after the row's ``last_run_at`` and
+  after every slot claimed under a name the node read the row under before
+  (the row's pk outlives the rename; those names' store watermarks), so a slot
+  claimed but not yet counted does not run again under the new name.
+  A row beat cannot run (arguments that are not
   JSON, a task beat refuses) is left out with an ``entry_refused`` error; the
   others keep running.
 * **Runs counted once.** ``last_run_at`` and ``total_run_count`` advance once
@@ -61,6 +64,8 @@ class DatabaseScheduler(ExactOnceScheduler):
         self._marker: datetime | None = None
         self._read_at: datetime | None = None
         self._unrecorded: list[tuple[int, datetime, bool]] = []  # (pk, slot, won)
+        self._names: dict[int, set[str]] = {}  # row pk -> every name this node read it under
+        self._earlier: dict[str, set[str]] = {}  # a renamed row's entry -> its earlier names
         super().__init__(app, *args, **kwargs)
 
     # -- celery.beat.Scheduler interface ---------------------------------------------
@@ -163,10 +168,47 @@ class DatabaseScheduler(ExactOnceScheduler):
                 )
                 continue
             self._rows[name], self._definitions[name] = row, definition
-            if row.last_run_at is not None:  # a renamed row: its runs so far are not new slots
-                ran = periodic_tasks.aware(row.last_run_at)
-                if name not in self._decided or self._decided[name] < ran:
-                    self._decided[name] = ran
+            self._continue_after_earlier_names(name, row)
+
+    def _continue_after_earlier_names(self, name: str, row: Any) -> None:
+        """A row read under a new name goes on after every slot it was claimed for before.
+
+        Its runs counted so far (``last_run_at``) are not new slots; nor is any
+        slot claimed under a name this node read the row under before (the row's
+        pk outlives a rename), even one not counted yet (its count write failed,
+        or another node is between its claim and its count): the store
+        watermarks of those names, which every claim under them advanced, are
+        read by :meth:`_load_watermarks` with the entry's own, before it plans.
+        """
+        if row.last_run_at is not None:
+            self._raise_decided(name, periodic_tasks.aware(row.last_run_at))
+        names = self._names.setdefault(row.pk, set())
+        earlier = names - {name}  # renamed back too: what it ran as since counts as well
+        if earlier:
+            self._earlier[name] = earlier
+            for old in earlier:  # what this node decided itself, store or no store
+                if old in self._decided:
+                    self._raise_decided(name, self._decided[old])
+        names.add(name)
+
+    def _raise_decided(self, name: str, mark: datetime) -> None:
+        if name not in self._decided or self._decided[name] < mark:
+            self._decided[name] = mark
+
+    def _load_watermarks(self, names: list[str], now: datetime) -> None:
+        """The store watermarks of due entries, and of the earlier names of renamed rows.
+
+        A store error raises before anything is kept: the tick claims nothing
+        (fail closed), and the earlier names are read again next tick.
+        """
+        renamed = {name: self._earlier[name] for name in names if name in self._earlier}
+        if renamed:
+            marks = self._runtime.store.watermarks(sorted(set().union(*renamed.values())))
+            for name, earlier in renamed.items():
+                for mark in (marks[old] for old in earlier if old in marks):
+                    self._raise_decided(name, mark)
+                del self._earlier[name]
+        super()._load_watermarks(names, now)
 
     def _drop(self, name: str) -> None:
         self._rows.pop(name, None)
