@@ -89,14 +89,12 @@ class DatabaseScheduler(ExactOnceScheduler):
 
     def _write_settings_entries(self, entries: dict[str, Any]) -> dict[str, Any]:
         """Write each settings entry into its row; those no row can hold, to run as they are."""
-        from django_celery_beat.schedulers import ModelEntry
-
         kept: dict[str, Any] = {}
         for name, fields in entries.items():
             options = dict(fields.get("options") or {})
             overrides = options.pop(ENTRY_OPTIONS, None)
             try:
-                ModelEntry.from_entry(name, app=self.app, **{**fields, "options": options})
+                periodic_tasks.write_settings_row(name, self.app, {**fields, "options": options})
             except (ValueError, TypeError):  # a schedule no row holds: run from the settings
                 kept[name] = fields
                 continue

@@ -148,6 +148,59 @@ def entry_of(row: Any, overrides: dict[str, Any] | None = None) -> dict[str, Any
     }
 
 
+def write_settings_row(name: str, app: Any, fields: dict[str, Any]) -> None:
+    """Write the ``beat_schedule`` entry ``name`` into its row, as django-celery-beat does,
+    unless the row already holds it.
+
+    A row saved again moves ``date_changed``, where a one-off without a
+    ``start_time`` starts, and the change marker, which makes every node read
+    the rows again: so a beat start that changes nothing writes nothing, and a
+    one-off written from the settings keeps its slot across restarts.
+
+    Raises ``ValueError`` or ``TypeError`` for a schedule no row can hold.
+    """
+    from django_celery_beat.models import PeriodicTask
+    from django_celery_beat.schedulers import ModelEntry
+
+    row = PeriodicTask.objects.filter(name=name).first()
+    if row is None or not _holds(row, ModelEntry, **fields):
+        ModelEntry.from_entry(name, app=app, **fields)
+
+
+def _holds(
+    row: Any,
+    entry_class: Any,
+    schedule: Any,
+    args: Any = None,
+    kwargs: Any = None,
+    relative: Any = None,
+    options: Any = None,
+    **extra: Any,
+) -> bool:
+    """Whether ``row`` holds what ``ModelEntry.from_entry`` would write, as it writes it.
+
+    Its schedule's row is looked up, never saved: saving one moves the marker.
+    """
+    from celery.schedules import maybe_schedule
+    from kombu.utils.json import dumps
+
+    sched = maybe_schedule(schedule)
+    fields: dict[str, Any] = {field: None for _, _, field in entry_class.model_schedules}
+    for kind, model, field in entry_class.model_schedules:
+        if isinstance(sched, kind):
+            fields[field] = model.from_schedule(sched)
+            break
+    else:
+        return False  # from_entry says why
+    fields.update(
+        extra,
+        args=dumps(args or []),  # type: ignore[no-untyped-call]  # as from_entry writes
+        kwargs=dumps(kwargs or {}),  # type: ignore[no-untyped-call]
+        **entry_class._unpack_options(**(options or {})),
+    )
+    return all(getattr(row, key) == value for key, value in fields.items())
+
+
 def is_one_off(row: Any) -> bool:
     """Whether the row runs once: ``one_off``, or a clocked schedule."""
     return bool(row.one_off) or row.clocked_id is not None

@@ -362,3 +362,27 @@ def test_scenario_74_a_rename_between_one_nodes_claim_and_count_runs_no_slot_twi
     ]
     assert cluster.fired("report-renamed") == [START + timedelta(seconds=s) for s in (20, 30, 40)]
     assert PeriodicTask.objects.get(pk=pk).total_run_count == len(cluster.broker.sent) == 5
+
+
+def test_a_settings_one_off_keeps_its_row_and_its_slot_across_beat_starts(alias: str) -> None:
+    """Each beat start wrote every ``beat_schedule`` entry into its row again: before the
+    fix that moved ``date_changed`` (where a one-off without a ``start_time`` starts, so its
+    slot moved at every start) and the change marker (every node read the rows again)."""
+    from django_celery_beat.models import PeriodicTask
+
+    from celery_exactonce.contrib import periodic_tasks
+
+    schedule = {
+        "once": {"task": "plain.u", "schedule": timedelta(hours=1), "one_off": True},
+        "hourly": {"task": "plain.u", "schedule": timedelta(hours=1), "args": [1]},
+    }
+    cluster = DjangoCluster(nodes=1, start=START, schedule=schedule)
+    written = {row.name: row.date_changed for row in PeriodicTask.objects.all()}
+    assert PeriodicTask.objects.get(name="once").one_off is True
+    marker = periodic_tasks.last_change()
+    cluster.nodes.append(DatabaseScheduler(cluster.app))  # another beat starts
+    assert {row.name: row.date_changed for row in PeriodicTask.objects.all()} == written
+    assert periodic_tasks.last_change() == marker
+    first, second = (node.schedule["once"].schedule for node in cluster.nodes)
+    assert first == second
+    assert first.start == periodic_tasks.aware(written["once"])
