@@ -40,13 +40,18 @@ import logging
 from datetime import datetime, timedelta
 from typing import Any
 
-from celery_exactonce import exceptions, metrics
+from celery_exactonce import exceptions, metrics, slots
 from celery_exactonce.contrib import periodic_tasks
-from celery_exactonce.entries import ENTRY_OPTIONS
+from celery_exactonce.entries import ENTRY_OPTIONS, occurrence_id
 from celery_exactonce.planner import Plan
+from celery_exactonce.refs import JobRef
 from celery_exactonce.scheduler import ExactOnceScheduler
 
 __all__ = ["DatabaseScheduler"]
+
+#: Most slots of one row a node looks up in the store when it starts after a watermark
+#: it did not decide itself (see :meth:`DatabaseScheduler._count_passed`).
+PASSED_LIMIT = 100
 
 #: Seconds after which the rows are read again even if the marker did not move
 #: (a change made with ``QuerySet.update`` does not move it), as django-celery-beat does.
@@ -199,6 +204,7 @@ class DatabaseScheduler(ExactOnceScheduler):
         A store error raises before anything is kept: the tick claims nothing
         (fail closed), and the earlier names are read again next tick.
         """
+        before = {name: self._decided.get(name) for name in names}
         renamed = {name: self._earlier[name] for name in names if name in self._earlier}
         if renamed:
             marks = self._runtime.store.watermarks(sorted(set().union(*renamed.values())))
@@ -207,6 +213,41 @@ class DatabaseScheduler(ExactOnceScheduler):
                     self._raise_decided(name, mark)
                 del self._earlier[name]
         super()._load_watermarks(names, now)
+        self._count_passed(before, now)
+
+    def _count_passed(self, before: dict[str, datetime | None], now: datetime) -> None:
+        """Count the claimed slots a row's entry passed over by taking a store watermark.
+
+        The nodes that decided a slot count it, in slot order (the guard of
+        :func:`periodic_tasks.record_run`); a node that did not (it was behind,
+        or it starts) but counts a later one would leave an earlier count that
+        failed on its winner refused when it is tried again. So the slots
+        between where this node was (or the row's ``last_run_at``) and the
+        watermark are looked up in the store, at most :data:`PASSED_LIMIT`, and
+        those claimed are counted first (a store error fails the tick closed).
+        Nothing to look up in the steady state: a node that keeps up takes no
+        watermark.
+        """
+        store = self._runtime.store
+        for name, was in before.items():
+            row, mark, entry = (
+                self._rows.get(name),
+                self._decided.get(name),
+                self.schedule.get(name),
+            )
+            if row is None or entry is None or mark is None or (was is not None and mark <= was):
+                continue
+            floor = now - timedelta(seconds=self._config.window_lookback)
+            since = max(floor, was or floor)
+            if row.last_run_at is not None:
+                since = max(since, periodic_tasks.aware(row.last_run_at))
+            fires = slots.slots_between(
+                entry.schedule, since, mark, tz=self._tz, limit=PASSED_LIMIT
+            )
+            for fire in fires:
+                ref = JobRef.occurrence(occurrence_id(store.namespace, name, fire))
+                if store.get(ref) is not None:
+                    self._unrecorded.append((row.pk, fire, False))
 
     def _drop(self, name: str) -> None:
         self._rows.pop(name, None)

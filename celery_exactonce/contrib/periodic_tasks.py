@@ -234,6 +234,10 @@ def record_run(pk: int, fire: datetime, *, won: bool) -> bool:
     disabled since (django-celery-beat empties the field on every save of a
     disabled row): that one is counted by the winner alone, since a slot
     counted before the field was emptied cannot be told from a new one.
+    Without ``USE_TZ``, the row stores naive local times, which go back in
+    the hour a fall-back repeats: there the guard cannot tell a new slot from
+    a counted one, so a slot of that second hour is counted by its winner
+    alone, unguarded (a winner killed before its count leaves it uncounted).
     Whether this call counted it.
     """
     from django.db.models import F, Q
@@ -242,6 +246,10 @@ def record_run(pk: int, fire: datetime, *, won: bool) -> bool:
     when = stored(fire)
     never_counted = Q(last_run_at__isnull=True, total_run_count=0)
     after = Q(last_run_at__lt=when) | (Q(last_run_at__isnull=True) if won else never_counted)
+    if aware(when) != fire:  # the repeated hour: its stored time reads as the first one
+        if not won:
+            return False
+        after = Q()
     return bool(
         PeriodicTask.objects.filter(after, pk=pk).update(
             last_run_at=when, total_run_count=F("total_run_count") + 1

@@ -231,3 +231,27 @@ def test_disabling_a_one_off_happens_once_and_moves_the_marker(alias: str) -> No
     assert PeriodicTask.objects.get(pk=row.pk).enabled is False
     assert periodic_tasks.last_change() not in (None, before)
     assert [r.name for r in periodic_tasks.enabled_rows()] == []
+
+
+def test_record_run_counts_the_hour_a_fall_back_repeats_without_use_tz(
+    alias: str, settings: Any
+) -> None:
+    """Suspicion: ``record_run``'s ``last_run_at < slot`` guard drops slots at a DST
+    fall-back with ``USE_TZ = False``. Confirmed: the row stores naive local times, which go
+    back an hour there, so before the fix the second 01:00 and 01:30 were not counted and
+    ``total_run_count`` ended two below the runs. Two nodes record each slot, in order."""
+    from django_celery_beat.models import PeriodicTask
+
+    if alias != "default":
+        pytest.skip("USE_TZ is switched for SQLite only (a server connection keeps its zone)")
+    settings.USE_TZ, settings.TIME_ZONE = False, "America/New_York"
+    row = _row()
+    # 01:00 and 01:30 EDT, then 01:00 and 01:30 EST (the repeated hour), then 02:00 EST
+    fires = [_utc(2026, 11, 1, 5), _utc(2026, 11, 1, 5, 30), _utc(2026, 11, 1, 6)]
+    fires += [_utc(2026, 11, 1, 6, 30), _utc(2026, 11, 1, 7)]
+    for fire in fires:
+        for won in (False, True, False):  # a loser first, the winner, a late loser
+            periodic_tasks.record_run(row.pk, fire, won=won)
+    counted = PeriodicTask.objects.get(pk=row.pk)
+    assert counted.total_run_count == len(fires)
+    assert counted.last_run_at == datetime(2026, 11, 1, 2, 0)  # naive, New York

@@ -386,3 +386,44 @@ def test_a_settings_one_off_keeps_its_row_and_its_slot_across_beat_starts(alias:
     first, second = (node.schedule["once"].schedule for node in cluster.nodes)
     assert first == second
     assert first.start == periodic_tasks.aware(written["once"])
+
+
+def test_an_earlier_slots_count_landing_after_a_later_ones_is_not_lost(
+    alias: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Suspicion: ``record_run``'s ``last_run_at < slot`` guard drops an earlier slot's
+    count that lands after a later one. Confirmed: node 1 won S1 and its count write
+    failed; node 2, which had not decided S1 (it was behind), counted S2; before the fix
+    node 1's retry of S1 was refused and ``total_run_count`` ended one below the runs.
+    Now a node that finds slots it never decided below a watermark counts the claimed ones."""
+    from django.db import DatabaseError
+    from django_celery_beat.models import PeriodicTask
+
+    from celery_exactonce.contrib import periodic_tasks
+
+    pk = add_row("report").pk
+    cluster = DjangoCluster(nodes=2, start=START)
+    cluster.tick_all()
+    first, second = cluster.nodes
+    record_run = periodic_tasks.record_run
+    failed: list[datetime] = []
+
+    def fails_once(row: int, fire: datetime, *, won: bool) -> bool:
+        if not failed:
+            failed.append(fire)
+            raise DatabaseError("the count write failed")
+        return record_run(row, fire, won=won)
+
+    monkeypatch.setattr(periodic_tasks, "record_run", fails_once)
+    cluster.clock.set(START + timedelta(seconds=10))
+    first.tick()  # S1 won and dispatched; its count failed
+    cluster.clock.set(START + timedelta(seconds=20))
+    second.tick()  # behind: it starts after the watermark, S1, and counts S2
+    first.tick()  # S1's count tried again
+    assert failed == [START + timedelta(seconds=10)]
+    assert cluster.fired("report") == [START + timedelta(seconds=s) for s in (0, 10, 20)]
+    row = PeriodicTask.objects.get(pk=pk)
+    assert (row.total_run_count, periodic_tasks.aware(row.last_run_at)) == (
+        3,
+        START + timedelta(seconds=20),
+    )
