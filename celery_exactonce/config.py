@@ -18,7 +18,7 @@ import warnings
 from collections.abc import Mapping
 from typing import Any, Literal, cast
 
-from celery_exactonce import exceptions, refs, signing
+from celery_exactonce import exceptions, refs, signing, unknown_settings
 from celery_exactonce.stores import KNOWN_SCHEMES, redact_url, validate_namespace
 
 PREFIX = "exactonce_"
@@ -33,8 +33,12 @@ _TABLE_PREFIX_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,31}$")
 MAX_SHARDS = 256
 
 
-class UnknownSettingWarning(UserWarning):
-    """An ``exactonce_*`` setting that this version does not know (a typo?)."""
+#: Where the Prometheus endpoints listen by default: every IPv4 interface, as a scrape
+#: target must be reachable (prometheus-client cannot bind ``""``; ``"::"`` adds IPv6
+#: where the host has it).
+DEFAULT_METRICS_ADDR = "0.0.0.0"  # noqa: S104  (every interface is the point)
+
+UnknownSettingWarning = unknown_settings.UnknownSettingWarning
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,14 +131,18 @@ class ExactOnceConfig:
     worker_metrics_port: int | None = None
     """The port a worker's main process serves Prometheus ``/metrics`` on (a prefork pool
     needs ``PROMETHEUS_MULTIPROC_DIR``); unset: none. 1-65535."""
-    metrics_addr: str = ""
-    """The address those endpoints listen on (``""``: every interface)."""
+    metrics_addr: str = DEFAULT_METRICS_ADDR
+    """The address those endpoints listen on: ``"0.0.0.0"`` (the default; ``""`` means the
+    same), every IPv4 interface; ``"::"`` every interface, IPv6 too where the host has it;
+    or one address of the host (``"127.0.0.1"``)."""
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             if field.name != "signing_key":
                 _check_type(field.name, getattr(self, field.name), field.type)
         validate_namespace(self.namespace, "exactonce_namespace")
+        if not self.metrics_addr:  # prometheus-client cannot bind "": every interface
+            object.__setattr__(self, "metrics_addr", DEFAULT_METRICS_ADDR)
         _check_store_url(self.store_url)
         _check_choice("catchup", self.catchup, ("latest", "all", "none"))
         _check_choice("reconcile_on", self.reconcile_on, ("beat", "worker"))
@@ -230,20 +238,19 @@ class ExactOnceConfig:
 
     @classmethod
     def from_mapping(cls, settings: Mapping[str, Any]) -> ExactOnceConfig:
-        """Build from ``exactonce_*`` keys; unknown ones warn (:class:`UnknownSettingWarning`)."""
-        known = {field.name for field in dataclasses.fields(cls)}
+        """Build from ``exactonce_*`` keys; unknown ones warn (:class:`UnknownSettingWarning`)
+        at the caller, naming the known setting each resembles."""
+        for unknown in unknown_settings.find(settings, KNOWN, PREFIX):
+            warnings.warn(unknown.message, UnknownSettingWarning, stacklevel=2)
+        return cls._from_known(settings)
+
+    @classmethod
+    def _from_known(cls, settings: Mapping[str, Any]) -> ExactOnceConfig:
         values: dict[str, Any] = {}
         for raw_key, value in settings.items():
             name = raw_key.lower()[len(PREFIX) :]
-            if name in known:
+            if name in KNOWN:
                 values[name] = value
-            else:
-                warnings.warn(
-                    f"unknown setting {raw_key!r} ignored (known: "
-                    f"{', '.join(PREFIX + n for n in sorted(known))})",
-                    UnknownSettingWarning,
-                    stacklevel=3,
-                )
         if values.get("store_url") is None:
             raise _error("store_url", "is required (e.g. redis://localhost:6379/0)")
         return cls(**values)
@@ -252,13 +259,17 @@ class ExactOnceConfig:
     def from_app(cls, app: Any) -> ExactOnceConfig:
         """Read and validate the settings of Celery app ``app``.
 
+        An unknown ``exactonce_*`` setting warns (:class:`UnknownSettingWarning`)
+        at the file the app's settings come from, with the setting meant.
+
         Raises
         ------
         ConfigurationError
             A setting is missing, of the wrong type or inconsistent; the message
             names it as the app spells it (``exactonce_retention``).
         """
-        return cls.from_mapping(settings_of(app))
+        unknown_settings.warn(app, unknown_of(app))
+        return cls._from_known(settings_of(app))
 
     def __repr__(self) -> str:
         # The dataclass repr would print store_url and signing_key in clear, and a
@@ -277,17 +288,27 @@ class ExactOnceConfig:
 
 def settings_of(app: Any) -> dict[str, Any]:
     """The ``exactonce_*`` settings of ``app``, keys lower-case (Django's ``CELERY_`` stripped)."""
+    return {name: app.conf.get(key) for name, key in _keys_of(app).items()}
+
+
+def unknown_of(app: Any) -> list[unknown_settings.Unknown]:
+    """The ``exactonce_*`` settings of ``app`` this version does not know, as spelled."""
+    return unknown_settings.find(_keys_of(app).values(), KNOWN, PREFIX)
+
+
+def _keys_of(app: Any) -> dict[str, str]:
+    """Each ``exactonce_*`` setting of ``app``: its lower-case name, and its key as spelled."""
     conf = app.conf
     namespace = (getattr(app, "namespace", None) or "").lower()
     strip = f"{namespace}_" if namespace else ""
-    settings: dict[str, Any] = {}
+    keys: dict[str, str] = {}
     for key in list(conf.keys()):
         lowered = str(key).lower()
         if strip and lowered.startswith(strip + PREFIX):
             lowered = lowered[len(strip) :]
         if lowered.startswith(PREFIX):
-            settings[lowered] = conf.get(key)
-    return settings
+            keys[lowered] = str(key)
+    return keys
 
 
 def _error(name: str, problem: str) -> exceptions.ConfigurationError:
@@ -325,6 +346,10 @@ def _check_store_url(url: str) -> None:
             f"(expected one of {', '.join(s + '://' for s in sorted(KNOWN_SCHEMES))})",
             setting=PREFIX + "store_url",
         )
+
+
+#: Every setting's name without the prefix.
+KNOWN = frozenset(field.name for field in dataclasses.fields(ExactOnceConfig))
 
 
 def as_catchup(value: str) -> Catchup:

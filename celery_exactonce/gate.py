@@ -59,19 +59,19 @@ class Delivery:
     ) -> Job | None:
         """Pass the gate (returning the ``RUNNING`` job this delivery owns) or raise.
 
-        ``run_id`` is this delivery's own token, fresh for it: the body runs
-        only once the store confirms the job ``RUNNING`` under it. Raises
-        ``Ignore`` for a delivery the job does not wait for, and the exception
-        of :meth:`_send_back` when the store stays unreachable. With ``brief``
-        the CAS may answer without the record: ``None`` when it applied (a
-        refused CAS carries the record all the same, to decide on).
+        ``run_id`` is this delivery's own token, fresh for it: the body runs only
+        once the store confirms the job ``RUNNING`` under it. Raises ``Ignore``
+        for a delivery the job does not wait for. With ``brief`` the CAS may
+        answer without the record: ``None`` when it applied.
 
         A write whose answer is lost is settled by reading the record back
         (never by guessing). A delivery that could not settle in time is sent
         back carrying *tickets*: the run ids it (or the deliveries before it)
         may have written. A ticket is not ownership: the next delivery holding
         it must *take over* the run with a CAS from that run id to its own,
-        which only one copy of a message can win.
+        which only one copy of a message can win. A copy the broker refuses
+        leaves this delivery trying, another ``exactonce_gate_timeout``, under
+        a fresh run id (its old ones tickets), then ``Reject(requeue=True)``.
         """
         runtime, ref, attempt, run_id = self.runtime, self.ref, self.attempt, self.run_id
         headers = self.headers
@@ -86,6 +86,7 @@ class Delivery:
             new_run_id=run_id,
         )
         deadline = time.monotonic() + self.task.exactonce_gate_timeout
+        give_up: float | None = None  # past the deadline: until when to keep trying
         delay = runtime.config.retry_delay_store
         adoption_lost = False
         write: Transition | None = gate  # the next write; None: read the record first
@@ -113,19 +114,29 @@ class Delivery:
                     self._refuse(job)
             except exceptions.StoreError as exc:
                 write = None  # what did the store keep? read it back before writing again
-                if time.monotonic() + delay > deadline:
-                    metrics.event(
-                        "fail_closed",
-                        f"gate of {ref} cannot reach the store: delivery sent back",
-                        level=logging.WARNING,
-                        labels={"phase": "gate_read"},
-                        sentry=True,
-                        job_id=ref.id,
-                        task=self.task.name,
-                        key=headers.get(messages.HEADER_KEY),
-                        exc_info=exc,
-                    )
-                    raise self._send_back(tickets | {run_id}, delay, exc) from exc
+                now = time.monotonic()
+                if now + delay > deadline:
+                    if give_up is None:
+                        give_up = now + self.task.exactonce_gate_timeout
+                        metrics.event(
+                            "fail_closed",
+                            f"gate of {ref} cannot reach the store: delivery sent back",
+                            level=logging.WARNING,
+                            labels={"phase": "gate_read"},
+                            sentry=True,
+                            job_id=ref.id,
+                            task=self.task.name,
+                            key=headers.get(messages.HEADER_KEY),
+                            exc_info=exc,
+                        )
+                    tickets |= {run_id}
+                    sent = self._send_back(tickets, delay, exc)
+                    if sent is not None or now + delay > give_up:
+                        raise (sent or self._give_back(exc)) from exc
+                    # Refused (the copy may have landed all the same): keep trying, under a
+                    # fresh run id; the old ones are tickets, as for any copy (one wins).
+                    run_id = self.run_id = refs.new_token()
+                    gate = dataclasses.replace(gate, new_run_id=run_id, new_rev=refs.new_token())
                 time.sleep(delay)
                 delay = min(delay * 2, 10.0)
 
@@ -235,14 +246,12 @@ class Delivery:
 
     def _send_back(
         self, tickets: frozenset[str], delay: float, exc: BaseException
-    ) -> BaseException:
+    ) -> BaseException | None:
         """Re-publish this delivery (same attempt) with its tickets; what the worker must raise.
 
-        Celery's ``retry`` is not used: it counts against ``max_retries`` (a task
-        on its last attempt would get ``MaxRetriesExceededError`` and the
-        delivery would be lost) and starts the next attempt. Returns ``Retry``
-        once the copy is sent; if it cannot be sent, ``Reject(requeue=True)``,
-        which gives the message back to the broker where ``acks_late`` holds it.
+        Celery's ``retry`` is not used: it counts against ``max_retries`` (a task on
+        its last attempt would get ``MaxRetriesExceededError``, the delivery lost)
+        and starts the next attempt. ``Retry`` once sent; ``None``: refused (counted).
         """
         attempt = self.attempt
         request = self.task.request
@@ -254,19 +263,34 @@ class Delivery:
         raw = raw_republish.set(attempt)
         try:
             signature.apply_async(add_to_parent=False)
-        except Exception as error:  # the broker refused too: hand the message back
+        except Exception as error:  # the broker refused too: the caller keeps trying
             metrics.event(
                 "gate_send_back_failed",
-                f"gate of {request.id} could not send the delivery back ({error}): requeued",
+                f"gate of {request.id} could not send the delivery back ({error}): "
+                "trying the store and the broker again",
                 level=logging.WARNING,
                 job_id=request.id,
             )
-            requeue: BaseException = Reject(exc, requeue=True)
-            return requeue
+            return None
         finally:
             raw_republish.reset(raw)
         sent_back: BaseException = Retry(exc=exc, when=delay, sig=signature)
         return sent_back
+
+    def _give_back(self, exc: BaseException) -> BaseException:
+        """No store nor broker in time: ``Reject(requeue=True)`` (no tickets: at ERROR)."""
+        lost = "" if self.task.acks_late else " (none: acked on receipt; left to the reconciler)"
+        metrics.event(
+            "gate_gave_up",
+            f"gate of {self.ref} reached neither the store nor the broker: the message "
+            f"goes back without its tickets{lost}",
+            level=logging.ERROR,
+            sentry=True,
+            job_id=self.ref.id,
+            task=self.task.name,
+        )
+        requeue: BaseException = Reject(exc, requeue=True)
+        return requeue
 
     def finish(self, state: State, reason: str) -> None:
         """Write the run's outcome (``RUNNING →`` ``state``) on its run id; a late one is noted."""

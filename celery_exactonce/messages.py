@@ -3,7 +3,8 @@
 Every message of a job carries ``exactonce_job_id``, ``exactonce_attempt`` and
 ``idempotency_key`` in its headers; a beat occurrence's also ``exactonce_key``
 and ``exactonce_fire_time``; a delivery the gate sent back also
-``exactonce_gate_runs`` (docs/design/protocol.md, "Dispatch" and "The worker
+``exactonce_gate_runs``, and a copy requeued by ``Reject(requeue=True)``
+``exactonce_requeued`` (docs/design/protocol.md, "Dispatch" and "The worker
 gate"). The dispatcher writes them (:func:`message_headers`), the gate reads
 them (:func:`headers_of`, :func:`ref_from_headers`). The job options that are
 ours and never published (:data:`INTERNAL_OPTIONS`) and the ``send_task``
@@ -27,6 +28,9 @@ HEADER_FIRE_TIME = "exactonce_fire_time"
 #: Header carrying the run ids that earlier deliveries of this message wrote
 #: (or may have written) at the gate before a store error sent them back.
 HEADER_GATE_RUNS = "exactonce_gate_runs"
+#: Header of the copy a ``Reject(requeue=True)`` publishes for the next attempt:
+#: the body sees that delivery as redelivered, as it would a message given back.
+HEADER_REQUEUED = "exactonce_requeued"
 
 #: Job option (stored, never published as an option): the Celery ``task_id`` of
 #: the job's messages when it differs from the job id. A task's replacement
@@ -161,6 +165,7 @@ def headers_of(request: Any) -> dict[str, Any]:
         HEADER_KEY,
         HEADER_FIRE_TIME,
         HEADER_GATE_RUNS,
+        HEADER_REQUEUED,
     )
     if isinstance(request, Mapping):
         nested = request.get("headers") or {}

@@ -11,7 +11,8 @@ far it has decided the entry's slots, the store-loss floor) and returns a
   skipped (``window``);
 * slots at or before the store-loss floor of the entry (its shard's, on a
   sharded store) are skipped (``unprovable`` or ``store_loss``,
-  :mod:`~celery_exactonce.store_loss`);
+  :mod:`~celery_exactonce.store_loss`); those before the birth of a store
+  that lost nothing are ``before_store``, which no record keeps;
 * after downtime, the entry's catch-up policy picks which missed slots to
   claim (``latest`` by default, the newest ``catchup_limit`` with ``all``,
   ``none``); ``max_lateness`` skips slots that are too late (``catchup``).
@@ -80,10 +81,13 @@ def plan(
     now: datetime,
     floor: datetime | None,
     floor_reason: str,
+    born: datetime | None = None,
 ) -> Plan:
     """The plan of ``name`` at store time ``now``, its slots decided up to ``decided``.
 
-    No slot at or before ``floor`` is claimed (skipped as ``floor_reason``).
+    No slot at or before ``floor`` is claimed (skipped as ``floor_reason``);
+    of those, the slots before ``born`` (the store epoch's birth, on a store
+    that lost nothing) are skipped as ``before_store``: none could be claimed.
     """
     lookback = now - timedelta(seconds=config.window_lookback)
     result = Plan(name, start=lookback if decided is None else decided)
@@ -101,8 +105,11 @@ def plan(
             due.append(latest)
     result.due = due
     unprovable = [f for f in due if floor is not None and f <= floor]
-    if unprovable:
-        result.skipped.append((floor_reason, unprovable))
+    before = [f for f in unprovable if born is not None and f < born]
+    if before:
+        result.skipped.append(("before_store", before))
+    if unprovable[len(before) :]:
+        result.skipped.append((floor_reason, unprovable[len(before) :]))
     provable = due[len(unprovable) :]
     if provable:
         result.claim, late = select(policy, provable, now, config)

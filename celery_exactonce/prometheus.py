@@ -27,7 +27,9 @@ Not here: the values themselves (:mod:`celery_exactonce.gauges`,
 
 from __future__ import annotations
 
+import errno
 import os
+import socket
 import threading
 import time
 from collections.abc import Iterable
@@ -39,6 +41,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import REGISTRY, Collector, CollectorRegistry
 
 from celery_exactonce import exceptions, metrics
+from celery_exactonce.config import DEFAULT_METRICS_ADDR
 from celery_exactonce.gauges import MAX_AGE, BeatGauges, StoreGauges
 from celery_exactonce.states import State
 
@@ -139,6 +142,7 @@ class MetricsServer:
         collector: BeatCollector | None = None,
     ) -> None:
         self.collector = collector
+        addr = addr or DEFAULT_METRICS_ADDR  # prometheus-client cannot bind ""
         metrics.ensure_prometheus()  # the event families exist before the first event
         served = registry if collector is None else _Joined(registry, collector)
         try:
@@ -146,10 +150,7 @@ class MetricsServer:
                 port, addr=addr, registry=served
             )
         except OSError as exc:
-            raise exceptions.ConfigurationError(
-                f"{setting}={port}: cannot serve /metrics on {addr or '*'}:{port}: {exc}",
-                setting=setting,
-            ) from exc
+            raise refusal(setting, port, addr, exc) from exc
         self.port = int(self._server.server_address[1])
         self._closed = threading.Event()
 
@@ -165,12 +166,47 @@ class MetricsServer:
             self.collector.store.close()
 
 
+def refusal(setting: str, port: int, addr: str, exc: OSError) -> exceptions.ConfigurationError:
+    """Why ``/metrics`` cannot be served on ``addr:port``, and what to change."""
+    if exc.errno in (errno.EADDRINUSE, errno.EACCES):
+        fix = f"set {setting} to a free port (or stop what listens there)"
+    else:
+        fix = (
+            "set exactonce_metrics_addr to an address of this host "
+            '("0.0.0.0": every IPv4 interface, "::": IPv6 too, "127.0.0.1": this host only)'
+        )
+    return exceptions.ConfigurationError(
+        f"{setting}={port}: cannot serve /metrics on {addr}:{port}: {exc}: {fix}",
+        setting=setting,
+    )
+
+
+def probe(port: int, addr: str, *, setting: str) -> str:
+    """Bind ``addr:port`` as the endpoint would, and release it at once.
+
+    Returns where the endpoint would listen; raises a ``ConfigurationError``
+    naming ``setting`` and the fix when it cannot (an address this host does
+    not have, a port taken). It proves the port free now, not when the node
+    starts.
+    """
+    try:
+        family, _, _, _, sockaddr = socket.getaddrinfo(
+            addr, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server does
+            sock.bind(sockaddr)
+    except OSError as exc:  # socket.gaierror is one
+        raise refusal(setting, port, addr, exc) from exc
+    return f"{addr}:{port}"
+
+
 def serve_beat(
     store: Any,
     beat: BeatGauges,
     *,
     port: int,
-    addr: str = "",
+    addr: str = DEFAULT_METRICS_ADDR,
     reconcile_here: bool = True,
     max_age: float = MAX_AGE,
 ) -> MetricsServer:
@@ -183,7 +219,7 @@ def serve_beat(
     )
 
 
-def serve_worker(*, port: int, addr: str = "", prefork: bool) -> MetricsServer:
+def serve_worker(*, port: int, addr: str = DEFAULT_METRICS_ADDR, prefork: bool) -> MetricsServer:
     """Serve a worker's ``/metrics`` from its main process.
 
     Under ``PROMETHEUS_MULTIPROC_DIR``: every process's files, merged; without

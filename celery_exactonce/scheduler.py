@@ -409,6 +409,7 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
             now=now,
             floor=self._guard.floor_for(name),
             floor_reason=self._guard.reason_for(name),
+            born=self._guard.born_for(name),
         )
         if decided is not None:
             self._decided[name] = plan.start

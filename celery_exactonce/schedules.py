@@ -298,7 +298,10 @@ class bounded(BaseSchedule):  # type: ignore[misc]  # celery is untyped
 
     ``first_only``: only the first slot at or after ``start`` (a one-off job);
     ``start`` is then required, so every node agrees on which slot is first.
-    Bounds are aware datetimes; ``None`` leaves that side open.
+    ``anchored``: an interval's slots are ``start + k * run_every`` rather than
+    counted from the UNIX epoch (a django-celery-beat row's ``start_time`` picks
+    the time of day so); ``start`` is then required. Bounds are aware
+    datetimes; ``None`` leaves that side open.
     """
 
     def __init__(
@@ -308,6 +311,7 @@ class bounded(BaseSchedule):  # type: ignore[misc]  # celery is untyped
         start: datetime | None = None,
         end: datetime | None = None,
         first_only: bool = False,
+        anchored: bool = False,
         app: Any = None,
         nowfun: Any = None,
     ) -> None:
@@ -315,10 +319,12 @@ class bounded(BaseSchedule):  # type: ignore[misc]  # celery is untyped
         self.start = None if start is None else _aware("bounded(start)", start)
         self.end = None if end is None else _aware("bounded(end)", end)
         self.first_only = bool(first_only)
-        if first_only and start is None:
-            raise exceptions.ConfigurationError(
-                "bounded(first_only=True) needs a start: every node must agree on the first slot"
-            )
+        self.anchored = bool(anchored)
+        for flag, on in (("first_only", first_only), ("anchored", anchored)):
+            if on and start is None:
+                raise exceptions.ConfigurationError(
+                    f"bounded({flag}=True) needs a start: every node must agree on the slots"
+                )
         super().__init__(nowfun=nowfun, app=app)
 
     def is_due(self, last_run_at: datetime) -> Any:
@@ -347,27 +353,28 @@ class bounded(BaseSchedule):  # type: ignore[misc]  # celery is untyped
         parts += [
             f"{k}={v.isoformat()}" for k, v in (("start", self.start), ("end", self.end)) if v
         ]
-        if self.first_only:
-            parts.append("first_only")
+        parts += [flag for flag in ("first_only", "anchored") if getattr(self, flag)]
         return f"<bounded: {' '.join(parts)}>"
 
+    def _key(self) -> tuple[Any, ...]:
+        return (self.schedule, self.start, self.end, self.first_only, self.anchored)
+
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_rebuild_bounded, (self.schedule, self.start, self.end, self.first_only))
+        return (_rebuild_bounded, self._key())
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, bounded):
-            return (self.schedule, self.start, self.end, self.first_only) == (
-                other.schedule,
-                other.start,
-                other.end,
-                other.first_only,
-            )
+            return self._key() == other._key()
         return NotImplemented
 
     __hash__ = None  # type: ignore[assignment]
 
 
 def _rebuild_bounded(
-    schedule: Any, start: datetime | None, end: datetime | None, first_only: bool
+    schedule: Any,
+    start: datetime | None,
+    end: datetime | None,
+    first_only: bool,
+    anchored: bool = False,
 ) -> bounded:
-    return bounded(schedule, start=start, end=end, first_only=first_only)
+    return bounded(schedule, start=start, end=end, first_only=first_only, anchored=anchored)

@@ -258,6 +258,9 @@ class SigningStore:
             state, limit, after=after, older_than=older_than, task=task, entry=entry
         )
 
+    def find_ids(self, prefix: str, limit: int) -> list[JobRef]:
+        return self.inner.find_ids(prefix, limit)
+
     def claim_due(self, limit: int, *, node: str, reason: str = "claimed") -> list[Job]:
         return self.inner.claim_due(limit, node=node, reason=reason)
 

@@ -59,3 +59,22 @@ class SkippedSlots:
             node=str(data["node"]),
             at=times.from_micros_opt(data.get("at")),
         )
+
+
+def merged(records: list[SkippedSlots]) -> list[SkippedSlots]:
+    """``records`` with the same range noted by several nodes as one, its nodes joined.
+
+    Every beat node plans every entry, so a range every node skipped (the
+    first moments of a store, a loss all of them met) is noted once per node:
+    it is one range of skipped slots, counted once, ``node`` naming each
+    node (``a, b``) and ``at`` the newest noting. Order (newest first) kept.
+    """
+    groups: dict[tuple[str, str, datetime, datetime, int], list[SkippedSlots]] = {}
+    for r in records:
+        groups.setdefault((r.entry, r.where, r.first, r.last, r.count), []).append(r)
+    return [
+        dataclasses.replace(
+            same[0], node=", ".join(dict.fromkeys(r.node for r in same)), at=same[0].at
+        )
+        for same in groups.values()
+    ]

@@ -30,6 +30,7 @@ from celery_exactonce.stores.base import StateStore
 WHY = {
     "catchup": "the catch-up policy",
     "window": "they left window_lookback unclaimed",
+    "before_store": "before the store epoch's birth: nothing could be claimed then",
     "unprovable": "at or before the store epoch's birth + max_skew: a new (or wiped) store",
     "store_loss": "store loss: unprovable",
 }
@@ -38,7 +39,11 @@ WHY = {
 TO_SENTRY = frozenset({"window", "store_loss"})
 
 #: The reasons reported at debug: the first-start message explains them.
-QUIET = frozenset({"unprovable"})
+QUIET = frozenset({"unprovable", "before_store"})
+
+#: The reasons counted but not kept in the store: no slot of them was lost, and a
+#: record would make a new store look broken to the admin and ``exactonce status``.
+NOT_KEPT = frozenset({"before_store"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +105,7 @@ class SkipTally:
         return [
             SkippedSlots(name, where, first, last, count, node)
             for where, noted in self._skips.items()
+            if where not in NOT_KEPT
             for name, first, last, count, _ in noted
         ]
 

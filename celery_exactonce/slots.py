@@ -139,9 +139,15 @@ def _solar_slots(
 # -- bounded schedules ------------------------------------------------------------------
 
 
+def _origin(sched: schedules.bounded, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` with the interval anchor of ``sched``: its start if ``anchored``."""
+    return {**kwargs, "origin": sched.start} if sched.anchored else kwargs
+
+
 def _first_bounded(sched: schedules.bounded, **kwargs: Any) -> datetime | None:
     """The first slot of the inner schedule at or after ``sched.start``, within its end."""
     assert sched.start is not None  # noqa: S101  (first_only requires a start)
+    kwargs = _origin(sched, kwargs)
     first = next_slot(sched.schedule, sched.start - _ONE_US, **kwargs)
     if first is None or (sched.end is not None and first > sched.end):
         return None
@@ -161,6 +167,7 @@ def _bounded_slots(
     if sched.first_only:
         first = _first_bounded(sched, **kwargs)
         return [first] if first is not None and start < first <= end else []
+    kwargs = _origin(sched, kwargs)
     if sched.start is not None:
         start = max(start, sched.start - _ONE_US)
     if sched.end is not None:
@@ -174,6 +181,7 @@ def _latest_bounded(sched: schedules.bounded, at: datetime, **kwargs: Any) -> da
     if sched.first_only:
         first = _first_bounded(sched, **kwargs)
         return first if first is not None and first <= at else None
+    kwargs = _origin(sched, kwargs)
     latest = latest_slot(sched.schedule, at if sched.end is None else min(at, sched.end), **kwargs)
     if latest is None or (sched.start is not None and latest < sched.start):
         return None

@@ -217,7 +217,7 @@ def start_beat(app: Any) -> runtime.Runtime:
         refuse("beat", exc)
 
 
-def _prometheus(setting: str) -> Any:
+def prometheus_module(setting: str) -> Any:
     """:mod:`celery_exactonce.prometheus`, or a refusal naming ``setting`` without the extra."""
     try:
         from celery_exactonce import prometheus
@@ -236,7 +236,7 @@ def serve_beat_metrics(rt: runtime.Runtime, beat: gauges.BeatGauges) -> Any:
     if settings.metrics_port is None:
         return None
     try:
-        return _prometheus("exactonce_metrics_port").serve_beat(
+        return prometheus_module("exactonce_metrics_port").serve_beat(
             rt.store,
             beat,
             port=settings.metrics_port,
@@ -258,7 +258,7 @@ def serve_worker_metrics(worker: Any) -> Any:
 
     pool = get_implementation(worker.pool_cls)
     prefork = isinstance(pool, type) and issubclass(pool, TaskPool)
-    server = _prometheus("exactonce_worker_metrics_port").serve_worker(
+    server = prometheus_module("exactonce_worker_metrics_port").serve_worker(
         port=settings.worker_metrics_port, addr=settings.metrics_addr, prefork=prefork
     )
     _worker_servers.append(server)

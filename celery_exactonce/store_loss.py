@@ -102,6 +102,7 @@ class StoreLossGuard:
         self.epoch: str | None = None
         self._floors: list[datetime | None] = [None] * shards
         self._reasons = ["unprovable"] * shards
+        self._births: list[datetime | None] = [None] * shards
         self._split = False  # whether the held epoch's parts are the shards' own
         #: (claim, fire time, its shard or None: unknown)
         self._recent: collections.deque[tuple[JobRef, datetime, int | None]] = collections.deque(
@@ -144,7 +145,23 @@ class StoreLossGuard:
             births = [refs.epoch_born(epoch)] * self._n
         for shard, born in enumerate(births):
             if born is not None:
+                self._births[shard] = born
                 self._raise(shard, born + self._max_skew)
+
+    def born_for(self, entry: str | None) -> datetime | None:
+        """The birth of the epoch ``entry``'s shard holds, while no loss is known there.
+
+        No slot before it can have been claimed in the store's life as this
+        node met it, so skipping one loses nothing (``before_store``). Once a
+        loss is detected (``store_loss``), ``None``: the slots before the new
+        birth are the ones the store may have forgotten.
+        """
+        if self.reason_for(entry) != "unprovable":
+            return None
+        if entry is None:
+            known = [born for born in self._births if born is not None]
+            return min(known) if len(known) == self._n else None
+        return self._births[shard_of(entry, self._n)]
 
     def provable(self, fire: datetime, entry: str | None = None) -> bool:
         """Whether a claim of ``entry``'s slot at ``fire`` can still be proven first."""

@@ -17,7 +17,9 @@ run at most once per attempt whatever the broker redelivers
   apply is recognised as its own.
 * **After the body.** ``RUNNING → SUCCEEDED`` or ``FAILED`` on the ``run_id``.
   A Celery retry (``self.retry``, ``autoretry_for``) is the next attempt of the
-  same job, written before the retry is published.
+  same job, written before the retry is published; asked for inside the body's
+  own transaction (``django://``), written once the body has ended, as is a
+  replacement (:mod:`~celery_exactonce.later`).
 * **Delayed jobs.** An ``eta`` or ``countdown`` in the future (on submit or on
   a retry) is never handed to the broker as an ETA message, which a Redis or
   SQS broker would deliver again after its visibility timeout: the job waits
@@ -38,16 +40,17 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import functools
 import logging
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime, timezone
 from typing import Any, NoReturn
 
 from celery import Task, signals
 from celery.exceptions import Ignore, Reject, Retry
 
-from celery_exactonce import call_options, eager, messages, metrics, refs, submit
+from celery_exactonce import call_options, eager, later, messages, metrics, refs, submit
 from celery_exactonce.gate import Delivery, raw_republish, record_revoke, validate_gated_task
 from celery_exactonce.heartbeats import heartbeats
 from celery_exactonce.jobs import Job
@@ -68,6 +71,10 @@ class _Run:
     headers: Mapping[str, Any]
     #: The job that replaced this run (``Task.replace``), once submitted.
     replaced_by: JobRef | None = None
+    #: Writes about this job's future (its retry, its replacement) asked for inside a
+    #: transaction the body holds open on the store's connection (``django://``): made
+    #: once the body has ended, so that its rollback cannot undo them (:mod:`~.later`).
+    later: list[Callable[[], object]] = dataclasses.field(default_factory=list)
 
 
 _current: contextvars.ContextVar[_Run | None] = contextvars.ContextVar(
@@ -133,7 +140,11 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
             and task_id is not None
             and task_id == self.request.id
             and run.replaced_by is None
-        ):  # the running task's own id: Celery's retry (or a Reject requeue) re-publishing it
+        ):  # the running task's own id: Celery's retry re-publishing it
+            if not later.made_now(runtime_for(self.app)):  # inside the body's transaction
+                retry = functools.partial(self._retry_next_attempt, run, args, kwargs, options)
+                run.later.append(later.as_celery_retry(retry))
+                return self.AsyncResult(self.request.id)
             return self._retry_next_attempt(run, args, kwargs, options)
         return self._submit(args, kwargs, task_id, link, link_error, shadow, options)
 
@@ -224,6 +235,7 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
         *,
         reason: str = "retry",
         publish: bool = True,
+        requeued: bool = False,
     ) -> Any:
         """Celery's retry re-publishes the task: make it the next attempt of the job first."""
         runtime = runtime_for(self.app)
@@ -264,7 +276,11 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
             )
             return self.AsyncResult(self.request.id)
         if publish and job.state is State.DISPATCHED:  # a delayed retry waits PENDING
-            runtime.dispatcher.publish(job, extra={"eta": eta} if eta is not None else None)
+            extra: dict[str, Any] = {"eta": eta} if eta is not None else {}
+            if requeued:
+                headers = {**dict(job.options.get("headers") or {}), messages.HEADER_REQUEUED: 1}
+                extra["headers"] = headers
+            runtime.dispatcher.publish(job, extra=extra)
         return self.AsyncResult(self.request.id)
 
     def _retry_eagerly(self, run: _Run, exc: Retry) -> None:
@@ -294,23 +310,47 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
             return super().on_replace(sig)
         nesting = int(self.request.get("replaced_task_nesting") or 0) + 1
         run.replaced_by = JobRef.submitted(messages.replacement_job_id(self.request.id, nesting))
+        if not later.made_now(runtime_for(self.app)):
+            run.later.append(sig.delay)  # submitted once the body's transaction has ended
+            raise Ignore("Replaced by new task")
         return super().on_replace(sig)  # submits it, then raises Ignore
 
-    def _requeue(self, run: _Run, exc: Reject) -> NoReturn:
+    def _requeue(self, run: _Run, delivery: Delivery, exc: Reject) -> NoReturn:
         """``Reject(requeue=True)``: the next attempt of the job, published; this message acked.
 
         Giving the message itself back would only meet the gate again (its
         attempt has run). The job moves to its next attempt first, as a retry
-        does, then a copy is published for it, at the back of the queue. Only
-        with ``acks_late``, as in Celery: a message acked on receipt cannot go back.
+        does, then a copy is published for it, at the back of the queue; its
+        body sees it redelivered (:data:`~celery_exactonce.messages.HEADER_REQUEUED`).
+        Only with ``acks_late``, as in Celery: a message acked on receipt
+        cannot go back. Each requeue is a retry: past ``max_retries`` the
+        job ends ``FAILED`` and the task raises ``MaxRetriesExceededError``,
+        where Celery would give the message back forever.
         """
+        if self.max_retries is not None and run.attempt >= self.max_retries:
+            why = f"requeue refused: out of retries (max_retries={self.max_retries})"
+            metrics.event(
+                "requeues_exhausted",
+                f"{self.name} rejected {run.ref} with requeue on attempt {run.attempt}: {why}",
+                level=logging.WARNING,
+                job_id=run.ref.id,
+                task=self.name,
+            )
+            delivery.finish(State.FAILED, f"rejected: {exc.reason}; {why}")
+            raise self.MaxRetriesExceededError(
+                f"Can't requeue {self.name}[{self.request.id}]: {why}",
+                task_args=self.request.args,
+                task_kwargs=self.request.kwargs,
+            ) from exc
         metrics.event(
             "requeued",
             f"{self.name} rejected {run.ref} with requeue: running it again as attempt "
             f"{run.attempt + 1}",
             job_id=run.ref.id,
         )
-        self._retry_next_attempt(run, None, None, {}, reason=f"requeued: {exc.reason}")
+        self._retry_next_attempt(
+            run, None, None, {}, reason=f"requeued: {exc.reason}", requeued=True
+        )
         raise Ignore()
 
     # -- the gate --------------------------------------------------------------------
@@ -334,22 +374,24 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
         headers = messages.headers_of(request)
         ref = messages.ref_from_headers(headers, request.id)
         attempt = int(headers.get(messages.HEADER_ATTEMPT, request.retries or 0))
-        run_id = refs.new_token()
         key = headers.get(messages.HEADER_IDEMPOTENCY_KEY)
         delivery = Delivery(
-            self, runtime, ref, attempt, run_id, headers, request.delivery_info or {}
+            self, runtime, ref, attempt, refs.new_token(), headers, request.delivery_info or {}
         )
         # The record is wanted only for the idempotency key of a message without one:
         # otherwise the gate's CAS is brief (no record sent back and decoded).
         job = delivery.enter(args, kwargs, brief=bool(key))
+        run_id = delivery.run_id  # fresh for this delivery (another if it took its own run over)
         if not key and job is not None:
             key = messages.job_idempotency_key(job, runtime.store.namespace)
         request.idempotency_key = key
+        if headers.get(messages.HEADER_REQUEUED):  # a requeue's copy: a redelivery to the body
+            request.delivery_info = {**dict(request.delivery_info or {}), "redelivered": True}
         run = _Run(ref, run_id, attempt, headers)
         token = _current.set(run)
         beat = heartbeats.start(runtime, ref, run_id)
         try:
-            result = self.run(*args, **kwargs)
+            result = later.run_body(self.run, run.later, args, kwargs)
         except Retry as exc:
             if request.is_eager:  # Celery runs the retry itself, once this run has ended
                 self._retry_eagerly(run, exc)
@@ -364,7 +406,7 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
         except Reject as exc:
             if exc.requeue and self.acks_late and not request.is_eager:
                 # (acked at once, a message cannot go back; nor can an eager run)
-                self._requeue(run, exc)
+                self._requeue(run, delivery, exc)
             delivery.finish(State.FAILED, f"rejected: {exc.reason}")
             raise
         except BaseException as exc:

@@ -8,9 +8,10 @@ import click
 
 from celery_exactonce import control, runtime
 from celery_exactonce.cli import base
-from celery_exactonce.cli.inspect import find_job
+from celery_exactonce.cli.inspect import find_job, resolve
 from celery_exactonce.reconciler import Reconciler
 from celery_exactonce.refs import JobRef, Space
+from celery_exactonce.states import State
 from celery_exactonce.stores import redact_url
 from celery_exactonce.stores.base import FORMAT_VERSION
 
@@ -50,28 +51,40 @@ def reconcile(ctx: click.Context, as_json: bool) -> None:
 @click.pass_context
 @base.handles_errors
 def cancel(ctx: click.Context, task_id: str, as_json: bool) -> None:
-    """Cancel the job TASK_ID if it has not been dispatched yet (exit 1 if it was not).
+    """Cancel the job TASK_ID if it has not been dispatched yet (exit 1 if it was).
 
     A delayed job still waiting (``PENDING``), or one claimed but not
-    published (``SCHEDULED``), ends ``CANCELLED`` and never runs. A dispatched
-    job is left as it is: revoke it with ``celery control revoke``.
+    published (``SCHEDULED``), ends ``CANCELLED`` and never runs. A job
+    cancelled already is left so, and the command succeeds: it will not run.
+    A dispatched job is left as it is: revoke it with ``celery control revoke``.
+    TASK_ID may be the start of an id, as long as no other job's id starts with it.
     """
     with base.session(ctx) as s:
+        task_id = resolve(s.store, task_id)
         runtime.install(s.app, s.store, s.config)
         cancelled = control.cancel(task_id, s.app)
         job = s.store.get(JobRef.submitted(task_id))
         others = [j for j in find_job(s.store, task_id) if j.ref.space is Space.OCCURRENCE]
     state = None if job is None else job.state.value
-    data: dict[str, Any] = {"task_id": task_id, "cancelled": cancelled, "state": state}
+    already = not cancelled and job is not None and job.state is State.CANCELLED
+    data: dict[str, Any] = {
+        "task_id": task_id,
+        "cancelled": cancelled,
+        "already_cancelled": already,
+        "state": state,
+    }
     if as_json:
         base.emit_json(data)
     elif cancelled:
         click.echo(f"cancelled {task_id}: it will not run")
-    if cancelled:
+    elif already:
+        click.echo(f"{task_id} was cancelled already (CANCELLED): it will not run")
+    if cancelled or already:
         return
     if job is None and others:
         base.fail(
-            f"{task_id!r} is a beat occurrence ({others[0].state}): only submitted jobs cancel"
+            f"{task_id!r} is a beat occurrence ({others[0].state.value}): "
+            "only submitted jobs cancel"
         )
     if job is None:
         base.fail(f"no job {task_id!r} in namespace {s.config.namespace!r}")

@@ -7,10 +7,14 @@ Exit codes (documented in ``docs/howto/cli.md``):
   (a setting refused, the store unreachable, no such job, a job not cancelled);
   one line on stderr says why, naming the setting when a setting is at fault;
 * :data:`EXIT_USAGE` (2): bad input (an unknown option or state, a malformed
-  task id, age or cursor): click's usage error, naming the culprit.
+  task id, age or cursor, a task id prefix that more than one job's id
+  starts with): click's usage error, naming the culprit.
 
 Output is a table (or ``key: value`` lines) for people, or one JSON document
-with ``--json`` for scripts: times as ISO-8601 UTC strings, ages in seconds.
+with ``--json`` for scripts: times as ISO-8601 UTC strings, ages in seconds,
+states and other enums as their values, never a Python repr. Ids are never
+cut, in a table or a ``key: value`` line: what ``jobs`` prints, ``show`` and
+``cancel`` take.
 No credential is printed: store URLs go through
 :func:`~celery_exactonce.stores.redact_url`, and store errors are redacted by
 the stores themselves.
@@ -19,12 +23,13 @@ the stores themselves.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import json
 import re
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from datetime import datetime, timezone
+from datetime import date, datetime, timedelta, timezone
 from typing import Any, NoReturn, TypeVar
 
 import click
@@ -41,6 +46,8 @@ EXIT_USAGE = 2
 
 #: Widest cell of a table; longer values are cut with an ellipsis (``--json`` has them whole).
 CELL_WIDTH = 60
+#: The columns (and ``key: value`` keys) never cut: ids, which ``show`` and ``cancel`` take.
+WHOLE = frozenset({"task id", "task_id", "ref", "last task id", "last_task_id"})
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -256,20 +263,53 @@ def job_json(job: Job, now: datetime | None = None, *, history: bool = False) ->
     return data
 
 
+_REPR = re.compile(r"<([^<>]*)>")
+
+
+def plain(value: object) -> Any:
+    """A value JSON has no type for, as data: never its Python repr.
+
+    Instants as ISO-8601 UTC, durations in seconds, enums as their values,
+    sets as sorted lists; anything else as its text, with the ``<…>`` of a
+    repr taken off (``<crontab: 0 3 * * *>`` gives ``crontab: 0 3 * * *``).
+    """
+    if isinstance(value, datetime):
+        return iso(value)
+    if isinstance(value, date):
+        return value.isoformat()
+    if isinstance(value, timedelta):
+        return value.total_seconds()
+    if isinstance(value, enum.Enum):
+        value = value.value
+    if value is None or isinstance(value, str | int | float | bool):
+        return value
+    if isinstance(value, set | frozenset):
+        return sorted(str(v) for v in value)
+    return unwrapped(str(value))
+
+
+def unwrapped(text: str) -> str:
+    """``text`` without the ``<…>`` of the reprs it holds, nested ones too."""
+    while (bare := _REPR.sub(r"\1", text)) != text:
+        text = bare
+    return text
+
+
 def emit_json(data: Any) -> None:
-    click.echo(json.dumps(data, indent=2, ensure_ascii=False, default=str))
+    click.echo(json.dumps(data, indent=2, ensure_ascii=False, default=plain))
 
 
-def cell(value: object) -> str:
+def cell(value: object, *, whole: bool = False) -> str:
     text = "-" if value is None else " ".join(str(value).split())
-    return text if len(text) <= CELL_WIDTH else text[: CELL_WIDTH - 1] + "…"
+    return text if whole or len(text) <= CELL_WIDTH else text[: CELL_WIDTH - 1] + "…"
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     """Rows under headers, columns aligned; ``(none)`` for no rows."""
     if not rows:
         return "  (none)"
-    cells = [[cell(v) for v in row] for row in rows]
+    keep = [h in WHOLE for h in headers]
+    cells = [[cell(v, whole=k) for v, k in zip(row, keep, strict=True)] for row in rows]
     widths = [max(len(h), *(len(row[i]) for row in cells)) for i, h in enumerate(headers)]
     lines = [list(headers), *cells]
     return "\n".join(
@@ -281,4 +321,4 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
 def pairs(items: Sequence[tuple[str, object]]) -> str:
     """``key: value`` lines, keys aligned."""
     width = max((len(k) for k, _ in items), default=0)
-    return "\n".join(f"  {k.ljust(width)}  {cell(v)}" for k, v in items)
+    return "\n".join(f"  {k.ljust(width)}  {cell(v, whole=k in WHOLE)}" for k, v in items)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 from collections.abc import Callable
 from datetime import datetime, timezone
 from typing import Any
@@ -19,10 +20,11 @@ from zoneinfo import ZoneInfo
 import click
 from celery import beat
 
+from celery_exactonce import config as config_module
 from celery_exactonce import entries, exceptions, reconcile_task, runtime, startup
 from celery_exactonce.cli import base
 from celery_exactonce.cli.entries import uses_django_rows
-from celery_exactonce.config import ExactOnceConfig
+from celery_exactonce.config import ExactOnceConfig, UnknownSettingWarning
 from celery_exactonce.gate import validate_gated_task
 from celery_exactonce.scheduler import entry_policy, internal_entries
 from celery_exactonce.stores import open_store, redact_url
@@ -87,16 +89,20 @@ def run_checks(app: Any) -> Report:
     holder: dict[str, ExactOnceConfig] = {}
 
     def settings() -> str:
-        config = holder["config"] = runtime.config_for(app)
+        with warnings.catch_warnings():  # "setting names" reports them, as a failure
+            warnings.simplefilter("ignore", UnknownSettingWarning)
+            config = holder["config"] = runtime.config_for(app)
         report.settings = config.redacted()
         return f"store {redact_url(config.store_url)}, namespace {config.namespace!r}"
 
     if report.run("settings", settings):
         reconcile_task.register_task(app)  # as a worker and beat do: beat's own entry runs it
+    report.run("setting names", lambda: _names(app))
     report.run("broker", lambda: _broker(app))
     config = holder.get("config")
     if config is None:
         return report  # the rest reads the settings
+    report.run("metrics", lambda: _metrics(config))
     tasks = startup.gated_tasks(app)
     report.run("gated tasks", lambda: _gated(tasks))
     if tasks:
@@ -113,7 +119,7 @@ def run_checks(app: Any) -> Report:
         return report
     try:
         report.run("one host", lambda: _one_host(config, store))
-        if report.run("store reachable", lambda: _reachable(store)):
+        if report.run("store reachable", lambda: _reachable(store, config)):
             report.run("schema", lambda: _schema(store))
             report.run("eviction", lambda: _eviction(store))
             report.run("replicas", lambda: _replicas(store, config))
@@ -125,6 +131,35 @@ def run_checks(app: Any) -> Report:
 
 def _raise(error: BaseException) -> str:
     raise error
+
+
+def _names(app: Any) -> str:
+    """Every ``exactonce_*`` setting is one this version knows (a typo leaves a default)."""
+    unknown = config_module.unknown_of(app)
+    if unknown:
+        raise exceptions.ConfigurationError(
+            "; ".join(item.message for item in unknown), setting=unknown[0].key
+        )
+    return "every exactonce_* setting is a known one"
+
+
+def _metrics(config: ExactOnceConfig) -> str:
+    """Each ``/metrics`` port set binds on ``exactonce_metrics_addr`` now (bound, released)."""
+    ports = [
+        (role, setting, port)
+        for role, setting, port in (
+            ("beat", "exactonce_metrics_port", config.metrics_port),
+            ("a worker", "exactonce_worker_metrics_port", config.worker_metrics_port),
+        )
+        if port is not None
+    ]
+    if not ports:
+        return "no /metrics endpoint (exactonce_metrics_port, exactonce_worker_metrics_port unset)"
+    served = []
+    for role, setting, port in ports:
+        where = startup.prometheus_module(setting).probe(port, config.metrics_addr, setting=setting)
+        served.append(f"{role} serves /metrics on {where}")
+    return "; ".join(served) + " (free now)"
 
 
 def _broker(app: Any) -> str:
@@ -250,9 +285,10 @@ def _one_host(config: ExactOnceConfig, store: StateStore) -> str | tuple[str, st
     return "the store is shared over the network: nodes may run on several hosts"
 
 
-def _reachable(store: StateStore) -> str:
+def _reachable(store: StateStore, config: ExactOnceConfig) -> str:
+    """The store answers: named by its redacted URL and namespace (never a Python repr)."""
     store.now()
-    return f"{store!r} answers"
+    return f"{redact_url(config.store_url)} answers (namespace {store.namespace!r})"
 
 
 def _schema(store: StateStore) -> str | tuple[str, str]:
@@ -323,10 +359,12 @@ def _clock(store: StateStore, config: ExactOnceConfig) -> str | tuple[str, str]:
 def check(ctx: click.Context, as_json: bool) -> None:
     """Run every start-up check of a worker and a beat node; exit 1 if one fails.
 
-    Settings, publisher confirms, gated tasks, retention, beat entries (and
-    django-celery-beat's rows under the exactonce-django scheduler), signing,
-    one-host stores, store reachability, schema, Redis eviction policy and the
-    clock offset against the store. Nothing is written.
+    Settings, setting names (a misspelt one fails, naming the setting meant),
+    publisher confirms, the /metrics ports (bound and released), gated tasks,
+    retention, beat entries (and django-celery-beat's rows under the
+    exactonce-django scheduler), signing, one-host stores, store reachability,
+    schema, Redis eviction policy and the clock offset against the store.
+    Nothing is written.
     """
     report = run_checks(base.app_of(ctx))
     if as_json:

@@ -14,6 +14,7 @@ from celery_exactonce.jobs import Job
 from celery_exactonce.reconcile_task import RECONCILE_TASK
 from celery_exactonce.reconciler import LEASE_NAME
 from celery_exactonce.refs import JobRef
+from celery_exactonce.skipped_slots import merged
 from celery_exactonce.states import State
 from celery_exactonce.stores import redact_url
 from celery_exactonce.stores.base import StateStore, partitions_of
@@ -105,7 +106,7 @@ def status_data(s: base.Session) -> dict[str, Any]:
                 "last": base.iso(r.last),
                 "at": base.iso(r.at),
             }
-            for r in s.store.skipped(limit=20)
+            for r in merged(s.store.skipped(limit=20 * 4))[:20]
         ],
         "reconciler": _reconciler(s.store, entries),
     }
@@ -313,10 +314,35 @@ def jobs(
 # -- show ---------------------------------------------------------------------------------
 
 
+#: Most ids an ambiguous prefix's usage error names.
+CANDIDATES = 5
+
+
 def find_job(store: StateStore, task_id: str) -> list[Job]:
     """The jobs under ``task_id``: submitted, or a beat occurrence (whose id is its key)."""
     found = [store.get(JobRef.submitted(task_id)), store.get(JobRef.occurrence(task_id))]
     return [job for job in found if job is not None]
+
+
+def resolve(store: StateStore, task_id: str) -> str:
+    """The whole id ``task_id`` names: itself, or the one id it is a prefix of.
+
+    An id the store holds is itself (even if it is also the prefix of
+    others). Otherwise, the one id that starts with it, in either key space
+    (an id in both is one id); when more than one does, a usage error (exit 2)
+    names a few of them. When none does, ``task_id`` itself, which the caller
+    does not find.
+    """
+    if find_job(store, task_id):
+        return task_id
+    ids = list(dict.fromkeys(ref.id for ref in store.find_ids(task_id, 4 * CANDIDATES)))
+    if len(ids) > 1:
+        shown = ", ".join(ids[:CANDIDATES]) + (", …" if len(ids) > CANDIDATES else "")
+        raise click.BadParameter(
+            f"{task_id!r} is the start of more than one job's id: {shown}; give more of it",
+            param_hint="TASK_ID",
+        )
+    return ids[0] if ids else task_id
 
 
 @click.command()
@@ -325,10 +351,13 @@ def find_job(store: StateStore, task_id: str) -> list[Job]:
 @click.pass_context
 @base.handles_errors
 def show(ctx: click.Context, task_id: str, as_json: bool) -> None:
-    """The job TASK_ID (a Celery task id, or an occurrence's idempotency key) and its history."""
+    """The job TASK_ID (a Celery task id, or an occurrence's idempotency key) and its history.
+
+    TASK_ID may be the start of an id, as long as no other job's id starts with it.
+    """
     with base.session(ctx) as s:
         now = s.store.now()
-        found = find_job(s.store, task_id)
+        found = find_job(s.store, resolve(s.store, task_id))
     if not found:
         base.fail(f"no job {task_id!r} in namespace {s.config.namespace!r}")
     if as_json:

@@ -43,7 +43,7 @@ def schedule_data(s: base.Session, count: int) -> dict[str, Any]:
                 "entry": e.name,
                 "task": e.task,
                 "source": e.source,
-                "schedule": None if e.entry is None else str(e.entry.schedule),
+                "schedule": None if e.entry is None else base.unwrapped(str(e.entry.schedule)),
                 "next": upcoming,
                 "last_claimed": base.iso(mark),
                 "last_state": None if job is None else job.state.value,

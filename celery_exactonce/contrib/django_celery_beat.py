@@ -14,8 +14,11 @@ dispatched once, with no leader.
   marker (one row); when it moved, or every five minutes, the rows are read
   again. An edited schedule moves the entry's future slots, and no slot at or
   below its watermark fires again; a disabled or deleted row fires no more; a
-  renamed row is a new entry, which starts after the row's ``last_run_at``
-  (its slots up to then ran under the old name). A row beat cannot run (arguments that are not
+  renamed row is a new entry, which starts after the row's ``last_run_at`` and
+  after every slot claimed under a name the node read the row under before
+  (the row's pk outlives the rename; those names' store watermarks), so a slot
+  claimed but not yet counted does not run again under the new name.
+  A row beat cannot run (arguments that are not
   JSON, a task beat refuses) is left out with an ``entry_refused`` error; the
   others keep running.
 * **Runs counted once.** ``last_run_at`` and ``total_run_count`` advance once
@@ -39,14 +42,19 @@ from typing import Any
 
 from celery import beat
 
-from celery_exactonce import exceptions, metrics, startup
+from celery_exactonce import exceptions, metrics, slots, startup
 from celery_exactonce.contrib import periodic_tasks
 from celery_exactonce.contrib.django.connection import require_immediate
-from celery_exactonce.entries import ENTRY_OPTIONS
+from celery_exactonce.entries import ENTRY_OPTIONS, occurrence_id
 from celery_exactonce.planner import Plan
+from celery_exactonce.refs import JobRef
 from celery_exactonce.scheduler import ExactOnceScheduler
 
 __all__ = ["DatabaseScheduler"]
+
+#: Most slots of one row a node looks up in the store when it starts after a watermark
+#: it did not decide itself (see :meth:`DatabaseScheduler._count_passed`).
+PASSED_LIMIT = 100
 
 #: Seconds after which the rows are read again even if the marker did not move
 #: (a change made with ``QuerySet.update`` does not move it), as django-celery-beat does.
@@ -97,6 +105,8 @@ class DatabaseScheduler(ExactOnceScheduler):
         self._marker: datetime | None = None
         self._read_at: datetime | None = None
         self._unrecorded: list[tuple[int, datetime, bool]] = []  # (pk, slot, won)
+        self._names: dict[int, set[str]] = {}  # row pk -> every name this node read it under
+        self._earlier: dict[str, set[str]] = {}  # a renamed row's entry -> its earlier names
         super().__init__(app, *args, **kwargs)
 
     # -- celery.beat.Scheduler interface ---------------------------------------------
@@ -120,14 +130,12 @@ class DatabaseScheduler(ExactOnceScheduler):
 
     def _write_settings_entries(self, entries: dict[str, Any]) -> dict[str, Any]:
         """Write each settings entry into its row; those no row can hold, to run as they are."""
-        from django_celery_beat.schedulers import ModelEntry
-
         kept: dict[str, Any] = {}
         for name, fields in entries.items():
             try:
                 options = dict(fields.get("options") or {})
                 overrides = options.pop(ENTRY_OPTIONS, None)
-                ModelEntry.from_entry(name, app=self.app, **{**fields, "options": options})
+                periodic_tasks.write_settings_row(name, self.app, {**fields, "options": options})
             except (ValueError, TypeError, AttributeError):
                 kept[name] = fields  # a schedule no row holds: run (or refused) from the settings
                 continue
@@ -196,10 +204,83 @@ class DatabaseScheduler(ExactOnceScheduler):
                 self._refused(name, exc)
                 continue
             self._rows[name], self._definitions[name] = row, definition
-            if row.last_run_at is not None:  # a renamed row: its runs so far are not new slots
-                ran = periodic_tasks.aware(row.last_run_at)
-                if name not in self._decided or self._decided[name] < ran:
-                    self._decided[name] = ran
+            self._continue_after_earlier_names(name, row)
+
+    def _continue_after_earlier_names(self, name: str, row: Any) -> None:
+        """A row read under a new name goes on after every slot it was claimed for before.
+
+        Its runs counted so far (``last_run_at``) are not new slots; nor is any
+        slot claimed under a name this node read the row under before (the row's
+        pk outlives a rename), even one not counted yet (its count write failed,
+        or another node is between its claim and its count): the store
+        watermarks of those names, which every claim under them advanced, are
+        read by :meth:`_load_watermarks` with the entry's own, before it plans.
+        """
+        if row.last_run_at is not None:
+            self._raise_decided(name, periodic_tasks.aware(row.last_run_at))
+        names = self._names.setdefault(row.pk, set())
+        earlier = names - {name}  # renamed back too: what it ran as since counts as well
+        if earlier:
+            self._earlier[name] = earlier
+            for old in earlier:  # what this node decided itself, store or no store
+                if old in self._decided:
+                    self._raise_decided(name, self._decided[old])
+        names.add(name)
+
+    def _raise_decided(self, name: str, mark: datetime) -> None:
+        if name not in self._decided or self._decided[name] < mark:
+            self._decided[name] = mark
+
+    def _load_watermarks(self, names: list[str], now: datetime) -> None:
+        """The store watermarks of due entries, and of the earlier names of renamed rows.
+
+        A store error raises before anything is kept: the tick claims nothing
+        (fail closed), and the earlier names are read again next tick.
+        """
+        before = {name: self._decided.get(name) for name in names}
+        renamed = {name: self._earlier[name] for name in names if name in self._earlier}
+        if renamed:
+            marks = self._runtime.store.watermarks(sorted(set().union(*renamed.values())))
+            for name, earlier in renamed.items():
+                for mark in (marks[old] for old in earlier if old in marks):
+                    self._raise_decided(name, mark)
+                del self._earlier[name]
+        super()._load_watermarks(names, now)
+        self._count_passed(before, now)
+
+    def _count_passed(self, before: dict[str, datetime | None], now: datetime) -> None:
+        """Count the claimed slots a row's entry passed over by taking a store watermark.
+
+        The nodes that decided a slot count it, in slot order (the guard of
+        :func:`periodic_tasks.record_run`); a node that did not (it was behind,
+        or it starts) but counts a later one would leave an earlier count that
+        failed on its winner refused when it is tried again. So the slots
+        between where this node was (or the row's ``last_run_at``) and the
+        watermark are looked up in the store, at most :data:`PASSED_LIMIT`, and
+        those claimed are counted first (a store error fails the tick closed).
+        Nothing to look up in the steady state: a node that keeps up takes no
+        watermark.
+        """
+        store = self._runtime.store
+        for name, was in before.items():
+            row, mark, entry = (
+                self._rows.get(name),
+                self._decided.get(name),
+                self.schedule.get(name),
+            )
+            if row is None or entry is None or mark is None or (was is not None and mark <= was):
+                continue
+            floor = now - timedelta(seconds=self._config.window_lookback)
+            since = max(floor, was or floor)
+            if row.last_run_at is not None:
+                since = max(since, periodic_tasks.aware(row.last_run_at))
+            fires = slots.slots_between(
+                entry.schedule, since, mark, tz=self._tz, limit=PASSED_LIMIT
+            )
+            for fire in fires:
+                ref = JobRef.occurrence(occurrence_id(store.namespace, name, fire))
+                if store.get(ref) is not None:
+                    self._unrecorded.append((row.pk, fire, False))
 
     def _refused(self, name: str, exc: Exception) -> None:
         """A row beat cannot run, named and counted; the others keep running."""

@@ -124,12 +124,15 @@ def schedule_of(row: Any) -> Any:
     start = None if row.start_time is None else aware(row.start_time)
     end = None if row.expires is None else aware(row.expires)
     one_off = bool(row.one_off) and not isinstance(inner, at)
+    # An interval counts from its start_time, as django-celery-beat runs it (the row
+    # carries it: every node derives the same slots); without one, from the epoch.
+    anchored = start is not None and isinstance(inner, timedelta)
     if one_off and start is None:
         # The first slot after the row's last change: every node reads the same row.
         start = aware(row.date_changed)
     if start is None and end is None and not one_off:
         return inner
-    return bounded(inner, start=start, end=end, first_only=one_off)
+    return bounded(inner, start=start, end=end, first_only=one_off, anchored=anchored)
 
 
 def entry_of(row: Any, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -194,6 +197,59 @@ def check_task(app: Any, name: str, entry: dict[str, Any]) -> None:
     )
 
 
+def write_settings_row(name: str, app: Any, fields: dict[str, Any]) -> None:
+    """Write the ``beat_schedule`` entry ``name`` into its row, as django-celery-beat does,
+    unless the row already holds it.
+
+    A row saved again moves ``date_changed``, where a one-off without a
+    ``start_time`` starts, and the change marker, which makes every node read
+    the rows again: so a beat start that changes nothing writes nothing, and a
+    one-off written from the settings keeps its slot across restarts.
+
+    Raises ``ValueError`` or ``TypeError`` for a schedule no row can hold.
+    """
+    from django_celery_beat.models import PeriodicTask
+    from django_celery_beat.schedulers import ModelEntry
+
+    row = PeriodicTask.objects.filter(name=name).first()
+    if row is None or not _holds(row, ModelEntry, **fields):
+        ModelEntry.from_entry(name, app=app, **fields)
+
+
+def _holds(
+    row: Any,
+    entry_class: Any,
+    schedule: Any,
+    args: Any = None,
+    kwargs: Any = None,
+    relative: Any = None,
+    options: Any = None,
+    **extra: Any,
+) -> bool:
+    """Whether ``row`` holds what ``ModelEntry.from_entry`` would write, as it writes it.
+
+    Its schedule's row is looked up, never saved: saving one moves the marker.
+    """
+    from celery.schedules import maybe_schedule
+    from kombu.utils.json import dumps
+
+    sched = maybe_schedule(schedule)
+    fields: dict[str, Any] = {field: None for _, _, field in entry_class.model_schedules}
+    for kind, model, field in entry_class.model_schedules:
+        if isinstance(sched, kind):
+            fields[field] = model.from_schedule(sched)
+            break
+    else:
+        return False  # from_entry says why
+    fields.update(
+        extra,
+        args=dumps(args or []),  # type: ignore[no-untyped-call]  # as from_entry writes
+        kwargs=dumps(kwargs or {}),  # type: ignore[no-untyped-call]
+        **entry_class._unpack_options(**(options or {})),
+    )
+    return all(getattr(row, key) == value for key, value in fields.items())
+
+
 def is_one_off(row: Any) -> bool:
     """Whether the row runs once: ``one_off``, or a clocked schedule."""
     return bool(row.one_off) or row.clocked_id is not None
@@ -227,6 +283,10 @@ def record_run(pk: int, fire: datetime, *, won: bool) -> bool:
     disabled since (django-celery-beat empties the field on every save of a
     disabled row): that one is counted by the winner alone, since a slot
     counted before the field was emptied cannot be told from a new one.
+    Without ``USE_TZ``, the row stores naive local times, which go back in
+    the hour a fall-back repeats: there the guard cannot tell a new slot from
+    a counted one, so a slot of that second hour is counted by its winner
+    alone, unguarded (a winner killed before its count leaves it uncounted).
     Whether this call counted it.
     """
     from django.db.models import F, Q
@@ -235,6 +295,10 @@ def record_run(pk: int, fire: datetime, *, won: bool) -> bool:
     when = stored(fire)
     never_counted = Q(last_run_at__isnull=True, total_run_count=0)
     after = Q(last_run_at__lt=when) | (Q(last_run_at__isnull=True) if won else never_counted)
+    if aware(when) != fire:  # the repeated hour: its stored time reads as the first one
+        if not won:
+            return False
+        after = Q()
     return bool(
         PeriodicTask.objects.filter(after, pk=pk).update(
             last_run_at=when, total_run_count=F("total_run_count") + 1

@@ -281,6 +281,20 @@ class StateStore(Protocol):
         """
         ...
 
+    def find_ids(self, prefix: str, limit: int) -> list[JobRef]:
+        """The refs whose id starts with ``prefix``, in either key space, for people (the CLI).
+
+        In ``str(ref)`` code-point order (every ``o:`` ref before every ``t:``
+        one), at most ``limit``: a caller asks for one more than it shows to
+        learn whether a prefix is ambiguous. ``prefix`` is refused as a job id
+        is (empty, over-long, control characters). The cost is bounded by
+        ``limit`` on the SQL stores (a range of the primary key per key
+        space); the Redis stores walk the state indexes of the namespace with
+        ``ZSCAN … MATCH`` until ``limit`` matched, so their cost follows the
+        namespace's jobs, never the server's other keys.
+        """
+        ...
+
     def claim_due(self, limit: int, *, node: str, reason: str = "claimed") -> list[Job]:
         """Move up to ``limit`` due ``PENDING`` jobs (``run_at <= now``) to ``SCHEDULED``.
 

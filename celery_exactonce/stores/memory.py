@@ -257,6 +257,13 @@ class InMemoryStore:
         ]
         return found[: max(limit, 0)]
 
+    def find_ids(self, prefix: str, limit: int) -> list[JobRef]:
+        refs.validate_identifier(prefix, "job id prefix", refs.MAX_ID_LENGTH)
+        with self._lock:
+            self._check_open()
+            found = sorted((r for r in self._jobs if r.id.startswith(prefix)), key=str)
+        return found[: max(limit, 0)]
+
     def claim_due(self, limit: int, *, node: str, reason: str = "claimed") -> list[Job]:
         with self._lock:
             self._check_open()

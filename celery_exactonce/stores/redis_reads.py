@@ -8,7 +8,10 @@ CLI's questions, none of them on a hot path:
   the records read (the index knows neither), until a page is full or the
   index ends;
 * **a lease** (:meth:`RedisReads._lease`): its token and ``PTTL`` with the
-  server's ``TIME``, in one ``MULTI``.
+  server's ``TIME``, in one ``MULTI``;
+* **ids by prefix** (:meth:`RedisReads.find_ids`): every record is a member
+  of exactly one state index, so ``ZSCAN … MATCH <space>:<prefix>*`` over the
+  state indexes finds them, the server's other keys never walked.
 
 Not here: the operations themselves, the counts per state among them (one
 ``count_states`` script, :mod:`~celery_exactonce.stores.redis`), the key
@@ -17,10 +20,11 @@ layout (:mod:`~celery_exactonce.stores.redis_keys`).
 
 from __future__ import annotations
 
+import re
 from datetime import datetime
 from typing import Protocol
 
-from celery_exactonce import times
+from celery_exactonce import refs, times
 from celery_exactonce.jobs import Job
 from celery_exactonce.refs import JobRef
 from celery_exactonce.states import State
@@ -29,6 +33,10 @@ from celery_exactonce.stores.redis_core import RedisCore
 
 #: Records read per ``list_stale`` call while a filtered listing looks for matches.
 FILTER_PAGE = 500
+#: Index members a ``ZSCAN`` step of :meth:`RedisReads.find_ids` walks.
+SCAN_COUNT = 1000
+#: What a glob pattern (``MATCH``) reads as more than itself.
+_GLOB = re.compile(r"([*?\[\]\\^])")
 
 
 class Lister(Protocol):
@@ -59,6 +67,25 @@ class RedisReads(RedisCore):
             return None
         now = int(seconds) * 1_000_000 + int(micros)
         return as_text(token), times.from_micros(now + int(ttl) * 1000)
+
+    def find_ids(self, prefix: str, limit: int) -> list[JobRef]:
+        """The refs whose id starts with ``prefix``: the state indexes scanned until ``limit``."""
+        refs.validate_identifier(prefix, "job id prefix", refs.MAX_ID_LENGTH)
+        self._check_open()
+        pattern = "?:" + _GLOB.sub(r"\\\1", prefix) + "*"
+        found: set[str] = set()
+        with self._wrap("find_ids"):
+            for state in State:
+                key = self._state_key(state)
+                cursor: int = 0
+                while True:
+                    cursor, page = self._node(key).zscan(
+                        key, cursor, match=pattern, count=SCAN_COUNT
+                    )
+                    found.update(as_text(member) for member, _ in page)
+                    if int(cursor) == 0 or len(found) > limit:
+                        break
+        return sorted((JobRef.parse(m) for m in found), key=str)[: max(limit, 0)]
 
 
 def filtered(

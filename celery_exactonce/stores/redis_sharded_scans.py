@@ -145,6 +145,15 @@ class ShardedScans:
         options.update(task=task, entry=entry)
         return self._merged(lambda p: p.list_jobs(state, limit, **options), limit)
 
+    def find_ids(self, prefix: str, limit: int) -> list[JobRef]:
+        """Each shard's first ``limit`` refs, merged: the namespace's first ``limit``."""
+        found: list[JobRef] = []
+        for shard, part in enumerate(self._parts):
+            for ref in part.find_ids(prefix, limit):
+                self._remember(ref, shard)
+                found.append(ref)
+        return sorted(set(found), key=str)[: max(limit, 0)]
+
     def claim_due(self, limit: int, *, node: str, reason: str = "claimed") -> list[Job]:
         refs.validate_identifier(node, "node id", refs.MAX_NAME_LENGTH)
         refs.validate_reason(reason)

@@ -306,6 +306,10 @@ class SqlStore(SqlCreates, SqlTransitions, SqlScans, SqlLeases):
         op = self._list_stale_op(state, older_than, limit, after, task=task, entry=entry)
         return self._run("list_jobs", op, write=False) if limit > 0 else self._empty([])
 
+    def find_ids(self, prefix: str, limit: int) -> list[JobRef]:
+        op = self._find_ids_op(prefix, limit)
+        return self._run("find_ids", op, write=False) if limit > 0 else self._empty([])
+
     def claim_due(self, limit: int, *, node: str, reason: str = "claimed") -> list[Job]:
         op = self._claim_due_op(limit, node, reason)
         return self._run("claim_due", op) if limit > 0 else self._empty([])

@@ -140,6 +140,7 @@ class SqlCore:
             c.id == sa.bindparam("k_id"),
         )
         self._read_locked = self._read.with_for_update()
+        self._read_current = self._read.with_for_update(read=True)  # see _select_existing
         # The URL may carry credentials in its query too (``?password=``): redact
         # the whole of it, and remember every secret to blank from driver errors.
         full_url = engine.url.render_as_string(hide_password=False)
@@ -279,6 +280,23 @@ class SqlCore:
         query = self._read_locked if lock and self._d.locks else self._read
         params = {"k_ns": self._namespace, "k_space": ref.space.value, "k_id": ref.id}
         row = conn.execute(query, params).first()
+        return None if row is None else self._job(row)
+
+    def _select_existing(self, conn: sa.Connection, ref: JobRef) -> Job | None:
+        """The record whose key an insert just met: committed, if not in this snapshot.
+
+        MySQL at ``REPEATABLE READ`` reads the transaction's snapshot, taken at
+        its first read: a record another transaction committed since is not in
+        it, though its key refuses the insert. Running the transaction again
+        takes a new snapshot, but not inside a caller's transaction (the
+        ``django://`` store in ``transaction.atomic()``). A shared-lock read
+        sees the committed record; it is made only when the plain read misses.
+        """
+        found = self._select_job(conn, ref)
+        if found is not None or self._engine.dialect.name != "mysql":
+            return found
+        params = {"k_ns": self._namespace, "k_space": ref.space.value, "k_id": ref.id}
+        row = conn.execute(self._read_current, params).first()
         return None if row is None else self._job(row)
 
     def _locked(

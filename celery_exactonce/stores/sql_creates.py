@@ -229,7 +229,9 @@ class SqlCreates(SqlCore):
             except sa_exc.IntegrityError as exc:
                 if sql_engine.error_code(exc.orig) != sql_engine.DUPLICATE_KEY:
                     raise
-                if brief and epoch is not None:  # the row was selected, so the epoch matched
+                # The row was selected, so the epoch matched. In a caller's transaction the
+                # record may be newer than its snapshot: the transaction reads it currently.
+                if brief and epoch is not None and self.owns_transactions:
                     return CreateResult(CreateStatus.EXISTS, epoch=epoch)
                 return None  # the record as it is, and the epoch: the transaction reads them
             if row is None:  # the epoch differs: the transaction reads the one stored
@@ -312,7 +314,7 @@ class SqlCreates(SqlCore):
             return CreateResult(CreateStatus.BELOW_WATERMARK, epoch=stored)
         job = jobs.job_from_new(new, times.from_micros(now))
         if not self._insert_absent(conn, self._t.jobs, self._values(job)):
-            existing = self._select_job(conn, new.ref)
+            existing = self._select_existing(conn, new.ref)
             if existing is None:
                 raise Rerun
             return CreateResult(CreateStatus.EXISTS, existing, epoch=stored)

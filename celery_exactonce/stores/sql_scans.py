@@ -16,7 +16,10 @@ that builds, inside its transaction, each operation over many rows:
 * **expired jobs, purged**: records past their ``expires_at``, deleted
   (``SKIP LOCKED`` too);
 * **counts**: the records per state and the due backlog, read for gauges
-  from the ``(namespace, state, …)`` indexes.
+  from the ``(namespace, state, …)`` indexes;
+* **ids by prefix**: per key space, the first ``limit`` ids at or after the
+  prefix on the primary key (ids compare by code point on every dialect), of
+  which those that start with it.
 
 Each ``_…_op`` method checks its arguments and returns the transaction's
 function, as the operation did before running it.
@@ -33,9 +36,9 @@ from datetime import datetime
 
 import sqlalchemy as sa
 
-from celery_exactonce import jobs, times
+from celery_exactonce import jobs, refs, times
 from celery_exactonce.jobs import Job
-from celery_exactonce.refs import JobRef
+from celery_exactonce.refs import JobRef, Space
 from celery_exactonce.skipped_slots import SkippedSlots
 from celery_exactonce.states import State
 from celery_exactonce.stores.base import DueBacklog
@@ -126,6 +129,25 @@ class SqlScans(SqlCore):
                     (row.entry, times.from_micros(row.fire_time)) for row in conn.execute(query)
                 )
             return found
+
+        return op
+
+    def _find_ids_op(self, prefix: str, limit: int) -> Callable[[sa.Connection], list[JobRef]]:
+        """The transaction of ``find_ids`` (the prefix checked first)."""
+        refs.validate_identifier(prefix, "job id prefix", refs.MAX_ID_LENGTH)
+        c = self._t.jobs.c
+
+        def op(conn: sa.Connection) -> list[JobRef]:
+            found: list[JobRef] = []
+            for space in sorted(Space, key=lambda s: s.value):
+                ids = conn.execute(
+                    sa.select(c.id)
+                    .where(c.namespace == self._namespace, c.space == space.value, c.id >= prefix)
+                    .order_by(c.id)
+                    .limit(max(limit, 0))
+                ).scalars()
+                found.extend(JobRef(space, i) for i in ids if i.startswith(prefix))
+            return found[: max(limit, 0)]
 
         return op
 

@@ -702,6 +702,22 @@ def reject_requeue(app: Celery) -> Outcome:
     }
 
 
+@scenario("reject_then_succeed")
+def reject_then_succeed(app: Celery) -> Outcome:
+    """Celery's own shape: reject until ``request.delivery_info['redelivered']``, then succeed.
+
+    Before the fix, ExactOnceTask's requeued copy was a new message, not
+    redelivered: the body rejected it again, and again, and never returned.
+    """
+    tag = new_tag()
+    result = task(app, "reject_then_succeed").delay(tag)
+    return {
+        "result": settle(result),
+        "runs": settled_runs(app, tag, expect=2),
+        "seen": noted(app, tag, at_least=2, timeout=1.0),
+    }
+
+
 # 8. replace()
 
 
@@ -851,21 +867,21 @@ DIFFERENCES: dict[str, tuple[str, Outcome]] = {
     "reject_requeue": (
         "Reject(requeue=True) cannot give back a message whose attempt has run (the gate "
         "would refuse it): the job moves to its next attempt and a new copy is published, so "
-        "the body runs again once and sees request.retries one higher, in a message that "
-        "was not redelivered",
+        "the body runs again once, sees it redelivered as a message given back, and sees "
+        "request.retries one higher",
         {
             "result": {"value": 2},
             "runs": 2,
             "seen": [
                 {"redelivered": False, "retries": 0, "run": 1},
-                {"redelivered": False, "retries": 1, "run": 2},
+                {"redelivered": True, "retries": 1, "run": 2},
             ],
         },
     ),
 }
 
 #: The scenarios whose outcome depends on the broker: run on RabbitMQ too.
-BROKER_SPECIFIC = ("reject_requeue",)
+BROKER_SPECIFIC = ("reject_requeue", "reject_then_succeed")
 
 
 # --- the tests ----------------------------------------------------------------------------
@@ -928,3 +944,79 @@ def test_a_broker_specific_scenario_has_the_outcome_of_celerys_task_on_rabbitmq(
 def test_every_documented_difference_names_a_scenario() -> None:
     """An entry of DIFFERENCES (and of the docs page mirroring it) is tested by its scenario."""
     assert set(DIFFERENCES) <= set(SCENARIOS), sorted(set(DIFFERENCES) - set(SCENARIOS))
+
+
+def test_a_task_that_rejects_every_delivery_stops_at_max_retries_and_fails(
+    redis_variants: dict[str, Variant],
+) -> None:
+    """``Reject(requeue=True)`` on every delivery: one run per attempt, then a visible failure.
+
+    Plain Celery gives the message back forever. ExactOnceTask counts each
+    requeue as a retry: past ``max_retries`` (2 here) the task fails with
+    ``MaxRetriesExceededError`` and its job ends ``FAILED``. Before the fix
+    nothing bounded it: the requeued copies ran on, each a new attempt.
+    """
+    from celery_exactonce import runtime
+    from celery_exactonce.refs import JobRef
+
+    def rejects_always(app: Celery) -> Outcome:
+        tag = new_tag()
+        result = task(app, "reject_always").delay(tag)
+        outcome = settle(result, timeout=TIMEOUT)
+        job = runtime.runtime_for(app).store.get(JobRef.submitted(result.id))
+        return {
+            "result": outcome,
+            "runs": settled_runs(app, tag, expect=3),
+            "seen": noted(app, tag, at_least=3, timeout=1.0),
+            "job": job and (str(job.state), job.attempt, "max_retries=2" in job.reason),
+        }
+
+    variant = redis_variants["exactonce"]
+    outcome = variant.run(rejects_always).result(timeout=SCENARIO_TIMEOUT)
+    if timed_out(outcome) or outcome.get("runs") != 3:
+        print(variant.logs())
+    assert outcome == {
+        "result": {"raised": "MaxRetriesExceededError"},
+        "runs": 3,
+        "seen": [
+            {"redelivered": False, "retries": 0, "run": 1},
+            {"redelivered": True, "retries": 1, "run": 2},
+            {"redelivered": True, "retries": 2, "run": 3},
+        ],
+        "job": ("FAILED", 2, True),
+    }
+    assert variant.worker is not None
+    assert "requeue refused: out of retries (max_retries=2)" in variant.worker.log()
+
+
+def test_plain_celery_gives_an_always_rejected_message_back_past_max_retries(
+    redis_variants: dict[str, Variant],
+) -> None:
+    """What the previous test compares with: Celery's ``Task`` does not count requeues.
+
+    The same task runs on, far past ``max_retries`` (2), each run the same
+    retry (0), until it is revoked (which ends the loop here).
+    """
+
+    def rejects_always(app: Celery) -> Outcome:
+        tag = new_tag()
+        result = task(app, "reject_always").delay(tag)
+        try:
+            poll(lambda: compat_app.runs(app, tag) >= 6, timeout=TIMEOUT, interval=0.05)
+        finally:
+            app.control.revoke(result.id)
+        deadline = time.monotonic() + TIMEOUT
+        while True:  # the revoke reaches the worker: the count stays (raises if it never does)
+            count = compat_app.runs(app, tag)
+            try:
+                holds(lambda count=count: compat_app.runs(app, tag) == count, seconds=QUIET)
+                break
+            except AssertionError:
+                if time.monotonic() > deadline:
+                    raise
+        retries = sorted({note["retries"] for note in compat_app.notes(app, tag)})
+        return {"retries seen": retries, "stopped once revoked": True}
+
+    variant = redis_variants["plain"]
+    outcome = variant.run(rejects_always).result(timeout=SCENARIO_TIMEOUT)
+    assert outcome == {"retries seen": [0], "stopped once revoked": True}

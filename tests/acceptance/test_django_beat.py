@@ -44,12 +44,14 @@ CREATE_AT, DISABLE_AT, KILL_AT, DELETE_AT = 10, 20, 25, 40
 START_MARGIN, END_MARGIN = 3, 4
 
 
-def start_beat(deployment: Deployment, database: DjangoDatabase, scheduler: str) -> DjangoBeat:
+def start_beat(
+    deployment: Deployment, database: DjangoDatabase, scheduler: str, **conf: Any
+) -> DjangoBeat:
     env = {
         **deployment.env,
         **database.env(),
         "EXACTONCE_ACC_BEAT_EVERY": "0",  # no settings entries: the rows only
-        "EXACTONCE_ACC_EXTRA_CONF": json.dumps({"exactonce_reconcile_on": "beat"}),
+        "EXACTONCE_ACC_EXTRA_CONF": json.dumps({"exactonce_reconcile_on": "beat", **conf}),
     }
     beat = DjangoBeat(env, deployment.tmp_path, f"beat-{len(deployment.beats) + 1}", scheduler)
     deployment.beats.append(beat)
@@ -273,6 +275,72 @@ def _unpublished(
         for back in range(int(b.TICK_SPAN.total_seconds()) + 2):
             candidates |= {(name, second - timedelta(seconds=back)) for name in names}
     return b.unpublished_claims(deployment, candidates, kills)
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.acceptance_matrix(brokers=("redis",), stores=("redis",))
+@pytest.mark.parametrize("django_database", ["postgres"], indirect=True)
+def test_scenario_74_two_beats_continue_a_renamed_row_after_its_old_names_claims(
+    deployment: Deployment, ledger: Ledger, gate: None, django_database: DjangoDatabase
+) -> None:
+    """Two real beats; a row renamed with a ``last_run_at`` behind its old name's claims.
+
+    That is the row node 2 reads when the rename commits while node 1 is
+    between its claim of a slot and its count (or its count write failed): the
+    rename here writes back the ``last_run_at`` read seconds earlier, so the
+    window is wide open every run. The beats catch up every missed slot
+    (``catchup = "all"``). Before the fix both beats started the renamed row
+    after that ``last_run_at``: the slots since, already run under the old
+    name, ran again under the new one.
+
+    The same run has a row every 3 s whose ``start_time`` is 1.5 s past a
+    whole second: before the fix its slots were on the epoch's grid (whole
+    seconds); now they are ``start_time + k * 3 s``.
+    """
+    # SCENARIOS 74: no slot of that row is dispatched under both names
+    from django_celery_beat.models import PeriodicTask
+
+    deployment.start_worker(concurrency=2)
+    deployment.store()
+    start = b.whole_second_after(b.store_now(deployment) + timedelta(seconds=6))
+    anchor = start + timedelta(seconds=1.5)
+    pk = add("old-name").pk
+    names = {
+        "old-name": pk,
+        "new-name": pk,
+        "anchored": add("anchored", interval=interval(3), start_time=anchor).pk,
+    }
+    beats = [
+        start_beat(deployment, django_database, "exactonce-django", exactonce_catchup="all")
+        for _ in range(2)
+    ]
+    for beat in beats:
+        beat.wait_ready()
+    b.run_until(deployment, start + timedelta(seconds=2), beats)
+    stale = PeriodicTask.objects.get(pk=pk)  # its last_run_at, as of now
+    b.run_until(deployment, start + timedelta(seconds=8), beats)
+    stale.name = "new-name"
+    stale.save(update_fields=["name", "last_run_at"])
+    b.run_until(deployment, start + timedelta(seconds=14), beats)
+    disable_every_row(deployment, beats)
+    for beat in beats:
+        beat.kill()
+
+    # Then no slot of the row ran under both names, and the new name went on
+    occurrences = ledger.occurrences()
+    b.assert_no_duplicates(ledger)
+    fires = {
+        name: sorted(f for n, f in occurrences if n == name) for name in ("old-name", "new-name")
+    }
+    assert fires["old-name"] and fires["new-name"], fires
+    assert set(fires["old-name"]).isdisjoint(fires["new-name"]), fires
+    assert min(fires["new-name"]) > max(fires["old-name"]), fires
+    # ... the start_time row fired on its own grid, not the epoch's
+    anchored = sorted(f for n, f in occurrences if n == "anchored")
+    assert len(anchored) >= 4, anchored
+    assert all((f - anchor).total_seconds() % 3 == 0 for f in anchored), anchored
+    # ... and the row counts what ran of it, under both names
+    assert_each_row_counts_its_runs(deployment, ledger, names, {})
 
 
 # -- the control ---------------------------------------------------------------------------

@@ -103,3 +103,50 @@ def test_scrapes_of_beat_and_of_a_prefork_worker_show_counters_and_gauges_moving
     )
     assert second_worker[completed] > first_worker[completed] > 0
     assert len(list(multiproc.glob("counter_*.db"))) >= 2  # the children's own files
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.acceptance_matrix(brokers=("redis",), stores=("redis",))
+def test_scenario_79_beat_and_a_worker_serve_metrics_with_only_a_port_set(
+    deployment: Deployment, tmp_path: Path
+) -> None:
+    """SCENARIOS 79: a port and no address, as the how-to's first example writes it.
+
+    Before the fix, the default address was ``""``, which prometheus-client
+    refuses: beat and the worker each refused to start with "cannot serve
+    /metrics on *:PORT: [Errno -2] Name or service not known".
+    """
+    beat_port = free_port()
+    worker_port = poll(lambda: (port := free_port()) != beat_port and port)
+    # Given a beat with exactonce_metrics_port only
+    deployment.start_beat(
+        extra_env={"EXACTONCE_ACC_EXTRA_CONF": json.dumps({"exactonce_metrics_port": beat_port})}
+    )
+    # and a worker with exactonce_worker_metrics_port only (a prefork pool: its directory)
+    multiproc = tmp_path / "prometheus-worker"
+    multiproc.mkdir()
+    deployment.extra_env = {
+        "PROMETHEUS_MULTIPROC_DIR": str(multiproc),
+        "EXACTONCE_ACC_EXTRA_CONF": json.dumps({"exactonce_worker_metrics_port": worker_port}),
+    }
+    worker = deployment.start_worker(concurrency=1)
+
+    # Then both serve /metrics, on every interface (scraped here on the loopback)
+    beat_samples = scrape_until(beat_port, lambda s: ("exactonce_store_up", ()) in s)
+    assert beat_samples[("exactonce_store_up", ())] in (0.0, 1.0)
+    assert scrape_until(worker_port, lambda s: True) is not None
+    assert worker.alive() and all(beat.alive() for beat in deployment.beats)
+    listening = {f"0.0.0.0:{beat_port}", f"0.0.0.0:{worker_port}"}
+    assert listening <= listening_sockets(), listening_sockets()
+
+
+def listening_sockets() -> set[str]:
+    """``ADDRESS:PORT`` of each IPv4 TCP socket listening on this host (``/proc/net/tcp``)."""
+    found = set()
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        local, state = line.split()[1], line.split()[3]
+        if state == "0A":  # LISTEN
+            address, port = local.split(":")
+            octets = [str(int(address[i : i + 2], 16)) for i in (6, 4, 2, 0)]
+            found.add(f"{'.'.join(octets)}:{int(port, 16)}")
+    return found

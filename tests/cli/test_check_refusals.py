@@ -9,6 +9,7 @@ print a ``FAIL`` line naming the setting, and say which setting in ``--json``.
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 import uuid
@@ -94,3 +95,31 @@ def test_check_on_a_cluster_names_each_masters_replicas(replicated_cluster: Clus
     data = json.loads(check(asking, url, "--json").stdout)
     (refused,) = [c for c in data["checks"] if c["status"] == "FAIL"]
     assert (refused["name"], refused["setting"]) == ("replicas", "exactonce_min_replicas")
+
+
+def test_scenario_79_check_fails_on_a_metrics_port_already_taken() -> None:
+    """``check`` binds each ``/metrics`` port set, on the default address, and releases it.
+
+    Before the fix, ``check`` never tried the port: it said "all checks passed"
+    for a port another process listened on (and for the default address,
+    which prometheus-client could not bind at all).
+    """
+    services.need("redis")  # the store (the broker is never connected to)
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))  # noqa: S104  (as a node listening on the default address)
+        taken.listen()
+        port = taken.getsockname()[1]
+        # Given exactonce_metrics_port on a port another process listens on: FAIL, naming it
+        done = check(
+            Bad("metrics-port-taken", "", conf={"exactonce_metrics_port": port}), services.REDIS_URL
+        )
+        assert done.returncode == 1, done.stdout + done.stderr
+        (line,) = [line for line in done.stdout.splitlines() if line.startswith("FAIL")]
+        assert f"exactonce_metrics_port={port}" in line and f"0.0.0.0:{port}" in line, line
+        assert "set exactonce_metrics_port to a free port" in line, line
+    # When the port is free again: ok, naming where beat will serve
+    done = check(
+        Bad("metrics-port-free", "", conf={"exactonce_metrics_port": port}), services.REDIS_URL
+    )
+    (line,) = [line for line in done.stdout.splitlines() if line.split()[1:2] == ["metrics"]]
+    assert line.startswith("ok") and f"beat serves /metrics on 0.0.0.0:{port}" in line, line

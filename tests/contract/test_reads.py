@@ -6,10 +6,12 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
+from celery_exactonce.exceptions import InvalidPayload
+from celery_exactonce.refs import JobRef
 from celery_exactonce.states import State
 from celery_exactonce.stores import redis_reads
 from celery_exactonce.stores.base import FORMAT_VERSION, StateStore
-from tests.support.helpers import occurrence, poll, task_job, wait_store_past
+from tests.support.helpers import occurrence, poll, task_job, to, wait_store_past
 
 UTC = timezone.utc
 
@@ -18,6 +20,12 @@ UTC = timezone.utc
 def small_pages(monkeypatch: pytest.MonkeyPatch) -> None:
     """Filtered listings that read few records a page (Redis), so paging is exercised."""
     monkeypatch.setattr(redis_reads, "FILTER_PAGE", 2)
+
+
+@pytest.fixture
+def small_scans(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Index scans of few members a step (Redis), so ``find_ids`` walks several."""
+    monkeypatch.setattr(redis_reads, "SCAN_COUNT", 1)
 
 
 @pytest.mark.usefixtures("small_pages")
@@ -86,3 +94,37 @@ def test_schema_version_reads_what_setup_wrote(store: StateStore) -> None:
     assert store.schema_version() == FORMAT_VERSION
     store.setup()  # idempotent
     assert store.schema_version() == FORMAT_VERSION
+
+
+@pytest.mark.usefixtures("small_scans")
+def test_find_ids_gives_the_refs_an_id_prefix_matches_in_both_key_spaces(
+    store: StateStore,
+) -> None:
+    """Ids by prefix, for ``show`` and ``cancel``: both key spaces, ``str(ref)`` order, bounded.
+
+    Before the fix the store had no such read, so the CLI could not take a
+    prefix of an id it had printed cut short.
+    """
+    fire = datetime(2026, 5, 1, 3, tzinfo=UTC)
+    for job_id in ("ab*c-1", "ab*c-2", "ab?x", "abd", "zz"):
+        store.create(task_job(job_id))
+    beat = occurrence("ab*c", fire)
+    store.create(beat)
+    other = occurrence("ab*c", fire + timedelta(hours=1))
+    store.create(other)
+    created = store.get(JobRef.submitted("ab*c-1"))
+    assert created is not None
+    assert store.transition(created.ref, to(State.CANCELLED, State.SCHEDULED)).applied
+
+    # Glob and LIKE characters in a prefix are themselves, not patterns
+    assert store.find_ids("ab*c-", 10) == [JobRef.submitted("ab*c-1"), JobRef.submitted("ab*c-2")]
+    assert store.find_ids("ab*c", 10) == sorted(
+        [beat.ref, other.ref, JobRef.submitted("ab*c-1"), JobRef.submitted("ab*c-2")], key=str
+    )
+    assert store.find_ids("ab*c", 2) == sorted([beat.ref, other.ref], key=str)  # o: before t:
+    assert store.find_ids("ab?", 10) == [JobRef.submitted("ab?x")]
+    assert store.find_ids("ab%", 10) == [] and store.find_ids("ab_", 10) == []
+    assert store.find_ids("zz", 10) == [JobRef.submitted("zz")]  # the whole id is a prefix
+    assert store.find_ids("q", 10) == []
+    with pytest.raises(InvalidPayload, match="job id prefix"):
+        store.find_ids("", 10)

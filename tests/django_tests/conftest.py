@@ -35,9 +35,12 @@ ALIASES = [
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    """Before any fixture (pytest-django would set the database up): is PostgreSQL there?"""
+    """Before any fixture (pytest-django would set the database up): is the server there?"""
     if item.get_closest_marker("postgres") is not None:
         services.need("postgres")
+    if item.get_closest_marker("mysql") is not None:
+        pytest.importorskip("MySQLdb", reason="Django's MySQL backend needs mysqlclient or PyMySQL")
+        services.need("mysql")
 
 
 @pytest.fixture(params=ALIASES)

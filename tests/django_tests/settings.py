@@ -2,7 +2,8 @@
 
 In-process (pytest-django, configured by ``tests/conftest.py``): two databases,
 ``default`` (SQLite) and ``postgres``, every model of the apps routed to the one
-a test picks (:mod:`tests.django_tests.routing`).
+a test picks (:mod:`tests.django_tests.routing`); and ``mysql`` (MariaDB at
+``REPEATABLE READ``, with mysqlclient), which only the tests that name it use.
 
 As ``DJANGO_SETTINGS_MODULE`` of a ``celery beat`` or ``worker`` a test starts:
 one database, ``default``, which ``EXACTONCE_TEST_DJANGO_DB`` names
@@ -11,12 +12,13 @@ one database, ``default``, which ``EXACTONCE_TEST_DJANGO_DB`` names
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import uuid
 from typing import Any
 from urllib.parse import urlsplit
 
-from tests.services import POSTGRES_URL
+from tests.services import MYSQL_URL, POSTGRES_URL
 
 SECRET_KEY = "tests-only"
 USE_TZ = True
@@ -67,6 +69,20 @@ def postgres(name: str | None = None) -> dict[str, Any]:
     }
 
 
+def mysql(**options: Any) -> dict[str, Any]:
+    """The test MySQL/MariaDB, as a Django database (``OPTIONS``: ``options``)."""
+    parts = urlsplit(MYSQL_URL)
+    return {
+        "ENGINE": "django.db.backends.mysql",
+        "NAME": parts.path.lstrip("/") or "test",
+        "USER": parts.username or "root",
+        "PASSWORD": parts.password or "",
+        "HOST": parts.hostname or "127.0.0.1",
+        "PORT": str(parts.port or 3306),
+        "OPTIONS": options,
+    }
+
+
 def sqlite(path: str, *, immediate: bool = True) -> dict[str, Any]:
     # IMMEDIATE: several processes write (the django:// store requires it on SQLite).
     options: dict[str, Any] = {"timeout": 20}
@@ -93,6 +109,25 @@ def one_database(spec: str) -> dict[str, Any]:
 STORE_SQLITE = "EXACTONCE_TEST_DJANGO_STORE_SQLITE"
 
 
+def _mysql_if_installed() -> dict[str, Any]:
+    """``mysql``: Django's MySQL backend on mysqlclient where it is installed, else PyMySQL.
+
+    PyMySQL (the SQL store's driver, in the ``mysql`` extra) stands in for
+    mysqlclient as Django's ``MySQLdb``, so the tests that name this database
+    run on a machine that cannot build mysqlclient, as CI's fresh install is.
+    """
+    if importlib.util.find_spec("MySQLdb") is None:
+        if importlib.util.find_spec("pymysql") is None:
+            return {}
+        import pymysql
+
+        pymysql.install_as_MySQLdb()
+    # Django reads MySQL at READ COMMITTED unless told: this one is told otherwise.
+    database = mysql(isolation_level="repeatable read")
+    database["TEST"] = {"NAME": f"test_exactonce_{uuid.uuid4().hex[:8]}", "DEPENDENCIES": []}
+    return {"mysql": database}
+
+
 def in_process() -> dict[str, Any]:
     """The settings ``tests/conftest.py`` configures for pytest-django."""
     names = {k: v for k, v in globals().items() if k.isupper()}
@@ -107,6 +142,7 @@ def in_process() -> dict[str, Any]:
             # file every process of the run shares, and the test PostgreSQL.
             "store_sqlite": sqlite(os.environ[STORE_SQLITE]),
             "store_postgres": postgres(),
+            **_mysql_if_installed(),
         },
         "DATABASE_ROUTERS": ["tests.django_tests.routing.Router"],
     }

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
+from typing import Any
 
 import pytest
 
@@ -144,3 +145,51 @@ def test_the_skipped_slots_page_lists_each_record_and_filters_by_reason(
     page = client.get("/admin/celery_exactonce/skippedslots/?reason=window")  # type: ignore[attr-defined]
     listed = page.content.decode().split('id="result_list"', 1)[1].split("</table>", 1)[0]
     assert "hourly" in listed and "nightly" not in listed  # (the filters still name both)
+
+
+def test_a_range_several_nodes_skipped_is_one_row_naming_each_node(
+    client: object, store: StateStore
+) -> None:
+    """Every node plans every entry, so a range all skipped is noted once per node.
+
+    Before, the page listed one row per node for the same range, so a loss
+    that three beats met looked like three.
+    """
+    first = datetime(2026, 5, 1, 3, tzinfo=timezone.utc)
+    last = first + timedelta(hours=2)
+    store.note_skipped(
+        [SkippedSlots("hourly", "store_loss", first, last, 3, node) for node in ("b-1", "b-2")]
+        + [SkippedSlots("hourly", "window", first, last, 3, "b-1")]
+    )
+    page = client.get("/admin/celery_exactonce/skippedslots/")  # type: ignore[attr-defined]
+    assert page.status_code == 200
+    listed = page.content.decode().split('id="result_list"', 1)[1].split("</table>", 1)[0]
+    assert listed.count("store_loss") == 1 and listed.count("window") == 1
+    assert "b-2, b-1" in listed
+
+
+@pytest.mark.parametrize(
+    ("scheduler", "wrong"),
+    [
+        ("exactonce-django", False),  # the form the how-to and the migration guide write
+        ("celery_exactonce.contrib.django_celery_beat:DatabaseScheduler", False),
+        ("django_celery_beat.schedulers:DatabaseScheduler", False),
+        ("exactonce", True),  # beat_schedule only: the rows would not run
+        ("no-such-scheduler", True),
+    ],
+)
+def test_scenario_79_the_periodic_tasks_page_knows_the_scheduler_alias(
+    client: object, settings: Any, scheduler: str, wrong: bool
+) -> None:
+    """SCENARIOS 79: django-celery-beat's "Periodic tasks" page under each scheduler setting.
+
+    Before the fix, ``CELERY_BEAT_SCHEDULER = "exactonce-django"`` made the page
+    fail with HTTP 500 (django-celery-beat imported the alias as a module), and
+    the scheduler's full path counted as a wrong scheduler (``wrong_scheduler``:
+    the page's "won't be dispatched" banner, where its template shows it).
+    """
+    settings.CELERY_BEAT_SCHEDULER = scheduler
+    page = client.get("/admin/django_celery_beat/periodictask/")  # type: ignore[attr-defined]
+    assert page.status_code == 200
+    assert "Select periodic task to change" in page.content.decode()
+    assert page.context_data["wrong_scheduler"] is wrong

@@ -92,3 +92,32 @@ def test_an_operator_lists_filters_and_opens_jobs_in_a_browser(
     assert "RUNNING" in page and "idempotency key" in page.lower()
     assert "SCHEDULED → DISPATCHED" in page or "SCHEDULED →" in page
     assert not browser.find_elements(By.NAME, "_save")
+
+
+def test_scenario_79_the_periodic_tasks_page_opens_with_the_scheduler_alias(
+    alias: str, live_server: Any, browser: Any, settings: Any
+) -> None:
+    """SCENARIOS 79: ``CELERY_BEAT_SCHEDULER = "exactonce-django"``, as the how-to writes it.
+
+    Before the fix, django-celery-beat's "Periodic tasks" page answered
+    HTTP 500 (Server Error) with that setting: it imported the alias as a module.
+    """
+    from django.contrib.auth.models import User
+    from django_celery_beat.models import IntervalSchedule, PeriodicTask
+    from selenium.webdriver.common.by import By
+
+    settings.CELERY_BEAT_SCHEDULER = "exactonce-django"
+    every = IntervalSchedule.objects.create(every=10, period=IntervalSchedule.SECONDS)
+    PeriodicTask.objects.create(name="nightly-report", task="tasks.report", interval=every)
+    User.objects.create_superuser("operator", "op@example.com", "s3cret-pw")
+    # Given an operator logged in, who opens the periodic tasks
+    target = "/admin/django_celery_beat/periodictask/"
+    browser.get(f"{live_server.url}/admin/login/?next={target}")
+    browser.find_element(By.NAME, "username").send_keys("operator")
+    browser.find_element(By.NAME, "password").send_keys("s3cret-pw")
+    browser.find_element(By.CSS_SELECTOR, "input[type=submit]").click()
+    arrived(browser, target)
+    # Then the page lists the row, with no server error and no wrong-scheduler banner
+    assert "Server Error" not in browser.title
+    assert "nightly-report" in browser.find_element(By.ID, "result_list").text
+    assert "won't be dispatched" not in browser.find_element(By.ID, "content").text

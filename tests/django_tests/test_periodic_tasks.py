@@ -95,10 +95,8 @@ def test_a_clocked_row_is_one_slot_and_a_one_off_its_first_slot(alias: str) -> N
     start = _utc(2026, 5, 1, 9, 30)
     one_off = _row("once", interval=hourly, one_off=True, start_time=start)
     sched = periodic_tasks.schedule_of(one_off)
-    assert sched == bounded(timedelta(hours=1), start=start, first_only=True)
-    assert slots.slots_between(sched, _utc(2026, 5, 1), _utc(2026, 5, 2), tz=UTC) == [
-        _utc(2026, 5, 1, 10)
-    ]
+    assert sched == bounded(timedelta(hours=1), start=start, first_only=True, anchored=True)
+    assert slots.slots_between(sched, _utc(2026, 5, 1), _utc(2026, 5, 2), tz=UTC) == [start]
     # Without a start time, the first slot after the row's last change
     anchored = periodic_tasks.schedule_of(_row("anchored", interval=hourly, one_off=True))
     assert isinstance(anchored, bounded)
@@ -116,7 +114,26 @@ def test_start_time_and_expires_bound_the_slots(alias: str) -> None:
     entry = periodic_tasks.entry_of(row)
     assert entry["options"]["expires"] == _utc(2026, 5, 1, 0, 0, 40)
     fires = slots.slots_between(entry["schedule"], _utc(2026, 5, 1), _utc(2026, 5, 2), tz=UTC)
-    assert fires == [_utc(2026, 5, 1, 0, 0, s) for s in (10, 20, 30, 40)]
+    assert fires == [_utc(2026, 5, 1, 0, 0, s) for s in (5, 15, 25, 35)]
+
+
+def test_an_interval_row_with_a_start_time_runs_at_start_time_plus_whole_intervals(
+    alias: str,
+) -> None:
+    """A daily row whose ``start_time`` is 09:30 runs at 09:30 every day, as django-celery-beat
+    runs it. Before the fix its slots were counted from the UNIX epoch: midnight UTC."""
+    from django_celery_beat.models import IntervalSchedule
+
+    daily = IntervalSchedule.objects.create(every=1, period="days")
+    start = _utc(2026, 5, 1, 9, 30)
+    sched = periodic_tasks.schedule_of(_row(interval=daily, start_time=start))
+    fires = slots.slots_between(sched, _utc(2026, 4, 20), _utc(2026, 5, 4), tz=UTC)
+    assert fires == [_utc(2026, 5, d, 9, 30) for d in (1, 2, 3)]
+    assert slots.latest_slot(sched, _utc(2026, 5, 3, 9), tz=UTC) == _utc(2026, 5, 2, 9, 30)
+    assert slots.next_slot(sched, _utc(2026, 5, 3, 9), tz=UTC) == _utc(2026, 5, 3, 9, 30)
+    # Without a start_time, an interval keeps the epoch's grid
+    plain = periodic_tasks.schedule_of(_row("plain", interval=daily))
+    assert slots.next_slot(plain, _utc(2026, 5, 3, 9), tz=UTC) == _utc(2026, 5, 4)
 
 
 def test_a_solar_row_is_celerys_solar(alias: str) -> None:
@@ -214,3 +231,27 @@ def test_disabling_a_one_off_happens_once_and_moves_the_marker(alias: str) -> No
     assert PeriodicTask.objects.get(pk=row.pk).enabled is False
     assert periodic_tasks.last_change() not in (None, before)
     assert [r.name for r in periodic_tasks.enabled_rows()] == []
+
+
+def test_record_run_counts_the_hour_a_fall_back_repeats_without_use_tz(
+    alias: str, settings: Any
+) -> None:
+    """Suspicion: ``record_run``'s ``last_run_at < slot`` guard drops slots at a DST
+    fall-back with ``USE_TZ = False``. Confirmed: the row stores naive local times, which go
+    back an hour there, so before the fix the second 01:00 and 01:30 were not counted and
+    ``total_run_count`` ended two below the runs. Two nodes record each slot, in order."""
+    from django_celery_beat.models import PeriodicTask
+
+    if alias != "default":
+        pytest.skip("USE_TZ is switched for SQLite only (a server connection keeps its zone)")
+    settings.USE_TZ, settings.TIME_ZONE = False, "America/New_York"
+    row = _row()
+    # 01:00 and 01:30 EDT, then 01:00 and 01:30 EST (the repeated hour), then 02:00 EST
+    fires = [_utc(2026, 11, 1, 5), _utc(2026, 11, 1, 5, 30), _utc(2026, 11, 1, 6)]
+    fires += [_utc(2026, 11, 1, 6, 30), _utc(2026, 11, 1, 7)]
+    for fire in fires:
+        for won in (False, True, False):  # a loser first, the winner, a late loser
+            periodic_tasks.record_run(row.pk, fire, won=won)
+    counted = PeriodicTask.objects.get(pk=row.pk)
+    assert counted.total_run_count == len(fires)
+    assert counted.last_run_at == datetime(2026, 11, 1, 2, 0)  # naive, New York

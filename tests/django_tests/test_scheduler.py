@@ -262,3 +262,168 @@ def test_scenario_73_two_hundred_rows_edited_while_three_nodes_run(alias: str) -
     assert {row.pk: row.total_run_count for row in PeriodicTask.objects.all()} == {
         pk: by_row[pk] for pk in set(pks.values())
     }
+
+
+def _rename(name: str, to: str) -> Any:
+    from django_celery_beat.models import PeriodicTask
+
+    row = PeriodicTask.objects.get(name=name)
+    row.name = to
+    row.save()  # as the admin saves it: the change marker moves
+    return row
+
+
+def _fires_by_row(cluster: DjangoCluster, pks: dict[str, int]) -> Counter[tuple[int, datetime]]:
+    return Counter(
+        (pks[job.options["headers"]["periodic_task_name"]], job.fire_time)  # type: ignore[misc]
+        for job in cluster.broker.sent
+    )
+
+
+def test_scenario_74_a_rename_after_a_failed_count_write_runs_no_slot_twice(
+    alias: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One node: the count write of slot S fails once, the row is renamed, the node goes on.
+
+    Before the fix, the renamed row's entry started after ``last_run_at``, which
+    the failed write had left before S: the next tick claimed S again under the
+    new name, and the row counted fewer runs than the messages sent.
+    """
+    # SCENARIOS 74: a rename continues after every slot the old name claimed
+    from django.db import DatabaseError
+    from django_celery_beat.models import PeriodicTask
+
+    from celery_exactonce.contrib import periodic_tasks
+
+    pk = add_row("report").pk
+    cluster = DjangoCluster(nodes=1, start=START)
+    cluster.tick_all()
+    record_run = periodic_tasks.record_run
+    failed: list[datetime] = []
+
+    def fails_once(row: int, fire: datetime, *, won: bool) -> bool:
+        if not failed:
+            failed.append(fire)
+            raise DatabaseError("the count write failed")
+        return record_run(row, fire, won=won)
+
+    monkeypatch.setattr(periodic_tasks, "record_run", fails_once)
+    cluster.run_until(START + timedelta(seconds=10), step=1)
+    assert failed == [START + timedelta(seconds=10)]
+    _rename("report", "report-renamed")
+    cluster.run_until(START + timedelta(seconds=40), step=1)
+    fires = _fires_by_row(cluster, {"report": pk, "report-renamed": pk})
+    assert [key for key, n in fires.items() if n > 1] == []
+    assert cluster.fired("report") == [START, START + timedelta(seconds=10)]
+    assert cluster.fired("report-renamed") == [START + timedelta(seconds=s) for s in (20, 30, 40)]
+    row = PeriodicTask.objects.get(pk=pk)
+    assert row.total_run_count == len(cluster.broker.sent) == 5
+
+
+def test_scenario_74_a_rename_between_one_nodes_claim_and_count_runs_no_slot_twice(
+    alias: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two nodes, no error: the rename commits while node 1 is between its claim of S and
+    its count, and node 2 reads the renamed row then, before node 1's count lands.
+
+    Before the fix, node 2 started the renamed row after the ``last_run_at`` it
+    read (before S) and claimed S again under the new name; S ran twice and was
+    counted once.
+    """
+    # SCENARIOS 74: no slot of that row is dispatched under both names
+    from django_celery_beat.models import PeriodicTask
+
+    from celery_exactonce.contrib import periodic_tasks
+
+    pk = add_row("report").pk
+    cluster = DjangoCluster(nodes=2, start=START)
+    cluster.tick_all()
+    first, second = cluster.nodes
+    slot = START + timedelta(seconds=10)
+    record_run = periodic_tasks.record_run
+    renamed: list[datetime] = []
+
+    def rename_first(row: int, fire: datetime, *, won: bool) -> bool:
+        if fire == slot and not renamed:  # node 1 claimed S and dispatched it; not counted yet
+            renamed.append(fire)
+            _rename("report", "report-renamed")
+            second.tick()  # node 2 reads the renamed row now
+        return record_run(row, fire, won=won)
+
+    monkeypatch.setattr(periodic_tasks, "record_run", rename_first)
+    cluster.clock.set(slot)
+    first.tick()
+    assert renamed == [slot]
+    cluster.run_until(START + timedelta(seconds=40), step=1, rotate=True)
+    fires = _fires_by_row(cluster, {"report": pk, "report-renamed": pk})
+    assert [key for key, n in fires.items() if n > 1] == []
+    assert sorted(fire for _, fire in fires) == [
+        START + timedelta(seconds=s) for s in range(0, 41, 10)
+    ]
+    assert cluster.fired("report-renamed") == [START + timedelta(seconds=s) for s in (20, 30, 40)]
+    assert PeriodicTask.objects.get(pk=pk).total_run_count == len(cluster.broker.sent) == 5
+
+
+def test_a_settings_one_off_keeps_its_row_and_its_slot_across_beat_starts(alias: str) -> None:
+    """Each beat start wrote every ``beat_schedule`` entry into its row again: before the
+    fix that moved ``date_changed`` (where a one-off without a ``start_time`` starts, so its
+    slot moved at every start) and the change marker (every node read the rows again)."""
+    from django_celery_beat.models import PeriodicTask
+
+    from celery_exactonce.contrib import periodic_tasks
+
+    schedule = {
+        "once": {"task": "plain.u", "schedule": timedelta(hours=1), "one_off": True},
+        "hourly": {"task": "plain.u", "schedule": timedelta(hours=1), "args": [1]},
+    }
+    cluster = DjangoCluster(nodes=1, start=START, schedule=schedule)
+    written = {row.name: row.date_changed for row in PeriodicTask.objects.all()}
+    assert PeriodicTask.objects.get(name="once").one_off is True
+    marker = periodic_tasks.last_change()
+    cluster.nodes.append(DatabaseScheduler(cluster.app))  # another beat starts
+    assert {row.name: row.date_changed for row in PeriodicTask.objects.all()} == written
+    assert periodic_tasks.last_change() == marker
+    first, second = (node.schedule["once"].schedule for node in cluster.nodes)
+    assert first == second
+    assert first.start == periodic_tasks.aware(written["once"])
+
+
+def test_an_earlier_slots_count_landing_after_a_later_ones_is_not_lost(
+    alias: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Suspicion: ``record_run``'s ``last_run_at < slot`` guard drops an earlier slot's
+    count that lands after a later one. Confirmed: node 1 won S1 and its count write
+    failed; node 2, which had not decided S1 (it was behind), counted S2; before the fix
+    node 1's retry of S1 was refused and ``total_run_count`` ended one below the runs.
+    Now a node that finds slots it never decided below a watermark counts the claimed ones."""
+    from django.db import DatabaseError
+    from django_celery_beat.models import PeriodicTask
+
+    from celery_exactonce.contrib import periodic_tasks
+
+    pk = add_row("report").pk
+    cluster = DjangoCluster(nodes=2, start=START)
+    cluster.tick_all()
+    first, second = cluster.nodes
+    record_run = periodic_tasks.record_run
+    failed: list[datetime] = []
+
+    def fails_once(row: int, fire: datetime, *, won: bool) -> bool:
+        if not failed:
+            failed.append(fire)
+            raise DatabaseError("the count write failed")
+        return record_run(row, fire, won=won)
+
+    monkeypatch.setattr(periodic_tasks, "record_run", fails_once)
+    cluster.clock.set(START + timedelta(seconds=10))
+    first.tick()  # S1 won and dispatched; its count failed
+    cluster.clock.set(START + timedelta(seconds=20))
+    second.tick()  # behind: it starts after the watermark, S1, and counts S2
+    first.tick()  # S1's count tried again
+    assert failed == [START + timedelta(seconds=10)]
+    assert cluster.fired("report") == [START + timedelta(seconds=s) for s in (0, 10, 20)]
+    row = PeriodicTask.objects.get(pk=pk)
+    assert (row.total_run_count, periodic_tasks.aware(row.last_run_at)) == (
+        3,
+        START + timedelta(seconds=20),
+    )

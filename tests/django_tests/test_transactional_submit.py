@@ -7,6 +7,7 @@ publish is a real process SIGKILLed: tests/acceptance/test_django_submit.py.)
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +19,7 @@ from celery_exactonce import ExactOnceTask, runtime
 from celery_exactonce.refs import JobRef
 from celery_exactonce.states import State
 from celery_exactonce.stores.base import StateStore
+from tests.django_tests import routing
 from tests.support.publishing import publishing
 
 
@@ -108,3 +110,48 @@ def test_outside_a_transaction_the_submit_publishes_at_once(alias: str, world: W
     world.app.tasks["t.welcome"].apply_async((1,), task_id="at-once")
     assert world.sent == ["at-once"]
     assert world.job_state("at-once") is State.DISPATCHED
+
+
+@pytest.fixture
+def mysql_world() -> Iterator[World]:
+    """:func:`world` on the ``mysql`` database (``REPEATABLE READ``), every model routed there."""
+    routing.ALIAS = "mysql"
+    try:
+        yield from world.__wrapped__("mysql")  # type: ignore[attr-defined]
+    finally:
+        routing.ALIAS = "default"
+
+
+@pytest.mark.mysql
+@pytest.mark.django_db(databases=["mysql"], transaction=True)
+def test_a_submit_inside_a_repeatable_read_transaction_finds_a_job_committed_since(
+    mysql_world: World,
+) -> None:
+    """MySQL at ``REPEATABLE READ``: the job another connection committed after this
+    transaction's first read is the same job, not ``SubmitAmbiguous``.
+
+    Before the fix, the create's insert met the other job's key, and its read of
+    that record saw the transaction's old snapshot, where the record is absent:
+    the submit raised ``SubmitAmbiguous`` for a job that exists.
+    """
+    from django.contrib.auth.models import User
+    from django.db import connections, transaction
+
+    task = mysql_world.app.tasks["t.welcome"]
+
+    def elsewhere() -> None:  # another connection (Django's are per thread), committed at once
+        try:
+            task.apply_async((7,), task_id="made-elsewhere")
+        finally:
+            connections["mysql"].close()
+
+    with transaction.atomic(using="mysql"):
+        assert not User.objects.exists()  # this transaction's snapshot is taken here
+        other = threading.Thread(target=elsewhere)
+        other.start()
+        other.join(timeout=30)
+        assert mysql_world.sent == ["made-elsewhere"]
+        result = task.apply_async((7,), task_id="made-elsewhere")  # the same job again
+        assert result.id == "made-elsewhere"
+    assert mysql_world.sent == ["made-elsewhere"]  # not published twice
+    assert mysql_world.job_state("made-elsewhere") is State.DISPATCHED

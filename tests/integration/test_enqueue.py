@@ -11,6 +11,7 @@ capture cannot reproduce takes the general path.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from datetime import datetime, timezone
 from typing import Any
@@ -326,3 +327,75 @@ def test_one_capturing_connection_serves_calls_one_after_another(server: RedisSe
         assert enqueued is not None and enqueued.created
     assert len(publisher._captures) == 1
     assert _queued(server) == 5
+
+
+def _subscribed(server: RedisServer, topic: str) -> Any:
+    """A subscriber of ``topic`` (a fanout's channel), its subscription confirmed."""
+    pubsub = redis.Redis.from_url(_url(server, 0)).pubsub(ignore_subscribe_messages=True)
+    pubsub.subscribe(topic)
+    assert pubsub.get_message(timeout=5.0) is None  # the confirmation, skipped
+    return pubsub
+
+
+def _published(pubsub: Any) -> list[bytes]:
+    """What the subscriber received within half a second (a PUBLISH arrives at once)."""
+    received = []
+    deadline = time.monotonic() + 0.5
+    while time.monotonic() < deadline:
+        message = pubsub.get_message(timeout=0.1)
+        if message is not None:
+            received.append(message["data"])
+    return received
+
+
+def test_a_fanout_publish_is_never_sent_before_a_command_that_fails(server: RedisServer) -> None:
+    """A PUBLISH cannot be taken back: the script runs it after every command that can fail.
+
+    Before the fix, the script ran the broker commands in the order given: a
+    ``publish`` before an ``lpush`` Redis refused reached the fanout's
+    subscribers, and the script then answered ``push_failed`` with no record.
+    """
+    admin = redis.Redis.from_url(_url(server, 0))
+    admin.execute_command(
+        "ACL", "SETUSER", "nolpush", "on", ">secret", "~*", "&*", "+@all", "-lpush"
+    )
+    store = _store(server, user="nolpush")
+    subscriber = _subscribed(server, "/2.fanout")
+    new = _new()
+    request = Transition(
+        State.DISPATCHED, frozenset({State.SCHEDULED}), node="n", reason="x", rev=new.rev
+    )
+    push = Push(2, (("publish", "/2.fanout", "m1"), ("lpush", "enq", "m2")))
+    with pytest.raises(PushRefused):
+        store.enqueue(new, request, push)
+    assert _published(subscriber) == []
+    assert store.get(new.ref) is None
+    assert _queued(server) == 0
+
+
+def test_a_fanout_publish_is_not_sent_when_the_record_cannot_be_written(
+    server: RedisServer,
+) -> None:
+    """A server out of memory refuses the record: the fanout's message is not published.
+
+    Before the fix, the ``PUBLISH`` (not a write: Redis lets it through out of
+    memory) ran first; the record's ``HSET`` was then refused, and the message
+    reached the subscribers of a job that does not exist.
+    """
+    store = _store(server)
+    store.get(JobRef.submitted("warm"))  # connected, before the server is out of memory
+    subscriber = _subscribed(server, "/2.fanout")
+    admin = redis.Redis.from_url(_url(server, 0))
+    admin.config_set("maxmemory-policy", "noeviction")
+    admin.config_set("maxmemory", 1)
+    try:
+        new = _new()
+        request = Transition(
+            State.DISPATCHED, frozenset({State.SCHEDULED}), node="n", reason="x", rev=new.rev
+        )
+        with pytest.raises(exceptions.StoreError):
+            store.enqueue(new, request, Push(2, (("publish", "/2.fanout", "m1"),)))
+        assert _published(subscriber) == []
+    finally:
+        admin.config_set("maxmemory", 0)
+    assert store.get(new.ref) is None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -100,6 +101,37 @@ def test_django_style_namespace() -> None:
     app.config_from_object(Settings, namespace="CELERY")
     config = ExactOnceConfig.from_app(app)
     assert (config.namespace, config.tick_interval) == ("shop", 2.0)
+
+
+def test_scenario_79_a_misspelt_django_setting_warns_at_its_line_with_the_one_meant() -> None:
+    """Before the fix, the warning listed every known setting and pointed at library code."""
+
+    class Settings:
+        CELERY_EXACTONCE_STORE_URL = "memory://"
+        CELERY_EXACTONCE_TICK_INTERVALL = 2.0
+
+    app = Celery("django-style", set_as_current=False)
+    app.config_from_object(Settings, namespace="CELERY")
+    with pytest.warns(UnknownSettingWarning) as caught:
+        config = ExactOnceConfig.from_app(app)
+    assert config.tick_interval == 1.0  # ignored: the default applies
+    (warning,) = caught.list
+    assert "'CELERY_EXACTONCE_TICK_INTERVALL' ignored" in str(warning.message)
+    assert "did you mean 'CELERY_EXACTONCE_TICK_INTERVAL'?" in str(warning.message)
+    assert warning.filename == __file__
+    assert (
+        "CELERY_EXACTONCE_TICK_INTERVALL = 2.0"
+        in Path(__file__).read_text().splitlines()[warning.lineno - 1]
+    )
+
+
+def test_scenario_79_the_metrics_address_defaults_to_one_that_binds() -> None:
+    """Before the fix, the default was ``""``, which prometheus-client cannot bind."""
+    every = "0.0.0.0"  # noqa: S104  (every interface is what the test asks of the default)
+    assert ExactOnceConfig.from_app(app_with()).metrics_addr == every
+    assert ExactOnceConfig.from_app(app_with(exactonce_metrics_addr="")).metrics_addr == every
+    chosen = ExactOnceConfig.from_app(app_with(exactonce_metrics_addr="::"))
+    assert chosen.metrics_addr == "::"
 
 
 def test_credentials_never_show() -> None:

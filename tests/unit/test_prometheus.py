@@ -258,7 +258,7 @@ metrics.event("completed", "done")
 metrics.reconcile_pass_finished()
 assert metrics.COUNTERS.get("completed") == 1
 try:
-    celery_exactonce.startup._prometheus("exactonce_metrics_port")
+    celery_exactonce.startup.prometheus_module("exactonce_metrics_port")
 except ConfigurationError as exc:
     assert exc.setting == "exactonce_metrics_port" and "[prometheus]" in str(exc), exc
 else:

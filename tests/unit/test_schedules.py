@@ -303,6 +303,24 @@ def test_bounded_first_only_is_one_slot_every_node_agrees_on() -> None:
         bounded(cron("0 3 * * *"), first_only=True)
 
 
+def test_bounded_anchored_counts_an_interval_from_its_start() -> None:
+    """An anchored interval fires at ``start + k * interval``; before, ``bounded`` had no
+    such flag and every interval counted from the UNIX epoch."""
+    start = _utc(2026, 5, 1, 9, 30)
+    sched = bounded(timedelta(hours=3), start=start, end=_utc(2026, 5, 2), anchored=True)
+    assert slots.slots_between(sched, _utc(2026, 5, 1), _utc(2026, 5, 3), tz=UTC) == [
+        _utc(2026, 5, 1, hour, 30) for hour in (9, 12, 15, 18, 21)
+    ]
+    assert slots.latest_slot(sched, _utc(2026, 5, 1, 14), tz=UTC) == _utc(2026, 5, 1, 12, 30)
+    assert slots.next_slot(sched, _utc(2026, 5, 1, 14), tz=UTC) == _utc(2026, 5, 1, 15, 30)
+    once = bounded(timedelta(hours=3), start=start, first_only=True, anchored=True)
+    assert slots.slots_between(once, _utc(2026, 5, 1), _utc(2026, 5, 3), tz=UTC) == [start]
+    assert pickle.loads(pickle.dumps(sched)) == sched  # noqa: S301
+    assert sched != bounded(timedelta(hours=3), start=start, end=_utc(2026, 5, 2))
+    with pytest.raises(exceptions.ConfigurationError, match="anchored=True"):
+        bounded(timedelta(hours=3), anchored=True)
+
+
 def test_a_bounded_schedule_is_checked_from_its_start() -> None:
     # A cron that has no slot for years is refused, naming the entry, through its bounds too
     with pytest.raises(exceptions.ConfigurationError, match="beat entry 'leap'"):

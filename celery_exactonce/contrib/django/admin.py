@@ -181,13 +181,34 @@ def _json(value: Any) -> str:
     return json.dumps(value, indent=1, sort_keys=True, default=str, ensure_ascii=False)
 
 
+#: What makes two records of skipped slots one range: every beat node plans every
+#: entry, so a range all of them skipped is noted once per node.
+_SAME_RANGE = ("namespace", "entry", "reason", "first_slot", "last_slot", "slots")
+
+
 @admin.register(SkippedSlots)
 class SkippedSlotsAdmin(ReadOnlyAdmin):
-    list_display = ("entry", "reason", "slots", "first", "last", "node", "noted")
+    """One row per range of skipped slots, however many nodes noted it (as ``status`` shows)."""
+
+    list_display = ("entry", "reason", "slots", "first", "last", "nodes", "noted")
     list_filter = ("reason", "entry", "namespace")
     search_fields = ("entry",)
-    fields = ("namespace", "entry", "reason", "slots", "first", "last", "node", "noted")
+    fields = ("namespace", "entry", "reason", "slots", "first", "last", "nodes", "noted")
     readonly_fields = fields
+
+    def get_queryset(self, request: Any) -> Any:
+        """The newest record of each range: the others say the same of other nodes."""
+        from django.db.models import Max
+
+        newest = SkippedSlots.objects.values(*_SAME_RANGE).annotate(seq_max=Max("seq"))
+        return super().get_queryset(request).filter(seq__in=newest.values("seq_max"))
+
+    @display(description="nodes")
+    def nodes(self, obj: SkippedSlots) -> str:
+        """Every node that noted this range, the newest first."""
+        same = SkippedSlots.objects.filter(**{f: getattr(obj, f) for f in _SAME_RANGE})
+        noted = same.order_by("-seq").values_list("node", flat=True)
+        return ", ".join(dict.fromkeys(noted))
 
     @display(description="first slot", ordering="first_slot")
     def first(self, obj: SkippedSlots) -> Any:

@@ -21,6 +21,8 @@ _DRIVERS = {
     ("postgresql", "psycopg2"): "postgresql+psycopg2://",
     ("sqlite", "sqlite3"): "sqlite+pysqlite://",
     ("mysql", "MySQLdb"): "mysql+mysqldb://",
+    # PyMySQL standing in for mysqlclient (``pymysql.install_as_MySQLdb()`` in settings).
+    ("mysql", "pymysql"): "mysql+pymysql://",
 }
 
 
@@ -60,7 +62,7 @@ def engine_for(alias: str, borrowed: set[Any] | None = None) -> sa.Engine:
         raise exceptions.ConfigurationError(
             f"exactonce_store_url='django://{alias}': the database's driver "
             f"({connection.vendor}, {key[1]}) is not one the SQL store runs on "
-            "(PostgreSQL with psycopg, SQLite, MySQL/MariaDB with mysqlclient)",
+            "(PostgreSQL with psycopg, SQLite, MySQL/MariaDB with mysqlclient or PyMySQL)",
             setting="exactonce_store_url",
         )
 

@@ -17,7 +17,8 @@ every statement and rule of it, run on Django's connection of ``ALIAS``
 SQLAlchemy compiles the statements for the database's dialect and runs them
 on Django's DB-API connection, which it borrows: it never commits, rolls back
 or closes it, Django does. PostgreSQL (psycopg 3 or psycopg2), SQLite and
-MySQL/MariaDB (mysqlclient) are supported, as the SQL store supports them.
+MySQL/MariaDB (mysqlclient, or PyMySQL installed as ``MySQLdb``) are
+supported, as the SQL store supports them.
 
 Not here: the statements and the rules (:mod:`celery_exactonce.stores.sql`),
 the tables' migration (:mod:`celery_exactonce.contrib.django.migrations`).

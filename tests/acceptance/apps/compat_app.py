@@ -285,6 +285,32 @@ def _register_tasks(app: Celery) -> None:  # noqa: PLR0915 - one definition per 
             raise Reject("the first run asks for the message again", requeue=True)
         return run
 
+    @app.task(bind=True, shared=False, name="compat.reject_then_succeed", acks_late=True)
+    def reject_then_succeed(self: Task, tag: str) -> int:
+        """Celery's own shape: reject until the message comes back redelivered; its run."""
+        run = bump(app, tag)
+        redelivered = bool(self.request.delivery_info["redelivered"])
+        note(app, tag, {"run": run, "redelivered": redelivered})
+        if not redelivered:
+            raise Reject("not redelivered yet", requeue=True)
+        return run
+
+    @app.task(bind=True, shared=False, name="compat.reject_always", acks_late=True, max_retries=2)
+    def reject_always(self: Task, tag: str) -> None:
+        """``Reject(requeue=True)`` on every delivery (plain Celery requeues it forever)."""
+        run = bump(app, tag)
+        delivery = self.request.delivery_info or {}
+        note(
+            app,
+            tag,
+            {
+                "run": run,
+                "retries": self.request.retries,
+                "redelivered": delivery.get("redelivered"),
+            },
+        )
+        raise Reject("never takes it", requeue=True)
+
     @app.task(bind=True, shared=False, name="compat.probe")
     def probe(self: Task, x: Any, y: Any, tag: str | None = None) -> Any:
         """``add`` that notes the ``replaced_task_nesting`` it saw under ``tag``."""

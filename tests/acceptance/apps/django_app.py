@@ -4,7 +4,9 @@
 stock django-celery-beat's scheduler, for the control run) reads the rows of
 the database ``EXACTONCE_TEST_DJANGO_DB`` names (``sqlite:PATH`` or
 ``postgres:NAME``, :mod:`tests.django_tests.settings`). Every other setting is
-the ledger app's (:mod:`tests.acceptance.apps.ledger_app`).
+the ledger app's (:mod:`tests.acceptance.apps.ledger_app`). Its workers also
+run the tasks that retry, requeue or replace themselves inside their own
+``transaction.atomic()`` (:mod:`tests.acceptance.apps.django_atomic`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,10 @@ import django
 
 django.setup()
 
-from tests.acceptance.apps.ledger_app import make_app  # noqa: E402
+from tests.acceptance.apps import django_atomic  # noqa: E402
+from tests.acceptance.apps.ledger_app import ExactOnceTask, make_app  # noqa: E402
 
 #: The app ``celery -A tests.acceptance.apps.django_app beat`` runs.
 app = make_app(os.environ)
+if ExactOnceTask is not None:
+    django_atomic.register(app, os.environ.get("EXACTONCE_ACC_LEDGER", ""))

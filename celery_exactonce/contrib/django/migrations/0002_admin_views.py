@@ -9,4 +9,5 @@ from celery_exactonce.contrib.django import tables
 
 class Migration(migrations.Migration):  # type: ignore[misc]  # django is untyped here
     dependencies = (("celery_exactonce", "0001_initial"),)
-    operations = (migrations.RunPython(tables.create_views, tables.drop_views),)
+    # Not atomic: MySQL cannot roll DDL back, and Django refuses DDL inside a block there.
+    operations = (migrations.RunPython(tables.create_views, tables.drop_views, atomic=False),)

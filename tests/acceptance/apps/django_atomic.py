@@ -1,0 +1,59 @@
+"""Gated tasks that retry, requeue or replace themselves inside their own ``transaction.atomic()``.
+
+:func:`register` adds them to a ledger app on a ``django://`` store (the
+worker's :mod:`~tests.acceptance.apps.django_app`, and the test's own app that
+submits them). On its first attempt each body records a run, opens
+``transaction.atomic()`` on Django's ``default`` database (the store's),
+creates a ``User`` named after its task id, then leaves the block by:
+
+* ``atomic_retry``: ``self.retry()``;
+* ``atomic_requeue``: ``Reject(requeue=True)`` (``acks_late``);
+* ``atomic_replace``: ``self.replace()`` with ``gated_record`` (which records a run).
+
+The block rolls back: the user is never there. A later attempt only records its run.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery import Celery, Task
+from celery.exceptions import Reject
+
+from tests.acceptance.apps import ledger
+
+#: The tasks :func:`register` adds.
+TASKS = ("atomic_retry", "atomic_requeue", "atomic_replace")
+
+
+def register(app: Celery, ledger_path: str) -> None:
+    """Add :data:`TASKS` (``ExactOnceTask``) to ``app``, recording to ``ledger_path``."""
+    from celery_exactonce import ExactOnceTask
+
+    def body(self: Task, *args: Any) -> None:
+        from django.contrib.auth.models import User
+        from django.db import transaction
+
+        attempt = int(self.request.retries or 0)
+        ledger.append(
+            ledger_path,
+            task=self.name,
+            task_id=self.request.id,
+            attempt=attempt,
+            phase="run",
+            args=list(args),
+            kwargs={},
+            meta=None,
+        )
+        if attempt:
+            return
+        with transaction.atomic():
+            User.objects.create(username=self.request.id)
+            if self.name == "atomic_retry":
+                raise self.retry(countdown=0, max_retries=3)
+            if self.name == "atomic_replace":
+                self.replace(app.tasks["gated_record"].s(*args))
+            raise Reject("requeued from inside the block", requeue=True)
+
+    for name in TASKS:
+        app.task(bind=True, shared=False, base=ExactOnceTask, name=name, acks_late=True)(body)
