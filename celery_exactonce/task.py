@@ -45,12 +45,12 @@ import logging
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime, timezone
-from typing import Any, NoReturn
+from typing import Any
 
 from celery import Task, signals
 from celery.exceptions import Ignore, Reject, Retry
 
-from celery_exactonce import call_options, eager, later, messages, metrics, refs, submit
+from celery_exactonce import call_options, eager, later, messages, metrics, refs, requeues, submit
 from celery_exactonce.gate import Delivery, raw_republish, record_revoke, validate_gated_task
 from celery_exactonce.heartbeats import heartbeats
 from celery_exactonce.jobs import Job
@@ -315,44 +315,6 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
             raise Ignore("Replaced by new task")
         return super().on_replace(sig)  # submits it, then raises Ignore
 
-    def _requeue(self, run: _Run, delivery: Delivery, exc: Reject) -> NoReturn:
-        """``Reject(requeue=True)``: the next attempt of the job, published; this message acked.
-
-        Giving the message itself back would only meet the gate again (its
-        attempt has run). The job moves to its next attempt first, as a retry
-        does, then a copy is published for it, at the back of the queue; its
-        body sees it redelivered (:data:`~celery_exactonce.messages.HEADER_REQUEUED`).
-        Only with ``acks_late``, as in Celery: a message acked on receipt
-        cannot go back. Each requeue is a retry: past ``max_retries`` the
-        job ends ``FAILED`` and the task raises ``MaxRetriesExceededError``,
-        where Celery would give the message back forever.
-        """
-        if self.max_retries is not None and run.attempt >= self.max_retries:
-            why = f"requeue refused: out of retries (max_retries={self.max_retries})"
-            metrics.event(
-                "requeues_exhausted",
-                f"{self.name} rejected {run.ref} with requeue on attempt {run.attempt}: {why}",
-                level=logging.WARNING,
-                job_id=run.ref.id,
-                task=self.name,
-            )
-            delivery.finish(State.FAILED, f"rejected: {exc.reason}; {why}")
-            raise self.MaxRetriesExceededError(
-                f"Can't requeue {self.name}[{self.request.id}]: {why}",
-                task_args=self.request.args,
-                task_kwargs=self.request.kwargs,
-            ) from exc
-        metrics.event(
-            "requeued",
-            f"{self.name} rejected {run.ref} with requeue: running it again as attempt "
-            f"{run.attempt + 1}",
-            job_id=run.ref.id,
-        )
-        self._retry_next_attempt(
-            run, None, None, {}, reason=f"requeued: {exc.reason}", requeued=True
-        )
-        raise Ignore()
-
     # -- the gate --------------------------------------------------------------------
 
     @property
@@ -385,8 +347,7 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
         if not key and job is not None:
             key = messages.job_idempotency_key(job, runtime.store.namespace)
         request.idempotency_key = key
-        if headers.get(messages.HEADER_REQUEUED):  # a requeue's copy: a redelivery to the body
-            request.delivery_info = {**dict(request.delivery_info or {}), "redelivered": True}
+        requeues.show_redelivered(request, headers)
         run = _Run(ref, run_id, attempt, headers)
         token = _current.set(run)
         beat = heartbeats.start(runtime, ref, run_id)
@@ -406,7 +367,8 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
         except Reject as exc:
             if exc.requeue and self.acks_late and not request.is_eager:
                 # (acked at once, a message cannot go back; nor can an eager run)
-                self._requeue(run, delivery, exc)
+                again = functools.partial(self._retry_next_attempt, run, None, None, {})
+                requeues.requeue(self, run.ref, run.attempt, delivery, exc, again)
             delivery.finish(State.FAILED, f"rejected: {exc.reason}")
             raise
         except BaseException as exc:
