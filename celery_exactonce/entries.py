@@ -19,8 +19,9 @@ interface (:mod:`~celery_exactonce.scheduler`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from datetime import datetime, timedelta, tzinfo
 from typing import Any
 
@@ -159,6 +160,31 @@ def check_entry(
         message = text if text.startswith(label) else f"{label}: {text}"
         raise _refused(message) from exc
     return policy
+
+
+@contextlib.contextmanager
+def reading(name: object) -> Iterator[None]:
+    """Any error while entry ``name`` is built or checked, as a refusal naming it.
+
+    Celery raises what it raises (a ``TypeError`` for an unknown field, an
+    ``AttributeError`` for a schedule that is a string...), with no entry
+    named: beat would end on a traceback rather than one line.
+    """
+    try:
+        yield
+    except exceptions.ConfigurationError:
+        raise
+    except Exception as exc:
+        what = f"{type(exc).__name__}: {exc}"
+        raise _refused(f"beat entry {_label(name)} cannot be read ({what})") from exc
+
+
+def readable(schedule: Mapping[str, Any], build: Callable[[str, Any], Any]) -> Mapping[str, Any]:
+    """``schedule``, once ``build(name, fields)`` made each entry (else a refusal naming it)."""
+    for name, fields in schedule.items():
+        with reading(name):
+            build(name, fields)
+    return schedule
 
 
 def publish_options(entry: Any) -> dict[str, Any]:

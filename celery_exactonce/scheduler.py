@@ -161,7 +161,8 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
         """Start from ``schedule`` and beat's own entries, each checked (a bad one raises)."""
         reconcile_task.register_task(self.app)
         internal = self._internal_entries()
-        self.merge_inplace({**schedule, **internal})
+        merged = entries.readable({**schedule, **internal}, self._maybe_entry)
+        self.merge_inplace(merged)
         now = self._runtime.store.now()
         for name, entry in self.schedule.items():
             self._validate(name, entry, now, internal=name in internal)
@@ -170,15 +171,16 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
 
     def _validate(self, name: str, entry: Any, now: datetime, *, internal: bool = False) -> None:
         """Check ``entry`` as beat will use it (:func:`entries.check_entry`); keep its policy."""
-        self._policies[name] = entries.check_entry(
-            name,
-            entry,
-            lambda name, entry: self._policy_of(name, entry, internal=internal),
-            tz=self._tz,
-            now=now,
-            namespace=self._runtime.store.namespace,
-            node=self._runtime.node,
-        )
+        with entries.reading(name):  # whatever Celery raises, a refusal naming the entry
+            self._policies[name] = entries.check_entry(
+                name,
+                entry,
+                lambda name, entry: self._policy_of(name, entry, internal=internal),
+                tz=self._tz,
+                now=now,
+                namespace=self._runtime.store.namespace,
+                node=self._runtime.node,
+            )
 
     def _policy_of(self, name: str, entry: Any, *, internal: bool = False) -> EntryPolicy:
         return entry_policy(self.app, self._config, name, entry, internal=internal)

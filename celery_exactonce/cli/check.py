@@ -23,6 +23,7 @@ from celery import beat
 from celery_exactonce import config as config_module
 from celery_exactonce import entries, exceptions, reconcile_task, runtime, startup
 from celery_exactonce.cli import base
+from celery_exactonce.cli.entries import uses_django_rows
 from celery_exactonce.config import ExactOnceConfig, UnknownSettingWarning
 from celery_exactonce.gate import validate_gated_task
 from celery_exactonce.scheduler import entry_policy, internal_entries
@@ -107,6 +108,8 @@ def run_checks(app: Any) -> Report:
     if tasks:
         report.run("retention", lambda: _retention(app, config))
     report.run("beat entries", lambda: _entries(app, config))
+    if uses_django_rows(app):
+        report.run("periodic tasks", lambda: _rows(app, config))
     report.run("signing", lambda: _signing(config))
     try:
         store = open_store(config, setup=False)
@@ -191,21 +194,67 @@ def _entries(app: Any, config: ExactOnceConfig) -> str:
     schedule = {**(app.conf.beat_schedule or {}), **internal_entries(config)}
     internal = set(internal_entries(config))
     for name, fields in schedule.items():
-        entry = beat.ScheduleEntry(**dict(fields, name=name, app=app))
+        with entries.reading(name):
+            entry = beat.ScheduleEntry(**dict(fields, name=name, app=app))
 
         def policy(n: str, e: Any, internal: bool = name in internal) -> entries.EntryPolicy:
             return entry_policy(app, config, n, e, internal=internal)
 
-        entries.check_entry(
-            name,
-            entry,
-            policy,
-            tz=tz,
-            now=now,
-            namespace=config.namespace,
-            node="check",
-        )
+        with entries.reading(name):
+            entries.check_entry(
+                name,
+                entry,
+                policy,
+                tz=tz,
+                now=now,
+                namespace=config.namespace,
+                node="check",
+            )
     return f"{len(schedule) - len(internal)} entry(ies) of beat_schedule accepted"
+
+
+def _rows(app: Any, config: ExactOnceConfig) -> str:
+    """Each enabled django-celery-beat row as beat checks it; every refused one, named.
+
+    First what refuses the scheduler at start (a custom ``Entry``, SQLite
+    without ``IMMEDIATE``). Beat runs the others and refuses these, one by one (an ``entry_refused``
+    error each): this check fails so that they are found before that.
+    """
+    from celery_exactonce.contrib import django_celery_beat, periodic_tasks
+
+    scheduler = app.conf.beat_scheduler
+    django_celery_beat.check_start(
+        scheduler if isinstance(scheduler, type) else django_celery_beat.DatabaseScheduler
+    )
+    tz = ZoneInfo(str(app.timezone))
+    now = datetime.now(timezone.utc)
+    rows = periodic_tasks.enabled_rows()
+    refused: list[str] = []
+    for row in rows:
+        try:
+            fields = periodic_tasks.entry_of(row)
+            periodic_tasks.check_task(app, row.name, fields)
+            entry = beat.ScheduleEntry(**dict(fields, name=row.name, app=app))
+            entries.check_entry(
+                row.name,
+                entry,
+                lambda n, e: entry_policy(app, config, n, e),
+                tz=tz,
+                now=now,
+                namespace=config.namespace,
+                node="check",
+            )
+        except exceptions.ConfigurationError as exc:
+            refused.append(str(exc))
+        except Exception as exc:  # a row no check foresaw: still that row's
+            refused.append(f"periodic task {row.name!r}: {type(exc).__name__}: {exc}")
+    if refused:
+        raise exceptions.ConfigurationError(
+            f"{len(refused)} of {len(rows)} enabled row(s) refused (beat runs the others): "
+            + "; ".join(refused),
+            setting="django_celery_beat.PeriodicTask",
+        )
+    return f"{len(rows)} enabled row(s) of django_celery_beat.PeriodicTask accepted"
 
 
 def _signing(config: ExactOnceConfig) -> str | tuple[str, str]:
@@ -312,7 +361,8 @@ def check(ctx: click.Context, as_json: bool) -> None:
 
     Settings, setting names (a misspelt one fails, naming the setting meant),
     publisher confirms, the /metrics ports (bound and released), gated tasks,
-    retention, beat entries, signing, one-host stores, store reachability,
+    retention, beat entries (and django-celery-beat's rows under the
+    exactonce-django scheduler), signing, one-host stores, store reachability,
     schema, Redis eviction policy and the clock offset against the store.
     Nothing is written.
     """

@@ -40,8 +40,11 @@ import logging
 from datetime import datetime, timedelta
 from typing import Any
 
-from celery_exactonce import exceptions, metrics, slots
+from celery import beat
+
+from celery_exactonce import exceptions, metrics, slots, startup
 from celery_exactonce.contrib import periodic_tasks
+from celery_exactonce.contrib.django.connection import require_immediate
 from celery_exactonce.entries import ENTRY_OPTIONS, occurrence_id
 from celery_exactonce.planner import Plan
 from celery_exactonce.refs import JobRef
@@ -58,10 +61,43 @@ PASSED_LIMIT = 100
 FULL_READ_INTERVAL = 300.0
 
 
+def check_start(scheduler: type) -> None:
+    """What refuses the scheduler at start: a custom ``Entry``, rows on SQLite not ``IMMEDIATE``.
+
+    Its entries are built from the rows as ``beat_schedule`` entries are
+    (Celery's ``ScheduleEntry``); django-celery-beat's ``ModelEntry`` (and a
+    subclass a project sets as ``Entry``) is built from a row, and fails
+    inside Celery with a ``TypeError``. On SQLite, two beats starting at once
+    each write the change marker after reading it (django-celery-beat's
+    ``update_changed``): without ``IMMEDIATE`` one of them fails with
+    ``database is locked``.
+    """
+    from django.db import router
+    from django_celery_beat.models import PeriodicTask
+    from django_celery_beat.schedulers import ModelEntry
+
+    entry = getattr(scheduler, "Entry", beat.ScheduleEntry)
+    if issubclass(entry, ModelEntry) or not issubclass(entry, beat.ScheduleEntry):
+        raise exceptions.ConfigurationError(
+            f"{scheduler.__module__}.{scheduler.__qualname__} sets Entry = "
+            f"{entry.__module__}.{entry.__qualname__}: exactonce-django builds its entries from "
+            "the rows itself and takes no ModelEntry. Per-row policy goes in the row's headers "
+            '({"exactonce": {...}}), what is published in a before_task_publish handler '
+            "(docs/howto/migrate-django-celery-beat.md)",
+            setting="beat_scheduler",
+        )
+    alias = router.db_for_write(PeriodicTask)
+    require_immediate(alias, "exactonce-django (the periodic tasks' rows)", f"DATABASES[{alias!r}]")
+
+
 class DatabaseScheduler(ExactOnceScheduler):
     """An :class:`ExactOnceScheduler` whose entries are django-celery-beat's rows."""
 
     def __init__(self, app: Any, *args: Any, **kwargs: Any) -> None:
+        try:  # before the store is opened: one line, then beat ends
+            check_start(type(self))
+        except exceptions.ConfigurationError as exc:
+            startup.refuse("beat", exc)
         self._rows: dict[str, Any] = {}  # entry name -> the row it was read from
         self._definitions: dict[str, str] = {}  # entry name -> what it was built from
         self._overrides: dict[str, dict[str, Any]] = {}
@@ -96,12 +132,12 @@ class DatabaseScheduler(ExactOnceScheduler):
         """Write each settings entry into its row; those no row can hold, to run as they are."""
         kept: dict[str, Any] = {}
         for name, fields in entries.items():
-            options = dict(fields.get("options") or {})
-            overrides = options.pop(ENTRY_OPTIONS, None)
             try:
+                options = dict(fields.get("options") or {})
+                overrides = options.pop(ENTRY_OPTIONS, None)
                 periodic_tasks.write_settings_row(name, self.app, {**fields, "options": options})
-            except (ValueError, TypeError):  # a schedule no row holds: run from the settings
-                kept[name] = fields
+            except (ValueError, TypeError, AttributeError):
+                kept[name] = fields  # a schedule no row holds: run (or refused) from the settings
                 continue
             if overrides:
                 self._overrides[name] = dict(overrides)
@@ -147,28 +183,25 @@ class DatabaseScheduler(ExactOnceScheduler):
     def _apply(self, rows: list[Any], now: datetime) -> None:
         """Make the schedule what the rows say: add, replace and remove entries."""
         fresh = {row.name: row for row in rows if row.name not in self._settings_entries}
-        for name in [n for n in self._rows if n not in fresh]:
+        for name in [n for n in {**self._definitions, **self._rows} if n not in fresh]:
             self._drop(name)
         spent = timedelta(seconds=self._config.window_lookback)
         for name, row in fresh.items():
             if row.expires is not None and periodic_tasks.aware(row.expires) + spent <= now:
                 self._disable(name, row.pk, "expired")  # its last slot is out of the window
             definition = _definition(row, self._overrides.get(name))
-            if self._definitions.get(name) == definition and name in self.schedule:
-                self._rows[name] = row
-                continue
+            if self._definitions.get(name) == definition:
+                if name in self.schedule:
+                    self._rows[name] = row
+                continue  # unchanged: running, or refused until it changes
             try:
                 entry = periodic_tasks.entry_of(row, self._overrides.get(name))
+                periodic_tasks.check_task(self.app, name, entry)
                 self.update_from_dict({name: entry})
-            except exceptions.ConfigurationError as exc:
+            except Exception as exc:  # one row, whatever is wrong, not beat
                 self._drop(name)
                 self._definitions[name] = definition  # not refused again until it changes
-                metrics.event(
-                    "entry_refused",
-                    f"{exc}: this row does not run; the others do",
-                    level=logging.ERROR,
-                    sentry=True,
-                )
+                self._refused(name, exc)
                 continue
             self._rows[name], self._definitions[name] = row, definition
             self._continue_after_earlier_names(name, row)
@@ -249,6 +282,20 @@ class DatabaseScheduler(ExactOnceScheduler):
                 if store.get(ref) is not None:
                     self._unrecorded.append((row.pk, fire, False))
 
+    def _refused(self, name: str, exc: Exception) -> None:
+        """A row beat cannot run, named and counted; the others keep running."""
+        if isinstance(exc, exceptions.ConfigurationError):
+            text = str(exc)
+        else:  # a row the checks did not foresee: still that row's, not beat's
+            text = f"periodic task {name!r}: {type(exc).__name__}: {exc}"
+        metrics.event(
+            "entry_refused",
+            f"{text}: this row does not run; the others do",
+            level=logging.ERROR,
+            sentry=True,
+            entry=name,
+        )
+
     def _drop(self, name: str) -> None:
         self._rows.pop(name, None)
         self._definitions.pop(name, None)
@@ -320,10 +367,21 @@ def _definition(row: Any, overrides: dict[str, Any] | None) -> str:
         row.one_off,
         row.start_time,
         row.date_changed if row.one_off else None,
-        row.interval_id and (row.interval.every, row.interval.period),
-        row.crontab_id and str(row.crontab),
-        row.solar_id and (row.solar.event, row.solar.latitude, row.solar.longitude),
-        row.clocked_id and row.clocked.clocked_time,
+        _fields(row, "interval", "every", "period"),
+        _fields(row, "crontab", "minute", "hour", "day_of_month", "month_of_year", "day_of_week"),
+        row.crontab_id and str(getattr(periodic_tasks.related(row, "crontab"), "timezone", "")),
+        _fields(row, "solar", "event", "latitude", "longitude"),
+        _fields(row, "clocked", "clocked_time"),
         sorted((overrides or {}).items()),
     )
     return repr(fields)
+
+
+def _fields(row: Any, kind: str, *names: str) -> tuple[Any, ...] | None:
+    """The fields of the row's ``kind`` schedule; its id alone if that row is gone."""
+    if getattr(row, f"{kind}_id") is None:
+        return None
+    related = periodic_tasks.related(row, kind)
+    if related is None:  # a foreign key SQL bypassed: refused, until the id changes
+        return (getattr(row, f"{kind}_id"),)
+    return tuple(getattr(related, name) for name in names)

@@ -76,25 +76,49 @@ def _crontab_of(name: str, row: Any) -> Any:
         return sched
     try:  # Celery's syntax where cron's differs (django-celery-beat checks the fields)
         return row.schedule
-    except (ValueError, TypeError):
-        raise refused(name, f"crontab: {sched.error}") from sched.error
+    except Exception as exc:  # ParseException too (rows also come from SQL and fixtures)
+        raise refused(name, f"crontab: {sched.error}") from exc
+
+
+def related(row: Any, kind: str) -> Any:
+    """The row's ``kind`` schedule row (``interval``, ``crontab``...), or ``None`` if gone."""
+    from django.core.exceptions import ObjectDoesNotExist
+
+    try:
+        return getattr(row, kind)
+    except ObjectDoesNotExist:  # read without select_related, and the id points nowhere
+        return None
+
+
+def _related(name: str, row: Any, kind: str) -> Any:
+    """The row's ``kind`` schedule, or a refusal when its id points at no row."""
+    found = related(row, kind)
+    if found is None:  # the foreign key was bypassed (SQL, a fixture): the schedule is gone
+        pk = getattr(row, f"{kind}_id")
+        raise refused(name, f"its {kind} schedule (id {pk}) does not exist")
+    return found
 
 
 def schedule_of(row: Any) -> Any:
     """The schedule of a ``PeriodicTask`` row, bounded by its start, expiry and one-off."""
     name = row.name
     if row.interval_id is not None:
-        interval = row.interval
+        interval = _related(name, row, "interval")
         try:
             inner: Any = timedelta(**{interval.period: interval.every})
         except (TypeError, OverflowError) as exc:
             raise refused(name, f"interval {interval.every} {interval.period}: {exc}") from exc
     elif row.crontab_id is not None:
-        inner = _crontab_of(name, row.crontab)
+        inner = _crontab_of(name, _related(name, row, "crontab"))
     elif row.solar_id is not None:
-        inner = row.solar.schedule
+        solar = _related(name, row, "solar")
+        try:
+            inner = solar.schedule
+        except Exception as exc:  # an unknown event, a latitude out of range
+            raise refused(name, f"solar {solar.event!r}: {exc}") from exc
     elif row.clocked_id is not None:
-        inner = at(aware(row.clocked.clocked_time))
+        clocked = _related(name, row, "clocked")
+        inner = at(aware(clocked.clocked_time))
     else:
         raise refused(name, "has no schedule (interval, crontab, solar or clocked)")
     start = None if row.start_time is None else aware(row.start_time)
@@ -115,7 +139,9 @@ def entry_of(row: Any, overrides: dict[str, Any] | None = None) -> dict[str, Any
     """The ``beat_schedule`` entry of a ``PeriodicTask`` row.
 
     ``overrides`` is the ``options["exactonce"]`` of the ``beat_schedule``
-    entry the row was written from, if any; ``expire_seconds`` becomes the
+    entry the row was written from, if any; the row's own are its ``headers``
+    JSON's ``"exactonce"`` object (taken out of the published headers), and
+    win over them. ``expire_seconds`` becomes the
     entry's ``deadline`` (seconds after the slot), ``expires`` the message's.
 
     Raises
@@ -131,10 +157,14 @@ def entry_of(row: Any, overrides: dict[str, Any] | None = None) -> dict[str, Any
         if getattr(row, key) not in (None, "")
     }
     headers = _json(name, "headers", row.headers, "{}", dict)
+    declared = headers.pop(ENTRY_OPTIONS, None)  # the row's own overrides: never published
+    if declared is not None and not isinstance(declared, dict):
+        kind = type(declared).__name__
+        raise refused(name, f"headers[{ENTRY_OPTIONS!r}] must be a JSON object, got {kind}")
     options["headers"] = {**headers, NAME_HEADER: name}
     if row.expires is not None:
         options["expires"] = aware(row.expires)
-    policy = dict(overrides or {})
+    policy = {**(overrides or {}), **(declared or {})}
     if row.expire_seconds is not None:
         policy.setdefault("deadline", row.expire_seconds)
     if policy:
@@ -146,6 +176,25 @@ def entry_of(row: Any, overrides: dict[str, Any] | None = None) -> dict[str, Any
         "kwargs": _json(name, "kwargs", row.kwargs, "{}", dict),
         "options": options,
     }
+
+
+def check_task(app: Any, name: str, entry: dict[str, Any]) -> None:
+    """Refuse row ``name`` (its :func:`entry_of` ``entry``) if beat cannot tell its task's kind.
+
+    Beat tells a gated task from a plain one by importing it; a row whose task
+    it does not import must say, and the place a row has for it is its
+    ``headers`` JSON (``options`` is ``beat_schedule``'s, which a row lacks).
+    """
+    task = entry["task"]
+    if task in app.tasks or "gated" in entry["options"].get(ENTRY_OPTIONS, {}):
+        return
+    raise refused(
+        name,
+        f"task {task!r} is not registered in this beat process, so beat cannot tell "
+        "whether the workers gate it. Import the task's module in beat (app.conf.imports "
+        f'or include), or declare it in the row\'s headers: {{"{ENTRY_OPTIONS}": '
+        '{"gated": true}} for an ExactOnceTask, {"gated": false} for a plain task',
+    )
 
 
 def write_settings_row(name: str, app: Any, fields: dict[str, Any]) -> None:

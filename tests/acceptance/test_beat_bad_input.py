@@ -29,7 +29,10 @@ def test_a_beat_with_a_bad_entry_refuses_to_start_naming_it_and_others_keep_runn
 
     Fails before the fix: each such beat started ("beat: Starting..."), then died
     at the bad entry's first due slot (the argument, the names), or published it
-    as an "ambiguous" failure forever (``retry``).
+    as an "ambiguous" failure forever (``retry``). Before the later fix, an entry
+    Celery itself cannot read (an unknown field, a schedule written as text)
+    ended beat on Celery's raw ``TypeError``/``AttributeError`` traceback,
+    naming no entry.
     """
     # Given a worker and a beat running the two ordinary entries
     deployment.start_worker(concurrency=2)

@@ -83,17 +83,20 @@ def mysql(**options: Any) -> dict[str, Any]:
     }
 
 
-def sqlite(path: str) -> dict[str, Any]:
+def sqlite(path: str, *, immediate: bool = True) -> dict[str, Any]:
     # IMMEDIATE: several processes write (the django:// store requires it on SQLite).
-    options = {"timeout": 20, "transaction_mode": "IMMEDIATE"}
+    options: dict[str, Any] = {"timeout": 20}
+    if immediate:
+        options["transaction_mode"] = "IMMEDIATE"
     return {"ENGINE": "django.db.backends.sqlite3", "NAME": path, "OPTIONS": options}
 
 
 def one_database(spec: str) -> dict[str, Any]:
-    """``sqlite:PATH``, or ``postgres:NAME[:USER]``, as the one database of a process."""
+    """``sqlite:PATH`` (``sqlite-deferred:PATH``: without ``IMMEDIATE``), or
+    ``postgres:NAME[:USER]``, as the one database of a process."""
     kind, _, where = spec.partition(":")
-    if kind == "sqlite":
-        return sqlite(where)
+    if kind in ("sqlite", "sqlite-deferred"):
+        return sqlite(where, immediate=kind == "sqlite")
     name, _, user = where.partition(":")
     database = postgres(name or None)
     if user:

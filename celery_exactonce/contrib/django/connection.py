@@ -26,6 +26,29 @@ _DRIVERS = {
 }
 
 
+def require_immediate(alias: str, who: str, setting: str) -> None:
+    """On SQLite, Django's database ``alias`` must begin its transactions ``IMMEDIATE``.
+
+    Several processes write the one file (beats, workers). A deferred
+    transaction that read first and then writes upgrades its read lock, and
+    SQLite fails that at once with ``database is locked`` rather than wait
+    for the other writer. Raises :class:`ConfigurationError` for ``who``,
+    naming ``setting``.
+    """
+    from django.db import connections
+
+    connection = connections[alias]
+    mode = (connection.settings_dict.get("OPTIONS") or {}).get("transaction_mode")
+    if connection.vendor == "sqlite" and str(mode).upper() != "IMMEDIATE":
+        raise exceptions.ConfigurationError(
+            f"{who}: a SQLite database needs "
+            f"DATABASES[{alias!r}]['OPTIONS']['transaction_mode'] = 'IMMEDIATE' (Django 5.1+): "
+            "a deferred transaction cannot wait for the write lock, and concurrent "
+            "writers would fail with 'database is locked'",
+            setting=setting,
+        )
+
+
 def engine_for(alias: str, borrowed: set[Any] | None = None) -> sa.Engine:
     """A SQLAlchemy engine whose connections are Django's connection ``alias`` (this thread's).
 

@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 import sqlalchemy as sa
 
 from celery_exactonce import exceptions
-from celery_exactonce.contrib.django.connection import engine_for
+from celery_exactonce.contrib.django.connection import engine_for, require_immediate
 from celery_exactonce.contrib.django.tables import prefix
 from celery_exactonce.stores import sql_schema
 from celery_exactonce.stores.base import FORMAT_VERSION
@@ -84,16 +84,7 @@ class DjangoStore(SqlStore):
                 f"(known: {', '.join(connections)})",
                 setting="exactonce_store_url",
             )
-        connection = connections[alias]
-        mode = (connection.settings_dict.get("OPTIONS") or {}).get("transaction_mode")
-        if connection.vendor == "sqlite" and str(mode).upper() != "IMMEDIATE":
-            raise exceptions.ConfigurationError(
-                f"exactonce_store_url='django://{alias}': a SQLite database needs "
-                "DATABASES[...]['OPTIONS']['transaction_mode'] = 'IMMEDIATE' (Django 5.1+): "
-                "a deferred transaction cannot wait for the write lock, and concurrent "
-                "writers would fail with 'database is locked'",
-                setting="exactonce_store_url",
-            )
+        require_immediate(alias, f"exactonce_store_url='django://{alias}'", "exactonce_store_url")
         # Held (not weakly): a thread's connection outlives the thread until it is closed.
         self._borrowed: set[Any] = set()
         super().__init__(

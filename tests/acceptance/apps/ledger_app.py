@@ -27,7 +27,8 @@ For ``celery beat -S exactonce`` (``harness.BeatProcess`` sets these):
 ``EXACTONCE_ACC_BEAT_EXTRA``           comma-separated names of :data:`EXTRA_ENTRIES` sets to add
                                        to the schedule: ``typed`` (arguments kombu's JSON
                                        carries), or one bad entry (``bad-argument``,
-                                       ``long-name``, ``control-name``, ``retry-option``)
+                                       ``long-name``, ``control-name``, ``retry-option``,
+                                       ``unknown-field``, ``text-schedule``)
 ``EXACTONCE_ACC_EVENTS``               file to append every ``celery_exactonce`` log record
                                        to, as a JSON line with its ``action`` and fields
 ``EXACTONCE_ACC_CLOCK_OFFSET``         seconds added to this process's wall clock
@@ -204,6 +205,8 @@ BAD_ENTRY_NAMES = {
     "long-name": "n" * 300,
     "control-name": "bad\tname",
     "retry-option": "retry-option",
+    "unknown-field": "unknown-field",
+    "text-schedule": "text-schedule",
 }
 
 
@@ -224,6 +227,10 @@ def extra_entries(name: str, every: float) -> dict[str, dict[str, Any]]:
         entry["args"] = ({"a", "set"},)  # neither JSON nor kombu's JSON holds a set
     elif name == "retry-option":
         entry["options"] = {"retry": True}  # a send_task keyword the dispatch sets itself
+    elif name == "unknown-field":
+        entry["kwarg"] = {"k": 1}  # no field of Celery's entries: a TypeError in Celery
+    elif name == "text-schedule":
+        entry["schedule"] = "*/5 * * * *"  # a crontab written as text: Celery keeps the str
     elif name not in BAD_ENTRY_NAMES:
         raise ValueError(f"unknown EXACTONCE_ACC_BEAT_EXTRA set {name!r}")
     return {BAD_ENTRY_NAMES[name]: entry}
