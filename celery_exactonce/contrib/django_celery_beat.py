@@ -15,9 +15,8 @@ dispatched once, with no leader.
   again. An edited schedule moves the entry's future slots, and no slot at or
   below its watermark fires again; a disabled or deleted row fires no more; a
   renamed row is a new entry, which starts after the row's ``last_run_at`` and
-  after every slot claimed under a name the node read the row under before
-  (the row's pk outlives the rename; those names' store watermarks), so a slot
-  claimed but not yet counted does not run again under the new name.
+  after every slot claimed under another name, counted or not yet
+  (:mod:`~celery_exactonce.contrib.row_names`).
   A row beat cannot run (arguments that are not
   JSON, a task beat refuses) is left out with an ``entry_refused`` error; the
   others keep running.
@@ -36,6 +35,7 @@ Not here: the slots, the claims and the dispatch, which are the
 
 from __future__ import annotations
 
+import functools
 import logging
 from datetime import datetime, timedelta
 from typing import Any
@@ -45,6 +45,7 @@ from celery import beat
 from celery_exactonce import exceptions, metrics, slots, startup
 from celery_exactonce.contrib import periodic_tasks
 from celery_exactonce.contrib.django.connection import require_immediate
+from celery_exactonce.contrib.row_names import RowNames
 from celery_exactonce.entries import ENTRY_OPTIONS, occurrence_id
 from celery_exactonce.planner import Plan
 from celery_exactonce.refs import JobRef
@@ -105,14 +106,16 @@ class DatabaseScheduler(ExactOnceScheduler):
         self._marker: datetime | None = None
         self._read_at: datetime | None = None
         self._unrecorded: list[tuple[int, datetime, bool]] = []  # (pk, slot, won)
-        self._names: dict[int, set[str]] = {}  # row pk -> every name this node read it under
-        self._earlier: dict[str, set[str]] = {}  # a renamed row's entry -> its earlier names
         super().__init__(app, *args, **kwargs)
 
     # -- celery.beat.Scheduler interface ---------------------------------------------
 
+    #: The names each row was read under (made with the schedule: it raises ``_decided``).
+    _row_names: RowNames
+
     def setup_schedule(self) -> None:
         """Write ``beat_schedule`` into rows, then read every enabled row."""
+        self._row_names = RowNames(self._decided, self._config.max_skew)
         self._settings_entries = self._write_settings_entries(self.app.conf.beat_schedule)
         self._setup_entries(self._settings_entries)
         self._refresh(self._runtime.store.now(), force=True)
@@ -204,49 +207,35 @@ class DatabaseScheduler(ExactOnceScheduler):
                 self._refused(name, exc)
                 continue
             self._rows[name], self._definitions[name] = row, definition
-            self._continue_after_earlier_names(name, row)
-
-    def _continue_after_earlier_names(self, name: str, row: Any) -> None:
-        """A row read under a new name goes on after every slot it was claimed for before.
-
-        Its runs counted so far (``last_run_at``) are not new slots; nor is any
-        slot claimed under a name this node read the row under before (the row's
-        pk outlives a rename), even one not counted yet (its count write failed,
-        or another node is between its claim and its count): the store
-        watermarks of those names, which every claim under them advanced, are
-        read by :meth:`_load_watermarks` with the entry's own, before it plans.
-        """
-        if row.last_run_at is not None:
-            self._raise_decided(name, periodic_tasks.aware(row.last_run_at))
-        names = self._names.setdefault(row.pk, set())
-        earlier = names - {name}  # renamed back too: what it ran as since counts as well
-        if earlier:
-            self._earlier[name] = earlier
-            for old in earlier:  # what this node decided itself, store or no store
-                if old in self._decided:
-                    self._raise_decided(name, self._decided[old])
-        names.add(name)
-
-    def _raise_decided(self, name: str, mark: datetime) -> None:
-        if name not in self._decided or self._decided[name] < mark:
-            self._decided[name] = mark
+            self._row_names.read(name, row)
 
     def _load_watermarks(self, names: list[str], now: datetime) -> None:
-        """The store watermarks of due entries, and of the earlier names of renamed rows.
+        """The store watermarks of due entries; the rows read renamed or anew held back.
 
         A store error raises before anything is kept: the tick claims nothing
-        (fail closed), and the earlier names are read again next tick.
+        (fail closed), and what the rows' names need is read again next tick
+        (:mod:`~celery_exactonce.contrib.row_names`).
         """
         before = {name: self._decided.get(name) for name in names}
-        renamed = {name: self._earlier[name] for name in names if name in self._earlier}
-        if renamed:
-            marks = self._runtime.store.watermarks(sorted(set().union(*renamed.values())))
-            for name, earlier in renamed.items():
-                for mark in (marks[old] for old in earlier if old in marks):
-                    self._raise_decided(name, mark)
-                del self._earlier[name]
+        store = self._runtime.store
+        self._row_names.load(store)
         super()._load_watermarks(names, now)
         self._count_passed(before, now)
+        self._row_names.hold(store, functools.partial(self._skip_held, now))
+
+    def _skip_held(
+        self, now: datetime, name: str, before: datetime | None, floor: datetime
+    ) -> None:
+        """Note the slots of ``name`` after ``before`` up to ``floor`` skipped (``unprovable``)."""
+        entry = self.schedule.get(name)
+        if entry is None:
+            return
+        since = now - timedelta(seconds=self._config.window_lookback)
+        if before is not None and before > since:
+            since = before
+        fires = slots.slots_between(entry.schedule, since, floor, tz=self._tz)
+        if fires:
+            self._claimer.skipped(name, fires, "unprovable", self._policies, entry.task)
 
     def _count_passed(self, before: dict[str, datetime | None], now: datetime) -> None:
         """Count the claimed slots a row's entry passed over by taking a store watermark.

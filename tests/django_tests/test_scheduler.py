@@ -364,6 +364,83 @@ def test_scenario_74_a_rename_between_one_nodes_claim_and_count_runs_no_slot_twi
     assert PeriodicTask.objects.get(pk=pk).total_run_count == len(cluster.broker.sent) == 5
 
 
+def test_scenario_74_a_node_started_after_a_rename_runs_no_slot_the_old_name_claimed(
+    alias: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A node that never read the row's old name: it starts after the rename, while the
+    old name's claim of S is not counted yet (its count write failed).
+
+    Before the fix, that node knew only ``last_run_at`` (before S) and no earlier
+    name: it claimed S again under the new name. Now a row with a history and no
+    watermark under its name claims no slot up to the store time it was first
+    read plus ``max_skew``; the slots passed over are counted ``unprovable``.
+    """
+    # SCENARIOS 74: a rename continues after every slot the old name claimed
+    from django.db import DatabaseError
+
+    from celery_exactonce.contrib import periodic_tasks
+
+    pk = add_row("report").pk
+    cluster = DjangoCluster(nodes=1, start=START)
+    cluster.tick_all()
+    slot = START + timedelta(seconds=10)
+
+    def fails(row: int, fire: datetime, *, won: bool) -> bool:
+        raise DatabaseError("the count write failed")
+
+    monkeypatch.setattr(periodic_tasks, "record_run", fails)
+    cluster.run_until(slot, step=1)  # S claimed and sent under the old name, not counted
+    assert cluster.fired("report") == [START, slot]
+    cluster.nodes[0].close()
+    cluster.nodes.clear()
+    _rename("report", "report-renamed")
+    cluster.nodes.append(DatabaseScheduler(cluster.app))  # never read the old name
+    cluster.run_until(START + timedelta(seconds=40), step=1)
+    fires = _fires_by_row(cluster, {"report": pk, "report-renamed": pk})
+    assert [key for key, n in fires.items() if n > 1] == []
+    assert cluster.fired("report-renamed") == [START + timedelta(seconds=s) for s in (20, 30, 40)]
+
+
+def test_scenario_74_a_claim_under_the_old_name_landing_after_the_rename_runs_once(
+    alias: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Node 1 read the rows before the rename and claims S under the old name; its claim
+    lands only after node 2 has read the renamed row and the old name's watermark.
+
+    Before the fix, node 2's watermark read came before node 1's claim, so it
+    saw S unclaimed and claimed it again under the new name. Node 1 planned at a
+    store time before the rename, so it claims no slot past that time plus
+    ``max_skew``: node 2 claims none up to the store time after its read, plus
+    ``max_skew``.
+    """
+    # SCENARIOS 74: no slot of that row is dispatched under both names
+    pk = add_row("report").pk
+    cluster = DjangoCluster(nodes=2, start=START)
+    cluster.tick_all()
+    first, second = cluster.nodes
+    slot = START + timedelta(seconds=10)
+    create_many = cluster.store.create_many
+    raced: list[bool] = []
+
+    def rename_before_the_claim_lands(*args: Any, **kwargs: Any) -> Any:
+        if not raced:  # node 1's claim of S, planned before the rename
+            raced.append(True)
+            _rename("report", "report-renamed")
+            second.tick()  # reads the renamed row, and the old name's watermark
+        return create_many(*args, **kwargs)
+
+    cluster.clock.set(slot)
+    monkeypatch.setattr(cluster.store, "create_many", rename_before_the_claim_lands)
+    first.tick()
+    monkeypatch.setattr(cluster.store, "create_many", create_many)
+    assert raced == [True]
+    cluster.run_until(START + timedelta(seconds=40), step=1, rotate=True)
+    fires = _fires_by_row(cluster, {"report": pk, "report-renamed": pk})
+    assert [key for key, n in fires.items() if n > 1] == []
+    assert cluster.fired("report") == [START, slot]
+    assert cluster.fired("report-renamed") == [START + timedelta(seconds=s) for s in (20, 30, 40)]
+
+
 def test_a_settings_one_off_keeps_its_row_and_its_slot_across_beat_starts(alias: str) -> None:
     """Each beat start wrote every ``beat_schedule`` entry into its row again: before the
     fix that moved ``date_changed`` (where a one-off without a ``start_time`` starts, so its
