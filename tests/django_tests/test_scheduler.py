@@ -273,6 +273,25 @@ def _rename(name: str, to: str) -> Any:
     return row
 
 
+def _count_write_fails_once(monkeypatch: pytest.MonkeyPatch) -> list[datetime]:
+    """The next count write (:func:`periodic_tasks.record_run`) fails; the slot it had."""
+    from django.db import DatabaseError
+
+    from celery_exactonce.contrib import periodic_tasks
+
+    record_run = periodic_tasks.record_run
+    failed: list[datetime] = []
+
+    def fails_once(row: int, fire: datetime, *, won: bool) -> bool:
+        if not failed:
+            failed.append(fire)
+            raise DatabaseError("the count write failed")
+        return record_run(row, fire, won=won)
+
+    monkeypatch.setattr(periodic_tasks, "record_run", fails_once)
+    return failed
+
+
 def _fires_by_row(cluster: DjangoCluster, pks: dict[str, int]) -> Counter[tuple[int, datetime]]:
     return Counter(
         (pks[job.options["headers"]["periodic_task_name"]], job.fire_time)  # type: ignore[misc]
@@ -290,24 +309,12 @@ def test_scenario_74_a_rename_after_a_failed_count_write_runs_no_slot_twice(
     new name, and the row counted fewer runs than the messages sent.
     """
     # SCENARIOS 74: a rename continues after every slot the old name claimed
-    from django.db import DatabaseError
     from django_celery_beat.models import PeriodicTask
-
-    from celery_exactonce.contrib import periodic_tasks
 
     pk = add_row("report").pk
     cluster = DjangoCluster(nodes=1, start=START)
     cluster.tick_all()
-    record_run = periodic_tasks.record_run
-    failed: list[datetime] = []
-
-    def fails_once(row: int, fire: datetime, *, won: bool) -> bool:
-        if not failed:
-            failed.append(fire)
-            raise DatabaseError("the count write failed")
-        return record_run(row, fire, won=won)
-
-    monkeypatch.setattr(periodic_tasks, "record_run", fails_once)
+    failed = _count_write_fails_once(monkeypatch)
     cluster.run_until(START + timedelta(seconds=10), step=1)
     assert failed == [START + timedelta(seconds=10)]
     _rename("report", "report-renamed")
@@ -473,7 +480,6 @@ def test_an_earlier_slots_count_landing_after_a_later_ones_is_not_lost(
     failed; node 2, which had not decided S1 (it was behind), counted S2; before the fix
     node 1's retry of S1 was refused and ``total_run_count`` ended one below the runs.
     Now a node that finds slots it never decided below a watermark counts the claimed ones."""
-    from django.db import DatabaseError
     from django_celery_beat.models import PeriodicTask
 
     from celery_exactonce.contrib import periodic_tasks
@@ -482,16 +488,7 @@ def test_an_earlier_slots_count_landing_after_a_later_ones_is_not_lost(
     cluster = DjangoCluster(nodes=2, start=START)
     cluster.tick_all()
     first, second = cluster.nodes
-    record_run = periodic_tasks.record_run
-    failed: list[datetime] = []
-
-    def fails_once(row: int, fire: datetime, *, won: bool) -> bool:
-        if not failed:
-            failed.append(fire)
-            raise DatabaseError("the count write failed")
-        return record_run(row, fire, won=won)
-
-    monkeypatch.setattr(periodic_tasks, "record_run", fails_once)
+    failed = _count_write_fails_once(monkeypatch)
     cluster.clock.set(START + timedelta(seconds=10))
     first.tick()  # S1 won and dispatched; its count failed
     cluster.clock.set(START + timedelta(seconds=20))

@@ -76,6 +76,15 @@ def task_cls(name: str) -> type[Task] | str:
     raise ValueError(f"EXACTONCE_ACC_TASK_CLS must be one of {TASK_CLASSES}, got {name!r}")
 
 
+def _note_delivery(app: Celery, task: Task, tag: str) -> int:
+    """Count a run under ``tag`` and note its retries and whether it came redelivered."""
+    run = bump(app, tag)
+    delivery = task.request.delivery_info or {}
+    redelivered = delivery.get("redelivered")
+    note(app, tag, {"run": run, "retries": task.request.retries, "redelivered": redelivered})
+    return run
+
+
 def make_app(env: Mapping[str, str] = os.environ, *, set_as_current: bool = True) -> Celery:
     """The compat app configured from ``env`` (``os.environ`` in a worker or beat)."""
     kind = env.get("EXACTONCE_ACC_TASK_CLS", "plain")
@@ -270,17 +279,7 @@ def _register_tasks(app: Celery) -> None:  # noqa: PLR0915 - one definition per 
     @app.task(bind=True, shared=False, name="compat.reject_once", acks_late=True)
     def reject_once(self: Task, tag: str) -> int:
         """``Reject(requeue=True)`` on its first run; returns the run's number."""
-        run = bump(app, tag)
-        delivery = self.request.delivery_info or {}
-        note(
-            app,
-            tag,
-            {
-                "run": run,
-                "retries": self.request.retries,
-                "redelivered": delivery.get("redelivered"),
-            },
-        )
+        run = _note_delivery(app, self, tag)
         if run == 1:
             raise Reject("the first run asks for the message again", requeue=True)
         return run
@@ -298,17 +297,7 @@ def _register_tasks(app: Celery) -> None:  # noqa: PLR0915 - one definition per 
     @app.task(bind=True, shared=False, name="compat.reject_always", acks_late=True, max_retries=2)
     def reject_always(self: Task, tag: str) -> None:
         """``Reject(requeue=True)`` on every delivery (plain Celery requeues it forever)."""
-        run = bump(app, tag)
-        delivery = self.request.delivery_info or {}
-        note(
-            app,
-            tag,
-            {
-                "run": run,
-                "retries": self.request.retries,
-                "redelivered": delivery.get("redelivered"),
-            },
-        )
+        _note_delivery(app, self, tag)
         raise Reject("never takes it", requeue=True)
 
     @app.task(bind=True, shared=False, name="compat.probe")
