@@ -13,6 +13,7 @@ from celery.schedules import solar
 from celery_exactonce import exceptions, slots
 from celery_exactonce.contrib import periodic_tasks
 from celery_exactonce.schedules import at, bounded, cron
+from tests.django_tests.conftest import ALIASES
 
 UTC = timezone.utc
 
@@ -233,6 +234,8 @@ def test_disabling_a_one_off_happens_once_and_moves_the_marker(alias: str) -> No
     assert [r.name for r in periodic_tasks.enabled_rows()] == []
 
 
+# USE_TZ is switched for SQLite only: a server connection keeps the zone it opened with.
+@pytest.mark.parametrize("alias", ALIASES[:1], indirect=True)
 def test_record_run_counts_the_hour_a_fall_back_repeats_without_use_tz(
     alias: str, settings: Any
 ) -> None:
@@ -242,8 +245,6 @@ def test_record_run_counts_the_hour_a_fall_back_repeats_without_use_tz(
     ``total_run_count`` ended two below the runs. Two nodes record each slot, in order."""
     from django_celery_beat.models import PeriodicTask
 
-    if alias != "default":
-        pytest.skip("USE_TZ is switched for SQLite only (a server connection keeps its zone)")
     settings.USE_TZ, settings.TIME_ZONE = False, "America/New_York"
     row = _row()
     # 01:00 and 01:30 EDT, then 01:00 and 01:30 EST (the repeated hour), then 02:00 EST
