@@ -291,7 +291,8 @@ def test_scenario_74_two_beats_continue_a_renamed_row_after_its_old_names_claims
     window is wide open every run. The beats catch up every missed slot
     (``catchup = "all"``). Before the fix both beats started the renamed row
     after that ``last_run_at``: the slots since, already run under the old
-    name, ran again under the new one.
+    name, ran again under the new one. The new name runs from ``max_skew``
+    seconds after the beats read the rename.
 
     The same run has a row every 3 s whose ``start_time`` is 1.5 s past a
     whole second: before the fix its slots were on the epoch's grid (whole
@@ -321,7 +322,8 @@ def test_scenario_74_two_beats_continue_a_renamed_row_after_its_old_names_claims
     b.run_until(deployment, start + timedelta(seconds=8), beats)
     stale.name = "new-name"
     stale.save(update_fields=["name", "last_run_at"])
-    b.run_until(deployment, start + timedelta(seconds=14), beats)
+    # (a node claims nothing of a row it read renamed for max_skew seconds after the read)
+    b.run_until(deployment, start + timedelta(seconds=8 + b.max_skew(deployment) + 6), beats)
     disable_every_row(deployment, beats)
     for beat in beats:
         beat.kill()
