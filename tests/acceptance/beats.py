@@ -141,8 +141,8 @@ def unpublished_claims(
     those nodes, ``SCHEDULED`` (claimed, never dispatched) or ``DISPATCHED``
     (killed between that write and the publish), with a fire time in the
     :data:`TICK_SPAN` before its kill: the tick the SIGKILL cut short. Such a
-    job is the reconciler's to settle (replay, or time out); beat has no
-    reconciler yet (scheduler docstring, "Not yet").
+    job is the reconciler's to settle (replay, or time out), maybe only after
+    the test has ended.
     """
     found = set()
     for entry, fire in occurrences:
