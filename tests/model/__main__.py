@@ -11,8 +11,12 @@ from .scope import VARIANTS, differences, run
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.model", description=__doc__)
-    parser.add_argument("--variant", action="append", choices=sorted(VARIANTS),
-                        help="a variant to search (repeatable; default: all)")
+    parser.add_argument(
+        "--variant",
+        action="append",
+        choices=sorted(VARIANTS),
+        help="a variant to search (repeatable; default: all)",
+    )
     parser.add_argument("--trace", action="store_true", help="print each counterexample")
     parser.add_argument("--faults", type=int, default=Bounds.faults)
     parser.add_argument("--passes", type=int, default=Bounds.passes)
@@ -30,8 +34,10 @@ def main(argv: list[str] | None = None) -> int:
         verdict = "PASS" if found is None else f"FAIL {found} in {len(result.trace)} steps"
         expected = found == variant.breaks
         unexpected += not expected
-        print(f"{name}: {verdict} ({result.states} states, {took:.1f}s)"
-              + ("" if expected else f"  UNEXPECTED: expected {variant.breaks or 'PASS'}"))
+        print(
+            f"{name}: {verdict} ({result.states} states, {took:.1f}s)"
+            + ("" if expected else f"  UNEXPECTED: expected {variant.breaks or 'PASS'}")
+        )
         if result.violation:
             print(f"    {result.violation}")
         if args.trace:

@@ -122,7 +122,14 @@ class Model:
         return s[4] < self.bounds.faults
 
     def _write(
-        self, s: St, i: int, what: str, ok: bool, new: Rec, yes: Phase, no: Phase,
+        self,
+        s: St,
+        i: int,
+        what: str,
+        ok: bool,
+        new: Rec,
+        yes: Phase,
+        no: Phase,
         unreach: Phase | None = None,
     ) -> Iterator[Step]:
         """A conditional write by actor ``i``: applied, refused, or failed either way."""
@@ -141,13 +148,16 @@ class Model:
         if self._faults_left(s):
             key = ("rev", new[1]) if new[0] is not R else ("run", new[3])
             check = ("check", key, yes, no, unreach)
-            yield f"{who}: applied, then the store timed out", self._fault(
-                self._set(applied, i, check)
-            ), bad
+            yield (
+                f"{who}: applied, then the store timed out",
+                self._fault(self._set(applied, i, check)),
+                bad,
+            )
             yield f"{who}: store error, not applied", self._fault(self._set(s, i, check)), None
 
-    def _publish(self, s: St, i: int, att: int, acked: int | None, after: Phase,
-                 rollback: int | None) -> Iterator[Step]:
+    def _publish(
+        self, s: St, i: int, att: int, acked: int | None, after: Phase, rollback: int | None
+    ) -> Iterator[Step]:
         msg: Msg = (att, ())
         bad = None
         if acked != att:
@@ -158,14 +168,20 @@ class Model:
         if not self._faults_left(s):
             return
         f = self._fault(s)
-        yield f"{NAMES[i]} publishes m(att{att}): ambiguous, landed", self._queue(
-            self._set(f, i, after), msg), bad
+        yield (
+            f"{NAMES[i]} publishes m(att{att}): ambiguous, landed",
+            self._queue(self._set(f, i, after), msg),
+            bad,
+        )
         yield f"{NAMES[i]} publishes m(att{att}): ambiguous, lost", self._set(f, i, after), bad
         back = ("rollback", rollback) if rollback is not None else after
         yield f"{NAMES[i]} publishes m(att{att}): definite failure", self._set(f, i, back), None
         if self.bounds.misreported_definite:
-            yield f"{NAMES[i]} publishes m(att{att}): 'definite' failure, but it landed", \
-                self._queue(self._set(f, i, back), msg), bad
+            yield (
+                f"{NAMES[i]} publishes m(att{att}): 'definite' failure, but it landed",
+                self._queue(self._set(f, i, back), msg),
+                bad,
+            )
 
     # --- the steps ----------------------------------------------------------------
 
@@ -176,14 +192,17 @@ class Model:
                 continue  # two alike actors in one place: the first one's steps stand for both
             yield from self._actor(s, i, phase, msg)
             if msg is not None and self._faults_left(s):
-                yield (f"{NAMES[i]} crashes; its unacked m(att{msg[0]}) is redelivered",
-                       self._fault(self._queue(self._set(s, i, IDLE, None), msg)), None)
+                yield (
+                    f"{NAMES[i]} crashes; its unacked m(att{msg[0]}) is redelivered",
+                    self._fault(self._queue(self._set(s, i, IDLE, None), msg)),
+                    None,
+                )
             elif i in NODES and phase[0] not in ("done", "start") and self._faults_left(s):
                 yield f"{NAMES[i]} crashes", self._fault(self._set(s, i, DONE)), None
         for n, msg in enumerate(queue):
             if n and queue[n - 1] == msg:
                 continue
-            rest = queue[:n] + queue[n + 1:]
+            rest = queue[:n] + queue[n + 1 :]
             for w in WORKERS:
                 if actors[w][0] == IDLE and not (w == 3 and actors[2][0] == IDLE):
                     got = self._set((s[0], s[1], rest, *s[3:]), w, ("gate", ()), msg)
@@ -198,25 +217,40 @@ class Model:
         rec, kind = s[0], phase[0]
         if kind == "check":  # read back whether our write applied
             _, (field, value), yes, no, unreach = phase
-            held = rec is not None and (rec[1] == value if field == "rev"
-                                        else rec[0] is R and rec[3] == value)
-            yield f"{NAMES[i]} reads back: {'applied' if held else 'not applied'}", self._set(
-                s, i, yes if held else no), None
+            held = rec is not None and (
+                rec[1] == value if field == "rev" else rec[0] is R and rec[3] == value
+            )
+            yield (
+                f"{NAMES[i]} reads back: {'applied' if held else 'not applied'}",
+                self._set(s, i, yes if held else no),
+                None,
+            )
             if unreach is not None and self._faults_left(s):
-                yield f"{NAMES[i]} cannot read back (store unreachable)", self._fault(
-                    self._set(s, i, unreach)), None
+                yield (
+                    f"{NAMES[i]} cannot read back (store unreachable)",
+                    self._fault(self._set(s, i, unreach)),
+                    None,
+                )
         elif kind == "start":  # a beat node claims the occurrence
             rev, t = self._fresh(s)
-            yield from self._write(t, i, "claims (create-if-absent SCHEDULED)", rec is None,
-                                   (S, rev, 0, 0), ("claimed", rev), DONE)
+            yield from self._write(
+                t,
+                i,
+                "claims (create-if-absent SCHEDULED)",
+                rec is None,
+                (S, rev, 0, 0),
+                ("claimed", rev),
+                DONE,
+            )
         elif kind == "claimed":
             if self.rules.dispatched_written_before_publish:
                 rev, t = self._fresh(s)
                 ok = rec is not None and rec[0] is S and rec[1] == phase[1]
                 new = (D, rev, rec[2], 0) if rec is not None else None
                 att = rec[2] if rec is not None else 0
-                yield from self._write(t, i, "CAS SCHEDULED->DISPATCHED", ok, new,
-                                       ("pub", att, att, DONE, rev), DONE)
+                yield from self._write(
+                    t, i, "CAS SCHEDULED->DISPATCHED", ok, new, ("pub", att, att, DONE, rev), DONE
+                )
             else:
                 yield from self._publish(s, i, 0, None, ("late", phase[1]), None)
         elif kind == "late":  # the dropped rule: the DISPATCHED write after the publish
@@ -247,22 +281,45 @@ class Model:
             body = ("body", run, att)
             retry = ("gate", mine)
             back = ("sendback", mine)
-            if rec is not None and rec[0] in (S, D) and (
-                rec[2] == att or not self.rules.gate_checks_attempt
+            if (
+                rec is not None
+                and rec[0] in (S, D)
+                and (rec[2] == att or not self.rules.gate_checks_attempt)
             ):
-                yield from self._write(t, i, f"gate CAS {rec[0].value}->RUNNING run{run}", True,
-                                       (R, run, rec[2], run), body, retry, back)
+                yield from self._write(
+                    t,
+                    i,
+                    f"gate CAS {rec[0].value}->RUNNING run{run}",
+                    True,
+                    (R, run, rec[2], run),
+                    body,
+                    retry,
+                    back,
+                )
             elif rec is not None and rec[0] is R and rec[3] in tickets:
                 if self.rules.send_back_tickets_need_takeover:
                     yield from self._write(
-                        t, i, f"take-over CAS RUNNING run{rec[3]}->RUNNING run{run}", True,
-                        (R, run, rec[2], run), body, retry, back)
+                        t,
+                        i,
+                        f"take-over CAS RUNNING run{rec[3]}->RUNNING run{run}",
+                        True,
+                        (R, run, rec[2], run),
+                        body,
+                        retry,
+                        back,
+                    )
                 else:
-                    yield (f"{NAMES[i]} holds ticket run{rec[3]}: owns the run outright",
-                           self._set(s, i, ("body", rec[3], att)), None)
+                    yield (
+                        f"{NAMES[i]} holds ticket run{rec[3]}: owns the run outright",
+                        self._set(s, i, ("body", rec[3], att)),
+                        None,
+                    )
             else:
-                yield f"{NAMES[i]} gate: {show(rec)} -> suppressed, ack", self._set(
-                    s, i, IDLE, None), None
+                yield (
+                    f"{NAMES[i]} gate: {show(rec)} -> suppressed, ack",
+                    self._set(s, i, IDLE, None),
+                    None,
+                )
         elif kind == "sendback" and msg is not None:
             copy: Msg = (msg[0], tuple(sorted(set(msg[1]) | set(phase[1]))))
             label = f"{NAMES[i]} sends back m(att{copy[0]}, tickets {list(copy[1])})"
@@ -270,8 +327,11 @@ class Model:
             if self._faults_left(s):
                 again = self._fault(self._set(s, i, ("gate", phase[1])))
                 yield f"{label}: refused, nothing sent; tries again", again, None
-                yield f"{label}: refused, but it landed; tries again", self._queue(
-                    again, copy), None
+                yield (
+                    f"{label}: refused, but it landed; tries again",
+                    self._queue(again, copy),
+                    None,
+                )
         elif kind == "body":
             starts = list(s[3])
             starts[phase[2]] += 1
@@ -279,48 +339,79 @@ class Model:
             if starts[phase[2]] > 1:
                 bad = f"S1: the body of attempt {phase[2]} starts a second time"
             t = (*s[:3], tuple(starts), *s[4:])
-            yield f"{NAMES[i]} BODY STARTS (attempt {phase[2]})", self._set(
-                t, i, ("after", phase[1], phase[2])), bad
+            yield (
+                f"{NAMES[i]} BODY STARTS (attempt {phase[2]})",
+                self._set(t, i, ("after", phase[1], phase[2])),
+                bad,
+            )
         elif kind == "after":
             run = phase[1]
             holds = rec is not None and rec[0] is R and rec[3] == run
             rev, t = self._fresh(s)
             new = (OK, rev, rec[2], run) if rec is not None else None
-            yield from self._write(t, i, f"CAS RUNNING run{run}->SUCCEEDED, ack", holds, new,
-                                   ACK, ACK)
+            yield from self._write(
+                t, i, f"CAS RUNNING run{run}->SUCCEEDED, ack", holds, new, ACK, ACK
+            )
             if s[7] < self.bounds.retries and rec is not None:
                 t = (*t[:7], t[7] + 1, t[8])
                 nxt = rec[2] + 1
                 yield from self._write(
-                    t, i, f"retry CAS RUNNING run{run}->DISPATCHED att{nxt}", holds,
-                    (D, rev, nxt, 0), ("pub", nxt, nxt, ACK, rev), ACK)
+                    t,
+                    i,
+                    f"retry CAS RUNNING run{run}->DISPATCHED att{nxt}",
+                    holds,
+                    (D, rev, nxt, 0),
+                    ("pub", nxt, nxt, ACK, rev),
+                    ACK,
+                )
 
     def _reconciler(self, s: St, phase: Phase) -> Iterator[Step]:
         rec, kind = s[0], phase[0]
         if kind == "idle" and rec is not None and rec[0] in (S, D, R) and s[6] < self.bounds.passes:
             t = (*s[:6], s[6] + 1, *s[7:])
-            yield f"R lists {show(rec)} as stale", self._set(
-                t, RECON, ("listed", *rec[:3])), None
+            yield f"R lists {show(rec)} as stale", self._set(t, RECON, ("listed", *rec[:3])), None
         elif kind == "listed":
             _, state, rev, att = phase
-            ok = rec is not None and rec[0] is state and (
-                rec[1] == rev or not self.rules.reconciler_uses_rev_cas)
+            ok = (
+                rec is not None
+                and rec[0] is state
+                and (rec[1] == rev or not self.rules.reconciler_uses_rev_cas)
+            )
             new_rev, t = self._fresh(s)
             now_att = rec[2] if rec is not None else att
             if state is S:
-                yield from self._write(t, RECON, "replay CAS SCHEDULED->DISPATCHED", ok,
-                                       (D, new_rev, now_att, 0),
-                                       ("pub", att, now_att, IDLE, new_rev), IDLE)
+                yield from self._write(
+                    t,
+                    RECON,
+                    "replay CAS SCHEDULED->DISPATCHED",
+                    ok,
+                    (D, new_rev, now_att, 0),
+                    ("pub", att, now_att, IDLE, new_rev),
+                    IDLE,
+                )
             else:
-                yield from self._write(t, RECON, f"CAS {state.value}->TIMEOUT", ok,
-                                       (TO, new_rev, now_att, rec[3] if rec else 0), IDLE, IDLE)
+                yield from self._write(
+                    t,
+                    RECON,
+                    f"CAS {state.value}->TIMEOUT",
+                    ok,
+                    (TO, new_rev, now_att, rec[3] if rec else 0),
+                    IDLE,
+                    IDLE,
+                )
 
 
 #: Where a phase holds ids (revs, run ids): index -> "id", "ids" (a tuple) or "phase".
 _IDS: dict[str, tuple[tuple[int, str], ...]] = {
-    "claimed": ((1, "id"),), "late": ((1, "id"),), "pub": ((3, "phase"), (4, "id")),
-    "rollback": ((1, "id"),), "gate": ((1, "ids"),), "sendback": ((1, "ids"),),
-    "body": ((1, "id"),), "after": ((1, "id"),), "listed": ((2, "id"),),
+    "claimed": ((1, "id"),),
+    "late": ((1, "id"),),
+    "pub": ((3, "phase"), (4, "id")),
+    "rollback": ((1, "id"),),
+    "gate": ((1, "ids"),),
+    "sendback": ((1, "ids"),),
+    "body": ((1, "id"),),
+    "after": ((1, "id"),),
+    "listed": ((2, "id"),),
     "check": ((1, "key"), (2, "phase"), (3, "phase"), (4, "phase")),
 }
 

@@ -23,18 +23,20 @@ P, S, D, R = State.PENDING, State.SCHEDULED, State.DISPATCHED, State.RUNNING
 F, C, T, OK, PUB = State.FAILED, State.CANCELLED, State.TIMEOUT, State.SUCCEEDED, State.PUBLISHED
 
 #: Edges the model's actors take (each one is reached by the design's search).
-MODELLED: frozenset[Edge] = frozenset({
-    (None, S),  # a beat claim
-    (S, D),  # a beat node's dispatch, a reconciler replay
-    (D, S),  # the rollback after a definite publish failure
-    (S, R),  # the gate, for a message whose "definite" failure landed after all
-    (D, R),  # the gate
-    (R, R),  # the gate's take-over of a run by the ticket of a send-back copy
-    (R, OK),  # the worker's outcome
-    (R, D),  # a Celery retry: the next attempt
-    (D, T),  # the reconciler
-    (R, T),  # the reconciler
-})
+MODELLED: frozenset[Edge] = frozenset(
+    {
+        (None, S),  # a beat claim
+        (S, D),  # a beat node's dispatch, a reconciler replay
+        (D, S),  # the rollback after a definite publish failure
+        (S, R),  # the gate, for a message whose "definite" failure landed after all
+        (D, R),  # the gate
+        (R, R),  # the gate's take-over of a run by the ticket of a send-back copy
+        (R, OK),  # the worker's outcome
+        (R, D),  # a Celery retry: the next attempt
+        (D, T),  # the reconciler
+        (R, T),  # the reconciler
+    }
+)
 
 #: Edges the model leaves out, and why.
 OUT_OF_SCOPE: dict[Edge, str] = {
@@ -72,17 +74,25 @@ def _name(edge: Edge) -> str:
 def differences() -> list[str]:
     """How the model's edges and ``states.py``'s table disagree (empty: they agree)."""
     table, known = table_edges(), MODELLED | set(OUT_OF_SCOPE)
-    found = [f"states.py allows {_name(e)}, which the model neither performs nor leaves "
-             "out by name" for e in sorted(table - known, key=_name)]
-    found += [f"the model knows {_name(e)}, which states.py does not allow"
-              for e in sorted(known - table, key=_name)]
-    found += [f"{_name(e)} is both modelled and out of scope"
-              for e in sorted(MODELLED & set(OUT_OF_SCOPE), key=_name)]
+    found = [
+        f"states.py allows {_name(e)}, which the model neither performs nor leaves out by name"
+        for e in sorted(table - known, key=_name)
+    ]
+    found += [
+        f"the model knows {_name(e)}, which states.py does not allow"
+        for e in sorted(known - table, key=_name)
+    ]
+    found += [
+        f"{_name(e)} is both modelled and out of scope"
+        for e in sorted(MODELLED & set(OUT_OF_SCOPE), key=_name)
+    ]
     for edge in sorted(states.NEXT_ATTEMPT_EDGES - NEXT_ATTEMPT, key=_name):
         if edge in MODELLED:
             found.append(f"states.py makes {_name(edge)} a next attempt; the model does not")
-    found += [f"the model's next attempt {_name(e)} is not one in states.py"
-              for e in sorted(NEXT_ATTEMPT - states.NEXT_ATTEMPT_EDGES, key=_name)]
+    found += [
+        f"the model's next attempt {_name(e)} is not one in states.py"
+        for e in sorted(NEXT_ATTEMPT - states.NEXT_ATTEMPT_EDGES, key=_name)
+    ]
     return found
 
 
@@ -98,21 +108,29 @@ class Variant:
 VARIANTS: dict[str, Variant] = {
     "baseline": Variant(Rules(), None, "the design: every rule on"),
     "gate_checks_attempt": Variant(
-        Rules(gate_checks_attempt=False), "S1",
+        Rules(gate_checks_attempt=False),
+        "S1",
         "a retry moves the job to attempt 1; the attempt-0 message comes back "
-        "(a crash) and passes the gate: attempt 0 runs twice"),
+        "(a crash) and passes the gate: attempt 0 runs twice",
+    ),
     "send_back_tickets_need_takeover": Variant(
-        Rules(send_back_tickets_need_takeover=False), "S1",
+        Rules(send_back_tickets_need_takeover=False),
+        "S1",
         "a gate write applies but cannot be read back; the send-back copy is "
-        "duplicated, and each copy owning the ticket outright runs the body"),
+        "duplicated, and each copy owning the ticket outright runs the body",
+    ),
     "dispatched_written_before_publish": Variant(
-        Rules(dispatched_written_before_publish=False), "S3",
+        Rules(dispatched_written_before_publish=False),
+        "S3",
         "a beat node publishes while the record still says SCHEDULED, which the "
-        "reconciler replays as never published"),
+        "reconciler replays as never published",
+    ),
     "reconciler_uses_rev_cas": Variant(
-        Rules(reconciler_uses_rev_cas=False), "S3",
+        Rules(reconciler_uses_rev_cas=False),
+        "S3",
         "the reconciler lists SCHEDULED at attempt 0; a retry's rollback leaves "
-        "SCHEDULED at attempt 1; a state-only CAS lets the replay publish attempt 0"),
+        "SCHEDULED at attempt 1; a state-only CAS lets the replay publish attempt 0",
+    ),
 }
 
 

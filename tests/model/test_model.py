@@ -29,7 +29,11 @@ def test_the_design_passes_every_property_within_the_bounds() -> None:
 SHOWS = {
     "gate_checks_attempt": ["retry CAS RUNNING", "crashes", "BODY STARTS (attempt 0)"],
     "send_back_tickets_need_takeover": [
-        "cannot read back", "sends back", "broker duplicates", "owns the run outright"],
+        "cannot read back",
+        "sends back",
+        "broker duplicates",
+        "owns the run outright",
+    ],
     "dispatched_written_before_publish": ["publishes m(att0)"],
     "reconciler_uses_rev_cas": ["R lists SCHEDULED", "rolls back", "R replay CAS"],
 }
