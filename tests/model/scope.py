@@ -205,6 +205,14 @@ VARIANTS: dict[str, Variant] = {
         "caller submits again and finds the job, whose message is never sent",
         "enqueue_in_one_write",
     ),
+    "gate_reads_back_its_write": _variant(
+        ENQUEUE,
+        "L",
+        "the gate's write applies and its answer is lost; the delivery is requeued "
+        "as it came, finds the job RUNNING under a run it holds no ticket for, and "
+        "is acked unrun",
+        "gate_reads_back_its_write",
+    ),
     "outcome_checks_run_id": _variant(
         RERUN,
         "S4",

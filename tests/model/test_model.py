@@ -56,6 +56,11 @@ SHOWS = {
     "claims_respect_floor": ["THE STORE LOSES ITS DATA", "restarts", "claims under epoch 1"],
     "gate_adopts_headerless_only": ["THE STORE LOSES ITS DATA", "gate: no record, adopts"],
     "enqueue_in_one_write": ["cannot read back", "to publish after: refused", "->TIMEOUT"],
+    "gate_reads_back_its_write": [
+        "applied, then the store timed out",
+        "-> suppressed",
+        "->TIMEOUT",
+    ],
     "outcome_checks_run_id": ["re-run CAS RUNNING", "W2 gate", "W1 CAS RUNNING"],
 }
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from .base import ACK, Base
-from .world import D, Msg, P, Phase, R, S, St, Step, show, show_msg
+from .base import ACK, IDLE, Base
+from .world import D, Msg, P, Phase, R, Rec, S, St, Step, show, show_msg
 
 
 class Workers(Base):
@@ -38,6 +38,9 @@ class Workers(Base):
                 yield f"{label}: refused, nothing sent; tries again", again, None
                 landed = self.enqueue(again, copy)
                 yield f"{label}: refused, but it landed; tries again", landed, None
+        elif kind == "requeue" and msg is not None:  # the dropped read-back: back as it came
+            back = self.enqueue(self.put(s, i, IDLE, None), msg)
+            yield f"{self.who(i)} requeues {show_msg(msg)} unrun", back, None
         elif kind == "body":
             _, run, att = phase
             starts = list(s.starts)
@@ -53,10 +56,6 @@ class Workers(Base):
         rec, who = s.rec, self.who(i)
         att, tickets, ours = msg[0], set(msg[1]) | set(runs), msg[2]
         run, t = self.fresh(s)
-        mine = tuple(sorted({*runs, run}))
-        body: Phase = ("body", run, att)
-        retry: Phase = ("gate", mine)
-        back: Phase = ("sendback", mine)
         same = rec is not None and (rec[2] == att or not self.rules.gate_checks_attempt)
         if rec is None and ours and self.rules.gate_adopts_headerless_only:
             yield (
@@ -65,39 +64,15 @@ class Workers(Base):
                 None,
             )
         elif rec is None:
-            yield from self.write(
-                t,
-                i,
-                f"gate: no record, adopts it (create-if-absent RUNNING run{run})",
-                True,
-                (R, run, att, run),
-                body,
-                retry,
-                unreach=back,
-            )
+            what = f"gate: no record, adopts it (create-if-absent RUNNING run{run})"
+            yield from self._gate_write(t, i, what, (R, run, att, run), runs, att)
         elif rec[0] in (S, D) and same:
-            yield from self.write(
-                t,
-                i,
-                f"gate CAS {rec[0].value}->RUNNING run{run}",
-                True,
-                (R, run, rec[2], run),
-                body,
-                retry,
-                unreach=back,
-            )
+            what = f"gate CAS {rec[0].value}->RUNNING run{run}"
+            yield from self._gate_write(t, i, what, (R, run, rec[2], run), runs, att)
         elif rec[0] is R and rec[3] in tickets and same:
             if self.rules.send_back_tickets_need_takeover:
-                yield from self.write(
-                    t,
-                    i,
-                    f"take-over CAS RUNNING run{rec[3]}->RUNNING run{run}",
-                    True,
-                    (R, run, rec[2], run),
-                    body,
-                    retry,
-                    unreach=back,
-                )
+                what = f"take-over CAS RUNNING run{rec[3]}->RUNNING run{run}"
+                yield from self._gate_write(t, i, what, (R, run, rec[2], run), runs, att)
             else:
                 yield (
                     f"{who} holds ticket run{rec[3]}: owns the run outright",
@@ -106,6 +81,26 @@ class Workers(Base):
                 )
         else:
             yield f"{who} gate: {show(rec)} -> suppressed, ack", self.put(s, i, ACK), None
+
+    def _gate_write(
+        self, s: St, i: int, what: str, new: Rec, runs: tuple[int, ...], att: int
+    ) -> Iterator[Step]:
+        """The gate's write under a fresh run_id (``new[3]``): the body if it applied.
+
+        An error is settled by reading back the run_id; one the store cannot
+        answer sends the delivery back with its run ids as tickets. Without the
+        read-back, an error requeues the delivery as it came (no ticket for
+        this run).
+        """
+        assert new is not None
+        mine = tuple(sorted({*runs, new[3]}))
+        body: Phase = ("body", new[3], att)
+        if not self.rules.gate_reads_back_its_write:
+            yield from self.write(s, i, what, True, new, body, ("requeue",), readback=False)
+            return
+        yield from self.write(
+            s, i, what, True, new, body, ("gate", mine), unreach=("sendback", mine)
+        )
 
     def _after(self, s: St, i: int, run: int) -> Iterator[Step]:
         rec = s.rec

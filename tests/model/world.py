@@ -55,6 +55,10 @@ class Rules:
     gate_checks_attempt: bool = True
     """The gate's CAS (and its take-over) also requires the record's attempt to be
     the message's."""
+    gate_reads_back_its_write: bool = True
+    """A gate write whose answer is lost is settled by reading back the run_id
+    (then, the store unreachable, sent back with tickets), instead of the
+    delivery being requeued as it came."""
     send_back_tickets_need_takeover: bool = True
     """A copy holding a ticket takes the run over with a CAS from that run_id,
     instead of owning it outright."""
