@@ -149,6 +149,8 @@ class Base:
         yield f"{who}: ok", self.put(applied, i, yes), bad
         if not self.faults_left(s):
             return
+        if new[0] is D and old is not None and not self.rules.dispatched_write_read_back:
+            readback = False  # the dropped rule: a DISPATCHED write that errored fails closed
         if not readback:
             yield (
                 f"{who}: applied, then the store timed out",

@@ -213,6 +213,13 @@ VARIANTS: dict[str, Variant] = {
         "is acked unrun",
         "gate_reads_back_its_write",
     ),
+    "dispatched_write_read_back": _variant(
+        ENQUEUE,
+        "L",
+        "a Celery retry's DISPATCHED write applies and its answer is lost; failing "
+        "closed, the worker publishes nothing, and the next attempt never runs",
+        "dispatched_write_read_back",
+    ),
     "outcome_checks_run_id": _variant(
         RERUN,
         "S4",

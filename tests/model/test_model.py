@@ -61,6 +61,7 @@ SHOWS = {
         "-> suppressed",
         "->TIMEOUT",
     ],
+    "dispatched_write_read_back": ["retry CAS RUNNING", "applied, then the store timed out"],
     "outcome_checks_run_id": ["re-run CAS RUNNING", "W2 gate", "W1 CAS RUNNING"],
 }
 

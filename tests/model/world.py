@@ -64,6 +64,10 @@ class Rules:
     instead of owning it outright."""
     dispatched_written_before_publish: bool = True
     """A dispatcher publishes only after its acknowledged ``DISPATCHED`` write."""
+    dispatched_write_read_back: bool = True
+    """A ``DISPATCHED`` write that errored (a dispatch, a replay, a retry) is read
+    back, and its publish goes ahead if the record holds the writer's rev,
+    instead of failing closed."""
     reconciler_uses_rev_cas: bool = True
     """The reconciler's writes are conditional on the rev it listed, not the state."""
     claims_carry_epoch: bool = True
