@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
-from celery_exactonce.states import State
+from celery_exactonce.core.states import State
 
 S, D, R, OK, TO = State.SCHEDULED, State.DISPATCHED, State.RUNNING, State.SUCCEEDED, State.TIMEOUT
 

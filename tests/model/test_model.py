@@ -1,6 +1,6 @@
 """The model of one job's life: the design passes, each rule it needs fails without it.
 
-Also: the model's transitions match ``celery_exactonce.states``, and an edge
+Also: the model's transitions match ``celery_exactonce.core.states``, and an edge
 planted in that table makes the comparison fail.
 """
 
@@ -10,8 +10,8 @@ import dataclasses
 
 import pytest
 
-from celery_exactonce import states
-from celery_exactonce.states import State
+from celery_exactonce.core import states
+from celery_exactonce.core.states import State
 
 from .checker import Bounds, Rules
 from .scope import MODELLED, OUT_OF_SCOPE, VARIANTS, differences, run, table_edges
