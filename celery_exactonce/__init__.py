@@ -9,9 +9,9 @@ only where task code uses :func:`idempotency_key`.
 from __future__ import annotations
 
 from celery_exactonce import startup as _startup  # noqa: F401  (connects the start-up checks)
+from celery_exactonce.beat.scheduler import ExactOnceScheduler
 from celery_exactonce.config import ExactOnceConfig
-from celery_exactonce.control import cancel
-from celery_exactonce.exceptions import (
+from celery_exactonce.core.exceptions import (
     ConfigurationError,
     ExactOnceError,
     InvalidPayload,
@@ -22,13 +22,13 @@ from celery_exactonce.exceptions import (
     StoreUnavailable,
     SubmitAmbiguous,
 )
-from celery_exactonce.jobs import Job
-from celery_exactonce.keys import idempotency_key
-from celery_exactonce.refs import JobRef
-from celery_exactonce.scheduler import ExactOnceScheduler
-from celery_exactonce.states import State
+from celery_exactonce.core.jobs import Job
+from celery_exactonce.core.keys import idempotency_key
+from celery_exactonce.core.refs import JobRef
+from celery_exactonce.core.states import State
+from celery_exactonce.reconcile.cancel import cancel
 from celery_exactonce.stores import InMemoryStore, StateStore, open_store, store_from_url
-from celery_exactonce.task import ExactOnceTask
+from celery_exactonce.task.base import ExactOnceTask
 
 __version__ = "0.1.0.dev0"
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from types import FrameType
 from typing import IO
 
-from celery_exactonce import exceptions
+from celery_exactonce.core import exceptions
 from celery_exactonce.demo import report as demo_report
 from celery_exactonce.demo import run as demo
 

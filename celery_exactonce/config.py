@@ -18,8 +18,9 @@ import warnings
 from collections.abc import Mapping
 from typing import Any, Literal, cast
 
-from celery_exactonce import exceptions, refs, signing, unknown_settings
-from celery_exactonce.stores import KNOWN_SCHEMES, redact_url, validate_namespace
+from celery_exactonce import unknown_settings
+from celery_exactonce.core import exceptions, refs
+from celery_exactonce.stores import KNOWN_SCHEMES, redact_url, signing, validate_namespace
 
 PREFIX = "exactonce_"
 

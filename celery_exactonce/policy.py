@@ -3,12 +3,12 @@
 The settings (``exactonce_dispatch_timeout``...) are the defaults. A gated
 task overrides them with ``exactonce_<name>`` attributes, a beat entry under
 its ``options["exactonce"]``. Whoever creates a job writes the policy it saw
-into the record (:data:`~celery_exactonce.messages.POLICY_OPTION`), so a
+into the record (:data:`~celery_exactonce.dispatch.messages.POLICY_OPTION`), so a
 process that does not import the task (a slim beat) still applies the task's
 own; :meth:`Timeouts.of` is how every reader gets a job's limits.
 
-Not here: what the reconciler does with the limits (:mod:`~celery_exactonce.reconciler`),
-how a beat entry's overrides are parsed (:mod:`~celery_exactonce.entries`).
+Not here: what the reconciler does with the limits (:mod:`~celery_exactonce.reconcile.reconciler`),
+how a beat entry's overrides are parsed (:mod:`~celery_exactonce.beat.entries`).
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ import dataclasses
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from celery_exactonce import exceptions
 from celery_exactonce.config import ExactOnceConfig
-from celery_exactonce.jobs import Job
-from celery_exactonce.messages import POLICY_OPTION
+from celery_exactonce.core import exceptions
+from celery_exactonce.core.jobs import Job
+from celery_exactonce.dispatch.messages import POLICY_OPTION
 
 #: Settings a gated task may override as ``exactonce_<name>`` attributes (the reconciler's).
 TASK_TIMEOUTS = ("dispatch_timeout", "dispatch_deadline", "running_timeout")
@@ -40,7 +40,7 @@ def task_policy(task: Any) -> dict[str, Any]:
     """The reconciler policy ``task`` overrides, as its jobs store it.
 
     Written into every job of a gated task by whoever creates it (under
-    :data:`~celery_exactonce.messages.POLICY_OPTION`), so that a process that
+    :data:`~celery_exactonce.dispatch.messages.POLICY_OPTION`), so that a process that
     does not import the task, a slim beat, still applies the task's own
     timeouts and opt-ins.
     """
@@ -64,7 +64,7 @@ def check_timeouts(
 
     The rules: ``dispatch_timeout > replay_age``, ``dispatch_deadline >=
     dispatch_timeout``, ``running_timeout >= 3 x heartbeat_interval + max_skew``.
-    The :class:`~celery_exactonce.exceptions.ConfigurationError` starts with
+    The :class:`~celery_exactonce.core.exceptions.ConfigurationError` starts with
     ``prefix`` (what set them) and names ``setting``, else the rule's setting.
     """
     if not timeouts:

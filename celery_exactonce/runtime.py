@@ -14,10 +14,11 @@ import time
 import weakref
 from typing import Any
 
-from celery_exactonce import dispatch, publisher, signing
 from celery_exactonce.config import ExactOnceConfig
-from celery_exactonce.retrier import Retrier
-from celery_exactonce.stores import open_store
+from celery_exactonce.dispatch import publisher
+from celery_exactonce.dispatch.dispatcher import Dispatcher
+from celery_exactonce.dispatch.retrier import Retrier
+from celery_exactonce.stores import open_store, signing
 from celery_exactonce.stores.base import StateStore
 
 
@@ -43,7 +44,7 @@ class Runtime:
         self.signer = signing.Signer.from_setting(config.signing_key)
         if self.signer is not None:
             self.store = signing.SigningStore(self.store, self.signer)
-        self.dispatcher = dispatch.Dispatcher(
+        self.dispatcher = Dispatcher(
             self.store,
             publisher.CeleryPublisher(app, timeout=config.publish_timeout),
             node=self.node,

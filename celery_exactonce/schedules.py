@@ -10,13 +10,13 @@ Celery ``crontab``, so its slots follow the rules of every crontab beat runs:
   is a Monday, not on every 1st and every Monday as Vixie cron would;
 * the expression is read in ``tz`` (a zone name or a ``tzinfo``), else in the
   app's ``timezone``; DST moves and folds are those of
-  :mod:`celery_exactonce.slots`: a fixed-hour job fires once on both change
+  :mod:`celery_exactonce.core.slots`: a fixed-hour job fires once on both change
   days, a wildcard-hour job at every real instant that matches.
 
 What Celery's crontab cannot say is refused, not approximated: a seconds or a
 year field, ``L`` (last day), ``W`` (nearest weekday), ``#`` (nth weekday) and
 ``H`` (hashed) fields. Every refusal is a
-:class:`~celery_exactonce.exceptions.ConfigurationError` naming the
+:class:`~celery_exactonce.core.exceptions.ConfigurationError` naming the
 expression and the field (``0 0 30 2 *`` names both day fields: 30 February
 never comes).
 
@@ -38,7 +38,7 @@ builds its rows' schedules with them, and they go in ``beat_schedule`` too:
 * :class:`bounded`: another schedule's slots from ``start`` on, up to
   ``end``, or only the first of them (``first_only``: a one-off row).
 
-Their slots are computed by :mod:`celery_exactonce.slots`, like every
+Their slots are computed by :mod:`celery_exactonce.core.slots`, like every
 schedule's, the same on every node.
 """
 
@@ -53,7 +53,7 @@ from celery.schedules import BaseSchedule, crontab, schedstate
 from croniter import CroniterError
 from croniter import croniter as _croniter
 
-from celery_exactonce import exceptions
+from celery_exactonce.core import exceptions
 
 __all__ = ["at", "bounded", "cron"]
 

@@ -1,6 +1,6 @@
 """Start-up checks of a worker or beat node: refuse to start rather than run a job twice.
 
-Each check raises :class:`~celery_exactonce.exceptions.ConfigurationError`
+Each check raises :class:`~celery_exactonce.core.exceptions.ConfigurationError`
 naming the setting: it is far cheaper to refuse to start than to discover a
 double run in production.
 
@@ -10,11 +10,11 @@ exit status 1 (:class:`StartupRefused`), the traceback at debug level only.
 
 * The worker runs :func:`check_worker` from Celery's ``worker_init`` signal,
   connected when the package is imported (any app that defines an
-  :class:`~celery_exactonce.task.ExactOnceTask` imports it, whichever module it
+  :class:`~celery_exactonce.task.base.ExactOnceTask` imports it, whichever module it
   imports). Celery logs and swallows an exception raised by a signal receiver,
   so the receiver ends the process itself: :class:`StartupRefused` is a
   ``SystemExit``, which Celery lets through.
-* Beat runs :func:`check_beat` as :class:`~celery_exactonce.scheduler.ExactOnceScheduler`
+* Beat runs :func:`check_beat` as :class:`~celery_exactonce.beat.scheduler.ExactOnceScheduler`
   is built (:func:`start_beat`), before its first tick.
 * The Prometheus endpoints start here too, refused the same way when they
   cannot (a port taken, the ``prometheus`` extra missing): beat's
@@ -31,9 +31,12 @@ from typing import Any, NoReturn
 
 from celery import signals
 
-from celery_exactonce import config, exceptions, gauges, metrics, reconcile_task, runtime
-from celery_exactonce.gate import validate_gated_task
-from celery_exactonce.task import ExactOnceTask
+from celery_exactonce import config, runtime
+from celery_exactonce.core import exceptions
+from celery_exactonce.observe import gauges, metrics
+from celery_exactonce.reconcile import task as reconcile_task
+from celery_exactonce.task.base import ExactOnceTask
+from celery_exactonce.task.gate import validate_gated_task
 
 #: Broker schemes that speak AMQP, where publisher confirms must be on.
 AMQP_SCHEMES = ("amqp", "amqps", "pyamqp")
@@ -218,9 +221,9 @@ def start_beat(app: Any) -> runtime.Runtime:
 
 
 def prometheus_module(setting: str) -> Any:
-    """:mod:`celery_exactonce.prometheus`, or a refusal naming ``setting`` without the extra."""
+    """The module :mod:`celery_exactonce.observe.prometheus`, or a refusal naming ``setting``."""
     try:
-        from celery_exactonce import prometheus
+        from celery_exactonce.observe import prometheus
     except ImportError as exc:
         raise exceptions.ConfigurationError(
             f"{setting} is set but prometheus-client is not installed: "

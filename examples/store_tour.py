@@ -22,9 +22,9 @@ import uuid
 from datetime import timedelta
 
 from celery_exactonce import idempotency_key, store_from_url
-from celery_exactonce.refs import JobRef
-from celery_exactonce.states import State
-from celery_exactonce.writes import NewJob, Transition
+from celery_exactonce.core.refs import JobRef
+from celery_exactonce.core.states import State
+from celery_exactonce.core.writes import NewJob, Transition
 
 
 def main(url: str) -> int:

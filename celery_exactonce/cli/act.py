@@ -6,12 +6,13 @@ from typing import Any
 
 import click
 
-from celery_exactonce import control, runtime
+from celery_exactonce import runtime
 from celery_exactonce.cli import base
 from celery_exactonce.cli.inspect import find_job, resolve
-from celery_exactonce.reconciler import Reconciler
-from celery_exactonce.refs import JobRef, Space
-from celery_exactonce.states import State
+from celery_exactonce.core.refs import JobRef, Space
+from celery_exactonce.core.states import State
+from celery_exactonce.reconcile import cancel as cancelling
+from celery_exactonce.reconcile.reconciler import Reconciler
 from celery_exactonce.stores import redact_url
 from celery_exactonce.stores.base import FORMAT_VERSION
 
@@ -62,7 +63,7 @@ def cancel(ctx: click.Context, task_id: str, as_json: bool) -> None:
     with base.session(ctx) as s:
         task_id = resolve(s.store, task_id)
         runtime.install(s.app, s.store, s.config)
-        cancelled = control.cancel(task_id, s.app)
+        cancelled = cancelling.cancel(task_id, s.app)
         job = s.store.get(JobRef.submitted(task_id))
         others = [j for j in find_job(s.store, task_id) if j.ref.space is Space.OCCURRENCE]
     state = None if job is None else job.state.value

@@ -34,9 +34,10 @@ from typing import Any, NoReturn, TypeVar
 
 import click
 
-from celery_exactonce import exceptions, refs, runtime
+from celery_exactonce import runtime
 from celery_exactonce.config import ExactOnceConfig
-from celery_exactonce.jobs import Job
+from celery_exactonce.core import exceptions, refs
+from celery_exactonce.core.jobs import Job
 from celery_exactonce.stores import open_store, redact_url
 from celery_exactonce.stores.base import StateStore
 

@@ -21,14 +21,17 @@ import click
 from celery import beat
 
 from celery_exactonce import config as config_module
-from celery_exactonce import entries, exceptions, reconcile_task, runtime, startup
+from celery_exactonce import runtime, startup
+from celery_exactonce.beat import entries
+from celery_exactonce.beat.scheduler import entry_policy, internal_entries
 from celery_exactonce.cli import base
 from celery_exactonce.cli.entries import uses_django_rows
 from celery_exactonce.config import ExactOnceConfig, UnknownSettingWarning
-from celery_exactonce.gate import validate_gated_task
-from celery_exactonce.scheduler import entry_policy, internal_entries
+from celery_exactonce.core import exceptions
+from celery_exactonce.reconcile import task as reconcile_task
 from celery_exactonce.stores import open_store, redact_url
 from celery_exactonce.stores.base import FORMAT_VERSION, StateStore
+from celery_exactonce.task.gate import validate_gated_task
 
 OK, WARN, FAIL = "ok", "warn", "FAIL"
 

@@ -13,12 +13,12 @@ from typing import Any
 
 from celery import beat
 
-from celery_exactonce import exceptions
+from celery_exactonce.beat.entries import occurrence_id
+from celery_exactonce.beat.scheduler import internal_entries
 from celery_exactonce.config import ExactOnceConfig
-from celery_exactonce.entries import occurrence_id
-from celery_exactonce.jobs import Job
-from celery_exactonce.refs import JobRef
-from celery_exactonce.scheduler import internal_entries
+from celery_exactonce.core import exceptions
+from celery_exactonce.core.jobs import Job
+from celery_exactonce.core.refs import JobRef
 from celery_exactonce.stores.base import StateStore
 
 #: ``beat_scheduler`` values that read django-celery-beat's rows.

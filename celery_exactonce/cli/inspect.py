@@ -7,15 +7,16 @@ from typing import Any
 
 import click
 
-from celery_exactonce import exceptions, passes, times
 from celery_exactonce.cli import base
 from celery_exactonce.cli.entries import beat_entries, with_last
-from celery_exactonce.jobs import Job
-from celery_exactonce.reconcile_task import RECONCILE_TASK
-from celery_exactonce.reconciler import LEASE_NAME
-from celery_exactonce.refs import JobRef
-from celery_exactonce.skipped_slots import merged
-from celery_exactonce.states import State
+from celery_exactonce.core import exceptions, times
+from celery_exactonce.core.jobs import Job
+from celery_exactonce.core.refs import JobRef
+from celery_exactonce.core.skipped_slots import merged
+from celery_exactonce.core.states import State
+from celery_exactonce.reconcile import passes
+from celery_exactonce.reconcile.reconciler import LEASE_NAME
+from celery_exactonce.reconcile.task import RECONCILE_TASK
 from celery_exactonce.stores import redact_url
 from celery_exactonce.stores.base import StateStore, partitions_of
 

@@ -1,6 +1,6 @@
 """``celery exactonce schedule``: each beat entry's next slots and last dispatched occurrence.
 
-The slots are the ones every beat node computes (:mod:`celery_exactonce.slots`,
+The slots are the ones every beat node computes (:mod:`celery_exactonce.core.slots`,
 on the store's clock and the app's time zone); the last occurrence is the job
 of the entry's watermark, the newest slot any node claimed.
 """
@@ -13,9 +13,9 @@ from zoneinfo import ZoneInfo
 
 import click
 
-from celery_exactonce import slots
 from celery_exactonce.cli import base
 from celery_exactonce.cli.entries import beat_entries, with_last
+from celery_exactonce.core import slots
 
 
 def schedule_data(s: base.Session, count: int) -> dict[str, Any]:

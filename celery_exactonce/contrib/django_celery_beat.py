@@ -30,7 +30,7 @@ dispatched once, with no leader.
   the settings.
 
 Not here: the slots, the claims and the dispatch, which are the
-:class:`~celery_exactonce.scheduler.ExactOnceScheduler`'s.
+:class:`~celery_exactonce.beat.scheduler.ExactOnceScheduler`'s.
 """
 
 from __future__ import annotations
@@ -42,14 +42,16 @@ from typing import Any
 
 from celery import beat
 
-from celery_exactonce import exceptions, metrics, slots, startup
+from celery_exactonce import startup
+from celery_exactonce.beat.entries import ENTRY_OPTIONS, occurrence_id
+from celery_exactonce.beat.planner import Plan
+from celery_exactonce.beat.scheduler import ExactOnceScheduler
 from celery_exactonce.contrib import periodic_tasks
 from celery_exactonce.contrib.django.connection import require_immediate
 from celery_exactonce.contrib.row_names import RowNames
-from celery_exactonce.entries import ENTRY_OPTIONS, occurrence_id
-from celery_exactonce.planner import Plan
-from celery_exactonce.refs import JobRef
-from celery_exactonce.scheduler import ExactOnceScheduler
+from celery_exactonce.core import exceptions, slots
+from celery_exactonce.core.refs import JobRef
+from celery_exactonce.observe import metrics
 
 __all__ = ["DatabaseScheduler"]
 

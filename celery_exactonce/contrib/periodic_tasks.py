@@ -21,8 +21,8 @@ import json
 from datetime import datetime, timedelta
 from typing import Any
 
-from celery_exactonce import exceptions
-from celery_exactonce.entries import ENTRY_OPTIONS
+from celery_exactonce.beat.entries import ENTRY_OPTIONS
+from celery_exactonce.core import exceptions
 from celery_exactonce.schedules import at, bounded, cron
 
 #: The header django-celery-beat adds to every message of a row, kept for the

@@ -22,7 +22,7 @@ claimed for under another name, counted or not yet (a count lags its claim):
 
 Not here: reading the rows and building their entries
 (:mod:`~celery_exactonce.contrib.django_celery_beat`), the watermarks of
-entries in general (:class:`~celery_exactonce.scheduler.ExactOnceScheduler`).
+entries in general (:class:`~celery_exactonce.beat.scheduler.ExactOnceScheduler`).
 """
 
 from __future__ import annotations

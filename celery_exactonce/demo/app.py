@@ -18,7 +18,7 @@ write lock, and :meth:`Layout.prepare` creates the tables and the queue before
 any process starts, so the processes never race to create them.
 
 Every beat entry runs :func:`record`, an
-:class:`~celery_exactonce.task.ExactOnceTask` whose body appends one JSON line
+:class:`~celery_exactonce.task.base.ExactOnceTask` whose body appends one JSON line
 (entry, fire time, idempotency key) to the ledger: the demo's report counts
 executions from it, not from logs.
 """
@@ -39,8 +39,8 @@ from typing import Any
 from celery import Celery
 from kombu.connection import Connection
 
-from celery_exactonce import messages
-from celery_exactonce.task import ExactOnceTask
+from celery_exactonce.dispatch import messages
+from celery_exactonce.task.base import ExactOnceTask
 
 ENV_WORKDIR = "EXACTONCE_DEMO_WORKDIR"
 ENV_NODE = "EXACTONCE_DEMO_NODE"

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import celery_exactonce
-from celery_exactonce import exceptions
+from celery_exactonce.core import exceptions
 from celery_exactonce.demo import app as demo_app
 
 _T = TypeVar("_T")

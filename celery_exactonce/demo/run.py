@@ -45,14 +45,14 @@ from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
-from celery_exactonce import keys, refs, slots
+from celery_exactonce.beat.entries import occurrence_id
 from celery_exactonce.config import ExactOnceConfig
+from celery_exactonce.core import keys, refs, slots
+from celery_exactonce.core.jobs import Job
+from celery_exactonce.core.refs import JobRef
 from celery_exactonce.demo import app as demo_app
 from celery_exactonce.demo.processes import POLL_INTERVAL, Child, DemoError, poll
 from celery_exactonce.demo.report import DemoResult, Execution, Kill, Slot, build_report
-from celery_exactonce.entries import occurrence_id
-from celery_exactonce.jobs import Job
-from celery_exactonce.refs import JobRef
 from celery_exactonce.stores import open_store
 from celery_exactonce.stores.base import StateStore
 

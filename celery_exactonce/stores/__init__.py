@@ -1,7 +1,7 @@
 """Job stores, and :func:`store_from_url` to pick one from ``exactonce_store_url``.
 
 Drivers are optional extras, imported only when a store that needs them is
-built; a missing one raises :class:`~celery_exactonce.exceptions.ConfigurationError`
+built; a missing one raises :class:`~celery_exactonce.core.exceptions.ConfigurationError`
 with the ``pip install`` line that fixes it.
 
 ========================================  =============================  ==========
@@ -28,7 +28,7 @@ from collections.abc import Iterable
 from typing import Any, Protocol
 from urllib.parse import quote, quote_plus, unquote, unquote_plus, urlsplit
 
-from celery_exactonce import exceptions
+from celery_exactonce.core import exceptions
 from celery_exactonce.stores import shards
 from celery_exactonce.stores.base import FORMAT_VERSION, StateStore
 from celery_exactonce.stores.memory import InMemoryStore
@@ -297,11 +297,11 @@ def store_from_url(
         count = options.pop("shards", 1)
         shards.check_setting(count, url, redact_url(url))
         if count > 1:  # a Redis Cluster (checked): the namespace over several slots
-            sharded = _import("celery_exactonce.stores.redis_sharded", "redis")
+            sharded = _import("celery_exactonce.stores.redis.sharded", "redis")
             return sharded.ShardedRedisStore.from_url(  # type: ignore[no-any-return]
                 url, namespace=namespace, retention=retention, shards=count, **options
             )
-        module = _import("celery_exactonce.stores.redis", "redis")
+        module = _import("celery_exactonce.stores.redis.store", "redis")
         store: StateStore = module.RedisStore.from_url(
             url, namespace=namespace, retention=retention, **options
         )
@@ -313,7 +313,7 @@ def store_from_url(
     if base in _SQL_DRIVERS:
         driver, extra = _SQL_DRIVERS[base]
         sa_url = url if "+" in scheme else driver + url[len(scheme) :]
-        module = _import("celery_exactonce.stores.sql", extra)
+        module = _import("celery_exactonce.stores.sql.store", extra)
         store = module.SqlStore.from_url(
             sa_url, namespace=namespace, retention=retention, **options
         )

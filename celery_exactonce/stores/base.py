@@ -10,14 +10,14 @@ Conventions shared by every operation:
 * A store is bound to one namespace; every key or row it touches is under it.
 * All ages, due checks and expiries use the store's own clock
   (:meth:`StateStore.now`), never the caller's.
-* Driver errors are wrapped: :class:`~celery_exactonce.exceptions.StoreUnavailable`
+* Driver errors are wrapped: :class:`~celery_exactonce.core.exceptions.StoreUnavailable`
   when retrying may help (connection refused or reset, timeout, lock wait),
-  :class:`~celery_exactonce.exceptions.StoreError` otherwise. An error raised
+  :class:`~celery_exactonce.core.exceptions.StoreError` otherwise. An error raised
   after the request was sent leaves the outcome unknown: settle it by reading
-  the record back and asking it (:meth:`celery_exactonce.jobs.Job.applied`);
+  the record back and asking it (:meth:`celery_exactonce.core.jobs.Job.applied`);
   :mod:`celery_exactonce.stores.settle` does both for every writer.
-* Lost races are return values (:class:`~celery_exactonce.jobs.CreateStatus`,
-  :class:`~celery_exactonce.jobs.TransitionStatus`), never exceptions.
+* Lost races are return values (:class:`~celery_exactonce.core.jobs.CreateStatus`,
+  :class:`~celery_exactonce.core.jobs.TransitionStatus`), never exceptions.
 
 A store may also be :class:`Partitioned`: made of parts that are each a whole
 store of their own (records, indexes, leases), as the shards of a sharded
@@ -33,11 +33,11 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Protocol, runtime_checkable
 
-from celery_exactonce.jobs import CreateResult, Job, TransitionResult
-from celery_exactonce.refs import JobRef
-from celery_exactonce.skipped_slots import SkippedSlots
-from celery_exactonce.states import State
-from celery_exactonce.writes import NewJob, Transition
+from celery_exactonce.core.jobs import CreateResult, Job, TransitionResult
+from celery_exactonce.core.refs import JobRef
+from celery_exactonce.core.skipped_slots import SkippedSlots
+from celery_exactonce.core.states import State
+from celery_exactonce.core.writes import NewJob, Transition
 
 #: Version of the key format / schema this code writes. A store holding a
 #: newer version refuses to start (a rolling deploy never mixes formats).
@@ -89,7 +89,7 @@ class StateStore(Protocol):
     def setup(self) -> None:
         """Create or upgrade what the store needs (schema, format marker). Idempotent.
 
-        Raises :class:`~celery_exactonce.exceptions.SchemaMismatch` when the
+        Raises :class:`~celery_exactonce.core.exceptions.SchemaMismatch` when the
         store holds a newer format than this code writes.
         """
         ...
@@ -108,7 +108,7 @@ class StateStore(Protocol):
         The epoch is a random token written once per store life. A store that
         lost its data (a Redis restart without persistence) no longer holds the
         epoch a node remembers, and :meth:`create` with that epoch reports
-        :attr:`~celery_exactonce.jobs.CreateStatus.EPOCH_MISMATCH`.
+        :attr:`~celery_exactonce.core.jobs.CreateStatus.EPOCH_MISMATCH`.
 
         With ``replace``, a store whose epoch is still ``replace`` (or has none)
         starts a new one, born now: a node that found the store forgot some of
@@ -159,8 +159,8 @@ class StateStore(Protocol):
     def transition(self, ref: JobRef, request: Transition) -> TransitionResult:
         """Compare-and-swap: apply ``request`` if all its guards hold. Atomic.
 
-        The guards and effects are those of :class:`~celery_exactonce.writes.Transition`
-        (:func:`~celery_exactonce.jobs.check_transition`, with the lease checked
+        The guards and effects are those of :class:`~celery_exactonce.core.writes.Transition`
+        (:func:`~celery_exactonce.core.jobs.check_transition`, with the lease checked
         in the same atomic step). Terminal records refuse every transition.
         Indexes (state, due, expiry) move with the record.
         """
@@ -193,7 +193,7 @@ class StateStore(Protocol):
 
         For what a job's record should say without a transition: a claim
         conflict, an outcome that came too late. See
-        :func:`~celery_exactonce.jobs.annotate_job`: state, ``rev`` and
+        :func:`~celery_exactonce.core.jobs.annotate_job`: state, ``rev`` and
         ``touched_at`` are unchanged, and a repeat with the same ``op_id``
         appends nothing. Returns whether the record exists.
         """

@@ -17,20 +17,20 @@ import threading
 from collections.abc import Sequence
 from datetime import datetime, timedelta
 
-from celery_exactonce import exceptions, jobs, refs, times
-from celery_exactonce.clock import Clock, SystemClock
-from celery_exactonce.jobs import (
+from celery_exactonce.core import exceptions, jobs, refs, times
+from celery_exactonce.core.clock import Clock, SystemClock
+from celery_exactonce.core.jobs import (
     CreateResult,
     CreateStatus,
     Job,
     TransitionResult,
     TransitionStatus,
 )
-from celery_exactonce.refs import JobRef
-from celery_exactonce.skipped_slots import SkippedSlots
-from celery_exactonce.states import TERMINAL, State
+from celery_exactonce.core.refs import JobRef
+from celery_exactonce.core.skipped_slots import SkippedSlots
+from celery_exactonce.core.states import TERMINAL, State
+from celery_exactonce.core.writes import Lease, NewJob, Transition
 from celery_exactonce.stores.base import FORMAT_VERSION, SKIPPED_KEPT, DueBacklog
-from celery_exactonce.writes import Lease, NewJob, Transition
 
 
 class InMemoryStore:

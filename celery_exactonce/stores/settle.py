@@ -4,8 +4,8 @@ A store error raised after a request was sent leaves its outcome unknown
 (:mod:`celery_exactonce.stores.base`). Every writer settles such a write the
 same way, here, and never by guessing: it reads the record back (a few
 tries, with back-off) and asks it whether it holds the write's op id, the
-``new_rev`` of a :class:`~celery_exactonce.writes.Transition` or the ``rev`` of
-a :class:`~celery_exactonce.writes.NewJob` (:meth:`~celery_exactonce.jobs.Job.applied`).
+``new_rev`` of a :class:`~celery_exactonce.core.writes.Transition` or the ``rev`` of
+a :class:`~celery_exactonce.core.writes.NewJob` (:meth:`~celery_exactonce.core.jobs.Job.applied`).
 
 :func:`transition`, :func:`transition_many`, :func:`create` and
 :func:`create_many` make the write and answer a :class:`Written`: the store's
@@ -20,7 +20,7 @@ applied, but the record has moved on since: the record read back is not the
 one the write produced, and no caller acts on it as its own.
 
 The worker gate settles its writes in its own loop
-(:meth:`~celery_exactonce.task.ExactOnceTask._gate`): it reads back until its
+(:meth:`~celery_exactonce.task.base.ExactOnceTask._gate`): it reads back until its
 deadline, then sends the delivery back with the run ids it may have written,
 and it knows its own write by that run id (a take-over or an adoption writes
 another op id than the gate CAS, under the same run id).
@@ -34,17 +34,17 @@ import time
 from collections.abc import Sequence
 from typing import Generic, TypeVar
 
-from celery_exactonce import exceptions
-from celery_exactonce.jobs import (
+from celery_exactonce.core import exceptions
+from celery_exactonce.core.jobs import (
     CreateResult,
     CreateStatus,
     Job,
     TransitionResult,
     TransitionStatus,
 )
-from celery_exactonce.refs import JobRef
+from celery_exactonce.core.refs import JobRef
+from celery_exactonce.core.writes import NewJob, Transition
 from celery_exactonce.stores.base import StateStore
-from celery_exactonce.writes import NewJob, Transition
 
 __all__ = [
     "READ_BACK_DELAY",

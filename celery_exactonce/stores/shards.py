@@ -17,12 +17,12 @@ a key, so the shard sits inside it:
   multiple of ``M`` every master holds ``N / M`` shards; left to CRC16 alone,
   three shards share a master two times in three.
 
-:func:`shard_of` is pinned (golden vectors in tests/unit/test_shards.py, as
+:func:`shard_of` is pinned (golden vectors in tests/unit/stores/test_shards.py, as
 for idempotency keys): the first four bytes of the SHA-1 of the text, big
 endian, modulo ``N``.
 
 :func:`check_setting` refuses ``N > 1`` off a Redis Cluster. The store that
-routes over the shards: :mod:`~celery_exactonce.stores.redis_sharded`.
+routes over the shards: :mod:`~celery_exactonce.stores.redis.sharded`.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import hashlib
 
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 
-from celery_exactonce import exceptions
+from celery_exactonce.core import exceptions
 
 #: Tags tried per shard before giving up: a try lands with odds ``1 / (2 N)``, so
 #: ``N`` up to the cluster's 16,384 slots finds one long before.

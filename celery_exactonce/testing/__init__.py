@@ -4,7 +4,7 @@ Helpers (no pytest needed):
 
 * :class:`InMemoryStore` (re-exported): the whole store contract in a dict.
 * :class:`FrozenClock`: a clock that moves only when told to, to give the
-  in-memory store (and anything that takes a :class:`~celery_exactonce.clock.Clock`)
+  in-memory store (and anything that takes a :class:`~celery_exactonce.core.clock.Clock`)
   a time that tests control without sleeping.
 * :class:`ExactOnceJobs`: the jobs of an app, read and asserted on
   ("ran once"), and its due delayed jobs swept.

@@ -18,8 +18,9 @@ import contextlib
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from celery_exactonce import exceptions, runtime
+from celery_exactonce import runtime
 from celery_exactonce.config import PREFIX, ExactOnceConfig
+from celery_exactonce.core import exceptions
 from celery_exactonce.stores.memory import InMemoryStore
 
 __all__ = ["TEST_SETTINGS", "configured", "in_process_worker", "patched_settings"]

@@ -1,7 +1,7 @@
 """FrozenClock: a clock that moves only when a test moves it.
 
 Give it to an :class:`~celery_exactonce.stores.memory.InMemoryStore` (or
-anything that takes a :class:`~celery_exactonce.clock.Clock`) for a store
+anything that takes a :class:`~celery_exactonce.core.clock.Clock`) for a store
 time that tests control without sleeping.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 from datetime import datetime, timedelta, timezone
 
-from celery_exactonce import times
+from celery_exactonce.core import times
 
 __all__ = ["FrozenClock"]
 

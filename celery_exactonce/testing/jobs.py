@@ -27,11 +27,11 @@ from collections.abc import Iterable
 from datetime import datetime, timedelta
 from typing import Any
 
-from celery_exactonce import messages
-from celery_exactonce.jobs import Job
-from celery_exactonce.refs import JobRef
+from celery_exactonce.core.jobs import Job
+from celery_exactonce.core.refs import JobRef
+from celery_exactonce.core.states import State
+from celery_exactonce.dispatch import messages
 from celery_exactonce.runtime import runtime_for
-from celery_exactonce.states import State
 from celery_exactonce.testing.clock import FrozenClock
 
 __all__ = ["ExactOnceJobs"]

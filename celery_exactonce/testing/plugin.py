@@ -30,8 +30,8 @@ from typing import Any
 
 import pytest
 
-from celery_exactonce.eager import namespace_of
 from celery_exactonce.stores.memory import InMemoryStore
+from celery_exactonce.task.eager import namespace_of
 from celery_exactonce.testing import apps
 from celery_exactonce.testing.clock import FrozenClock
 from celery_exactonce.testing.jobs import ExactOnceJobs

@@ -25,9 +25,9 @@ from pathlib import Path
 import redis
 
 from celery_exactonce import ExactOnceConfig
-from celery_exactonce.entries import occurrence_id
-from celery_exactonce.jobs import Job
-from celery_exactonce.states import State
+from celery_exactonce.beat.entries import occurrence_id
+from celery_exactonce.core.jobs import Job
+from celery_exactonce.core.states import State
 from tests import services
 from tests.acceptance import beats as b
 from tests.acceptance.harness import Deployment, poll

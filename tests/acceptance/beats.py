@@ -14,11 +14,12 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 from datetime import datetime, timedelta, timezone
 
-from celery_exactonce import ExactOnceConfig, keys
-from celery_exactonce.entries import occurrence_id
-from celery_exactonce.jobs import Job
-from celery_exactonce.refs import JobRef, epoch_born
-from celery_exactonce.states import State
+from celery_exactonce import ExactOnceConfig
+from celery_exactonce.beat.entries import occurrence_id
+from celery_exactonce.core import keys
+from celery_exactonce.core.jobs import Job
+from celery_exactonce.core.refs import JobRef, epoch_born
+from celery_exactonce.core.states import State
 from tests.acceptance.harness import BeatProcess, Deployment, Ledger, poll
 
 Occurrence = tuple[str, datetime]

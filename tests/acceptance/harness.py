@@ -688,7 +688,7 @@ class Deployment:
 
     def job(self, task_id: str) -> Any:
         """The store's record of the (non-occurrence) job ``task_id``, or ``None``."""
-        from celery_exactonce.refs import JobRef
+        from celery_exactonce.core.refs import JobRef
 
         return self.store().get(JobRef.submitted(task_id))
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from celery_exactonce.states import State
+from celery_exactonce.core.states import State
 from tests.acceptance import beats as b
 from tests.acceptance import scrapes
 from tests.acceptance.harness import BeatProcess, Deployment, Ledger, poll

@@ -31,8 +31,8 @@ from typing import Any
 
 import pytest
 
-from celery_exactonce.states import State
-from celery_exactonce.stores.redis_sharded import ShardedRedisStore
+from celery_exactonce.core.states import State
+from celery_exactonce.stores.redis.sharded import ShardedRedisStore
 from celery_exactonce.stores.shards import shard_of
 from tests.acceptance import beats as b
 from tests.acceptance.harness import BeatProcess, Deployment, Ledger, poll

@@ -329,7 +329,7 @@ def noted(app: Celery, tag: str, at_least: int = 1, timeout: float = SHORT_TIMEO
 def stored(app: Celery, task_id: str) -> bool:
     """Whether the app's store has a job of ``task_id`` (never, for plain Celery)."""
     from celery_exactonce import runtime
-    from celery_exactonce.refs import JobRef
+    from celery_exactonce.core.refs import JobRef
 
     return runtime.runtime_for(app).store.get(JobRef.submitted(task_id)) is not None
 
@@ -957,7 +957,7 @@ def test_a_task_that_rejects_every_delivery_stops_at_max_retries_and_fails(
     nothing bounded it: the requeued copies ran on, each a new attempt.
     """
     from celery_exactonce import runtime
-    from celery_exactonce.refs import JobRef
+    from celery_exactonce.core.refs import JobRef
 
     def rejects_always(app: Celery) -> Outcome:
         tag = new_tag()

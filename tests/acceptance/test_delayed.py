@@ -27,12 +27,12 @@ from datetime import timedelta
 import pytest
 
 import celery_exactonce
-from celery_exactonce import jobs
-from celery_exactonce.exceptions import JobConflict
-from celery_exactonce.jobs import Job
-from celery_exactonce.refs import JobRef
-from celery_exactonce.states import State
-from celery_exactonce.writes import NewJob
+from celery_exactonce.core import jobs
+from celery_exactonce.core.exceptions import JobConflict
+from celery_exactonce.core.jobs import Job
+from celery_exactonce.core.refs import JobRef
+from celery_exactonce.core.states import State
+from celery_exactonce.core.writes import NewJob
 from tests.acceptance.harness import BeatProcess, Deployment, Ledger, holds, poll
 
 pytestmark = [
@@ -150,7 +150,7 @@ def seed(deployment: Deployment, news: Sequence[NewJob]) -> None:
             results = store.create_many(news[start : start + SEED_BATCH], brief=True)
             assert all(result.created for result in results), "seed: a job existed already"
         return
-    from celery_exactonce.stores import sql_schema
+    from celery_exactonce.stores.sql import schema as sql_schema
 
     now = store.now()
     rows = [

@@ -16,8 +16,8 @@ from collections.abc import Iterator
 import pytest
 
 from celery_exactonce.contrib.django.store import DjangoStore
-from celery_exactonce.messages import replacement_job_id
-from celery_exactonce.states import State
+from celery_exactonce.core.states import State
+from celery_exactonce.dispatch.messages import replacement_job_id
 from tests.acceptance.apps import django_atomic
 from tests.acceptance.apps.ledger_app import make_app
 from tests.acceptance.django_project import DJANGO_APP, DjangoDatabase

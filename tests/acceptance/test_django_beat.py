@@ -27,7 +27,7 @@ from zoneinfo import ZoneInfo
 
 import pytest
 
-from celery_exactonce import slots
+from celery_exactonce.core import slots
 from tests.acceptance import beats as b
 from tests.acceptance.django_project import DjangoBeat, DjangoDatabase
 from tests.acceptance.harness import (

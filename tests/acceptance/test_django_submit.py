@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import pytest
 
 from celery_exactonce.contrib.django.store import DjangoStore
-from celery_exactonce.states import State
+from celery_exactonce.core.states import State
 from tests.acceptance.django_project import DjangoBeat, DjangoDatabase
 from tests.acceptance.harness import REPO_ROOT, Deployment, Ledger, holds, poll
 from tests.acceptance.test_reconcile import FAST

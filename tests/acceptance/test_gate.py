@@ -12,16 +12,17 @@ from typing import Any
 
 import pytest
 
-from celery_exactonce import metrics, runtime
-from celery_exactonce.dispatch import Dispatcher
-from celery_exactonce.exceptions import StoreUnavailable, SubmitAmbiguous
-from celery_exactonce.jobs import Job
-from celery_exactonce.messages import message_headers
-from celery_exactonce.one_step import ENQUEUED
-from celery_exactonce.publisher import CeleryPublisher, PublishFailed
-from celery_exactonce.refs import JobRef
-from celery_exactonce.states import State
-from celery_exactonce.stores.redis import RedisStore
+from celery_exactonce import runtime
+from celery_exactonce.core.exceptions import StoreUnavailable, SubmitAmbiguous
+from celery_exactonce.core.jobs import Job
+from celery_exactonce.core.refs import JobRef
+from celery_exactonce.core.states import State
+from celery_exactonce.dispatch.dispatcher import Dispatcher
+from celery_exactonce.dispatch.messages import message_headers
+from celery_exactonce.dispatch.one_step import ENQUEUED
+from celery_exactonce.dispatch.publisher import CeleryPublisher, PublishFailed
+from celery_exactonce.observe import metrics
+from celery_exactonce.stores.redis.store import RedisStore
 from tests.acceptance.harness import Deployment, Ledger, holds, poll
 from tests.acceptance.proxy import proxy_to
 

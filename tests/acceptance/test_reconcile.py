@@ -31,14 +31,14 @@ from typing import Any
 
 import pytest
 
-from celery_exactonce.dispatch import DISPATCH_CHUNK
-from celery_exactonce.jobs import HistoryEntry, Job
-from celery_exactonce.messages import GATED_OPTION
-from celery_exactonce.reconciler import REDISPATCH_REASON, REPLAY_REASON
-from celery_exactonce.refs import JobRef
+from celery_exactonce.core.jobs import HistoryEntry, Job
+from celery_exactonce.core.refs import JobRef
+from celery_exactonce.core.states import State
+from celery_exactonce.core.writes import NewJob, Transition
+from celery_exactonce.dispatch.dispatcher import DISPATCH_CHUNK
+from celery_exactonce.dispatch.messages import GATED_OPTION
+from celery_exactonce.reconcile.reconciler import REDISPATCH_REASON, REPLAY_REASON
 from celery_exactonce.runtime import runtime_for
-from celery_exactonce.states import State
-from celery_exactonce.writes import NewJob, Transition
 from tests.acceptance.apps.kill_points import killed_jobs
 from tests.acceptance.apps.ledger import EXECUTION_PHASES as EXECUTIONS
 from tests.acceptance.apps.ledger_app import NO_GATE

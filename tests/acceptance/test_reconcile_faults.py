@@ -38,12 +38,12 @@ from typing import Any
 
 import pytest
 
-from celery_exactonce import reconciler
-from celery_exactonce.jobs import Job
-from celery_exactonce.messages import GATED_OPTION
-from celery_exactonce.refs import JobRef
-from celery_exactonce.states import State
-from celery_exactonce.writes import Action, NewJob, Transition
+from celery_exactonce.core.jobs import Job
+from celery_exactonce.core.refs import JobRef
+from celery_exactonce.core.states import State
+from celery_exactonce.core.writes import Action, NewJob, Transition
+from celery_exactonce.dispatch.messages import GATED_OPTION
+from celery_exactonce.reconcile import reconciler
 from tests.acceptance.apps.ledger_app import CLOCK_MARK
 from tests.acceptance.apps.store_faults import ACTION as FAULT_ACTION
 from tests.acceptance.apps.store_faults import FAULTS_MARK

@@ -20,8 +20,8 @@ import json
 
 import pytest
 
-from celery_exactonce.refs import JobRef
-from celery_exactonce.states import State
+from celery_exactonce.core.refs import JobRef
+from celery_exactonce.core.states import State
 from tests.acceptance.harness import Deployment, Ledger
 from tests.support.helpers import poll, tamper
 

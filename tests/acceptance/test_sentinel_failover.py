@@ -36,7 +36,7 @@ from typing import Any
 
 import pytest
 
-from celery_exactonce.states import State
+from celery_exactonce.core.states import State
 from tests.acceptance import beats as b
 from tests.acceptance.harness import BeatProcess, Deployment, Ledger
 from tests.integration.redis_server import (

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from celery_exactonce.refs import JobRef
-from celery_exactonce.states import State
+from celery_exactonce.core.refs import JobRef
+from celery_exactonce.core.states import State
 from tests.acceptance.apps.ledger_app import SLIM
 from tests.acceptance.harness import Deployment, Ledger, Row, poll
 

@@ -34,10 +34,10 @@ import time
 from collections.abc import Callable
 from datetime import timedelta
 
-from celery_exactonce.refs import JobRef
-from celery_exactonce.states import State
+from celery_exactonce.core.refs import JobRef
+from celery_exactonce.core.states import State
+from celery_exactonce.core.writes import NewJob, Transition
 from celery_exactonce.stores.base import StateStore
-from celery_exactonce.writes import NewJob, Transition
 from tests import services
 from tests.benchmarks import submit
 from tests.benchmarks.rounds import Rounds, table

@@ -28,9 +28,9 @@ import redis
 from celery import Celery
 
 from celery_exactonce import runtime
-from celery_exactonce.scheduler import ExactOnceScheduler
-from celery_exactonce.states import State
-from celery_exactonce.stores.redis import RedisStore
+from celery_exactonce.beat.scheduler import ExactOnceScheduler
+from celery_exactonce.core.states import State
+from celery_exactonce.stores.redis.store import RedisStore
 from tests import services
 
 #: Broker database of the benchmarks (store tests use 9, acceptance 10).

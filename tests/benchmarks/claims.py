@@ -2,7 +2,7 @@
 
 What bounds a cluster of beat nodes is the store's claim throughput: every
 node claims every due slot (:func:`claims.claim`, ``create_many`` in batches
-of :data:`~celery_exactonce.claimer.CLAIM_BATCH` under the store epoch), one
+of :data:`~celery_exactonce.beat.claimer.CLAIM_BATCH` under the store epoch), one
 wins it and the others find it taken. So per store this measures, from one
 client, with no concurrency:
 
@@ -20,13 +20,13 @@ from __future__ import annotations
 import time
 from datetime import datetime, timedelta
 
-from celery_exactonce import claims
-from celery_exactonce.claimer import CLAIM_BATCH
-from celery_exactonce.entries import occurrence_id
-from celery_exactonce.refs import JobRef
-from celery_exactonce.states import State
+from celery_exactonce.beat import claims
+from celery_exactonce.beat.claimer import CLAIM_BATCH
+from celery_exactonce.beat.entries import occurrence_id
+from celery_exactonce.core.refs import JobRef
+from celery_exactonce.core.states import State
+from celery_exactonce.core.writes import NewJob
 from celery_exactonce.stores.base import StateStore
-from celery_exactonce.writes import NewJob
 
 
 def occurrences(store: StateStore, count: int, fire: datetime) -> list[NewJob]:

@@ -26,13 +26,13 @@ import redis
 from celery import Celery
 
 from celery_exactonce import ExactOnceTask, runtime
-from celery_exactonce.messages import GATED_OPTION
-from celery_exactonce.reconciler import Reconciler
-from celery_exactonce.refs import JobRef
-from celery_exactonce.scheduler import ExactOnceScheduler
-from celery_exactonce.states import State
-from celery_exactonce.stores.redis import RedisStore
-from celery_exactonce.writes import NewJob
+from celery_exactonce.beat.scheduler import ExactOnceScheduler
+from celery_exactonce.core.refs import JobRef
+from celery_exactonce.core.states import State
+from celery_exactonce.core.writes import NewJob
+from celery_exactonce.dispatch.messages import GATED_OPTION
+from celery_exactonce.reconcile.reconciler import Reconciler
+from celery_exactonce.stores.redis.store import RedisStore
 from tests import services
 from tests.benchmarks.beat import BROKER_DB, drop_queue, plain_publish
 

@@ -33,7 +33,7 @@ from pathlib import Path
 import redis
 
 from celery_exactonce import runtime
-from celery_exactonce.states import State
+from celery_exactonce.core.states import State
 from tests import services
 from tests.acceptance.harness import REPO_ROOT, WorkerProcess
 from tests.benchmarks import e2e_app

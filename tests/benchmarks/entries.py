@@ -47,12 +47,12 @@ from celery import Celery
 from celery.schedules import crontab
 
 from celery_exactonce import runtime
-from celery_exactonce.dispatch import Dispatcher
-from celery_exactonce.jobs import Job
-from celery_exactonce.scheduler import ExactOnceScheduler
+from celery_exactonce.beat.scheduler import ExactOnceScheduler
+from celery_exactonce.core.jobs import Job
+from celery_exactonce.dispatch.dispatcher import Dispatcher
 from celery_exactonce.stores import InMemoryStore, store_from_url
 from celery_exactonce.stores.base import StateStore
-from celery_exactonce.stores.redis import RedisStore
+from celery_exactonce.stores.redis.store import RedisStore
 from celery_exactonce.testing import FrozenClock
 from tests import services
 

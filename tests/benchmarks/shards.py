@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from celery_exactonce import claims
-from celery_exactonce.claimer import CLAIM_BATCH
+from celery_exactonce.beat import claims
+from celery_exactonce.beat.claimer import CLAIM_BATCH
 from celery_exactonce.stores import store_from_url
 from tests.benchmarks.claims import occurrences
 

@@ -27,7 +27,7 @@ if os.environ.get("DJANGO_SETTINGS_MODULE"):
 
     django.setup()
 
-from celery_exactonce.task import ExactOnceTask
+from celery_exactonce.task.base import ExactOnceTask
 
 #: The beat entry the tests' occurrences belong to.
 NIGHTLY = "nightly-billing"

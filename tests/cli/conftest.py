@@ -23,13 +23,13 @@ from typing import Any
 
 import pytest
 
-from celery_exactonce.entries import occurrence_id
-from celery_exactonce.refs import JobRef
-from celery_exactonce.skipped_slots import SkippedSlots
-from celery_exactonce.states import State
+from celery_exactonce.beat.entries import occurrence_id
+from celery_exactonce.core.refs import JobRef
+from celery_exactonce.core.skipped_slots import SkippedSlots
+from celery_exactonce.core.states import State
+from celery_exactonce.core.writes import NewJob
 from celery_exactonce.stores import store_from_url
 from celery_exactonce.stores.base import StateStore
-from celery_exactonce.writes import NewJob
 from tests import services
 from tests.cli.cli_app import NIGHTLY
 from tests.support.backends import SHARED_BACKENDS

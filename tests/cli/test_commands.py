@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from celery_exactonce.passes import lease_token
-from celery_exactonce.reconciler import LEASE_NAME
-from celery_exactonce.refs import JobRef
-from celery_exactonce.states import State
+from celery_exactonce.core.refs import JobRef
+from celery_exactonce.core.states import State
+from celery_exactonce.reconcile.passes import lease_token
+from celery_exactonce.reconcile.reconciler import LEASE_NAME
 from celery_exactonce.stores import redact_url
 from tests.cli.cli_app import NIGHTLY
 from tests.cli.conftest import FIRE, Deployment

@@ -2,7 +2,7 @@
 
 Each test runs the real ``celery -A tests.cli.cli_app exactonce …`` command
 (a subprocess) on a namespace seeded by :meth:`Deployment.seed`: its beat
-occurrence has the id beat gives it (:func:`~celery_exactonce.entries.occurrence_id`,
+occurrence has the id beat gives it (:func:`~celery_exactonce.beat.entries.occurrence_id`,
 68 characters).
 """
 
@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from celery_exactonce.states import State
+from celery_exactonce.core.states import State
 from tests.cli.cli_app import NIGHTLY
 from tests.cli.conftest import Deployment
 from tests.support.helpers import task_job

@@ -1,7 +1,7 @@
 """``status``'s skipped slots on a new store and after a loss: two beat nodes, in process.
 
-Two :class:`~celery_exactonce.scheduler.ExactOnceScheduler` nodes tick on one
-store (:class:`tests.unit.beat_cluster.Cluster`), and ``status`` reads what
+Two :class:`~celery_exactonce.beat.scheduler.ExactOnceScheduler` nodes tick on one
+store (:class:`tests.support.beat_cluster.Cluster`), and ``status`` reads what
 they noted (:func:`celery_exactonce.cli.inspect.status_data`).
 """
 
@@ -15,7 +15,7 @@ import pytest
 from celery_exactonce import runtime
 from celery_exactonce.cli import base
 from celery_exactonce.cli.inspect import status_data
-from tests.unit.beat_cluster import START, Cluster, every, isolated
+from tests.support.beat_cluster import START, Cluster, every, isolated
 
 pytestmark = pytest.mark.timeout(30)
 

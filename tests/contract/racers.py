@@ -11,7 +11,7 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
-from celery_exactonce.jobs import CreateStatus
+from celery_exactonce.core.jobs import CreateStatus
 from celery_exactonce.stores.base import StateStore
 from tests.support.backends import make_store
 from tests.support.helpers import occurrence, task_job

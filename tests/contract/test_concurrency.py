@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from celery_exactonce.states import State
+from celery_exactonce.core.states import State
 from celery_exactonce.stores.base import StateStore
 from tests.contract.racers import run_threads
 from tests.support.backends import DJANGO_BACKENDS, StoreFactory

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from celery_exactonce.states import State
+from celery_exactonce.core.states import State
 from celery_exactonce.stores.base import StateStore
 from tests.support.backends import Factory
 from tests.support.helpers import NODE, move, occurrence, task_job

@@ -8,12 +8,12 @@ from decimal import Decimal
 
 import pytest
 
-from celery_exactonce import exceptions, payload
-from celery_exactonce.jobs import CreateStatus
-from celery_exactonce.refs import JobRef, Space, epoch_born
-from celery_exactonce.states import State
+from celery_exactonce.core import exceptions, payload
+from celery_exactonce.core.jobs import CreateStatus
+from celery_exactonce.core.refs import JobRef, Space, epoch_born
+from celery_exactonce.core.states import State
+from celery_exactonce.core.writes import NewJob
 from celery_exactonce.stores.base import StateStore
-from celery_exactonce.writes import NewJob
 from tests.support.backends import StoreFactory, lose_data
 from tests.support.helpers import NODE, occurrence, poll, task_job, to
 

@@ -21,10 +21,10 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
-from celery_exactonce.exceptions import StoreUnavailable
-from celery_exactonce.refs import JobRef
-from celery_exactonce.states import ALLOWED, NEXT_ATTEMPT_EDGES, TERMINAL, State
-from celery_exactonce.writes import NewJob, Transition
+from celery_exactonce.core.exceptions import StoreUnavailable
+from celery_exactonce.core.refs import JobRef
+from celery_exactonce.core.states import ALLOWED, NEXT_ATTEMPT_EDGES, TERMINAL, State
+from celery_exactonce.core.writes import NewJob, Transition
 from tests.support.backends import StoreFactory
 from tests.support.helpers import NODE
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta
 
-from celery_exactonce.jobs import Job
-from celery_exactonce.refs import JobRef
-from celery_exactonce.states import State
+from celery_exactonce.core.jobs import Job
+from celery_exactonce.core.refs import JobRef
+from celery_exactonce.core.states import State
 from celery_exactonce.stores.base import StateStore
 from tests.support.backends import StoreFactory
 from tests.support.helpers import NODE, occurrence, poll, task_job, to, wait_store_past

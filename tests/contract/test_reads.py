@@ -6,11 +6,11 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from celery_exactonce.exceptions import InvalidPayload
-from celery_exactonce.refs import JobRef
-from celery_exactonce.states import State
-from celery_exactonce.stores import redis_reads
+from celery_exactonce.core.exceptions import InvalidPayload
+from celery_exactonce.core.refs import JobRef
+from celery_exactonce.core.states import State
 from celery_exactonce.stores.base import FORMAT_VERSION, StateStore
+from celery_exactonce.stores.redis import reads as redis_reads
 from tests.support.helpers import occurrence, poll, task_job, to, wait_store_past
 
 UTC = timezone.utc

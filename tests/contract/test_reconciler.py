@@ -1,6 +1,6 @@
 """The reconciler on every backend, in real (store) time, with timeouts of a fraction of a second.
 
-The exact thresholds are pinned on a frozen clock in ``tests/unit/reconciler/``;
+The exact thresholds are pinned on a frozen clock in ``tests/unit/reconcile/``;
 here every rule is shown on each real store, with ages checked on the store's own
 timestamps (a job's history) rather than on this process's clock.
 """
@@ -17,15 +17,16 @@ from typing import Any
 
 import pytest
 
-from celery_exactonce import exceptions, reconciler
-from celery_exactonce.jobs import Job
-from celery_exactonce.passes import lease_holder
-from celery_exactonce.publisher import PublishFailed
-from celery_exactonce.reconciler import LEASE_NAME, PassReport, Reconciler
-from celery_exactonce.refs import JobRef
-from celery_exactonce.states import State
+from celery_exactonce.core import exceptions
+from celery_exactonce.core.jobs import Job
+from celery_exactonce.core.refs import JobRef
+from celery_exactonce.core.states import State
+from celery_exactonce.core.writes import NewJob
+from celery_exactonce.dispatch.publisher import PublishFailed
+from celery_exactonce.reconcile import reconciler
+from celery_exactonce.reconcile.passes import lease_holder
+from celery_exactonce.reconcile.reconciler import LEASE_NAME, PassReport, Reconciler
 from celery_exactonce.stores.base import StateStore, partitions_of
-from celery_exactonce.writes import NewJob
 from tests.support.backends import StoreFactory
 from tests.support.helpers import poll, wait_store_past
 from tests.support.reconciling import (

@@ -16,15 +16,15 @@ from typing import Any
 
 import pytest
 
-from celery_exactonce import metrics
-from celery_exactonce.dispatch import Dispatcher
-from celery_exactonce.jobs import Job
-from celery_exactonce.outcomes import Outcome
-from celery_exactonce.refs import JobRef
-from celery_exactonce.signing import Signer, SigningStore
-from celery_exactonce.states import State
+from celery_exactonce.core.jobs import Job
+from celery_exactonce.core.refs import JobRef
+from celery_exactonce.core.states import State
+from celery_exactonce.core.writes import Transition
+from celery_exactonce.dispatch.dispatcher import Dispatcher
+from celery_exactonce.dispatch.outcomes import Outcome
+from celery_exactonce.observe import metrics
 from celery_exactonce.stores.base import StateStore
-from celery_exactonce.writes import Transition
+from celery_exactonce.stores.signing import Signer, SigningStore
 from tests.support.helpers import NODE, tamper, task_job
 
 OLD_KEY = "old-signing-key-0123456789abcdef"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta, timezone
 
-from celery_exactonce.skipped_slots import SkippedSlots
+from celery_exactonce.core.skipped_slots import SkippedSlots
 from tests.support.backends import Factory
 from tests.support.helpers import wait_store_past
 

@@ -14,9 +14,10 @@ from collections.abc import Iterator
 import pytest
 from celery import Celery
 
-from celery_exactonce import ExactOnceTask, JobConflict, metrics, runtime
-from celery_exactonce.refs import JobRef
-from celery_exactonce.states import State
+from celery_exactonce import ExactOnceTask, JobConflict, runtime
+from celery_exactonce.core.refs import JobRef
+from celery_exactonce.core.states import State
+from celery_exactonce.observe import metrics
 from tests.support.backends import StoreFactory
 
 

@@ -8,12 +8,17 @@ from datetime import timedelta
 
 import pytest
 
-from celery_exactonce import exceptions
-from celery_exactonce.jobs import HISTORY_LIMIT, CreateStatus, TransitionStatus, apply_transition
-from celery_exactonce.refs import JobRef
-from celery_exactonce.states import TERMINAL, State
+from celery_exactonce.core import exceptions
+from celery_exactonce.core.jobs import (
+    HISTORY_LIMIT,
+    CreateStatus,
+    TransitionStatus,
+    apply_transition,
+)
+from celery_exactonce.core.refs import JobRef
+from celery_exactonce.core.states import TERMINAL, State
+from celery_exactonce.core.writes import Action, Lease, Transition
 from celery_exactonce.stores.base import StateStore
-from celery_exactonce.writes import Action, Lease, Transition
 from tests.support.backends import StoreFactory
 from tests.support.helpers import NODE, occurrence, poll, task_job, to
 

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import pytest
 
 from celery_exactonce import store_from_url
-from celery_exactonce.scheduler import ExactOnceScheduler
+from celery_exactonce.beat.scheduler import ExactOnceScheduler
 from celery_exactonce.stores.base import StateStore
 from tests import services
 from tests.django_tests import routing

@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 
 from celery_exactonce.contrib.django.models import Job
-from celery_exactonce.jobs import Job as Record
-from celery_exactonce.skipped_slots import SkippedSlots
-from celery_exactonce.states import State
+from celery_exactonce.core.jobs import Job as Record
+from celery_exactonce.core.skipped_slots import SkippedSlots
+from celery_exactonce.core.states import State
 from celery_exactonce.stores.base import StateStore
 from tests.support.helpers import move, occurrence, task_job
 

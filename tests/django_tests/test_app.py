@@ -8,13 +8,14 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from celery_exactonce import exceptions, store_from_url
+from celery_exactonce import store_from_url
 from celery_exactonce.contrib.django import tables
 from celery_exactonce.contrib.django.store import DjangoStore
-from celery_exactonce.refs import JobRef
-from celery_exactonce.states import State
+from celery_exactonce.core import exceptions
+from celery_exactonce.core.refs import JobRef
+from celery_exactonce.core.states import State
+from celery_exactonce.core.writes import NewJob
 from celery_exactonce.stores.base import FORMAT_VERSION
-from celery_exactonce.writes import NewJob
 
 TABLES = {
     "exactonce_jobs",

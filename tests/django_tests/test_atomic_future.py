@@ -22,10 +22,10 @@ from celery import Celery
 from celery.exceptions import Reject
 
 from celery_exactonce import ExactOnceTask, runtime
-from celery_exactonce.exceptions import StoreUnavailable
-from celery_exactonce.messages import HEADER_ATTEMPT, replacement_job_id
-from celery_exactonce.refs import JobRef
-from celery_exactonce.states import State
+from celery_exactonce.core.exceptions import StoreUnavailable
+from celery_exactonce.core.refs import JobRef
+from celery_exactonce.core.states import State
+from celery_exactonce.dispatch.messages import HEADER_ATTEMPT, replacement_job_id
 from celery_exactonce.stores.base import StateStore
 from tests.support.deliveries import deliver_to
 from tests.support.publishing import publishing

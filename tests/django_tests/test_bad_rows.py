@@ -24,10 +24,10 @@ import pytest
 from celery import Celery
 from click.testing import CliRunner
 
-from celery_exactonce import metrics
 from celery_exactonce.cli import exactonce
+from celery_exactonce.observe import metrics
 from tests.django_tests.test_scheduler import START, DjangoCluster, add_row
-from tests.unit.beat_cluster import isolated
+from tests.support.beat_cluster import isolated
 
 
 @pytest.fixture(autouse=True)

@@ -10,8 +10,8 @@ from zoneinfo import ZoneInfo
 import pytest
 from celery.schedules import solar
 
-from celery_exactonce import exceptions, slots
 from celery_exactonce.contrib import periodic_tasks
+from celery_exactonce.core import exceptions, slots
 from celery_exactonce.schedules import at, bounded, cron
 from tests.django_tests.conftest import ALIASES
 

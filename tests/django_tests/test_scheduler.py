@@ -1,7 +1,7 @@
 """The django-celery-beat scheduler: several nodes on rows edited while they run.
 
 Nodes are :class:`DatabaseScheduler` instances of one app on an InMemoryStore
-and a frozen clock (:mod:`tests.unit.beat_cluster`), reading the rows of the
+and a frozen clock (:mod:`tests.support.beat_cluster`), reading the rows of the
 test's database (SQLite, then PostgreSQL). What they dispatch is counted at
 the fake broker and compared with the rows' ``total_run_count``.
 """
@@ -18,10 +18,10 @@ from zoneinfo import ZoneInfo
 
 import pytest
 
-from celery_exactonce import metrics
 from celery_exactonce.contrib.django_celery_beat import DatabaseScheduler
-from celery_exactonce.jobs import Job
-from tests.unit.beat_cluster import Cluster, isolated, register_plain_tasks
+from celery_exactonce.core.jobs import Job
+from celery_exactonce.observe import metrics
+from tests.support.beat_cluster import Cluster, isolated, register_plain_tasks
 
 UTC = timezone.utc
 START = datetime(2026, 6, 1, 12, 0, 0, tzinfo=UTC)

@@ -16,8 +16,8 @@ import pytest
 from celery import Celery
 
 from celery_exactonce import ExactOnceTask, runtime
-from celery_exactonce.refs import JobRef
-from celery_exactonce.states import State
+from celery_exactonce.core.refs import JobRef
+from celery_exactonce.core.states import State
 from celery_exactonce.stores.base import StateStore
 from tests.django_tests import routing
 from tests.support.publishing import publishing

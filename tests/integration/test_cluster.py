@@ -12,11 +12,11 @@ import redis
 from celery import Celery
 
 from celery_exactonce import ConfigurationError, ExactOnceConfig, open_store
-from celery_exactonce.jobs import CreateStatus
-from celery_exactonce.refs import JobRef
-from celery_exactonce.states import State
-from celery_exactonce.stores.redis import SCRIPT_BATCH, RedisStore
-from celery_exactonce.writes import NewJob
+from celery_exactonce.core.jobs import CreateStatus
+from celery_exactonce.core.refs import JobRef
+from celery_exactonce.core.states import State
+from celery_exactonce.core.writes import NewJob
+from celery_exactonce.stores.redis.store import SCRIPT_BATCH, RedisStore
 from tests.integration.redis_server import cluster
 
 pytestmark = pytest.mark.timeout(120)

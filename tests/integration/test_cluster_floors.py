@@ -23,12 +23,12 @@ import pytest
 from celery import Celery
 
 from celery_exactonce import ExactOnceConfig, open_store, runtime
-from celery_exactonce.dispatch import Dispatcher
-from celery_exactonce.scheduler import ExactOnceScheduler
-from celery_exactonce.stores.redis_sharded import ShardedRedisStore
+from celery_exactonce.beat.scheduler import ExactOnceScheduler
+from celery_exactonce.dispatch.dispatcher import Dispatcher
+from celery_exactonce.stores.redis.sharded import ShardedRedisStore
 from celery_exactonce.stores.shards import shard_of
 from tests.integration.redis_server import Cluster, cluster
-from tests.unit.beat_cluster import Broker, every, isolated, register_plain_tasks
+from tests.support.beat_cluster import Broker, every, isolated, register_plain_tasks
 
 pytestmark = [
     pytest.mark.timeout(180),

@@ -19,14 +19,14 @@ from celery import Celery
 from redis.crc import key_slot
 
 from celery_exactonce import ConfigurationError, ExactOnceConfig, StoreUnavailable, open_store
-from celery_exactonce import claims as beat_claims
-from celery_exactonce.dispatch import Dispatcher
-from celery_exactonce.outcomes import Outcome
+from celery_exactonce.beat import claims as beat_claims
+from celery_exactonce.core.writes import NewJob
+from celery_exactonce.dispatch.dispatcher import Dispatcher
+from celery_exactonce.dispatch.outcomes import Outcome
 from celery_exactonce.stores.base import StateStore
-from celery_exactonce.stores.redis import RedisStore
-from celery_exactonce.stores.redis_core import NotReplicated
-from celery_exactonce.stores.redis_sharded import ShardedRedisStore
-from celery_exactonce.writes import NewJob
+from celery_exactonce.stores.redis.base import NotReplicated
+from celery_exactonce.stores.redis.sharded import ShardedRedisStore
+from celery_exactonce.stores.redis.store import RedisStore
 from tests.integration.redis_server import Cluster, RedisServer, cluster, wait_for
 from tests.integration.test_sentinel import Broker, paused
 from tests.support.helpers import occurrence

@@ -17,14 +17,14 @@ from celery import Celery
 from redis.crc import key_slot
 
 from celery_exactonce import ExactOnceConfig, open_store, runtime
-from celery_exactonce.jobs import CreateStatus
-from celery_exactonce.messages import message_headers
-from celery_exactonce.refs import JobRef
-from celery_exactonce.states import State
-from celery_exactonce.stores.redis_sharded import ShardedRedisStore
+from celery_exactonce.core.jobs import CreateStatus
+from celery_exactonce.core.refs import JobRef
+from celery_exactonce.core.states import State
+from celery_exactonce.core.writes import NewJob
+from celery_exactonce.dispatch.messages import message_headers
+from celery_exactonce.stores.redis.sharded import ShardedRedisStore
 from celery_exactonce.stores.shards import shard_bases, shard_of
-from celery_exactonce.task import ExactOnceTask
-from celery_exactonce.writes import NewJob
+from celery_exactonce.task.base import ExactOnceTask
 from tests.integration.redis_server import cluster
 from tests.support.deliveries import deliver_to
 from tests.support.helpers import move, occurrence

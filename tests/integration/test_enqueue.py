@@ -21,16 +21,17 @@ import redis
 from celery import Celery
 from kombu import Exchange, Queue
 
-from celery_exactonce import exceptions, jobs, messages
-from celery_exactonce.dispatch import Dispatcher
-from celery_exactonce.jobs import Job
-from celery_exactonce.messages import GATED_OPTION
-from celery_exactonce.one_step import ENQUEUED
-from celery_exactonce.publisher import CeleryPublisher
-from celery_exactonce.refs import JobRef
-from celery_exactonce.states import State
-from celery_exactonce.stores.redis import Push, PushRefused, RedisStore
-from celery_exactonce.writes import NewJob, Transition
+from celery_exactonce.core import exceptions, jobs
+from celery_exactonce.core.jobs import Job
+from celery_exactonce.core.refs import JobRef
+from celery_exactonce.core.states import State
+from celery_exactonce.core.writes import NewJob, Transition
+from celery_exactonce.dispatch import messages
+from celery_exactonce.dispatch.dispatcher import Dispatcher
+from celery_exactonce.dispatch.messages import GATED_OPTION
+from celery_exactonce.dispatch.one_step import ENQUEUED
+from celery_exactonce.dispatch.publisher import CeleryPublisher
+from celery_exactonce.stores.redis.store import Push, PushRefused, RedisStore
 from tests.integration.redis_server import RedisServer, redis_server
 
 NAMESPACE = "enq"

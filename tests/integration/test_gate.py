@@ -29,15 +29,15 @@ from celery_exactonce import (
     StoreUnavailable,
     SubmitAmbiguous,
     cancel,
-    metrics,
     runtime,
 )
-from celery_exactonce.messages import GATED_OPTION, message_headers, replacement_job_id
-from celery_exactonce.refs import JobRef
-from celery_exactonce.scheduler import ExactOnceScheduler
-from celery_exactonce.states import State
+from celery_exactonce.beat.scheduler import ExactOnceScheduler
+from celery_exactonce.core.refs import JobRef
+from celery_exactonce.core.states import State
+from celery_exactonce.core.writes import NewJob
+from celery_exactonce.dispatch.messages import GATED_OPTION, message_headers, replacement_job_id
+from celery_exactonce.observe import metrics
 from celery_exactonce.testing import InMemoryStore
-from celery_exactonce.writes import NewJob
 from tests.support.helpers import poll
 from tests.support.reconciling import put
 
@@ -491,7 +491,7 @@ def test_reject_on_worker_lost_is_refused_on_a_gated_task() -> None:
     @app.task(base=ExactOnceTask, shared=False, reject_on_worker_lost=True, name="t.bad")
     def bad() -> None: ...
 
-    from celery_exactonce.gate import validate_gated_task
+    from celery_exactonce.task.gate import validate_gated_task
 
     with pytest.raises(ConfigurationError, match="reject_on_worker_lost"):
         validate_gated_task(app.tasks["t.bad"])

@@ -1,6 +1,6 @@
 """The gate's send-back when the broker refuses the copy too, on a real Redis store.
 
-The store is a :class:`~celery_exactonce.stores.redis.RedisStore` on the
+The store is a :class:`~celery_exactonce.stores.redis.store.RedisStore` on the
 test Redis; its answers are lost or refused by wrapping its calls (the
 writes still apply on Redis), and the broker's refusal of the sent-back copy
 is injected on the task's ``apply_async``. Each test hands the gate one
@@ -19,14 +19,15 @@ import pytest
 from celery import Celery
 from kombu.exceptions import OperationalError
 
-from celery_exactonce import StoreUnavailable, metrics, runtime
-from celery_exactonce.jobs import Job
-from celery_exactonce.messages import GATED_OPTION, message_headers
-from celery_exactonce.refs import JobRef
-from celery_exactonce.states import State
-from celery_exactonce.stores.redis import RedisStore
-from celery_exactonce.task import ExactOnceTask
-from celery_exactonce.writes import NewJob, Transition
+from celery_exactonce import StoreUnavailable, runtime
+from celery_exactonce.core.jobs import Job
+from celery_exactonce.core.refs import JobRef
+from celery_exactonce.core.states import State
+from celery_exactonce.core.writes import NewJob, Transition
+from celery_exactonce.dispatch.messages import GATED_OPTION, message_headers
+from celery_exactonce.observe import metrics
+from celery_exactonce.stores.redis.store import RedisStore
+from celery_exactonce.task.base import ExactOnceTask
 from tests import services
 from tests.support.deliveries import deliver_to
 

@@ -35,13 +35,14 @@ from datetime import datetime, timedelta
 import pytest
 from celery import Celery
 
-from celery_exactonce import ExactOnceConfig, StoreUnavailable, claims, open_store
-from celery_exactonce.claims import Claimed
-from celery_exactonce.jobs import Job
-from celery_exactonce.refs import JobRef
-from celery_exactonce.states import State
+from celery_exactonce import ExactOnceConfig, StoreUnavailable, open_store
+from celery_exactonce.beat import claims
+from celery_exactonce.beat.claims import Claimed
+from celery_exactonce.core.jobs import Job
+from celery_exactonce.core.refs import JobRef
+from celery_exactonce.core.states import State
+from celery_exactonce.core.writes import Transition
 from celery_exactonce.stores.base import StateStore
-from celery_exactonce.writes import Transition
 from tests.benchmarks.claims import occurrences
 from tests.integration.pg_servers import PgServer, pg_pair, wait_for
 from tests.support.helpers import task_job

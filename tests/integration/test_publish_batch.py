@@ -13,15 +13,15 @@ import pytest
 import redis
 from celery import Celery
 
-from celery_exactonce.dispatch import DISPATCH_CHUNK, Dispatcher
-from celery_exactonce.jobs import Job
-from celery_exactonce.messages import GATED_OPTION
-from celery_exactonce.outcomes import Outcome
-from celery_exactonce.publisher import CeleryPublisher
-from celery_exactonce.refs import JobRef
-from celery_exactonce.states import State
+from celery_exactonce.core.jobs import Job
+from celery_exactonce.core.refs import JobRef
+from celery_exactonce.core.states import State
+from celery_exactonce.core.writes import NewJob
+from celery_exactonce.dispatch.dispatcher import DISPATCH_CHUNK, Dispatcher
+from celery_exactonce.dispatch.messages import GATED_OPTION
+from celery_exactonce.dispatch.outcomes import Outcome
+from celery_exactonce.dispatch.publisher import CeleryPublisher
 from celery_exactonce.testing import InMemoryStore
-from celery_exactonce.writes import NewJob
 from tests.integration.redis_server import RedisServer, redis_server
 
 QUEUE = "batched"

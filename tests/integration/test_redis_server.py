@@ -9,7 +9,7 @@ import redis
 from celery import Celery
 
 from celery_exactonce import ConfigurationError, ExactOnceConfig, StoreUnavailable, open_store
-from celery_exactonce.jobs import CreateStatus
+from celery_exactonce.core.jobs import CreateStatus
 from tests.integration.redis_server import redis_server
 from tests.support.helpers import occurrence, poll
 

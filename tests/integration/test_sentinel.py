@@ -18,14 +18,14 @@ import pytest
 from celery import Celery
 
 from celery_exactonce import ConfigurationError, ExactOnceConfig, StoreUnavailable, open_store
-from celery_exactonce.dispatch import Dispatcher
-from celery_exactonce.jobs import Job
-from celery_exactonce.outcomes import Outcome
-from celery_exactonce.refs import JobRef
-from celery_exactonce.states import State
+from celery_exactonce.core.jobs import Job
+from celery_exactonce.core.refs import JobRef
+from celery_exactonce.core.states import State
+from celery_exactonce.core.writes import NewJob
+from celery_exactonce.dispatch.dispatcher import Dispatcher
+from celery_exactonce.dispatch.outcomes import Outcome
 from celery_exactonce.stores import settle
-from celery_exactonce.stores.redis_core import NotReplicated
-from celery_exactonce.writes import NewJob
+from celery_exactonce.stores.redis.base import NotReplicated
 from tests.integration.redis_server import RedisServer, redis_server, sentinel_group, wait_for
 from tests.support.helpers import occurrence
 

@@ -29,9 +29,9 @@ import pytest
 from celery import Celery
 
 from celery_exactonce import ExactOnceConfig, StoreUnavailable, open_store
-from celery_exactonce.dispatch import Dispatcher
-from celery_exactonce.jobs import Job
-from celery_exactonce.outcomes import Outcome
+from celery_exactonce.core.jobs import Job
+from celery_exactonce.dispatch.dispatcher import Dispatcher
+from celery_exactonce.dispatch.outcomes import Outcome
 from celery_exactonce.stores import settle
 from celery_exactonce.stores.base import StateStore
 from tests.integration.redis_server import sentinel_group, wait_for

@@ -25,12 +25,14 @@ from sentry_sdk.integrations.celery import CeleryIntegration
 from sentry_sdk.integrations.celery import beat as sentry_beat
 from sentry_sdk.transport import Transport
 
-from celery_exactonce import ExactOnceTask, crons, metrics, runtime
-from celery_exactonce.jobs import Job
-from celery_exactonce.scheduler import ExactOnceScheduler
+from celery_exactonce import ExactOnceTask, runtime
+from celery_exactonce.beat.scheduler import ExactOnceScheduler
+from celery_exactonce.core.jobs import Job
+from celery_exactonce.observe import metrics
+from celery_exactonce.observe import sentry_crons as crons
 from celery_exactonce.testing import FrozenClock, InMemoryStore
+from tests.support.beat_cluster import Cluster, every, isolated
 from tests.support.helpers import poll
-from tests.unit.beat_cluster import Cluster, every, isolated
 
 START = datetime(2026, 6, 1, 12, 0, 0, tzinfo=timezone.utc)
 MINUTES = 5
@@ -182,7 +184,7 @@ def test_excluded_entries_and_entries_sentry_cannot_follow_get_no_headers(
 def test_beat_never_imports_sentry_sdk_itself() -> None:
     script = (
         "import sys\n"
-        "from tests.unit.beat_cluster import Cluster, every\n"
+        "from tests.support.beat_cluster import Cluster, every\n"
         "cluster = Cluster({'fast': every(1)}, nodes=2)\n"
         "cluster.run(5)\n"
         "assert cluster.fired('fast'), 'nothing dispatched'\n"

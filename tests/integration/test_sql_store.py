@@ -19,13 +19,13 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from celery_exactonce import jobs, times
-from celery_exactonce.jobs import CreateStatus, TransitionStatus
-from celery_exactonce.refs import JobRef
-from celery_exactonce.states import State
-from celery_exactonce.stores import sql_statements
-from celery_exactonce.stores.sql import SqlStore
-from celery_exactonce.writes import NewJob, Transition
+from celery_exactonce.core import jobs, times
+from celery_exactonce.core.jobs import CreateStatus, TransitionStatus
+from celery_exactonce.core.refs import JobRef
+from celery_exactonce.core.states import State
+from celery_exactonce.core.writes import NewJob, Transition
+from celery_exactonce.stores.sql import statements as sql_statements
+from celery_exactonce.stores.sql.store import SqlStore
 from tests import services
 from tests.support.backends import store_url
 from tests.support.helpers import occurrence, poll, task_job, to

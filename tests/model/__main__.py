@@ -1,6 +1,6 @@
 """Run the model: ``python -m tests.model [--full] [--variant NAME] [--trace] [--jobs N]``.
 
-Prints the comparison with ``celery_exactonce.states``, then each variant's
+Prints the comparison with ``celery_exactonce.core.states``, then each variant's
 verdict within its bounds (its small ones; ``--full``: each of its wider
 ones); exits 1 if a verdict is not the one expected, or the table differs.
 """

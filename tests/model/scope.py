@@ -1,4 +1,4 @@
-"""What the model covers: its transitions against ``celery_exactonce.states``, and its variants.
+"""What the model covers: its transitions against ``core/states.py``, and its variants.
 
 What it holds: the edges the model performs, the edges it leaves out (each
 with the reason), the comparison of both with the table the stores enforce
@@ -61,7 +61,7 @@ NEXT_ATTEMPT: frozenset[tuple[State, State]] = frozenset({(R, D), (R, P)})
 
 
 def table_edges() -> set[Edge]:
-    """Every edge ``celery_exactonce.states`` allows now, creation included."""
+    """Every edge ``celery_exactonce.core.states`` allows now, creation included."""
     edges: set[Edge] = {(None, state) for state in states.CREATABLE}
     edges |= {(a, b) for a, targets in states.ALLOWED.items() for b in targets}
     return edges

@@ -1,6 +1,6 @@
 """The model of one job's life: the design passes, each rule it needs fails without it.
 
-Also: the model's transitions match ``celery_exactonce.states`` (an edge
+Also: the model's transitions match ``celery_exactonce.core.states`` (an edge
 planted in that table makes the comparison fail), the full matrix widens
 every variant's bounds, and the model imports ``celery_exactonce`` in one
 module only.

@@ -100,7 +100,7 @@ def migrate_django_store(alias: str) -> None:
     django.setup()
     from celery_exactonce.contrib.django import tables
     from celery_exactonce.contrib.django.store import engine_for
-    from celery_exactonce.stores import sql_schema
+    from celery_exactonce.stores.sql import schema as sql_schema
 
     sql_schema.create(engine_for(alias), sql_schema.build(tables.prefix()), f"django {alias}")
 

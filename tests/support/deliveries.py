@@ -6,7 +6,7 @@ from typing import Any
 
 from celery.exceptions import Ignore, Reject, Retry
 
-from celery_exactonce.task import ExactOnceTask
+from celery_exactonce.task.base import ExactOnceTask
 
 
 def deliver_to(

@@ -10,12 +10,12 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import Any, TypeVar
 
-from celery_exactonce.jobs import Job
-from celery_exactonce.refs import JobRef
-from celery_exactonce.states import State
+from celery_exactonce.core.jobs import Job
+from celery_exactonce.core.refs import JobRef
+from celery_exactonce.core.states import State
+from celery_exactonce.core.writes import NewJob, Transition
 from celery_exactonce.stores import InMemoryStore
 from celery_exactonce.stores.base import StateStore
-from celery_exactonce.writes import NewJob, Transition
 
 T = TypeVar("T")
 

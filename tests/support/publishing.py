@@ -8,7 +8,8 @@ from typing import Any
 
 from celery import Celery, signals
 
-from celery_exactonce import metrics, runtime
+from celery_exactonce import runtime
+from celery_exactonce.observe import metrics
 
 
 @contextlib.contextmanager

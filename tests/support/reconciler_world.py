@@ -1,4 +1,4 @@
-"""The frozen-clock world of the reconciler's unit tests (``tests/unit/reconciler/``).
+"""The frozen-clock world of the reconciler's unit tests (``tests/unit/reconcile/``).
 
 One app, one InMemoryStore on a :class:`~celery_exactonce.testing.FrozenClock`
 seen through a :class:`~tests.support.reconciling.HookedStore`, a fake broker
@@ -16,11 +16,12 @@ from collections.abc import Callable
 from datetime import datetime, timezone
 from typing import Any
 
-from celery_exactonce import exceptions, reconciler
-from celery_exactonce.jobs import Job
-from celery_exactonce.reconciler import PassReport
-from celery_exactonce.refs import JobRef
-from celery_exactonce.states import State
+from celery_exactonce.core import exceptions
+from celery_exactonce.core.jobs import Job
+from celery_exactonce.core.refs import JobRef
+from celery_exactonce.core.states import State
+from celery_exactonce.reconcile import reconciler
+from celery_exactonce.reconcile.reconciler import PassReport
 from celery_exactonce.testing import FrozenClock, InMemoryStore
 from tests.support.reconciling import (
     GATED,

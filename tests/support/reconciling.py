@@ -1,7 +1,7 @@
 """What the reconciler tests share: an app with tasks, a fake broker, jobs put in a state, and a
 store proxy that injects faults or lets a 'worker' act at a chosen moment.
 
-Used by ``tests/unit/reconciler/`` (InMemoryStore + FrozenClock, through
+Used by ``tests/unit/reconcile/`` (InMemoryStore + FrozenClock, through
 :mod:`tests.support.reconciler_world`) and
 ``tests/contract/test_reconciler.py`` (every backend, real time).
 """
@@ -19,18 +19,19 @@ from typing import Any
 
 from celery import Celery
 
-from celery_exactonce import exceptions, runtime
-from celery_exactonce.dispatch import Dispatcher
-from celery_exactonce.gate import validate_gated_task
-from celery_exactonce.jobs import Job
-from celery_exactonce.messages import GATED_OPTION, HEADER_ATTEMPT
-from celery_exactonce.publisher import PublishFailed
-from celery_exactonce.reconciler import Reconciler
-from celery_exactonce.refs import JobRef
-from celery_exactonce.states import State
+from celery_exactonce import runtime
+from celery_exactonce.core import exceptions
+from celery_exactonce.core.jobs import Job
+from celery_exactonce.core.refs import JobRef
+from celery_exactonce.core.states import State
+from celery_exactonce.core.writes import NewJob, Transition
+from celery_exactonce.dispatch.dispatcher import Dispatcher
+from celery_exactonce.dispatch.messages import GATED_OPTION, HEADER_ATTEMPT
+from celery_exactonce.dispatch.publisher import PublishFailed
+from celery_exactonce.reconcile.reconciler import Reconciler
 from celery_exactonce.stores.base import StateStore, partitions_of
-from celery_exactonce.task import ExactOnceTask
-from celery_exactonce.writes import NewJob, Transition
+from celery_exactonce.task.base import ExactOnceTask
+from celery_exactonce.task.gate import validate_gated_task
 
 NODE = "test-node"
 
@@ -44,7 +45,7 @@ PLAIN = "rec.plain"
 Hook = Callable[..., Any]
 
 #: Timeouts of a fraction of a second, for tests in real (store) time (the contract
-#: suite's, and the sharded store's in tests/unit/reconciler/test_partitions.py).
+#: suite's, and the sharded store's in tests/unit/reconcile/test_partitions.py).
 REPLAY_AGE = 0.08
 DISPATCH_TIMEOUT = 0.3
 DISPATCH_DEADLINE = 0.6

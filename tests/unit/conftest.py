@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from celery_exactonce.scheduler import ExactOnceScheduler
+from celery_exactonce.beat.scheduler import ExactOnceScheduler
 
 
 @pytest.fixture(autouse=True)

@@ -19,17 +19,18 @@ import pytest
 from celery import Celery
 from kombu.utils import json as kombu_json
 
-from celery_exactonce import ConfigurationError, ExactOnceTask, InvalidPayload, metrics, runtime
-from celery_exactonce.dispatch import Dispatcher
-from celery_exactonce.messages import GATED_OPTION
-from celery_exactonce.outcomes import Outcome
-from celery_exactonce.payload import decode_payload
-from celery_exactonce.publisher import CeleryPublisher
-from celery_exactonce.refs import MAX_REASON_LENGTH, JobRef
-from celery_exactonce.states import State
+from celery_exactonce import ConfigurationError, ExactOnceTask, InvalidPayload, runtime
+from celery_exactonce.core.payload import decode_payload
+from celery_exactonce.core.refs import MAX_REASON_LENGTH, JobRef
+from celery_exactonce.core.states import State
+from celery_exactonce.core.writes import NewJob, Transition
+from celery_exactonce.dispatch.dispatcher import Dispatcher
+from celery_exactonce.dispatch.messages import GATED_OPTION
+from celery_exactonce.dispatch.outcomes import Outcome
+from celery_exactonce.dispatch.publisher import CeleryPublisher
+from celery_exactonce.observe import metrics
 from celery_exactonce.testing import InMemoryStore
-from celery_exactonce.writes import NewJob, Transition
-from tests.unit.beat_cluster import Cluster, every, isolated, refused_at_start
+from tests.support.beat_cluster import Cluster, every, isolated, refused_at_start
 
 #: Values kombu's JSON serializer carries with a type marker, as plain Celery sends them.
 TYPED_ARGS = [

@@ -9,8 +9,8 @@ from typing import Any
 
 from prometheus_client.registry import REGISTRY
 
-from celery_exactonce import metrics, prometheus
-from celery_exactonce.gauges import BeatGauges, StoreGauges
+from celery_exactonce.observe import metrics, prometheus
+from celery_exactonce.observe.gauges import BeatGauges, StoreGauges
 from celery_exactonce.stores import InMemoryStore
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "examples" / "grafana" / "celery-exactonce.json"

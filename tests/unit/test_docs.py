@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from celery_exactonce.states import ALLOWED, CREATABLE, NEXT_ATTEMPT_EDGES, State
+from celery_exactonce.core.states import ALLOWED, CREATABLE, NEXT_ATTEMPT_EDGES, State
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").rglob("*.md")])

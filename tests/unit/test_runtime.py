@@ -19,12 +19,13 @@ from typing import Any
 import pytest
 from celery import Celery
 
-from celery_exactonce import ConfigurationError, StoreError, StoreUnavailable, runtime, signing
+from celery_exactonce import ConfigurationError, StoreError, StoreUnavailable, runtime
 from celery_exactonce.config import ExactOnceConfig
-from celery_exactonce.refs import JobRef
-from celery_exactonce.states import State
+from celery_exactonce.core.refs import JobRef
+from celery_exactonce.core.states import State
+from celery_exactonce.core.writes import NewJob
+from celery_exactonce.stores import signing
 from celery_exactonce.testing import InMemoryStore
-from celery_exactonce.writes import NewJob
 
 #: Nothing listens on port 1: a connection there is refused at once.
 UNREACHABLE_REDIS = "redis://127.0.0.1:1/0"

@@ -2,7 +2,7 @@
 
 The property test holds our slot enumeration against croniter's own
 iteration (``day_or=False``: Celery ANDs the day fields) away from DST
-changes; the DST days are the scheduler's (tests/unit/test_scheduler_calendar.py).
+changes; the DST days are the scheduler's (tests/unit/beat/test_scheduler_calendar.py).
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from croniter import croniter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from celery_exactonce import exceptions, slots
+from celery_exactonce.core import exceptions, slots
 from celery_exactonce.schedules import at, bounded, cron
-from tests.unit.beat_cluster import Cluster, isolated, refused_at_start
+from tests.support.beat_cluster import Cluster, isolated, refused_at_start
 
 UTC = timezone.utc
 BERLIN = ZoneInfo("Europe/Berlin")

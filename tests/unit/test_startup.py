@@ -9,7 +9,7 @@ import pytest
 from celery import Celery, signals
 
 from celery_exactonce import ConfigurationError, ExactOnceTask, StoreUnavailable, runtime
-from celery_exactonce.scheduler import ExactOnceScheduler
+from celery_exactonce.beat.scheduler import ExactOnceScheduler
 from celery_exactonce.startup import (
     EXIT_STATUS,
     StartupRefused,

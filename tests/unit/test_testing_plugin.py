@@ -17,12 +17,12 @@ import pytest
 from celery import Celery
 
 from celery_exactonce import ConfigurationError, ExactOnceTask, idempotency_key, runtime
-from celery_exactonce.refs import JobRef
-from celery_exactonce.states import State
+from celery_exactonce.core.refs import JobRef
+from celery_exactonce.core.states import State
+from celery_exactonce.core.writes import NewJob
 from celery_exactonce.testing import ExactOnceJobs, FrozenClock, InMemoryStore, configured
 from celery_exactonce.testing.apps import patched_settings
 from celery_exactonce.testing.jobs import describe
-from celery_exactonce.writes import NewJob
 
 # -- this suite, on the plugin's fixtures ------------------------------------------------------
 

@@ -13,7 +13,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.pool import NullPool
 
-from celery_exactonce import exceptions
+from celery_exactonce.core import exceptions
 
 #: The SQLAlchemy URL of each Django database vendor, by the DB-API module Django uses.
 _DRIVERS = {

@@ -6,7 +6,7 @@ the store's table with a one-column key, ``namespace:space:id`` for a job and
 ``namespace:entry`` for a watermark, as Django's admin needs.
 :class:`SkippedSlots` reads its table, which has one. Times are the
 store's integer microseconds since the UNIX epoch; :meth:`Job.record` is the
-record as the store reads it (:class:`celery_exactonce.jobs.Job`).
+record as the store reads it (:class:`celery_exactonce.core.jobs.Job`).
 
 Jobs are written by the store alone (:mod:`celery_exactonce.contrib.django.store`).
 """
@@ -18,9 +18,10 @@ from typing import Any, cast
 
 from django.db import models
 
-from celery_exactonce import jobs, messages, times
 from celery_exactonce.contrib.django.tables import prefix, view_name
-from celery_exactonce.stores import sql_schema
+from celery_exactonce.core import jobs, times
+from celery_exactonce.dispatch import messages
+from celery_exactonce.stores.sql import schema as sql_schema
 
 
 class Job(models.Model):  # type: ignore[misc]  # django is untyped here

@@ -1,6 +1,6 @@
 """The SQL store in a Django project's own database: ``exactonce_store_url = "django://ALIAS"``.
 
-:class:`DjangoStore` is the :class:`~celery_exactonce.stores.sql.SqlStore`,
+:class:`DjangoStore` is the :class:`~celery_exactonce.stores.sql.store.SqlStore`,
 every statement and rule of it, run on Django's connection of ``ALIAS``
 (``django://`` alone is ``default``) inside Django's transactions:
 
@@ -8,7 +8,7 @@ every statement and rule of it, run on Django's connection of ``ALIAS``
   transaction, or a savepoint of the caller's when the caller is inside one,
   so a job written in a caller's ``transaction.atomic()`` commits or rolls
   back with the caller's rows. :meth:`DjangoStore.after_commit` is how
-  :class:`~celery_exactonce.task.ExactOnceTask` publishes such a job only once
+  :class:`~celery_exactonce.task.base.ExactOnceTask` publishes such a job only once
   the caller's transaction commits (the transactional submit);
 * no DDL ever runs: the tables are the app's migrations'
   (``python manage.py migrate``); :meth:`DjangoStore.setup` checks they are
@@ -20,7 +20,7 @@ or closes it, Django does. PostgreSQL (psycopg 3 or psycopg2), SQLite and
 MySQL/MariaDB (mysqlclient, or PyMySQL installed as ``MySQLdb``) are
 supported, as the SQL store supports them.
 
-Not here: the statements and the rules (:mod:`celery_exactonce.stores.sql`),
+Not here: the statements and the rules (:mod:`celery_exactonce.stores.sql.store`),
 the tables' migration (:mod:`celery_exactonce.contrib.django.migrations`).
 """
 
@@ -31,12 +31,12 @@ from typing import Any, TypeVar
 
 import sqlalchemy as sa
 
-from celery_exactonce import exceptions
 from celery_exactonce.contrib.django.connection import engine_for, require_immediate
 from celery_exactonce.contrib.django.tables import prefix
-from celery_exactonce.stores import sql_schema
+from celery_exactonce.core import exceptions
 from celery_exactonce.stores.base import FORMAT_VERSION
-from celery_exactonce.stores.sql import SqlStore
+from celery_exactonce.stores.sql import schema as sql_schema
+from celery_exactonce.stores.sql.store import SqlStore
 
 _T = TypeVar("_T")
 
@@ -60,7 +60,7 @@ class DjangoStore(SqlStore):
     alias
         A key of Django's ``DATABASES``.
     namespace, retention
-        As for :class:`~celery_exactonce.stores.sql.SqlStore`. The tables are
+        As for :class:`~celery_exactonce.stores.sql.store.SqlStore`. The tables are
         the ones the app's migrations made, with their prefix
         (:func:`celery_exactonce.contrib.django.tables.prefix`), whatever
         ``exactonce_table_prefix`` says.

@@ -1,6 +1,6 @@
 """The store's tables as the Django app makes them: their prefix, and the DDL of the migrations.
 
-The tables' DDL is the SQL store's own (:func:`celery_exactonce.stores.sql_schema.create`),
+The tables' DDL is the SQL store's own (:func:`celery_exactonce.stores.sql.schema.create`),
 run by SQLAlchemy on the connection the migration runs on, inside the
 migration's transaction: one definition of the tables for every way they are
 made. The admin reads the jobs through a view (:func:`create_view`) that
@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from celery_exactonce.contrib.django.connection import engine_for
-from celery_exactonce.stores import sql_schema
+from celery_exactonce.stores.sql import schema as sql_schema
 
 DEFAULT_PREFIX = "exactonce_"
 

@@ -109,8 +109,8 @@ def _kill_after_claim() -> None:
 
 def _kill_after_dispatched_write(reason: str) -> None:
     """``Dispatcher._write_dispatched`` dies once a write of ``reason`` applied."""
-    from celery_exactonce.dispatch import Dispatcher
-    from celery_exactonce.outcomes import DispatchResult
+    from celery_exactonce.dispatch.dispatcher import Dispatcher
+    from celery_exactonce.dispatch.outcomes import DispatchResult
 
     write_dispatched = Dispatcher._write_dispatched
 

@@ -11,7 +11,7 @@ starts it with whatever settings ``tests/acceptance/test_startup.py`` gives:
                                    ``exactonce_*``…), applied last
 ``EXACTONCE_SU_REJECT_ON_LOST``    ``1``: the gated task sets ``reject_on_worker_lost=True``
 
-It imports only :mod:`celery_exactonce.task`, never the package's top level
+It imports only :mod:`celery_exactonce.task.base`, never the package's top level
 explicitly: the start-up checks must not depend on what the app imports.
 """
 
@@ -23,7 +23,7 @@ from typing import Any
 
 from celery import Celery
 
-from celery_exactonce.task import ExactOnceTask
+from celery_exactonce.task.base import ExactOnceTask
 
 app = Celery("startup_app")
 app.conf.update(

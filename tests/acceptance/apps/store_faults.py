@@ -5,7 +5,7 @@
 write in ten), the write methods of every store class of the package
 (``RedisStore``, ``SqlStore``, ``InMemoryStore``) are wrapped in this process
 so that that fraction of calls raises
-:class:`~celery_exactonce.exceptions.StoreUnavailable`:
+:class:`~celery_exactonce.core.exceptions.StoreUnavailable`:
 
 * half of them **before** the write: nothing reached the store;
 * half **after** it applied: the store changed, the answer is lost. That is
@@ -44,7 +44,7 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from celery_exactonce import exceptions
+from celery_exactonce.core import exceptions
 
 #: The store methods that write, and so may be failed.
 WRITE_METHODS = (
@@ -145,13 +145,13 @@ def _store_classes() -> list[type]:
 
     classes: list[type] = [InMemoryStore]
     try:
-        from celery_exactonce.stores.redis import RedisStore
+        from celery_exactonce.stores.redis.store import RedisStore
 
         classes.append(RedisStore)
     except ImportError:  # pragma: no cover - the redis extra is missing
         pass
     try:
-        from celery_exactonce.stores.sql import SqlStore
+        from celery_exactonce.stores.sql.store import SqlStore
 
         classes.append(SqlStore)
     except ImportError:  # pragma: no cover - the sql extras are missing

@@ -1,0 +1,380 @@
+"""Publishing a job's message through Celery, and telling a failed publish definite or not.
+
+:class:`CeleryPublisher` is what :class:`~celery_exactonce.dispatch.dispatcher.Dispatcher`
+publishes through: Celery's ``send_task`` on a producer of the app's pool, with
+kombu's publish retry off, batched where the transport batches. A failure is
+:class:`PublishFailed`, *definite* only when nothing can have been sent
+(:func:`connection_refused`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import socket
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, Protocol
+
+from celery_exactonce.core.jobs import Job
+from celery_exactonce.core.payload import decode_payload
+from celery_exactonce.dispatch import messages
+from celery_exactonce.dispatch.capture import (
+    PUSH_COMMANDS,
+    CaptureChannel,
+    Captured,
+    Capturing,
+    declared_once,
+    redis_broker,
+)
+from celery_exactonce.dispatch.messages import CALL_OPTIONS, INTERNAL_OPTIONS, check_options
+from celery_exactonce.observe import metrics
+
+#: Transport commands a publish batch may buffer before kombu flushes it by itself:
+#: far above a chunk's (a message is one to a few), so only :meth:`CeleryPublisher.flush`
+#: sends, and a failure is known to concern exactly the chunk.
+PUBLISH_BUFFER_MAX = 100_000
+
+
+class PublishFailed(Exception):
+    """A publish that did not (certainly) reach the broker."""
+
+    def __init__(self, message: str, *, definite: bool, permanent: bool = False) -> None:
+        super().__init__(message)
+        self.definite = definite
+        self.permanent = permanent
+
+
+class Publisher(Protocol):
+    """Sends one job's message; returns what the caller may hand on (``send_task``'s result).
+
+    ``extra`` holds options of this publish only (:data:`CALL_OPTIONS` among them).
+    Raises :class:`PublishFailed` on failure.
+    """
+
+    def __call__(self, job: Job, headers: Mapping[str, Any], extra: Mapping[str, Any]) -> Any: ...
+
+
+def _reached_the_transport(exc: BaseException) -> bool:
+    """Whether ``exc`` was raised once kombu was handing the message over (``Producer._publish``).
+
+    An error raised before that (Celery building the message, a keyword
+    ``send_task`` refuses) cannot have sent anything.
+    """
+    messaging = os.path.join("kombu", "messaging.py")
+    tb = exc.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if code.co_name == "_publish" and code.co_filename.endswith(messaging):
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def connection_refused(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what caused it) is a refused or unresolvable connect.
+
+    Only such a failure proves that nothing was sent; every other publish
+    error may have left a message on the broker.
+    """
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, (ConnectionRefusedError, socket.gaierror)):
+            return True
+        if isinstance(current, OSError) and current.errno == errno.ECONNREFUSED:
+            return True
+        if "Connection refused" in str(current) and "connecting to" in str(current):
+            return True  # redis-py's connect error, which keeps no errno
+        current = current.__cause__ or current.__context__
+    return False
+
+
+class CeleryPublisher:
+    """Publishes through the Celery app's producer pool, kombu's retry off.
+
+    Inside :meth:`batch`, every publish of this thread goes through one
+    producer, acquired and connection-checked once for the whole batch; where
+    the transport batches publishes (kombu's ``Producer.batch``: the Redis
+    transport pipelines them), messages are buffered until :meth:`flush`,
+    which sends them in one round trip and says whether they landed.
+    ``timeout`` (``exactonce_publish_timeout``) bounds each publish where the
+    transport supports it; one that times out counts as ambiguous.
+    """
+
+    def __init__(self, app: Any, *, timeout: float | None = None) -> None:
+        self.app = app
+        self.timeout = timeout
+        self._local = threading.local()
+        self._capture_lock = threading.Lock()
+        self._captures: list[Capturing] = []
+        self._capture_pid = os.getpid()
+        self._capturable: bool | None = None
+
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        """Publish the calls made inside on one producer from the pool.
+
+        Messages still buffered at the end are flushed (:class:`PublishFailed`
+        if that fails), or discarded, never half-sent, if the block raised.
+        """
+        local = self._local
+        if getattr(local, "producer", None) is not None:
+            yield  # nested: the outer batch's producer serves
+            return
+        with self.app.producer_or_acquire(None) as producer:
+            local.producer, local.checked, local.connect_error = producer, False, None
+            local.buffer = None
+            try:
+                yield
+                self.flush()
+            finally:
+                buffer, local.buffer = local.buffer, None
+                local.producer = local.connect_error = None
+                if buffer is not None:
+                    error = RuntimeError("publish batch abandoned")
+                    buffer.__exit__(RuntimeError, error, None)  # discards
+
+    def flush(self) -> None:
+        """Send the messages this thread's batch buffered; :class:`PublishFailed` if not all did.
+
+        Nothing buffered (no batch, or a transport that publishes at once): nothing to do.
+        """
+        local = self._local
+        buffer = getattr(local, "buffer", None)
+        if buffer is None:
+            return
+        local.buffer = None
+        try:
+            buffer.__exit__(None, None, None)  # kombu flushes on a clean exit
+        except Exception as exc:
+            local.checked = False
+            raise PublishFailed(
+                f"batched publish failed: {exc}", definite=connection_refused(exc)
+            ) from exc
+
+    def __call__(self, job: Job, headers: Mapping[str, Any], extra: Mapping[str, Any]) -> Any:
+        options = self.message_options(job, headers, extra)
+        if getattr(self._local, "producer", None) is None:
+            with self.batch():
+                return self._publish(job, options)
+        return self._publish(job, options)
+
+    def message_options(
+        self, job: Job, headers: Mapping[str, Any], extra: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        """The ``send_task`` keywords of one publish of ``job`` (but those naming the job itself).
+
+        :class:`PublishFailed` (definite, permanent) if the stored options cannot make one.
+        """
+        call = {name: extra[name] for name in CALL_OPTIONS.intersection(extra)}
+        try:
+            options = self._options(
+                job, headers, {k: v for k, v in extra.items() if k not in CALL_OPTIONS}
+            )
+        except (TypeError, ValueError) as exc:  # before anything is sent
+            raise PublishFailed(
+                f"cannot build the message: {exc}", definite=True, permanent=True
+            ) from exc
+        options.update(call)
+        options.setdefault("add_to_parent", False)  # only a submitting worker task has a parent
+        return options
+
+    def capturable(self) -> bool:
+        """Whether :meth:`capture` may build a message here: ``False`` once this process
+        found the broker is not a Redis it can capture for (decided at the first capture)."""
+        return self._capturable is not False or self._capture_pid != os.getpid()
+
+    def capture(
+        self,
+        job: Job,
+        headers: Mapping[str, Any],
+        extra: Mapping[str, Any],
+        shares_server: Callable[[Mapping[str, Any]], int | None],
+    ) -> Captured | None:
+        """Build ``job``'s message as Celery and kombu would publish it, and send nothing.
+
+        For a Redis broker that ``shares_server`` says is the store's own server
+        (the store's database, or ``None``): Celery's ``send_task`` runs on a
+        producer whose channel collects kombu's final Redis commands (``LPUSH``
+        of the encoded message to its routed, prioritised queue, and whatever
+        else kombu's Redis transport would run for it) instead of sending them,
+        so routing, priorities, encoding and headers are kombu's own.
+        Queues and exchanges are declared as a publish declares them.
+
+        ``None`` when the broker is not a plain Redis on that server (another
+        transport, Sentinel, another host or a unix socket), when kombu's
+        Redis transport cannot hand its commands over (before kombu 5.7), or
+        when the message could not be built: the caller takes the general
+        path, which reports any error.
+        :class:`PublishFailed` (permanent) as :meth:`message_options`.
+        """
+        options = self.message_options(job, headers, extra)
+        target = self._capture_target(shares_server)
+        if target is None:
+            return None
+        try:
+            sent = self._send_task(job, target.producer, options)
+        except Exception as exc:
+            metrics.event(
+                "enqueue_skipped",
+                f"message of {job.ref} not built for an atomic enqueue ({exc}): general path",
+                level=logging.DEBUG,
+                job_id=job.ref.id,
+            )
+            return None
+        finally:
+            commands, target.channel.commands = target.channel.commands, []
+            self._release(target)
+        if not commands or any(
+            len(args) != 2 or name not in PUSH_COMMANDS for name, *args in commands
+        ):
+            return None
+        pushed = tuple((name, target.prefix + str(key), value) for name, key, value in commands)
+        return Captured(sent, target.db, pushed)
+
+    def _capture_target(
+        self, shares_server: Callable[[Mapping[str, Any]], int | None]
+    ) -> Capturing | None:
+        """A capturing channel and producer for this call, or ``None``: not capturable.
+
+        Kept in a free list for the process (:meth:`_release` gives one back),
+        each on a connection of its own used to declare queues and look
+        bindings up, never to publish: acquiring a producer from the pool and
+        binding it anew would cost a good share of a publish. There are as
+        many as calls were ever capturing at once, which send nothing and
+        so hardly ever wait. Whether the broker is capturable is decided once
+        per process, but for a broker that is down (the general path, this time).
+        """
+        pid = os.getpid()
+        with self._capture_lock:
+            if self._capture_pid != pid:  # a forked child: its parent's connections are not its own
+                self._captures, self._capture_pid, self._capturable = [], pid, None
+            if self._capturable is False:
+                return None
+            if self._captures:
+                return self._captures.pop()
+        connection = self.app.connection_for_write()
+        where = {"host": connection.hostname, "port": connection.port, "path": None}
+        target: Capturing | None = None
+        if connection.transport.driver_type == "redis" and shares_server(where) is not None:
+            try:  # connects: a broker that is down is left to the general path, this time
+                real = connection.default_channel
+            except Exception:
+                connection.release()
+                return None
+            broker = redis_broker(real)
+            if broker is not None and shares_server(real.pool.connection_kwargs) is not None:
+                capture = CaptureChannel(real)
+                producer = self.app.amqp.Producer(capture)
+                producer.maybe_declare = declared_once(producer)
+                target = Capturing(capture, producer, *broker)
+        if target is None:
+            connection.release()
+            self._capturable = False
+        return target
+
+    def _release(self, target: Capturing) -> None:
+        with self._capture_lock:
+            if self._capture_pid == os.getpid():
+                self._captures.append(target)
+
+    def _options(
+        self, job: Job, headers: Mapping[str, Any], extra: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        """The ``send_task`` options of one publish: stored ones decoded, ours added."""
+        options = {k: v for k, v in {**job.options, **extra}.items() if k not in INTERNAL_OPTIONS}
+        check_options(options, context=f"job {job.ref}")
+        options = dict(decode_payload(options))
+        options["headers"] = {**dict(options.get("headers") or {}), **headers}
+        if job.deadline is not None:
+            options["expires"] = job.deadline
+        if job.run_at is not None:
+            # The ``eta`` the job waited for in the store (it is due now): the worker
+            # shows it as ``request.eta``, as it would the ETA of a plain message.
+            options.setdefault("eta", job.run_at)
+        if self.timeout is not None:
+            options.setdefault("timeout", self.timeout)
+        return options
+
+    def _publish(self, job: Job, options: dict[str, Any]) -> Any:
+        """Send (or buffer) on the batch's producer; connect first if nothing was sent on it yet.
+
+        The connect is checked (kombu's retries off) before the first publish
+        and again after any failed one, so a refused connection is told apart
+        from a publish that may have landed.
+        """
+        from kombu.exceptions import EncodeError
+
+        local = self._local
+        if not local.checked:
+            local.connect_error, local.checked = self._connect(local.producer), True
+        if local.connect_error is not None:
+            error = local.connect_error
+            raise PublishFailed(f"connect failed: {error}", definite=True) from error
+        if local.buffer is None and hasattr(local.producer, "batch"):  # kombu >= 5.7
+            buffer = local.producer.batch(max_size=PUBLISH_BUFFER_MAX)
+            buffer.__enter__()
+            local.buffer = buffer
+        try:
+            return self._send_task(job, local.producer, options)
+        except EncodeError as exc:
+            raise PublishFailed(f"cannot encode: {exc}", definite=True, permanent=True) from exc
+        except (TypeError, ValueError) as exc:
+            if _reached_the_transport(exc):
+                local.checked = False
+                raise PublishFailed(str(exc), definite=connection_refused(exc)) from exc
+            # Celery could not build the message from the stored job: nothing was sent,
+            # and no later try would build it either.
+            raise PublishFailed(
+                f"cannot build the message: {type(exc).__name__}: {exc}",
+                definite=True,
+                permanent=True,
+            ) from exc
+        except Exception as exc:
+            local.checked = False
+            raise PublishFailed(str(exc), definite=connection_refused(exc)) from exc
+
+    def _send_task(self, job: Job, producer: Any, options: Mapping[str, Any]) -> Any:
+        """Celery's ``send_task`` of ``job`` on ``producer``, kombu's publish retry off."""
+        return self.app.send_task(
+            job.task,
+            args=decode_payload(job.args),
+            kwargs=decode_payload(job.kwargs),
+            task_id=messages.message_task_id(job),
+            producer=producer,
+            retries=job.attempt,
+            retry=False,
+            **options,
+        )
+
+    def expired(self, job: Job) -> None:
+        """Record ``job``, past its deadline and never sent, as a worker records an expired message.
+
+        The result becomes ``REVOKED`` (``TaskRevokedError('expired')``), so a
+        caller waiting on it is answered as plain Celery answers it. Best
+        effort: a result backend that fails is logged, the job is ``CANCELLED``.
+        """
+        if job.options.get("ignore_result"):
+            return
+        try:
+            self.app.backend.mark_as_revoked(messages.message_task_id(job), "expired")
+        except Exception as exc:
+            metrics.event(
+                "result_write_failed",
+                f"could not record the expiry of {job.ref} in the result backend: {exc}",
+                level=logging.WARNING,
+                job_id=job.ref.id,
+            )
+
+    @staticmethod
+    def _connect(producer: Any) -> Exception | None:
+        """Connect ``producer`` without kombu's retries; the error if that failed."""
+        try:
+            producer.connection.ensure_connection(max_retries=0)
+        except Exception as exc:
+            return exc
+        return None

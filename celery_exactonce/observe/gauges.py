@@ -1,0 +1,150 @@
+"""What beat's gauges read: the store's counts, read off the hot path, and the node's own times.
+
+Nothing here imports ``prometheus-client``: :mod:`celery_exactonce.observe.prometheus`
+turns these values into metrics on each scrape.
+
+* :class:`StoreGauges`: the records per state and the due backlog
+  (:meth:`StateStore.count_by_state`, :meth:`StateStore.due_backlog`), read
+  by one thread of its own when a scrape finds them older than ``max_age``.
+  A scrape waits for a read at most ``wait`` seconds and otherwise serves the
+  last one; so neither a slow store nor many scrapes load the store or slow
+  a tick. A read that fails is an event (``metrics_store_error``) and a
+  snapshot with its ``error``: beat and the scrape go on.
+* :class:`BeatGauges`: when each tick of this beat ended (wall time), and how
+  long since the last reconcile pass this process ran.
+
+Not here: the metrics and the HTTP endpoint (:mod:`celery_exactonce.observe.prometheus`),
+the event counters (:mod:`celery_exactonce.observe.metrics`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from celery_exactonce.core import exceptions
+from celery_exactonce.core.states import State
+from celery_exactonce.observe import metrics
+from celery_exactonce.stores.base import DueBacklog, StateStore
+
+#: Seconds a read of the store's counts is served before a scrape reads again.
+MAX_AGE = 5.0
+#: Seconds a scrape waits for a read of the store before it serves the last one.
+WAIT = 3.0
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreSnapshot:
+    """One read of the store's counts; ``error`` set (and nothing else) when it failed."""
+
+    taken: float
+    """``time.monotonic()`` when the read ended."""
+    counts: dict[State, int] | None = None
+    backlog: DueBacklog | None = None
+    error: str | None = None
+
+
+class StoreGauges:
+    """The store's counts for the gauges, read by a thread of its own, at most every ``max_age``.
+
+    One thread for the life of the reader (one store connection: a Django
+    store opens one per thread), started by the first :meth:`read`.
+    """
+
+    def __init__(
+        self,
+        store: StateStore,
+        *,
+        max_age: float = MAX_AGE,
+        wait: float = WAIT,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.store = store
+        self.max_age = max_age
+        self.wait = wait
+        self._monotonic = monotonic
+        self._cond = threading.Condition()
+        self._snapshot: StoreSnapshot | None = None
+        self._wanted = False
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    def read(self) -> StoreSnapshot | None:
+        """The newest snapshot, after asking for a new one if it is older than ``max_age``.
+
+        Waits up to ``wait`` seconds for that read; ``None`` before the first
+        read ever ended.
+        """
+        with self._cond:
+            if self._closed or self._fresh():
+                return self._snapshot
+            self._wanted = True
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._loop, name="exactonce-metrics", daemon=True
+                )
+                self._thread.start()
+            self._cond.notify_all()
+            self._cond.wait_for(self._fresh, timeout=self.wait)
+            return self._snapshot
+
+    def close(self) -> None:
+        """Stop the thread (a read in flight ends on its own)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def _fresh(self) -> bool:
+        snapshot = self._snapshot
+        return snapshot is not None and self._monotonic() - snapshot.taken < self.max_age
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._wanted or self._closed)
+                if self._closed:
+                    return
+                self._wanted = False
+            snapshot = self._take()
+            with self._cond:
+                self._snapshot = snapshot
+                self._cond.notify_all()
+
+    def _take(self) -> StoreSnapshot:
+        try:
+            counts = self.store.count_by_state()
+            backlog = self.store.due_backlog()
+        except Exception as exc:  # a store error (or a bug) must not end the thread
+            level = logging.WARNING if isinstance(exc, exceptions.StoreError) else logging.ERROR
+            metrics.event(
+                "metrics_store_error",
+                "the gauges could not read the store: %s",
+                exc,
+                level=level,
+                exc_info=None if isinstance(exc, exceptions.StoreError) else exc,
+            )
+            return StoreSnapshot(self._monotonic(), error=f"{type(exc).__name__}: {exc}")
+        return StoreSnapshot(self._monotonic(), counts, backlog)
+
+
+class BeatGauges:
+    """This beat node's times: its last tick, and its reconciler's last pass."""
+
+    def __init__(self, node: str, *, wall: Callable[[], float] = time.time) -> None:
+        self.node = node
+        self._wall = wall
+        self.started = wall()
+        #: Wall time the last tick ended (``None``: none yet).
+        self.last_tick: float | None = None
+
+    def ticked(self) -> None:
+        """A tick ended (one float written: cheap enough for every tick)."""
+        self.last_tick = self._wall()
+
+    def reconcile_lag(self) -> float:
+        """Seconds since this process last finished a reconcile pass (or started, if none)."""
+        last = metrics.last_reconcile_pass()
+        return max(0.0, self._wall() - (self.started if last is None else last))

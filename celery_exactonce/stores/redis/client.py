@@ -1,0 +1,156 @@
+"""The Redis store's connection: the client it builds from a URL, the server it names, its config.
+
+* :func:`client_from_url`: the client
+  :meth:`RedisStore.from_url <celery_exactonce.stores.redis.store.RedisStore.from_url>`
+  opens (``redis://``, ``rediss://``, ``unix://``, ``redis+sentinel://``
+  through :mod:`~celery_exactonce.stores.redis.sentinel` and ``redis+cluster://``
+  through :mod:`~celery_exactonce.stores.redis.cluster`), with redis-py's own
+  command retry off, and a malformed URL refused as a ``ConfigurationError``
+  naming ``exactonce_store_url``, redacted;
+* :func:`describe`: what the store keeps of its client's connection: the
+  database, the place its messages name (no password) and the password they
+  must not show;
+* :func:`same_server`: whether redis-py connection arguments reach the
+  client's server (where the one-step enqueue can push to a broker database;
+  never through Sentinel, whose master moves, nor on a cluster);
+* :func:`masters` and :func:`node`: the plain clients of a cluster's masters,
+  and of the master serving a key (a plain client's own server otherwise);
+* :func:`replicas`: how many replicas the server has connected, from ``INFO replication``,
+  and :func:`address`: a cluster node's ``host:port``, as messages name a master;
+* :func:`maxmemory_policy`: the server's ``maxmemory-policy``, which must be
+  ``noeviction``: from ``CONFIG GET``, else ``INFO memory``, else unknown.
+
+Not here: the driver's errors turned into the package's and the scripts run
+on the client (:mod:`~celery_exactonce.stores.redis.base`), what the store
+does with a policy it reads
+(:meth:`RedisStore.check_config <celery_exactonce.stores.redis.store.RedisStore.check_config>`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import redis
+import redis.exceptions as rexc
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from celery_exactonce.core import exceptions
+from celery_exactonce.stores import redact_message, redact_url
+from celery_exactonce.stores.redis.cluster import ClusterClient, cluster_client, is_cluster_url
+from celery_exactonce.stores.redis.codec import as_text
+from celery_exactonce.stores.redis.sentinel import (
+    is_sentinel_client,
+    is_sentinel_url,
+    sentinel_client,
+)
+
+
+def client_from_url(
+    url: str, socket_timeout: float, kwargs: dict[str, Any], *, min_replicas: int = 0
+) -> redis.Redis:
+    """A new client for ``url``; ``kwargs`` go to ``redis.Redis.from_url``.
+
+    The client does not retry commands by itself (unless ``kwargs`` pass a
+    ``retry``): a script resent after a timeout could apply twice and answer
+    as if another writer had won, where the caller must instead settle the
+    unknown outcome by reading the record back. With ``min_replicas`` ≥ 1 a
+    counted write waits up to ``socket_timeout`` for its replicas after it
+    ran, so the socket waits twice that.
+    """
+    if min_replicas > 0:
+        socket_timeout *= 2
+    kwargs.setdefault("socket_connect_timeout", socket_timeout)
+    kwargs.setdefault("retry", Retry(NoBackoff(), 0))
+    if is_sentinel_url(url):
+        return sentinel_client(url, socket_timeout, kwargs)
+    if is_cluster_url(url):
+        return cluster_client(url, socket_timeout, kwargs)
+    try:
+        return redis.Redis.from_url(url, socket_timeout=socket_timeout, **kwargs)
+    except (ValueError, TypeError) as exc:
+        raise exceptions.ConfigurationError(
+            f"exactonce_store_url={redact_url(url)!r}: {redact_message(str(exc), url)}",
+            setting="exactonce_store_url",
+        ) from None
+
+
+def describe(client: redis.Redis) -> tuple[int, str, list[str]]:
+    """The client's database, the place messages name (``redis://host:port/db``), its secrets.
+
+    A cluster's: database 0 (it has no other), its URL redacted, its password.
+    """
+    if isinstance(client, ClusterClient):
+        return 0, client.where, [client.password] if client.password else []
+    kwargs = client.connection_pool.connection_kwargs
+    db = int(kwargs.get("db") or 0)
+    where = (
+        f"unix://{kwargs['path']}"
+        if kwargs.get("path")
+        else f"redis://{kwargs.get('host', 'localhost')}:{kwargs.get('port', 6379)}"
+        f"/{kwargs.get('db', 0)}"
+    )
+    password = kwargs.get("password")
+    return db, where, [str(password)] if password else []
+
+
+def same_server(client: redis.Redis, connection_kwargs: Mapping[str, Any]) -> bool:
+    """Whether ``connection_kwargs`` (redis-py's) reach the server of ``client``.
+
+    The same host and port (or unix socket), and ``client`` a plain client (a
+    cluster has no databases, and a script there may only touch its own slot).
+    Never a client behind Sentinel: its master moves on a failover, and a
+    broker's connection arguments cannot tell whether they name the same one.
+    """
+    if type(client) is not redis.Redis or is_sentinel_client(client):
+        return False
+    mine = client.connection_pool.connection_kwargs
+    where = ("path", "host", "port")
+    return not any(mine.get(name) != connection_kwargs.get(name) for name in where)
+
+
+def masters(client: redis.Redis) -> list[redis.Redis]:
+    """The plain clients of the servers that hold writes: a cluster's masters, else ``client``."""
+    if isinstance(client, ClusterClient):
+        return client.primaries()
+    return [client]
+
+
+def node(client: redis.Redis, key: str) -> redis.Redis:
+    """The plain client of the server serving ``key``: on a cluster its slot's master."""
+    if isinstance(client, ClusterClient):
+        return client.node_client(key)
+    return client
+
+
+def maxmemory_policy(client: redis.Redis) -> str | None:
+    """The server's ``maxmemory-policy``, or None when neither ``CONFIG`` nor ``INFO`` tells.
+
+    Driver errors other than a refused command are the caller's to translate.
+    """
+    try:
+        reply = client.config_get("maxmemory-policy")
+        values = {as_text(k): as_text(v) for k, v in dict(reply).items()}
+        if "maxmemory-policy" in values:
+            return values["maxmemory-policy"]
+    except rexc.ResponseError:
+        pass  # CONFIG disabled or renamed: ask INFO
+    try:
+        info = client.info("memory")
+        policy = dict(info).get("maxmemory_policy")
+        return None if policy is None else as_text(policy)
+    except rexc.ResponseError:
+        return None
+
+
+def address(server: redis.Redis) -> str:
+    """``host:port`` of a plain client's server (a cluster's node), no credentials."""
+    kwargs = server.connection_pool.connection_kwargs
+    return f"{kwargs.get('host', 'localhost')}:{kwargs.get('port', 6379)}"
+
+
+def replicas(client: redis.Redis) -> int:
+    """How many replicas the server has connected (``INFO replication``'s ``connected_slaves``)."""
+    info = client.info("replication")
+    return int(dict(info).get("connected_slaves", 0))

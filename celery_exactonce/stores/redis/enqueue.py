@@ -1,0 +1,102 @@
+"""The Redis store's one-step enqueue: a record written ``DISPATCHED`` with its message, atomically.
+
+When the broker is a database on the store's own Redis server
+(:meth:`RedisStore.shares_server <celery_exactonce.stores.redis.store.RedisStore.shares_server>`),
+one script (``stores/redis/lua/enqueue.lua``) writes the record and runs the
+broker commands of its publish: both exist or neither does. Here:
+
+* :class:`Push`: the broker commands of one publish, as kombu's Redis
+  transport would run them (the publisher captures them);
+* :class:`PushRefused`: Redis refused a broker command, or the script
+  (an ACL): nothing was written;
+* :class:`RedisEnqueue`, a base of
+  :class:`~celery_exactonce.stores.redis.store.RedisStore`: the script's keys and
+  arguments (the record as ``create`` writes it, with ``SCHEDULED →
+  DISPATCHED`` already applied and both entries in its history, then each
+  command's key, name and value) and what its reply means.
+
+Not here: :meth:`RedisStore.enqueue
+<celery_exactonce.stores.redis.store.RedisStore.enqueue>` itself, which runs the
+script (every operation of the store is defined on the class), how a
+record's fields are encoded (:mod:`~celery_exactonce.stores.redis.codec`),
+whether a broker's connection reaches the store's server
+(:mod:`~celery_exactonce.stores.redis.client`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from celery_exactonce.core import exceptions
+from celery_exactonce.core.jobs import CreateResult, CreateStatus
+from celery_exactonce.core.states import State
+from celery_exactonce.core.writes import NewJob, Transition
+from celery_exactonce.stores import redact_secrets
+from celery_exactonce.stores.redis.base import RedisCore
+from celery_exactonce.stores.redis.codec import as_text, decode_job, history_entry, record_fields
+
+
+@dataclasses.dataclass(frozen=True)
+class Push:
+    """The broker commands of one publish, for a broker on the store's own Redis server.
+
+    ``commands`` are ``(name, key, value)`` as kombu's Redis transport would run
+    them (``lpush``, ``pexpire`` or ``publish``: the script refuses any other);
+    ``db`` is the broker's database.
+    """
+
+    db: int
+    commands: tuple[tuple[str, str, Any], ...]
+
+
+class PushRefused(exceptions.StoreError):
+    """Redis refused a broker command of :meth:`RedisStore.enqueue`: nothing was written."""
+
+
+class RedisEnqueue(RedisCore):
+    """The one-step enqueue's script call and reply."""
+
+    def _enqueue_call(
+        self, new: NewJob, dispatch: Transition, push: Push
+    ) -> tuple[list[str], list[Any]]:
+        """The ``enqueue`` script's keys and arguments; :class:`PushRefused` without a command."""
+        if not push.commands:
+            raise PushRefused(f"enqueue of {new.ref}: no broker command")
+        fields = record_fields(
+            new, State.DISPATCHED.value, dispatch.new_rev, dispatch.node, dispatch.reason
+        )
+        keys = [self._job_key(new.ref), self._state_key(State.DISPATCHED)]
+        created = history_entry(None, new.state.value, new.node, new.reason, new.rev)
+        dispatched = history_entry(
+            new.state.value,
+            State.DISPATCHED.value,
+            dispatch.node,
+            dispatch.reason,
+            dispatch.new_rev,
+        )
+        args: list[Any] = [
+            self._db,
+            push.db,
+            "[" + created,
+            '"},' + dispatched,
+            len(fields) // 2,
+            *fields,
+        ]
+        for name, key, value in push.commands:
+            keys.append(key)
+            args += [name, value]
+        return keys, args
+
+    def _push_refused(self, what: str) -> PushRefused:
+        """A :class:`PushRefused` naming this store, secrets blanked."""
+        return PushRefused(redact_secrets(f"Redis store {self._where}: {what}", self._secrets))
+
+    def _enqueued(self, reply: Any) -> CreateResult:
+        """What the ``enqueue`` script answered: created, the record that exists, or refused."""
+        status = as_text(reply[0])
+        if status == "push_failed":
+            raise self._push_refused(f"broker push refused: {as_text(reply[1])}")
+        if status == "exists":
+            return CreateResult(CreateStatus.EXISTS, decode_job(reply[1]))
+        return CreateResult(CreateStatus.CREATED, None)

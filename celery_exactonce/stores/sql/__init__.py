@@ -1,0 +1,15 @@
+"""The SQL store: :class:`SqlStore` (PostgreSQL, MySQL/MariaDB, SQLite), split by concern.
+
+``store`` keeps every operation of the contract, on ``base`` (one transaction
+per operation, driver errors, fork safety); ``engine`` holds what differs per
+dialect; ``creates``, ``transitions``, ``leases`` and ``scans`` decide each
+kind of operation inside its transaction; ``statements`` builds the
+one-statement writes (the creates in ``statements_create``, both on
+``statements_base``); ``schema`` holds the tables.
+"""
+
+from __future__ import annotations
+
+from celery_exactonce.stores.sql.store import SqlStore
+
+__all__ = ["SqlStore"]

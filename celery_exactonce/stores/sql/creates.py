@@ -1,0 +1,327 @@
+"""The SQL store's creates: a job created if absent, and the namespace epoch every create checks.
+
+:class:`SqlCreates` is the part of :class:`~celery_exactonce.stores.sql.store.SqlStore`
+that decides a create inside its transaction. A create goes one of two ways:
+
+* **one statement** (PostgreSQL, any job; MariaDB ≥ 10.5 with
+  ``INSERT … RETURNING``, jobs that are not occurrences):
+  :meth:`SqlCreates._create_fast` runs the ``INSERT … SELECT`` of
+  :mod:`~celery_exactonce.stores.sql.statements_create`, which checks the
+  epoch (and, on PostgreSQL, advances an occurrence's watermark in the same
+  statement).
+  What one statement cannot decide (a record a competing create committed
+  after the statement began; on MariaDB a duplicate key or another epoch) it
+  leaves, having written nothing, to the locking way;
+* **locking** (:meth:`SqlCreates._create`): read the clock and the epoch;
+  for an occurrence, lock its entry's watermark row (creates of one entry
+  queue there), look for the record and check the mark; insert; raise the
+  mark.
+
+A batch takes its locks in entry order (:func:`_lock_order`), so two batches
+never deadlock; once a one-statement create aborts the batch's transaction
+(PostgreSQL), the batch runs again the locking way.
+
+Not here: which transaction a create runs in (autocommit or not, one create
+or a batch: :mod:`~celery_exactonce.stores.sql.store`), running and retrying it
+(:mod:`~celery_exactonce.stores.sql.base`), the statements' SQL
+(:mod:`~celery_exactonce.stores.sql.statements_create`).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy import exc as sa_exc
+
+from celery_exactonce.core import jobs, refs, times
+from celery_exactonce.core.jobs import CreateResult, CreateStatus
+from celery_exactonce.core.refs import Space
+from celery_exactonce.core.writes import NewJob
+from celery_exactonce.stores.sql import engine as sql_engine
+from celery_exactonce.stores.sql.base import Rerun, Slow, SqlCore
+
+#: How many times a brief batch reads its undecided claims again (see ``_create_many_op``).
+REREADS = 4
+
+#: Answers that mean another create holds the slot: the rest of the batch may be decided too.
+_TAKEN = frozenset({CreateStatus.EXISTS, CreateStatus.BELOW_WATERMARK})
+
+
+def _lock_order(new: NewJob) -> tuple[str, str]:
+    """The order a batch of creates takes its locks in (sorted stably: by entry, then id).
+
+    An occurrence's watermark row serialises the creates of its entry, which
+    keep the batch's order among themselves; other jobs go by id.
+    """
+    return (new.entry or "", "" if new.entry else str(new.ref))
+
+
+class SqlCreates(SqlCore):
+    """Creates and the epoch, inside their transaction."""
+
+    def _epoch_op(self, replace: str | None) -> Callable[[sa.Connection], str]:
+        """The transaction of ``epoch``: the one stored, set when absent or replaced."""
+        meta = self._t.meta
+        query = sa.select(meta.c.epoch).where(meta.c.namespace == self._namespace)
+
+        def op(conn: sa.Connection) -> str:
+            stored = conn.execute(query).scalar_one_or_none()
+            if stored is not None and (replace is None or stored != replace):
+                return str(stored)
+            epoch = f"{refs.new_token()}{refs.EPOCH_SEPARATOR}{self._now(conn)}"
+            if stored is None:
+                self._insert_absent(conn, meta, {"namespace": self._namespace, "epoch": epoch})
+            else:  # a CAS on the epoch read: of two replacers, one wins
+                conn.execute(
+                    sa.update(meta)
+                    .where(meta.c.namespace == self._namespace, meta.c.epoch == replace)
+                    .values(epoch=epoch)
+                )
+            return str(conn.execute(query).scalar_one())
+
+        return op
+
+    def _create_many_op(
+        self, news: Sequence[NewJob], epoch: str | None, brief: bool
+    ) -> Callable[[sa.Connection], list[CreateResult]]:
+        """The transaction of ``create_many`` (a batch that is not empty).
+
+        A brief batch first reads which of its claims are decided already
+        (:meth:`_decided`): only the others are created one by one. When one of
+        those finds its slot taken (another node's batch got there first), the
+        rest are read again, up to :data:`REREADS` times a batch.
+        """
+        order = sorted(range(len(news)), key=lambda i: _lock_order(news[i]))
+        fast = True  # until a statement fails in a way that aborts the transaction
+
+        def op(conn: sa.Connection) -> list[CreateResult]:
+            nonlocal fast
+            results: dict[int, CreateResult] = {}
+            clock: tuple[int, str | None] | None = None  # once for the locking creates
+            rereads = REREADS if brief else 0
+            if brief:
+                results.update(self._decided(conn, news, order, epoch))
+            for n, i in enumerate(order):
+                if i in results:
+                    continue
+                result = None
+                if fast and self._fast_create(news[i]):
+                    try:
+                        result = self._create_fast(conn, news[i], epoch, brief=brief)
+                    except Slow:
+                        fast = False  # the transaction is aborted: run the batch again, locking
+                        raise Rerun from None
+                if result is None:
+                    clock = clock or self._clock_and_epoch(conn)
+                    result = self._create(conn, news[i], epoch, clock)
+                results[i] = result
+                if rereads > 0 and result.status in _TAKEN and n + 1 < len(order):
+                    rereads -= 1
+                    results.update(self._decided(conn, news, order[n + 1 :], epoch))
+            return [results[i] for i in range(len(news))]
+
+        return op
+
+    def _decided(
+        self, conn: sa.Connection, news: Sequence[NewJob], indices: Sequence[int], epoch: str | None
+    ) -> dict[int, CreateResult]:
+        """The occurrences among ``news[i]`` that one read shows decided, by index.
+
+        One statement reads the epoch, the entries' watermarks and which
+        records exist. A slot whose record exists is ``EXISTS``; one at or
+        below its entry's mark is ``BELOW_WATERMARK`` (marks only rise, and a
+        record is created only above the mark, so neither answer can change).
+        These are the answers a create would give, without a write or a lock:
+        what every beat node but the first gets for most of a tick's claims.
+        Nothing is decided when the epoch differs from ``epoch`` (each create
+        answers the mismatch) or when no occurrence is among them.
+        """
+        todo = {  # index -> (entry, slot in microseconds)
+            i: (news[i].entry, times.to_micros(fire))
+            for i in indices
+            if news[i].ref.space is Space.OCCURRENCE
+            and news[i].entry is not None
+            and (fire := news[i].fire_time) is not None
+        }
+        if not todo:
+            return {}
+        params = {
+            "k_ns": self._namespace,
+            "entries": sorted({str(entry) for entry, _ in todo.values()}),
+            "ids": [news[i].ref.id for i in todo],
+        }
+        marks: dict[str, int | None] = {}
+        found: set[str] = set()
+        stored: str | None = None
+        for kind, key, mark in conn.execute(self._decided_query, params):
+            if kind == "m":
+                marks[key] = mark
+            elif kind == "j":
+                found.add(key)
+            else:
+                stored = key
+        if stored is None or (epoch is not None and stored != epoch):
+            return {}
+        decided = {}
+        for i, (entry, slot) in todo.items():
+            mark = marks.get(str(entry))
+            if news[i].ref.id in found:
+                decided[i] = CreateResult(CreateStatus.EXISTS, epoch=stored)
+            elif mark is not None and slot <= mark:
+                decided[i] = CreateResult(CreateStatus.BELOW_WATERMARK, epoch=stored)
+        return decided
+
+    @functools.cached_property
+    def _decided_query(self) -> sa.CompoundSelect[Any]:
+        """The statement of :meth:`_decided` (built once): rows of ``(kind, key, mark)``."""
+        wm, jobs_t, meta = self._t.watermarks, self._t.jobs, self._t.meta
+        ns: sa.BindParameter[str] = sa.bindparam("k_ns")
+        no_mark = sa.cast(sa.null(), sa.BigInteger)
+        return sa.union_all(
+            sa.select(sa.literal_column("'m'"), wm.c.entry, wm.c.fire_time).where(
+                wm.c.namespace == ns, wm.c.entry.in_(sa.bindparam("entries", expanding=True))
+            ),
+            sa.select(sa.literal_column("'j'"), jobs_t.c.id, no_mark).where(
+                jobs_t.c.namespace == ns,
+                jobs_t.c.space == Space.OCCURRENCE.value,
+                jobs_t.c.id.in_(sa.bindparam("ids", expanding=True)),
+            ),
+            sa.select(sa.literal_column("'e'"), meta.c.epoch, no_mark).where(
+                meta.c.namespace == ns
+            ),
+        )
+
+    def _create_one(self, conn: sa.Connection, new: NewJob, epoch: str | None) -> CreateResult:
+        """``create`` in a transaction that goes on after a failed statement (MySQL)."""
+        result = (
+            self._create_fast(conn, new, epoch, brief=False) if self._fast_create(new) else None
+        )
+        return result if result is not None else self._create(conn, new, epoch)
+
+    def _fast_create(self, new: NewJob) -> bool:
+        """Whether ``new`` is created by one statement (else by the locking transaction)."""
+        if self._postgresql:
+            return True
+        return new.entry is None and self._insert_returning()
+
+    def _insert_returning(self) -> bool:
+        """MariaDB 10.5 and later (``INSERT … RETURNING``); MySQL has none."""
+        dialect = self._engine.dialect
+        version = getattr(dialect, "server_version_info", None) or (0,)
+        return bool(getattr(dialect, "is_mariadb", False)) and version >= (10, 5)
+
+    def _create_fast(
+        self, conn: sa.Connection, new: NewJob, epoch: str | None, *, brief: bool
+    ) -> CreateResult | None:
+        """``create`` in one statement; ``None`` when it cannot tell (nothing was written).
+
+        Raises :class:`Slow` when the statement failed whole on PostgreSQL (an
+        occurrence whose record another entry's create made): the transaction
+        it ran in is aborted.
+        """
+        if not self._postgresql:
+            stmt, params = self._sql.create_returning(self._namespace, new, epoch)
+            try:
+                row = conn.execute(stmt, params).first()
+            except sa_exc.IntegrityError as exc:
+                if sql_engine.error_code(exc.orig) != sql_engine.DUPLICATE_KEY:
+                    raise
+                # The row was selected, so the epoch matched. In a caller's transaction the
+                # record may be newer than its snapshot: the transaction reads it currently.
+                if brief and epoch is not None and self.owns_transactions:
+                    return CreateResult(CreateStatus.EXISTS, epoch=epoch)
+                return None  # the record as it is, and the epoch: the transaction reads them
+            if row is None:  # the epoch differs: the transaction reads the one stored
+                return None
+            job = jobs.job_from_new(new, times.from_micros(row.now_))
+            return CreateResult(CreateStatus.CREATED, job, epoch=row.stored_)
+        stmt, params = self._sql.create_postgresql(self._namespace, new, epoch)
+        try:
+            row = conn.execute(stmt, params).one()
+        except sa_exc.IntegrityError as exc:
+            if sql_engine.error_code(exc.orig) != sql_engine.UNIQUE_VIOLATION:
+                raise
+            raise Slow from None
+        stored = row.stored_
+        if epoch is not None and stored != epoch:
+            return CreateResult(CreateStatus.EPOCH_MISMATCH, epoch=stored)
+        if row.created_:
+            job = jobs.job_from_new(new, times.from_micros(row.now_))
+            return CreateResult(CreateStatus.CREATED, job, epoch=stored)
+        if row.id is not None:  # the record existed when the statement began
+            if brief:
+                return CreateResult(CreateStatus.EXISTS, epoch=stored)
+            existing = self._select_job(conn, new.ref)  # the record as it is
+            if existing is None:  # purged since: decide again
+                return None
+            return CreateResult(CreateStatus.EXISTS, existing, epoch=stored)
+        # Marks only rise, and a record is created only above the mark: with the slot
+        # at or below the mark the statement began with, no record can have appeared since.
+        fire = times.to_micros_opt(new.fire_time)
+        if fire is not None and row.mark_ is not None and fire <= row.mark_:
+            return CreateResult(CreateStatus.BELOW_WATERMARK, epoch=stored)
+        # A create that committed after this statement began (and so is not in its
+        # snapshot) made the record or moved the mark: the transaction reads them.
+        return None
+
+    def _clock_and_epoch(self, conn: sa.Connection) -> tuple[int, str | None]:
+        """The store's time (microseconds) and the namespace's epoch, in one statement."""
+        meta = self._t.meta
+        stored_epoch = (
+            sa.select(meta.c.epoch).where(meta.c.namespace == self._namespace).scalar_subquery()
+        )
+        now, stored = conn.execute(sa.select(self._now_col, stored_epoch)).one()
+        return now, stored
+
+    def _create(
+        self,
+        conn: sa.Connection,
+        new: NewJob,
+        epoch: str | None,
+        clock: tuple[int, str | None] | None = None,
+    ) -> CreateResult:
+        wm = self._t.watermarks
+        now, stored = clock if clock is not None else self._clock_and_epoch(conn)
+        if epoch is not None and stored != epoch:
+            return CreateResult(CreateStatus.EPOCH_MISMATCH, epoch=stored)
+        mark: int | None = None
+        occurrence = new.entry is not None and new.fire_time is not None
+        if new.entry is not None and new.fire_time is not None:
+            # Lock the entry's watermark first: creates of one entry queue
+            # here, so the existence check below sees the winner's record.
+            where = (wm.c.namespace == self._namespace, wm.c.entry == new.entry)
+            row = self._locked(conn, wm, where)
+            if row is None:
+                values = {"namespace": self._namespace, "entry": new.entry, "fire_time": None}
+                self._insert_absent(conn, wm, values)
+                row = self._locked(conn, wm, where)
+                if row is None:
+                    raise Rerun
+            mark = row.fire_time
+        # An occurrence checks for its record before its watermark (an existing record
+        # answers EXISTS even below the mark); any other job just tries the insert.
+        existing = self._select_job(conn, new.ref) if occurrence else None
+        if existing is not None:
+            return CreateResult(CreateStatus.EXISTS, existing, epoch=stored)
+        if (
+            new.fire_time is not None
+            and mark is not None
+            and times.to_micros(new.fire_time) <= mark
+        ):
+            return CreateResult(CreateStatus.BELOW_WATERMARK, epoch=stored)
+        job = jobs.job_from_new(new, times.from_micros(now))
+        if not self._insert_absent(conn, self._t.jobs, self._values(job)):
+            existing = self._select_existing(conn, new.ref)
+            if existing is None:
+                raise Rerun
+            return CreateResult(CreateStatus.EXISTS, existing, epoch=stored)
+        if occurrence:
+            conn.execute(
+                wm.update()
+                .where(wm.c.namespace == self._namespace, wm.c.entry == new.entry)
+                .values(fire_time=times.to_micros_opt(new.fire_time))
+            )
+        return CreateResult(CreateStatus.CREATED, job, epoch=stored)

@@ -1,0 +1,154 @@
+"""The SQL store's transitions: a guarded compare-and-swap of a record, and notes on it.
+
+:class:`SqlTransitions` is the part of :class:`~celery_exactonce.stores.sql.store.SqlStore`
+that decides a transition inside its transaction, with the guards and effects
+of :mod:`celery_exactonce.core.jobs`. A transition goes one of two ways:
+
+* **one statement** (:meth:`SqlTransitions._transition_fast`): the guarded
+  ``UPDATE`` of :mod:`~celery_exactonce.stores.sql.statements`, whose
+  ``WHERE`` holds every guard (the lease included) and whose ``SET`` restates
+  :func:`~celery_exactonce.core.jobs.apply_transition`. Not for a transition that
+  rewrites the payload. A statement that changed nothing (a guard failed, the
+  lease is lost, there is no record, a history it cannot extend) is decided
+  again the locking way; one that changed something is never sent again;
+* **locking** (:meth:`SqlTransitions._transition`): read the record under a
+  lock, check the lease (:meth:`~celery_exactonce.stores.sql.leases.SqlLeases._holds`),
+  ask :func:`~celery_exactonce.core.jobs.check_transition`, write what
+  :func:`~celery_exactonce.core.jobs.apply_transition` returns.
+
+A batch takes its rows in key order, so two batches never deadlock. A note
+(``annotate``) is added to a record's history under the row lock.
+
+Not here: which transaction a transition runs in (autocommit or not, one or
+a batch) and the heartbeat (:mod:`~celery_exactonce.stores.sql.store`), the
+statements' SQL (:mod:`~celery_exactonce.stores.sql.statements`), leases
+(:mod:`~celery_exactonce.stores.sql.leases`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import sqlalchemy as sa
+
+from celery_exactonce.core import jobs, times
+from celery_exactonce.core.jobs import TransitionResult, TransitionStatus
+from celery_exactonce.core.refs import JobRef
+from celery_exactonce.core.states import TERMINAL
+from celery_exactonce.core.writes import Transition
+from celery_exactonce.stores.sql.base import Rerun
+from celery_exactonce.stores.sql.leases import SqlLeases
+
+
+class SqlTransitions(SqlLeases):
+    """Transitions and notes, inside their transaction."""
+
+    def _transition_many_op(
+        self, requests: Sequence[tuple[JobRef, Transition]], brief: bool
+    ) -> Callable[[sa.Connection], list[TransitionResult]]:
+        """The transaction of ``transition_many`` (a batch that is not empty)."""
+        order = sorted(range(len(requests)), key=lambda i: str(requests[i][0]))
+
+        def op(conn: sa.Connection) -> list[TransitionResult]:
+            results: dict[int, TransitionResult] = {}
+            for i in order:
+                ref, request = requests[i]
+                results[i] = self._transition_one(conn, ref, request, brief=brief)
+            return [results[i] for i in range(len(requests))]
+
+        return op
+
+    @staticmethod
+    def _fast_transition(request: Transition) -> bool:
+        """Whether one statement can apply ``request`` (not one that rewrites the payload)."""
+        return (
+            request.args is None
+            and request.kwargs is None
+            and request.signature is None
+            and bool(request.expect - TERMINAL)  # (a terminal state is never expected)
+        )
+
+    def _transition_one(
+        self, conn: sa.Connection, ref: JobRef, request: Transition, *, brief: bool
+    ) -> TransitionResult:
+        """``transition`` in a transaction: one statement, else the locking decision."""
+        if self._fast_transition(request):
+            result = self._transition_fast(conn, ref, request, brief=brief)
+            if result is not None:
+                return result
+        return self._transition(conn, ref, request)
+
+    def _transition_fast(
+        self, conn: sa.Connection, ref: JobRef, request: Transition, *, brief: bool
+    ) -> TransitionResult | None:
+        """The guarded ``UPDATE``; ``None`` when it changed nothing (the store decides again).
+
+        Nothing changed means a guard failed, the lease is lost, there is no
+        record, or a history the statement cannot extend: which one, and the
+        record to answer with, the locking :meth:`_transition` tells.
+        """
+        stmt, params = self._sql.transition(self._namespace, ref, request, brief=brief)
+        result = conn.execute(stmt, params)
+        if self._postgresql:  # RETURNING: the record as written
+            row = result.first()
+            if row is None:
+                return None
+            return TransitionResult(TransitionStatus.APPLIED, None if brief else self._job(row))
+        if result.rowcount != 1:
+            return None
+        if brief:
+            return TransitionResult(TransitionStatus.APPLIED)
+        # Read in the same transaction, under the row lock the update took: the record as written.
+        job = self._select_job(conn, ref)
+        if job is None:  # pragma: no cover - the row lock forbids this
+            raise Rerun
+        return TransitionResult(TransitionStatus.APPLIED, job)
+
+    def _transition(
+        self, conn: sa.Connection, ref: JobRef, request: Transition
+    ) -> TransitionResult:
+        """The locking transition: lock the row, decide in Python, write what it returns."""
+        job = self._select_job(conn, ref, lock=True)
+        if job is None:
+            return TransitionResult(TransitionStatus.NOT_FOUND)
+        now = self._now(conn)  # after the row lock: no writer of this job can follow
+        lease = request.lease
+        if lease is not None and not self._holds(conn, lease.name, lease.token, now):
+            return TransitionResult(TransitionStatus.LEASE_LOST, job)
+        at = times.from_micros(now)
+        if not jobs.check_transition(job, request, at):
+            return TransitionResult(TransitionStatus.CONFLICT, job)
+        updated = jobs.apply_transition(job, request, at)
+        c = self._t.jobs.c
+        result = conn.execute(
+            self._t.jobs.update()
+            .where(self._pk(ref), c.rev == job.rev)
+            .values(self._values(updated, key=False))
+        )
+        if result.rowcount != 1:  # belt and braces: the row lock forbids this
+            raise Rerun
+        return TransitionResult(TransitionStatus.APPLIED, updated)
+
+    def _annotate_op(
+        self, ref: JobRef, node: str, reason: str, op_id: str
+    ) -> Callable[[sa.Connection], bool]:
+        """The transaction of ``annotate`` (the note checked first)."""
+        reason = jobs.check_note(node, reason, op_id)
+        c = self._t.jobs.c
+
+        def op(conn: sa.Connection) -> bool:
+            job = self._select_job(conn, ref, lock=True)
+            if job is None:
+                return False
+            at = times.from_micros(self._now(conn))
+            noted = jobs.annotate_job(job, node=node, reason=reason, op_id=op_id, now=at)
+            if noted is not job:
+                history = self._values(noted, key=False)["history"]
+                conn.execute(
+                    self._t.jobs.update()
+                    .where(self._pk(ref), c.rev == job.rev)
+                    .values(history=history)
+                )
+            return True
+
+        return op

@@ -1,0 +1,105 @@
+"""The heartbeat thread of a worker process: it touches every running gated job.
+
+A gated run registers when its body starts (:meth:`Heartbeats.start`) and
+leaves when it ends; the thread writes each run's heartbeat every
+``exactonce_heartbeat_interval``, so the reconciler can tell a long body from
+a vanished worker. Not here: the gate itself (:mod:`~celery_exactonce.task.gate`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import math
+import os
+import threading
+import time
+
+from celery_exactonce.core import exceptions
+from celery_exactonce.core.refs import JobRef
+from celery_exactonce.observe import metrics
+from celery_exactonce.runtime import Runtime
+
+
+@dataclasses.dataclass
+class _Beating:
+    """One run the heartbeat thread touches."""
+
+    runtime: Runtime
+    ref: JobRef
+    run_id: str
+    due: float  # monotonic
+
+
+class Heartbeats:
+    """One thread per process touches every running job of it every ``heartbeat_interval``.
+
+    A run registers when its body starts and leaves when it ends: a body shorter
+    than the interval costs two dictionary operations and no store call (a
+    thread per run cost a thread start and a join each). The thread starts with
+    the first run of a process, again in a forked child (a prefork pool process).
+    The thread is woken only for a run due before it would wake anyway (the
+    first one after an idle spell), not at every start.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Condition()
+        self._runs: dict[int, _Beating] = {}
+        self._tokens = itertools.count()
+        self._pid: int | None = None
+        #: When the waiting thread wakes by itself (monotonic); -inf while it is not waiting.
+        self._wakes_at = -math.inf
+
+    def start(self, runtime: Runtime, ref: JobRef, run_id: str) -> int:
+        """Touch ``ref`` under ``run_id`` every interval from now on; the token to stop it."""
+        due = time.monotonic() + runtime.config.heartbeat_interval
+        with self._lock:
+            if self._pid != os.getpid():  # first run here, or a forked child: no thread yet
+                self._pid, self._runs, self._wakes_at = os.getpid(), {}, -math.inf
+                threading.Thread(target=self._loop, name="exactonce-heartbeat", daemon=True).start()
+            token = next(self._tokens)
+            self._runs[token] = _Beating(runtime, ref, run_id, due)
+            if due < self._wakes_at:
+                self._lock.notify()
+        return token
+
+    def stop(self, token: int) -> None:
+        with self._lock:
+            self._runs.pop(token, None)
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                now = time.monotonic()
+                due = [(token, run) for token, run in self._runs.items() if run.due <= now]
+                if not due:
+                    nearest = min((run.due for run in self._runs.values()), default=now + 60.0)
+                    self._wakes_at = nearest
+                    self._lock.wait(timeout=nearest - now)
+                    self._wakes_at = -math.inf  # not waiting: it looks at every run before it does
+                    continue
+                for _, run in due:
+                    run.due = now + run.runtime.config.heartbeat_interval
+            for token, run in due:
+                if not self._beat(run):
+                    self.stop(token)
+
+    @staticmethod
+    def _beat(run: _Beating) -> bool:
+        """Touch one run; whether it is still ours (a store error keeps it)."""
+        try:
+            return run.runtime.store.heartbeat(run.ref, run.run_id)
+        except exceptions.StoreError as exc:
+            run.runtime.note_store_error()
+            metrics.event(
+                "heartbeat_failed",
+                f"heartbeat of {run.ref} failed: {exc}",
+                level=logging.WARNING,
+                job_id=run.ref.id,
+            )
+            return True
+
+
+#: The process's heartbeat thread, shared by every gated run of the process.
+heartbeats = Heartbeats()
