@@ -83,7 +83,7 @@ def _forget_namespace_statistics(conn: Any) -> None:
     """Give jobs tables made before the store kept no key statistics the store's settings.
 
     A new store's jobs table keeps no statistics of ``namespace`` and ``space``
-    (``sql_schema.build``). The test database's older tables, analyzed while
+    (``stores.sql.schema.build``). The test database's older tables, analyzed while
     other test namespaces filled them, misled the planner into reading every
     job of a namespace per key: their settings are set and their old
     statistics dropped (as a superuser may; otherwise they are left).

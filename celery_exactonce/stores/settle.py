@@ -20,7 +20,7 @@ applied, but the record has moved on since: the record read back is not the
 one the write produced, and no caller acts on it as its own.
 
 The worker gate settles its writes in its own loop
-(:meth:`~celery_exactonce.task.base.ExactOnceTask._gate`): it reads back until its
+(:meth:`~celery_exactonce.task.gate.Delivery.enter`): it reads back until its
 deadline, then sends the delivery back with the run ids it may have written,
 and it knows its own write by that run id (a take-over or an adoption writes
 another op id than the gate CAS, under the same run id).

@@ -185,7 +185,7 @@ class SqlStore(SqlCreates, SqlTransitions, SqlScans, SqlLeases):
         if self._owns_engine:
             self._engine.dispose()
 
-    # -- epoch and creates (sql_creates) -----------------------------------------------
+    # -- epoch and creates (stores.sql.creates) --------------------------------------------
 
     def epoch(self, *, replace: str | None = None) -> str:
         return self._run("epoch", self._epoch_op(replace))
@@ -221,7 +221,7 @@ class SqlStore(SqlCreates, SqlTransitions, SqlScans, SqlLeases):
     def get(self, ref: JobRef) -> Job | None:
         return self._run("get", lambda conn: self._select_job(conn, ref), write=False)
 
-    # -- transitions and notes (sql_transitions) ---------------------------------------
+    # -- transitions and notes (stores.sql.transitions) ------------------------------------
 
     def transition(self, ref: JobRef, request: Transition) -> TransitionResult:
         if self._autocommit and self._fast_transition(request):
@@ -256,7 +256,7 @@ class SqlStore(SqlCreates, SqlTransitions, SqlScans, SqlLeases):
     def annotate(self, ref: JobRef, *, node: str, reason: str, op_id: str) -> bool:
         return self._run("annotate", self._annotate_op(ref, node, reason, op_id))
 
-    # -- scans (sql_scans) -------------------------------------------------------------
+    # -- scans (stores.sql.scans) ----------------------------------------------------------
 
     def watermark(self, entry: str) -> datetime | None:
         return self.watermarks([entry]).get(entry)
@@ -319,7 +319,7 @@ class SqlStore(SqlCreates, SqlTransitions, SqlScans, SqlLeases):
         op = self._purge_expired_op(limit)
         return self._run("purge_expired", op) if limit > 0 else self._empty(0)
 
-    # -- leases (sql_leases) -----------------------------------------------------------
+    # -- leases (stores.sql.leases) --------------------------------------------------------
 
     def acquire_lease(self, name: str, token: str, ttl: float) -> bool:
         return self._run("acquire_lease", self._acquire_lease_op(name, token, ttl))

@@ -1,7 +1,7 @@
 """A Celery app with one gated task, configured from the environment, for start-up refusals.
 
 ``celery -A tests.acceptance.apps.startup_app worker`` (or ``beat -S exactonce``)
-starts it with whatever settings ``tests/acceptance/test_startup.py`` gives:
+starts it with whatever settings ``tests/acceptance/test_startup_refusals.py`` gives:
 
 ``EXACTONCE_SU_BROKER_URL``        ``broker_url``
 ``EXACTONCE_SU_QUEUE``             ``task_default_queue`` (unique per test)

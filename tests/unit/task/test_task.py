@@ -6,8 +6,8 @@ Not the gate itself (test_gate.py) nor Celery's semantics kept (test_task_semant
 * the start-up refusals of :func:`~celery_exactonce.task.gate.validate_gated_task`,
   and the gate refusing to run a task it refuses;
 * when a job is due and when it expires: ``eta``, ``countdown`` and
-  ``expires`` (``call_options.eta_of``, ``deadline_of``), directly and through ``apply_async``;
-* which ``apply_async`` options are stored with a job (``call_options.storable_options``);
+  ``expires`` (``task.call_options.eta_of``, ``deadline_of``), directly and through ``apply_async``;
+* which ``apply_async`` options are stored with a job (``task.call_options.storable_options``);
 * revoke and ``expires`` seen by a worker (the ``task_revoked`` receiver).
 
 Jobs live in an InMemoryStore; what is published is read from ``before_task_publish``.
