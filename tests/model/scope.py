@@ -3,7 +3,7 @@
 What it holds: the edges the model performs, the edges it leaves out (each
 with the reason), the comparison of both with the table the stores enforce
 (``CREATABLE``, ``ALLOWED``, ``NEXT_ATTEMPT_EDGES``, read when it runs, so
-an edge added to ``states.py`` fails the comparison until the model knows
+an edge added to ``core/states.py`` fails the comparison until the model knows
 it), and the named variants: the design, and the design with one rule
 dropped, each with the property its shortest counterexample breaks.
 """
@@ -72,14 +72,14 @@ def _name(edge: Edge) -> str:
 
 
 def differences() -> list[str]:
-    """How the model's edges and ``states.py``'s table disagree (empty: they agree)."""
+    """How the model's edges and ``core/states.py``'s table disagree (empty: they agree)."""
     table, known = table_edges(), MODELLED | set(OUT_OF_SCOPE)
     found = [
-        f"states.py allows {_name(e)}, which the model neither performs nor leaves out by name"
+        f"core/states.py allows {_name(e)}, which the model neither performs nor leaves out by name"
         for e in sorted(table - known, key=_name)
     ]
     found += [
-        f"the model knows {_name(e)}, which states.py does not allow"
+        f"the model knows {_name(e)}, which core/states.py does not allow"
         for e in sorted(known - table, key=_name)
     ]
     found += [
@@ -88,9 +88,9 @@ def differences() -> list[str]:
     ]
     for edge in sorted(states.NEXT_ATTEMPT_EDGES - NEXT_ATTEMPT, key=_name):
         if edge in MODELLED:
-            found.append(f"states.py makes {_name(edge)} a next attempt; the model does not")
+            found.append(f"core/states.py makes {_name(edge)} a next attempt; the model does not")
     found += [
-        f"the model's next attempt {_name(e)} is not one in states.py"
+        f"the model's next attempt {_name(e)} is not one in core/states.py"
         for e in sorted(NEXT_ATTEMPT - states.NEXT_ATTEMPT_EDGES, key=_name)
     ]
     return found

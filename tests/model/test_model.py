@@ -133,7 +133,7 @@ def test_a_transition_planted_in_states_py_fails_the_comparison(
 ) -> None:
     monkeypatch.setitem(states.ALLOWED, State.TIMEOUT, frozenset({State.RUNNING}))
     assert differences() == [
-        "states.py allows TIMEOUT -> RUNNING, which the model neither performs nor leaves "
+        "core/states.py allows TIMEOUT -> RUNNING, which the model neither performs nor leaves "
         "out by name"
     ]
 
@@ -143,7 +143,7 @@ def test_a_creatable_state_planted_in_states_py_fails_the_comparison(
 ) -> None:
     monkeypatch.setattr(states, "CREATABLE", states.CREATABLE | {State.DISPATCHED})
     assert differences() == [
-        "states.py allows (none) -> DISPATCHED, which the model neither performs nor leaves "
+        "core/states.py allows (none) -> DISPATCHED, which the model neither performs nor leaves "
         "out by name"
     ]
 
@@ -153,7 +153,8 @@ def test_an_edge_removed_from_states_py_fails_the_comparison(
 ) -> None:
     without = states.ALLOWED[State.RUNNING] - {State.RUNNING}
     monkeypatch.setitem(states.ALLOWED, State.RUNNING, without)
-    assert differences() == ["the model knows RUNNING -> RUNNING, which states.py does not allow"]
+    known = "the model knows RUNNING -> RUNNING, which core/states.py does not allow"
+    assert differences() == [known]
 
 
 def test_a_next_attempt_edge_removed_from_states_py_fails_the_comparison(
@@ -161,7 +162,8 @@ def test_a_next_attempt_edge_removed_from_states_py_fails_the_comparison(
 ) -> None:
     edges = states.NEXT_ATTEMPT_EDGES - {(State.RUNNING, State.PENDING)}
     monkeypatch.setattr(states, "NEXT_ATTEMPT_EDGES", edges)
-    assert differences() == ["the model's next attempt RUNNING -> PENDING is not one in states.py"]
+    attempt = "the model's next attempt RUNNING -> PENDING is not one in core/states.py"
+    assert differences() == [attempt]
 
 
 def test_the_model_imports_celery_exactonce_in_one_module_only() -> None:
