@@ -185,3 +185,9 @@ def test_each_module_of_the_model_is_short_and_says_what_it_holds() -> None:
         text = path.read_text()
         assert len(text.splitlines()) <= 420, path.name
         assert ast.get_docstring(ast.parse(text)), path.name
+
+
+@pytest.mark.slow
+def test_the_design_passes_with_wider_bounds() -> None:
+    """The full matrix (``tox -e model``): each scenario passes and each variant fails, wider."""
+    assert cli.main(["--full", "--jobs", "2"]) == 0
