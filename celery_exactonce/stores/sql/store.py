@@ -218,6 +218,22 @@ class SqlStore(SqlCreates, SqlTransitions, SqlScans, SqlLeases):
             return []
         return self._run("create_many", self._create_many_op(news, epoch, brief))
 
+    def enqueue(self, new: NewJob, dispatch: Transition) -> CreateResult:
+        """The one-write submit: ``new`` created already ``DISPATCHED``, unless its ref exists.
+
+        ``new`` is ``SCHEDULED`` and no occurrence; ``dispatch`` is its
+        ``SCHEDULED → DISPATCHED`` (on ``new.rev``), applied in the same
+        ``INSERT``: the record holds ``dispatch.new_rev`` and both history
+        entries, stamped with the statement's store time. One statement and
+        one commit (PostgreSQL: the statement alone, in autocommit): no read
+        before it, no epoch. ``CREATED`` answers the record built here (not
+        read back); a ref that exists answers ``EXISTS`` with the record as it
+        is (a second statement). Repeating a call that applied answers
+        ``EXISTS`` with a record whose ``rev`` is ``dispatch.new_rev``.
+        """
+        op = self._enqueue_op(new, dispatch)
+        return self._run("enqueue", op, autocommit=self._autocommit)
+
     def get(self, ref: JobRef) -> Job | None:
         return self._run("get", lambda conn: self._select_job(conn, ref), write=False)
 
