@@ -229,8 +229,8 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
             sent = dispatched.sent
         if sent is not None:
             return sent  # send_task's own result: subscribed, ``ignored`` and parent set
-        if enqueued is not None:
-            return enqueued.sent
+        if enqueued is not None and enqueued.sent is not None:
+            return enqueued.sent  # the one-step submit built the message's result
         return submit.result_of(self, task_id, call, options)
 
     @staticmethod
