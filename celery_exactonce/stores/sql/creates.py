@@ -273,34 +273,37 @@ class SqlCreates(SqlCore):
         self, new: NewJob, dispatch: Transition
     ) -> Callable[[sa.Connection], CreateResult]:
         """The transaction of ``enqueue``: one ``INSERT``, and a read only when the key exists."""
-        if new.entry is not None or new.state is not State.SCHEDULED:
-            raise exceptions.InvalidRequest(f"enqueue of {new.ref}: a SCHEDULED job, no occurrence")
-        if dispatch.to is not State.DISPATCHED or dispatch.expect != {State.SCHEDULED}:
-            raise exceptions.InvalidRequest(f"enqueue of {new.ref}: SCHEDULED -> DISPATCHED only")
 
         def op(conn: sa.Connection) -> CreateResult:
             returning = self._postgresql or self._engine.dialect.name == "sqlite"
             returning = returning or self._insert_returning()
             stmt, params = self._sql.enqueue(self._namespace, new, dispatch, returning=returning)
             try:
-                row = conn.execute(stmt, params).first() if returning else None
+                result = conn.execute(stmt, params)
             except sa_exc.IntegrityError as exc:
                 if sql_engine.error_code(exc.orig) != sql_engine.DUPLICATE_KEY:
                     raise
-                row = None
             else:
-                if not returning:  # MySQL: inserted (no duplicate key); its times this process's
-                    now = datetime.now(timezone.utc)
+                row = result.first() if returning else None
+                if row is not None or not returning:
+                    # MySQL without RETURNING: inserted (no duplicate key); the times of the
+                    # record answered are this process's estimate of the store's
+                    now = times.from_micros(row.now_) if row else datetime.now(timezone.utc)
                     return CreateResult(CreateStatus.CREATED, self._enqueued(new, dispatch, now))
-            if row is not None:
-                now = times.from_micros(row.now_)
-                return CreateResult(CreateStatus.CREATED, self._enqueued(new, dispatch, now))
             existing = self._select_existing(conn, new.ref)
             if existing is None:  # purged since the insert met it: try again
                 raise Rerun
             return CreateResult(CreateStatus.EXISTS, existing)
 
         return op
+
+    @staticmethod
+    def _check_enqueue(new: NewJob, dispatch: Transition) -> None:
+        """``InvalidRequest`` unless ``new`` is ``SCHEDULED`` and ``dispatch`` its dispatch."""
+        if new.entry is not None or new.state is not State.SCHEDULED:
+            raise exceptions.InvalidRequest(f"enqueue of {new.ref}: a SCHEDULED job, no occurrence")
+        if dispatch.to is not State.DISPATCHED or dispatch.expect != {State.SCHEDULED}:
+            raise exceptions.InvalidRequest(f"enqueue of {new.ref}: SCHEDULED -> DISPATCHED only")
 
     @staticmethod
     def _enqueued(new: NewJob, dispatch: Transition, now: datetime) -> jobs.Job:
