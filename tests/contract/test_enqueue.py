@@ -135,3 +135,20 @@ def test_enqueue_takes_a_scheduled_job_and_its_dispatch_only(sql_store: Any) -> 
     with pytest.raises(InvalidRequest):
         sql_store.enqueue(new, running)
     assert sql_store.get(new.ref) is None and sql_store.get(pending.ref) is None
+
+
+def test_enqueue_without_insert_returning_writes_the_record_and_answers_exists(
+    sql_store: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """MySQL has no ``INSERT … RETURNING``: the insert alone, the duplicate key its refusal."""
+    if sql_store.engine.dialect.name != "mysql":
+        pytest.skip("the MySQL dialect's way")
+    monkeypatch.setattr(sql_store, "_insert_returning", lambda: False)
+    new = _new("e6")
+    dispatch = _dispatch(new)
+    assert sql_store.enqueue(new, dispatch).created
+    stored = sql_store.get(new.ref)
+    assert stored is not None and stored.state is State.DISPATCHED
+    assert stored.rev == dispatch.new_rev and stored.history[0].at == stored.history[1].at
+    again = sql_store.enqueue(new, dispatch)
+    assert again.status is CreateStatus.EXISTS and again.job == stored
