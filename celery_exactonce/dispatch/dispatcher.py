@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Mapping, Sequence
+from datetime import datetime, timezone
 from typing import Any
 
 from celery_exactonce.core import exceptions, jobs
@@ -60,9 +61,19 @@ from celery_exactonce.stores.base import StateStore
 #: dispatch logged at info, one "Sending due task" line per occurrence, as stock beat.
 BEAT_REASON = "beat"
 
+#: The states a dispatch takes a job from; a republish (:meth:`Dispatcher.dispatch`) also
+#: takes a gated job ``DISPATCHED`` whose message nothing proves left.
+_DISPATCHABLE = frozenset({State.SCHEDULED})
+_REPUBLISHED = frozenset({State.SCHEDULED, State.DISPATCHED})
+
 #: Jobs per ``DISPATCHED`` write in :meth:`Dispatcher.dispatch_many`: at most this
 #: many are left ``DISPATCHED`` without a message if the process dies mid-chunk.
 DISPATCH_CHUNK = 32
+
+
+def utc_now() -> datetime:
+    """This process's clock, as an aware UTC datetime."""
+    return datetime.now(timezone.utc)
 
 
 class Dispatcher(DispatchFailures):
@@ -96,6 +107,7 @@ class Dispatcher(DispatchFailures):
         lease: Lease | None = None,
         call: Mapping[str, Any] | None = None,
         action: Action | None = None,
+        republish: bool = False,
     ) -> DispatchResult:
         """CAS ``job`` (as listed, ``SCHEDULED``) to ``DISPATCHED`` and publish it.
 
@@ -105,9 +117,18 @@ class Dispatcher(DispatchFailures):
         ``LOST`` with a :class:`~celery_exactonce.core.exceptions.LeaseLost` error.
         ``call`` holds the submitting caller's :data:`CALL_OPTIONS`; ``action``
         the reconciler's action the dispatch is (recorded in the history).
+        With ``republish`` a job listed ``DISPATCHED`` is published again, after
+        a CAS ``DISPATCHED → DISPATCHED`` on its ``rev`` (a resubmission of a
+        gated job whose message nothing proves left: the gate drops a copy).
         """
         return self.dispatch_many(
-            [job], reason=reason, retry=retry, lease=lease, call=call, action=action
+            [job],
+            reason=reason,
+            retry=retry,
+            lease=lease,
+            call=call,
+            action=action,
+            republish=republish,
         )[0]
 
     def dispatch_many(
@@ -119,6 +140,7 @@ class Dispatcher(DispatchFailures):
         lease: Lease | None = None,
         call: Mapping[str, Any] | None = None,
         action: Action | None = None,
+        republish: bool = False,
     ) -> list[DispatchResult]:
         """:meth:`dispatch` for each job, its store writes batched; results in order.
 
@@ -132,8 +154,10 @@ class Dispatcher(DispatchFailures):
         batch = getattr(self.publisher, "batch", None)  # CeleryPublisher: one producer
         with batch() if batch is not None else contextlib.nullcontext():
             for start in range(0, len(listed), DISPATCH_CHUNK):
+                chunk = listed[start : start + DISPATCH_CHUNK]
+                sources = _REPUBLISHED if republish else _DISPATCHABLE
                 done, published = self._dispatch_chunk(
-                    listed[start : start + DISPATCH_CHUNK], reason, lease, call or {}, action
+                    chunk, reason, lease, call or {}, action, sources
                 )
                 results += done
                 self._write_many(published, State.PUBLISHED, "publish returned")
@@ -150,19 +174,20 @@ class Dispatcher(DispatchFailures):
         lease: Lease | None,
         call: Mapping[str, Any],
         action: Action | None,
+        sources: frozenset[State] = frozenset({State.SCHEDULED}),
     ) -> tuple[list[DispatchResult], list[Job]]:
         """Write ``DISPATCHED`` and publish one chunk; the results, and the plain jobs sent."""
         results: list[DispatchResult | None] = [None] * len(listed)
         writes: list[tuple[int, Job, Transition]] = []
         for i, job in enumerate(listed):
-            if job.state is not State.SCHEDULED:
+            if job.state not in sources:
                 results[i] = DispatchResult(Outcome.LOST, job)
             elif self.signer is not None and (problem := self.signer.problem(job)):
                 results[i] = self._refuse(job, problem)
             else:
                 request = Transition(
                     State.DISPATCHED,
-                    frozenset({State.SCHEDULED}),
+                    frozenset({job.state}),
                     node=self.node,
                     reason=reason,
                     rev=job.rev,
@@ -233,12 +258,68 @@ class Dispatcher(DispatchFailures):
     def enqueue(
         self, new: NewJob, *, reason: str = "dispatch", call: Mapping[str, Any] | None = None
     ) -> Enqueued | None:
-        """Create ``new`` already ``DISPATCHED``, with its message, in one call (:class:`OneStep`).
+        """Create ``new`` already ``DISPATCHED`` in one store write, and publish it.
 
-        ``None`` where this cannot be done: the caller takes the general path,
-        :meth:`dispatch` after a create.
+        With its message in the same call where the broker shares a Redis
+        store's server (:class:`OneStep`); else, on a store whose ``enqueue``
+        writes the record alone (the SQL stores), the record is written
+        ``DISPATCHED`` by one statement, then published as :meth:`dispatch`
+        publishes (a definite failure rolls it back to ``SCHEDULED``, retried
+        in the background). ``None`` where neither can be done: the caller
+        takes the general path, :meth:`dispatch` after a create.
+
+        Raises :class:`~celery_exactonce.core.exceptions.StoreError` when the
+        write's outcome is unknown (the answer was lost and the record could
+        not be read back, or was not there yet).
         """
-        return self._one_step.enqueue(new, reason=reason, call=call)
+        enqueued = self._one_step.enqueue(new, reason=reason, call=call)
+        if enqueued is not None:
+            return enqueued
+        return self._one_write(new, reason, call or {})
+
+    def _one_write(self, new: NewJob, reason: str, call: Mapping[str, Any]) -> Enqueued | None:
+        """The record written ``DISPATCHED`` by one store write (``enqueue``), then published."""
+        enqueue = getattr(self.store, "enqueue", None)
+        if enqueue is None or hasattr(self.store, "shares_server"):  # Redis: a push only
+            return None
+        gated = bool(new.options.get(GATED_OPTION))
+        if new.state is not State.SCHEDULED or not gated or self.signer is not None:
+            return None
+        if new.entry is not None or (new.deadline is not None and new.deadline <= utc_now()):
+            return None  # the general path records the expiry
+        request = Transition(
+            State.DISPATCHED,
+            frozenset({State.SCHEDULED}),
+            node=self.node,
+            reason=reason,
+            rev=new.rev,
+        )
+        try:
+            result = enqueue(new, request)
+        except exceptions.StoreError:
+            back = settle.read_back(self.store, new.ref, request.new_rev, tries=1)
+            if back.job is None:  # none yet, or unreadable: the statement may still run
+                raise
+            if back.decision is not settle.Decision.APPLIED:  # another's, or ours moved on
+                return Enqueued(back.job, created=False)
+            result = jobs.CreateResult(jobs.CreateStatus.CREATED, back.job)
+        if not result.created:
+            assert result.job is not None  # noqa: S101 (an existing record comes back)
+            return Enqueued(result.job, created=False)
+        job = result.job or jobs.apply_transition(
+            jobs.job_from_new(new, utc_now()), request, utc_now()
+        )
+        batch = getattr(self.publisher, "batch", None)
+        with batch() if batch is not None else contextlib.nullcontext():
+            sent = self._send(job, call, reason)
+            if sent.outcome is Outcome.PUBLISHED:
+                try:
+                    self._flush()
+                except PublishFailed as exc:
+                    sent = self._publish_failed(job, exc)
+        if sent.outcome in (Outcome.FAIL_CLOSED, Outcome.ROLLED_BACK) and self.retrier is not None:
+            self.retrier.schedule(job.ref)
+        return Enqueued(sent.job or job, created=True, sent=sent.sent)
 
     def publish(self, job: Job, *, extra: Mapping[str, Any] | None = None) -> DispatchResult:
         """Publish ``job``, which this caller just wrote ``DISPATCHED`` (its ``rev`` is ours).

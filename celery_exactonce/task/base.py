@@ -200,34 +200,44 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
         delayed = new.state is State.PENDING
         enqueued = None if delayed else submit.enqueue(runtime, new, call)
         if enqueued is not None and enqueued.created:
-            return enqueued.sent  # one store call wrote the record and pushed the message
+            # One store write made the record DISPATCHED (with its message on a shared
+            # Redis), then published it: send_task's result, or none if that failed.
+            if enqueued.sent is not None:
+                return enqueued.sent
+            return submit.result_of(self, task_id, call, options)
         if enqueued is not None:  # the job existed: nothing was pushed
             job = enqueued.job
             submit.resubmitted(job, new)
-            call = {**call, "add_to_parent": False}  # building the message added it already
+            if enqueued.sent is not None:  # building the message added it already
+                call = {**call, "add_to_parent": False}
         else:
             job = submit.create(runtime, new)
             on_commit = submit.after_commit(runtime)
-            if on_commit is not None and job.state is State.SCHEDULED:
+            if on_commit is not None and (job.state is State.SCHEDULED or submit.republishes(job)):
                 # In the caller's transaction: published once it commits; a rollback
                 # leaves no job and no message; a crash in between leaves the job
                 # SCHEDULED for the reconciler.
                 on_commit(lambda: self._dispatch_after_commit(runtime, job, call))
                 return submit.result_of(self, task_id, call, options)
         sent = None
-        if job.state is State.SCHEDULED:
+        if job.state is State.SCHEDULED or submit.republishes(job):
             # Ours, or a resubmission of a job whose first submit was ambiguous or
-            # whose publish was rolled back: the CAS on its rev lets one dispatch win.
-            sent = runtime.dispatcher.dispatch(job, reason="apply_async", call=call).sent
+            # whose publish was rolled back or may have failed: the CAS on its rev lets
+            # one dispatch win; a copy that lands beside an earlier one, the gate drops.
+            reason = "apply_async" if job.state is State.SCHEDULED else "apply_async (again)"
+            dispatched = runtime.dispatcher.dispatch(job, reason=reason, call=call, republish=True)
+            sent = dispatched.sent
         if sent is not None:
             return sent  # send_task's own result: subscribed, ``ignored`` and parent set
-        if enqueued is not None:
-            return enqueued.sent
+        if enqueued is not None and enqueued.sent is not None:
+            return enqueued.sent  # the one-step submit built the message's result
         return submit.result_of(self, task_id, call, options)
 
     @staticmethod
     def _dispatch_after_commit(runtime: Runtime, job: Job, call: Mapping[str, Any]) -> None:
-        runtime.dispatcher.dispatch(job, reason="apply_async (on commit)", call=call)
+        runtime.dispatcher.dispatch(
+            job, reason="apply_async (on commit)", call=call, republish=True
+        )
 
     def _retry_next_attempt(
         self,

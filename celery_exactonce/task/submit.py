@@ -7,12 +7,14 @@ functions of the process's runtime:
 * :func:`before_send`: what Celery's ``apply_async`` does before it sends;
 * :func:`new_job`: the job a call makes, from what Celery's ``apply_async``
   would have sent;
-* :func:`enqueue`: the one-step submit (record and message in one store call)
-  where the broker shares the store's Redis, or ``None``;
+* :func:`enqueue`: the one-write submit (the record written ``DISPATCHED`` by
+  one store call, with the message where the broker shares the store's
+  Redis), or ``None``;
 * :func:`create`: create if absent, reading the record back once if the
   answer is lost; a record it cannot tell raises ``SubmitAmbiguous``;
 * :func:`resubmitted`: a ``task_id`` submitted again is the same job (logged
-  and counted, not run again) or a ``JobConflict``;
+  and counted, not run again) or a ``JobConflict``; :func:`republishes`: the
+  job found ``DISPATCHED`` with no proof its message left is published again;
 * :func:`result_of`: the ``AsyncResult`` of a job not published now;
 * :func:`after_commit`: where the store wrote the job inside the caller's open
   transaction (the ``django://`` store), how to dispatch it once that commits.
@@ -34,6 +36,7 @@ from celery_exactonce.core.refs import JobRef
 from celery_exactonce.core.states import State
 from celery_exactonce.core.writes import NewJob
 from celery_exactonce.dispatch import messages
+from celery_exactonce.dispatch.one_step import ENQUEUED
 from celery_exactonce.dispatch.outcomes import Enqueued
 from celery_exactonce.observe import metrics
 from celery_exactonce.policy import task_policy
@@ -144,7 +147,15 @@ def new_job(
 
 
 def enqueue(runtime: Runtime, new: NewJob, call: Mapping[str, Any]) -> Enqueued | None:
-    """The one-call submit where the broker shares the store's Redis, or ``None``."""
+    """The one-write submit (``Dispatcher.enqueue``), or ``None``.
+
+    ``None`` inside a caller's transaction on the store's database (``django://``
+    in ``transaction.atomic()``): the job is written there ``SCHEDULED`` and
+    dispatched once that commits, so that a crash in between leaves it for
+    the reconciler to replay, never ``DISPATCHED`` with no message.
+    """
+    if after_commit(runtime) is not None:
+        return None
     try:
         return runtime.dispatcher.enqueue(new, reason="apply_async", call=call)
     except exceptions.StoreError as exc:
@@ -172,6 +183,22 @@ def create(runtime: Runtime, new: NewJob) -> Job:
     if decision is not settle.Decision.APPLIED:
         resubmitted(job, new)
     return job
+
+
+def republishes(job: Job) -> bool:
+    """Whether a resubmission publishes ``job`` again: gated, ``DISPATCHED``, no proof it left.
+
+    The one proof a message left while its record is ``DISPATCHED`` is a
+    record written with its message in one step (the Redis one-step submit);
+    after any other ``DISPATCHED`` write (one write before a publish that may
+    have failed, or never run), the message may be missing, and the job would
+    wait for the reconciler's deadline. The gate drops the extra copy where
+    the first one did land.
+    """
+    if job.state is not State.DISPATCHED or not job.options.get(messages.GATED_OPTION):
+        return False
+    last = next((entry for entry in reversed(job.history) if entry.dst is job.state), None)
+    return last is None or ENQUEUED not in last.reason
 
 
 def resubmitted(job: Job, new: NewJob) -> None:

@@ -250,6 +250,66 @@ def test_shared_redis_down_at_submit_then_resubmitted_runs_once(
             store.close()
 
 
+class LoseFirstEnqueue:
+    """The store, with its first one-write submit applied but its answer lost, and the
+    read-back after it failing too: the submit cannot tell, and says so."""
+
+    def __init__(self, store: Any) -> None:
+        self._store = store
+        self.lost = 0
+        self.unreadable = False
+
+    def enqueue(self, new: Any, dispatch: Any) -> Any:
+        result = self._store.enqueue(new, dispatch)
+        if not self.lost:
+            self.lost, self.unreadable = 1, True
+            raise StoreUnavailable("injected: the answer to the enqueue was lost")
+        return result
+
+    def get(self, ref: JobRef) -> Any:
+        if self.unreadable:
+            self.unreadable = False
+            raise StoreUnavailable("injected: the read-back failed")
+        return self._store.get(ref)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+
+@pytest.mark.acceptance_matrix(brokers=("redis", "amqp"), stores=("postgres", "mysql"))
+def test_an_ambiguous_one_write_submit_resubmitted_runs_once(
+    deployment: Deployment, ledger: Ledger
+) -> None:
+    """Scenario 64 on the SQL stores' one-write submit: the statement wrote the record
+    DISPATCHED but its answer was lost before the publish."""
+    app = deployment.app()
+    store = LoseFirstEnqueue(deployment.store())
+    runtime.install(app, store)  # type: ignore[arg-type]
+    try:
+        deployment.start_worker(concurrency=2)
+        # When the submit's one write applies, but neither its answer nor a read-back comes
+        with pytest.raises(SubmitAmbiguous) as raised:
+            deployment.send("gated_record", "amb", task_id="one-write-amb")
+        assert raised.value.task_id == "one-write-amb"
+        # Then the record is DISPATCHED with no message (nothing was published)
+        assert deployment.job_state("one-write-amb") is State.DISPATCHED
+        holds(lambda: ledger.count(task_id="one-write-amb") == 0, seconds=1.0)
+        # When the caller submits the same id again, it is published again, and runs once
+        again = deployment.send("gated_record", "amb", task_id="one-write-amb")
+        assert again.id == "one-write-amb"
+        poll(lambda: deployment.job_state("one-write-amb") is State.SUCCEEDED, timeout=30)
+        holds(lambda: ledger.count(task_id="one-write-amb") == 1, seconds=1.0)
+        job = deployment.job("one-write-amb")
+        assert job is not None and job.dispatches == 2
+        created, first, again_entry = job.history[:3]
+        assert (created.dst, first.dst, again_entry.dst) == (State.SCHEDULED,) + (
+            State.DISPATCHED,
+        ) * 2
+        assert created.at == first.at  # one statement wrote both
+    finally:
+        runtime.reset(app)
+
+
 class LandThenFail:
     """Publishes (twice: the message and a copy), then reports an error: ambiguous."""
 

@@ -559,3 +559,39 @@ def test_a_worker_without_the_gate_runs_each_gated_job_once_and_nothing_redispat
         assert job.dispatches == 1, describe(job)
     holds(lambda: ledger.count(task="gated_record") == OLD_WORKER_JOBS, seconds=1.0)
     assert_ran_once_each(ledger, ids)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.acceptance_matrix(brokers=("redis",), stores=("postgres",))
+def test_a_worker_without_the_gate_runs_each_one_write_submit_once(
+    deployment: Deployment, ledger: Ledger, gate: None
+) -> None:
+    """Scenario 65 on the SQL stores' one-write submit (the record written DISPATCHED by
+    the statement that creates it, then published): with redispatch off, once."""
+    # Given a worker on code from before the gate, consuming a gated task's queue, and a
+    # beat that reconciles (redispatch off: the default)
+    scale_down(deployment)
+    deployment.app()
+    deployment.extra_env[NO_GATE] = "1"
+    deployment.start_worker(concurrency=2)
+    del deployment.extra_env[NO_GATE]
+    deployment.start_beat(every=0)
+    # When gated jobs are sent, each created DISPATCHED by one statement
+    ids = [deployment.send("gated_record", "old-sql", i).id for i in range(OLD_WORKER_JOBS)]
+    for job in jobs_of(deployment, ids):
+        created, dispatched = job.history[:2]
+        assert (created.dst, dispatched.dst, created.at) == (
+            State.SCHEDULED,
+            State.DISPATCHED,
+            dispatched.at,
+        ), describe(job)
+    # Then each body runs once, and the reconciler times each job out at dispatch_deadline
+    # without publishing it again
+    ledger.wait_count(OLD_WORKER_JOBS, task="gated_record")
+    settled = wait_states(deployment, dict.fromkeys(ids, State.TIMEOUT))
+    for job in settled:
+        assert State.RUNNING not in {entry.dst for entry in job.history}, describe(job)
+        assert entry_to(job, State.TIMEOUT).src is State.DISPATCHED, describe(job)
+        assert job.dispatches == 1, describe(job)
+    holds(lambda: ledger.count(task="gated_record") == OLD_WORKER_JOBS, seconds=1.0)
+    assert_ran_once_each(ledger, ids)

@@ -134,9 +134,19 @@ class DjangoStore(SqlStore):
             )
 
     def _attempt(self, fn: Callable[[sa.Connection], _T], *, write: bool, autocommit: bool) -> _T:
-        """Run ``fn`` once in an ``atomic`` block: a transaction, or a savepoint of a caller's."""
-        from django.db import transaction
+        """Run ``fn`` once in an ``atomic`` block: a transaction, or a savepoint of a caller's.
 
+        With ``autocommit`` (``fn`` runs one statement, PostgreSQL) and no
+        transaction open on the connection, the statement runs in Django's
+        autocommit, as the SQL store runs it: no ``BEGIN`` or ``COMMIT``.
+        """
+        from django.db import connections, transaction
+
+        if autocommit:
+            connection = connections[self.alias]
+            if not connection.in_atomic_block and connection.get_autocommit():
+                with self._engine.connect() as conn:
+                    return fn(conn)
         with transaction.atomic(using=self.alias), self._engine.connect() as conn:
             return fn(conn)
 

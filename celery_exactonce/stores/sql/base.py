@@ -126,6 +126,7 @@ class SqlCore:
         self._t = sql_schema.build(table_prefix)
         self._now_col = sa.literal_column(dialect.now, sa.BigInteger)
         self._inserts: dict[str, Any] = {}  # per table, see _insert_absent
+        self._raw_sql: dict[Any, str] = {}  # per statement, see _run_statement
         self._sql = sql_statements.Statements(engine.dialect, self._t, dialect.now, retention)
         # Reading a record by its key: built once (building and keying a select per read
         # cost more than the read), the key bound at execute time.
@@ -197,6 +198,47 @@ class SqlCore:
                 conn.execution_options(**{sql_engine.READ: True})
             with conn.begin():
                 return fn(conn)
+
+    def _run_statement(
+        self, op: str, stmt: sa.TextClause | sa.TextualSelect, params: dict[str, Any]
+    ) -> Any:
+        """PostgreSQL: run one statement in autocommit on a pooled DB-API connection; its row.
+
+        The hot path's one write (``enqueue``): SQLAlchemy's connection,
+        transaction and result objects cost more than the statement's own
+        round trip, so the driver runs it. The pool still checks the
+        connection out (its checkout check included) and takes it back; the
+        error is wrapped as every other (:meth:`_guard`). Not retried: one
+        ``INSERT`` in autocommit waits on no lock another statement holds.
+        """
+        sql = self._raw_sql.get(stmt)
+        if sql is None:
+            sql = self._raw_sql[stmt] = str(stmt.compile(dialect=self._engine.dialect))
+        with self._guard(op):
+            self._check_usable()
+            raw = self._engine.raw_connection()
+            try:
+                driver: Any = raw.driver_connection
+                driver.autocommit = True  # psycopg: local, no round trip while idle
+                try:
+                    with driver.cursor() as cursor:
+                        cursor.execute(sql, params)
+                        return cursor.fetchone()
+                except self._driver_errors as exc:
+                    # As SQLAlchemy wraps it (so :meth:`_guard` tells it as every other),
+                    # the connection dropped from the pool if it broke.
+                    broken = bool(getattr(driver, "broken", False) or driver.closed)
+                    if broken:
+                        raw.invalidate(exc)
+                    dbapi = self._engine.dialect.loaded_dbapi
+                    raise sa_exc.DBAPIError.instance(
+                        sql, params, exc, dbapi.Error, connection_invalidated=broken
+                    ) from exc
+                finally:
+                    if not driver.closed:
+                        driver.autocommit = False
+            finally:
+                raw.close()  # back to the pool
 
     def _run_idempotent(self, op: str, fn: Callable[[], None]) -> None:
         """Run ``fn`` (idempotent, no one transaction) under the guard, again while unavailable."""

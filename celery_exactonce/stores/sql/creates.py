@@ -31,15 +31,17 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
+from datetime import datetime, timezone
 from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy import exc as sa_exc
 
-from celery_exactonce.core import jobs, refs, times
+from celery_exactonce.core import exceptions, jobs, refs, times
 from celery_exactonce.core.jobs import CreateResult, CreateStatus
 from celery_exactonce.core.refs import Space
-from celery_exactonce.core.writes import NewJob
+from celery_exactonce.core.states import State
+from celery_exactonce.core.writes import NewJob, Transition
 from celery_exactonce.stores.sql import engine as sql_engine
 from celery_exactonce.stores.sql.base import Rerun, Slow, SqlCore
 
@@ -266,6 +268,47 @@ class SqlCreates(SqlCore):
         # A create that committed after this statement began (and so is not in its
         # snapshot) made the record or moved the mark: the transaction reads them.
         return None
+
+    def _enqueue_op(
+        self, new: NewJob, dispatch: Transition
+    ) -> Callable[[sa.Connection], CreateResult]:
+        """The transaction of ``enqueue``: one ``INSERT``, and a read only when the key exists."""
+
+        def op(conn: sa.Connection) -> CreateResult:
+            returning = self._postgresql or self._engine.dialect.name == "sqlite"
+            returning = returning or self._insert_returning()
+            stmt, params = self._sql.enqueue(self._namespace, new, dispatch, returning=returning)
+            try:
+                result = conn.execute(stmt, params)
+            except sa_exc.IntegrityError as exc:
+                if sql_engine.error_code(exc.orig) != sql_engine.DUPLICATE_KEY:
+                    raise
+            else:
+                row = result.first() if returning else None
+                if row is not None or not returning:
+                    # MySQL without RETURNING: inserted (no duplicate key); the times of the
+                    # record answered are this process's estimate of the store's
+                    now = times.from_micros(row.now_) if row else datetime.now(timezone.utc)
+                    return CreateResult(CreateStatus.CREATED, self._enqueued(new, dispatch, now))
+            existing = self._select_existing(conn, new.ref)
+            if existing is None:  # purged since the insert met it: try again
+                raise Rerun
+            return CreateResult(CreateStatus.EXISTS, existing)
+
+        return op
+
+    @staticmethod
+    def _check_enqueue(new: NewJob, dispatch: Transition) -> None:
+        """``InvalidRequest`` unless ``new`` is ``SCHEDULED`` and ``dispatch`` its dispatch."""
+        if new.entry is not None or new.state is not State.SCHEDULED:
+            raise exceptions.InvalidRequest(f"enqueue of {new.ref}: a SCHEDULED job, no occurrence")
+        if dispatch.to is not State.DISPATCHED or dispatch.expect != {State.SCHEDULED}:
+            raise exceptions.InvalidRequest(f"enqueue of {new.ref}: SCHEDULED -> DISPATCHED only")
+
+    @staticmethod
+    def _enqueued(new: NewJob, dispatch: Transition, now: datetime) -> jobs.Job:
+        """The record an ``enqueue`` wrote at store time ``now``, built here, not read back."""
+        return jobs.apply_transition(jobs.job_from_new(new, now), dispatch, now)
 
     def _clock_and_epoch(self, conn: sa.Connection) -> tuple[int, str | None]:
         """The store's time (microseconds) and the namespace's epoch, in one statement."""

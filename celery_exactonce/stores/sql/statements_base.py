@@ -26,7 +26,7 @@ Not here: the statements themselves (the transition and the heartbeat in
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import sqlalchemy as sa
@@ -98,6 +98,12 @@ def entry_parts(entry: HistoryEntry, *, src: bool) -> tuple[str, ...]:
     head, _, rest = text.partition(_encode(_SRC)) if src else ("", "", text)
     mid, _, tail = rest.partition(_encode(_AT))
     return (f'{head}"', f'"{mid}', tail) if src else (mid, tail)
+
+
+def history_parts(history: Sequence[HistoryEntry]) -> list[str]:
+    """The JSON text of ``history`` cut where SQL puts each entry's store time."""
+    text = _encode([{**entry.to_json(), "at": _AT} for entry in history])
+    return text.split(_encode(_AT))
 
 
 class StatementCore:

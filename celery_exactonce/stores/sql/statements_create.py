@@ -26,33 +26,40 @@ from typing import Any
 import sqlalchemy as sa
 
 from celery_exactonce.core import jobs, times
+from celery_exactonce.core.jobs import Job
 from celery_exactonce.core.states import State
-from celery_exactonce.core.writes import NewJob
+from celery_exactonce.core.writes import NewJob, Transition
 from celery_exactonce.stores.sql import schema as sql_schema
-from celery_exactonce.stores.sql.statements_base import JOB_COLUMNS, StatementCore, entry_parts
+from celery_exactonce.stores.sql.statements_base import JOB_COLUMNS, StatementCore, history_parts
 
 
 class CreateStatements(StatementCore):
     """The one-statement creates of one store (see the module docs)."""
 
     def _create_params(self, namespace: str, new: NewJob, epoch: str | None) -> dict[str, Any]:
-        job = jobs.job_from_new(new, times.UNIX_EPOCH)
-        values = sql_schema.job_values(job, namespace, 1.0, key=False)
-        head, tail = entry_parts(job.history[0], src=False)
-        params = {f"c_{name}": value for name, value in values.items()}
-        params.update(
-            k_ns=namespace,
-            k_space=new.ref.space.value,
-            k_id=new.ref.id,
-            h_head=f"[{head}",
-            h_tail=f"{tail}]",
-        )
+        params = self._record_params(namespace, jobs.job_from_new(new, times.UNIX_EPOCH))
         if epoch is not None:
             params["epoch"] = epoch
         return params
 
-    def _job_values_sql(self, running: bool) -> list[str]:
-        """The ``SELECT`` list that inserts a new record (``clock``/``now``: the store time)."""
+    def _record_params(self, namespace: str, job: Job) -> dict[str, Any]:
+        """The bound values inserting ``job`` (its times aside: SQL writes the store time).
+
+        The history is JSON text cut where each entry's time goes: ``h_0``,
+        ``h_1``... around them (:meth:`_job_values_sql`).
+        """
+        values = sql_schema.job_values(job, namespace, 1.0, key=False)
+        params = {f"c_{name}": value for name, value in values.items()}
+        params.update(k_ns=namespace, k_space=job.ref.space.value, k_id=job.ref.id)
+        for i, piece in enumerate(history_parts(job.history)):
+            params[f"h_{i}"] = piece
+        return params
+
+    def _job_values_sql(self, running: bool, entries: int = 1) -> list[str]:
+        """The ``SELECT`` list that inserts a new record (``clock``/``now``: the store time).
+
+        ``entries``: how many entries its history has, each stamped with the store time.
+        """
         now, exprs = self._now, []
         for name in JOB_COLUMNS:
             if name in ("namespace", "space", "id"):
@@ -61,9 +68,10 @@ class CreateStatements(StatementCore):
             elif name in ("created_at", "touched_at") or (name == "heartbeat_at" and running):
                 exprs.append(now)
             elif name == "history":
-                exprs.append(
-                    self._concat(self._param("h_head", name), now, self._param("h_tail", name))
-                )
+                parts = [self._param("h_0", name)]
+                for i in range(1, entries + 1):
+                    parts += [now, self._param(f"h_{i}", name)]
+                exprs.append(self._concat(*parts))
             else:
                 exprs.append(self._param(f"c_{name}", name))
         return exprs
@@ -149,3 +157,39 @@ class CreateStatements(StatementCore):
             )
 
         return self._text(shape, build, ("now_", "stored_")), params
+
+    def enqueue(
+        self, namespace: str, new: NewJob, dispatch: Transition, *, returning: bool
+    ) -> tuple[sa.TextClause | sa.TextualSelect, dict[str, Any]]:
+        """One ``INSERT``: ``new`` created with ``dispatch`` applied, unless its key exists.
+
+        For a job that is not an occurrence, created ``SCHEDULED``: the record
+        is written ``DISPATCHED`` under ``dispatch.new_rev``, both entries in its
+        history, every time the store time of the statement. No epoch and no
+        read: with ``returning`` (PostgreSQL, SQLite, MariaDB ≥ 10.5) the
+        statement answers one row, ``now_``, the store time it wrote, and none
+        when the key exists (PostgreSQL, SQLite: ``ON CONFLICT DO NOTHING``);
+        MySQL and MariaDB refuse the duplicate key with an error.
+        """
+        job = jobs.apply_transition(
+            jobs.job_from_new(new, times.UNIX_EPOCH), dispatch, times.UNIX_EPOCH
+        )
+        params = self._record_params(namespace, job)
+
+        def build() -> str:
+            c = self._col
+            columns = ", ".join(c[name] for name in JOB_COLUMNS)
+            values = ", ".join(self._job_values_sql(False, entries=len(job.history)))
+            # (SQLite parses ``ON CONFLICT`` after a ``SELECT`` only once it has a ``WHERE``.)
+            source = {"postgresql": " FROM clock", "sqlite": " WHERE true"}.get(
+                self.name, " FROM DUAL"
+            )
+            on_conflict = "" if self.name == "mysql" else " ON CONFLICT DO NOTHING"
+            answer = f" RETURNING {c['created_at']} AS now_" if returning else ""
+            return (
+                f"{self._with_clock}INSERT INTO {self._jobs} ({columns}) SELECT {values}{source}"
+                f"{on_conflict}{answer}"
+            )
+
+        shape = ("enqueue", len(job.history), returning)
+        return self._text(shape, build, ("now_",) if returning else ()), params

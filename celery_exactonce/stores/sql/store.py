@@ -62,7 +62,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from celery_exactonce.core import times
-from celery_exactonce.core.jobs import CreateResult, Job, TransitionResult
+from celery_exactonce.core.jobs import CreateResult, CreateStatus, Job, TransitionResult
 from celery_exactonce.core.refs import JobRef
 from celery_exactonce.core.skipped_slots import SkippedSlots
 from celery_exactonce.core.states import State
@@ -217,6 +217,29 @@ class SqlStore(SqlCreates, SqlTransitions, SqlScans, SqlLeases):
             self._check_usable()
             return []
         return self._run("create_many", self._create_many_op(news, epoch, brief))
+
+    def enqueue(self, new: NewJob, dispatch: Transition) -> CreateResult:
+        """The one-write submit: ``new`` created already ``DISPATCHED``, unless its ref exists.
+
+        ``new`` is ``SCHEDULED`` and no occurrence; ``dispatch`` is its
+        ``SCHEDULED → DISPATCHED`` (on ``new.rev``), applied in the same
+        ``INSERT``: the record holds ``dispatch.new_rev`` and both history
+        entries, stamped with the statement's store time. One statement and
+        one commit (PostgreSQL: the statement alone, in autocommit): no read
+        before it, no epoch. ``CREATED`` answers the record built here (not
+        read back); a ref that exists answers ``EXISTS`` with the record as it
+        is (a second statement). Repeating a call that applied answers
+        ``EXISTS`` with a record whose ``rev`` is ``dispatch.new_rev``.
+        """
+        self._check_enqueue(new, dispatch)
+        if self._postgresql and self.owns_transactions:  # the statement alone, on the driver
+            stmt, params = self._sql.enqueue(self._namespace, new, dispatch, returning=True)
+            row = self._run_statement("enqueue", stmt, params)
+            if row is not None:
+                now = times.from_micros(row[0])
+                return CreateResult(CreateStatus.CREATED, self._enqueued(new, dispatch, now))
+            # The ref exists: the general way answers its record (its INSERT changes nothing).
+        return self._run("enqueue", self._enqueue_op(new, dispatch), autocommit=self._autocommit)
 
     def get(self, ref: JobRef) -> Job | None:
         return self._run("get", lambda conn: self._select_job(conn, ref), write=False)

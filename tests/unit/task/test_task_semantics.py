@@ -196,9 +196,18 @@ def test_a_resubmitted_task_id_returns_the_job_and_is_counted(world: World) -> N
     add = world.app.tasks["t.add"]
     task_id = uuid.uuid4().hex
     add.apply_async((1, 2), task_id=task_id)
+    first = world.job(task_id)
+    # Found DISPATCHED, with no proof its message left: published again (the gate
+    # drops the copy if the first one landed)
     add.apply_async((1, 2), task_id=task_id)
-    assert len(world.sent) == 1
+    assert len(world.sent) == 2
     assert metrics.COUNTERS.get("resubmitted") == 1
+    assert world.deliver("t.add", first) == "ran"
+    assert world.deliver("t.add", world.job(task_id)) == "ignored"
+    # Once a delivery passed the gate, a resubmission publishes nothing
+    add.apply_async((1, 2), task_id=task_id)
+    assert len(world.sent) == 2
+    assert metrics.COUNTERS.get("resubmitted") == 2
 
 
 def test_a_task_id_reused_in_another_canvas_is_a_conflict(world: World) -> None:

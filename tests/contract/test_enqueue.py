@@ -1,0 +1,154 @@
+"""The one-write submit of the SQL stores: ``enqueue``, a record created already ``DISPATCHED``.
+
+Per SQL store (the others have no such write, or push a message with it: the
+Redis one-step submit, ``tests/integration/test_enqueue.py``). One statement
+writes the record as a create then a ``SCHEDULED → DISPATCHED`` transition
+would: the gate takes it as any dispatched job; a ref that exists is answered
+with its record, unchanged.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import pytest
+
+from celery_exactonce.core.exceptions import InvalidRequest
+from celery_exactonce.core.jobs import CreateStatus, HistoryEntry, apply_transition, job_from_new
+from celery_exactonce.core.refs import JobRef
+from celery_exactonce.core.states import State
+from celery_exactonce.core.writes import NewJob, Transition
+from celery_exactonce.stores.base import StateStore
+from celery_exactonce.stores.sql.store import SqlStore
+
+
+@pytest.fixture
+def sql_store(store: StateStore) -> Any:
+    if not isinstance(store, SqlStore):
+        pytest.skip("the one-write submit of the SQL stores")
+    return store
+
+
+def _new(job_id: str = "e1", **kw: Any) -> NewJob:
+    return NewJob(
+        JobRef.submitted(job_id),
+        "t.add",
+        State.SCHEDULED,
+        node="submitter",
+        args=[1, 2],
+        kwargs={"k": "é"},
+        options={"exactonce_gated": True, "queue": "q"},
+        reason="apply_async",
+        **kw,
+    )
+
+
+def _dispatch(new: NewJob) -> Transition:
+    return Transition(
+        State.DISPATCHED,
+        frozenset({State.SCHEDULED}),
+        node="submitter",
+        reason="apply_async",
+        rev=new.rev,
+    )
+
+
+def test_enqueue_writes_the_record_a_create_and_its_dispatch_write(sql_store: Any) -> None:
+    new = _new()
+    dispatch = _dispatch(new)
+    before = sql_store.now()
+    result = sql_store.enqueue(new, dispatch)
+    assert result.status is CreateStatus.CREATED and result.job is not None
+    stored = sql_store.get(new.ref)
+    assert stored is not None
+    # The record is the create then the dispatch, every time the statement's store time
+    at = stored.created_at
+    assert before <= at <= sql_store.now()
+    assert stored == apply_transition(job_from_new(new, at), dispatch, at)
+    assert stored.state is State.DISPATCHED and stored.rev == dispatch.new_rev
+    assert stored.dispatches == 1 and stored.touched_at == at
+    assert [(h.src, h.dst, h.at) for h in stored.history] == [
+        (None, State.SCHEDULED, at),
+        (State.SCHEDULED, State.DISPATCHED, at),
+    ]
+    # What it answered is that record, built without reading it back (the times: the store's
+    # where the statement answers them, else this process's estimate)
+    assert result.job.ref == stored.ref and result.job.rev == stored.rev
+    assert result.job.history[-1] == HistoryEntry(
+        State.SCHEDULED,
+        State.DISPATCHED,
+        result.job.touched_at,
+        "submitter",
+        "apply_async",
+        dispatch.new_rev,
+    )
+    # And the gate takes it as any dispatched job
+    gate = Transition(
+        State.RUNNING,
+        frozenset({State.SCHEDULED, State.DISPATCHED}),
+        node="worker",
+        reason="gate",
+        attempt=0,
+        new_run_id="run-1",
+    )
+    assert sql_store.transition(new.ref, gate).applied
+
+
+def test_enqueue_of_a_ref_that_exists_answers_its_record_unchanged(sql_store: Any) -> None:
+    new = _new("e2")
+    dispatch = _dispatch(new)
+    assert sql_store.enqueue(new, dispatch).created
+    written = sql_store.get(new.ref)
+    # Repeated (its answer lost, say): EXISTS with the record, whose rev is the dispatch's
+    again = sql_store.enqueue(new, dispatch)
+    assert again.status is CreateStatus.EXISTS and again.job == written
+    assert again.job is not None and again.job.rev == dispatch.new_rev
+    # Another submit of the same ref: EXISTS, nothing written
+    other = _new("e2")
+    answer = sql_store.enqueue(other, _dispatch(other))
+    assert answer.status is CreateStatus.EXISTS and answer.job == written
+    assert sql_store.get(new.ref) == written
+    # And a record created the general way is answered as it is
+    plain = _new("e3")
+    assert sql_store.create(plain).created
+    created = sql_store.get(plain.ref)
+    late = _new("e3")
+    assert sql_store.enqueue(late, _dispatch(late)).job == created
+    assert sql_store.get(plain.ref) == created
+
+
+def test_enqueue_takes_a_scheduled_job_and_its_dispatch_only(sql_store: Any) -> None:
+    pending = NewJob(
+        JobRef.submitted("e4"),
+        "t.add",
+        State.PENDING,
+        node="n",
+        run_at=sql_store.now() + timedelta(hours=1),
+    )
+    with pytest.raises(InvalidRequest):
+        sql_store.enqueue(pending, _dispatch(pending))
+    new = _new("e5")
+    running = Transition(
+        State.RUNNING, frozenset({State.SCHEDULED}), node="n", reason="r", new_run_id="x"
+    )
+    with pytest.raises(InvalidRequest):
+        sql_store.enqueue(new, running)
+    assert sql_store.get(new.ref) is None and sql_store.get(pending.ref) is None
+
+
+def test_enqueue_without_insert_returning_writes_the_record_and_answers_exists(
+    sql_store: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """MySQL has no ``INSERT … RETURNING``: the insert alone, the duplicate key its refusal."""
+    if sql_store.engine.dialect.name != "mysql":
+        pytest.skip("the MySQL dialect's way")
+    monkeypatch.setattr(sql_store, "_insert_returning", lambda: False)
+    new = _new("e6")
+    dispatch = _dispatch(new)
+    assert sql_store.enqueue(new, dispatch).created
+    stored = sql_store.get(new.ref)
+    assert stored is not None and stored.state is State.DISPATCHED
+    assert stored.rev == dispatch.new_rev and stored.history[0].at == stored.history[1].at
+    again = sql_store.enqueue(new, dispatch)
+    assert again.status is CreateStatus.EXISTS and again.job == stored
