@@ -1,12 +1,12 @@
-"""A brief batch of transitions on PostgreSQL is one ``UPDATE``, each row's CAS unchanged.
+"""A brief batch of transitions on PostgreSQL is one pipeline, each row's CAS unchanged.
 
 Beat's and the dispatcher's ``DISPATCHED`` and ``PUBLISHED`` writes of a chunk
-are a brief ``transition_many``; on PostgreSQL the store sends it as one
-statement (``stores/sql/statements_batch.py``). These tests hold it to the
-one-row statement's result, row by row: the same record written, a refused
-row undoing the batch (then decided one row at a time), and concurrent
-batches over the same jobs each applying every job exactly once, without a
-deadlock.
+are a brief ``transition_many``; on PostgreSQL the store sends each row's
+one-row statement in one psycopg pipeline (``stores/sql/statements_batch.py``).
+These tests hold it to the one-row statement's result, row by row: the same
+record written, a refused row undoing the batch (then decided one row at a
+time), and concurrent batches over the same jobs each applying every job
+exactly once, without a deadlock.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
 import sqlalchemy as sa
 
@@ -42,6 +43,20 @@ def store(tmp_path: Path) -> Iterator[SqlStore]:
     store.close()
 
 
+def _pipelines(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The rows of every ``executemany`` psycopg is asked for from now on."""
+    calls: list[int] = []
+    executemany = psycopg.Cursor.executemany
+
+    def spy(self: psycopg.Cursor[Any], query: Any, params_seq: Any, **kwargs: Any) -> None:
+        rows = list(params_seq)
+        calls.append(len(rows))
+        executemany(self, query, rows, **kwargs)
+
+    monkeypatch.setattr(psycopg.Cursor, "executemany", spy)
+    return calls
+
+
 def _updates(store: SqlStore) -> list[str]:
     """The ``UPDATE``s and savepoint statements ``store`` sends from now on (a list that grows)."""
     sent: list[str] = []
@@ -54,19 +69,21 @@ def _updates(store: SqlStore) -> list[str]:
     return sent
 
 
-def test_a_brief_batch_is_one_update_that_writes_what_each_cas_would(store: SqlStore) -> None:
+def test_a_brief_batch_is_one_pipeline_that_writes_what_each_cas_would(
+    store: SqlStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # Given a chunk of scheduled jobs
     news = [task_job() for _ in range(CHUNK)]
     store.create_many(news, brief=True)
     listed = [store.get(new.ref) for new in news]
     requests = [(new.ref, to(State.DISPATCHED, State.SCHEDULED, rev=new.rev)) for new in news]
-    sent = _updates(store)
+    sent, pipelines = _updates(store), _pipelines(monkeypatch)
     # When the chunk is written DISPATCHED, brief
     results = store.transition_many(requests, brief=True)
-    # Then every CAS applied, in one UPDATE
+    # Then every CAS applied, in one pipeline of the chunk's rows, no UPDATE sent alone
     assert [r.status for r in results] == [TransitionStatus.APPLIED] * CHUNK
-    updates = [s for s in sent if "SAVEPOINT" not in s.split()[:3]]
-    assert len(updates) == 1, updates
+    assert pipelines == [CHUNK]
+    assert [s.split()[0] for s in sent] == ["SAVEPOINT", "RELEASE"], sent
     # and each record is what apply_transition computes from the listed one
     for job, (ref, request) in zip(listed, requests, strict=True):
         after = store.get(ref)
@@ -75,7 +92,9 @@ def test_a_brief_batch_is_one_update_that_writes_what_each_cas_would(store: SqlS
         assert after == local
 
 
-def test_a_refused_row_undoes_the_batch_and_each_row_is_decided_alone(store: SqlStore) -> None:
+def test_a_refused_row_undoes_the_batch_and_each_row_is_decided_alone(
+    store: SqlStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # Given a chunk where one job's listed rev is stale
     news = [task_job() for _ in range(CHUNK)]
     store.create_many(news, brief=True)
@@ -84,12 +103,13 @@ def test_a_refused_row_undoes_the_batch_and_each_row_is_decided_alone(store: Sql
         (new.ref, to(State.DISPATCHED, State.SCHEDULED, rev="stale" if i == stale else new.rev))
         for i, new in enumerate(news)
     ]
-    sent = _updates(store)
+    sent, pipelines = _updates(store), _pipelines(monkeypatch)
     # When the chunk is written DISPATCHED, brief
     results = store.transition_many(requests, brief=True)
-    # Then the batch statement ran, was rolled back, and the rows went one at a time
-    assert "unnest" in sent[1] and sent[2].startswith("ROLLBACK TO SAVEPOINT"), sent[:3]
-    assert len(sent) == 3 + CHUNK, len(sent)
+    # Then the pipeline ran, was rolled back, and the rows went one at a time
+    assert pipelines == [CHUNK]
+    assert sent[1].startswith("ROLLBACK TO SAVEPOINT"), sent[:2]
+    assert len(sent) == 2 + CHUNK, len(sent)
     # and every answer is the one-row CAS's: the stale one refused with its record, unchanged
     assert [r.status for r in results] == [
         TransitionStatus.CONFLICT if i == stale else TransitionStatus.APPLIED for i in range(CHUNK)

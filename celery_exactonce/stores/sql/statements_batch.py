@@ -1,22 +1,24 @@
-"""A batch of transitions as one statement, on PostgreSQL: :class:`BatchStatements`.
+"""A batch of transitions in one round trip, on PostgreSQL: :class:`BatchStatements`.
 
 A brief ``transition_many`` (beat's and the dispatcher's ``DISPATCHED`` and
-``PUBLISHED`` writes of a chunk) would otherwise send one guarded ``UPDATE``
-per job. On PostgreSQL the batch is the same guarded ``UPDATE`` of
-:mod:`~celery_exactonce.stores.sql.statements` run once for every row: the
-values that differ per job (its key, the guards' values, the new ``rev``, the
-history entry) are bound as arrays, one element per job, and joined to the
-table through ``unnest(...) WITH ORDINALITY``; the rest (the target state,
-the node, the lease...) is bound once. ``RETURNING`` names the jobs it
-changed. Each row is decided by the same ``WHERE`` as its one-row
-statement, evaluated on the row as the row lock finds it (PostgreSQL
-rechecks a row a concurrent writer changed): the compare-and-swap per row
-is the one-row statement's.
+``PUBLISHED`` writes of a chunk) would otherwise wait for one guarded
+``UPDATE`` per job, one after the other. On PostgreSQL with psycopg 3, the
+batch is the same one-row ``UPDATE`` of
+:mod:`~celery_exactonce.stores.sql.statements`, once per job, sent as one
+``executemany`` in pipeline mode: every statement sent before the first
+answer is read, so the batch waits for the network once. Each row is
+decided by its own one-row statement, with the plan that statement has
+(the primary key), and the statements run in the order given, in one
+transaction: the compare-and-swap per row is the one-row statement's.
 
 Only a batch whose transitions share one shape (the same statement text:
-the same guards, target, lease...), the same shared values and no key twice
-is one statement; any other goes one row at a time. The rows are bound in
-key order, the order every batch locks its rows in.
+the same guards, target, lease...) goes this way; any other goes one row
+at a time.
+
+A single ``UPDATE … FROM unnest(<arrays>)`` was tried first: PostgreSQL
+planned it from the namespace (a new namespace looks rare to its
+statistics) and read every job of the namespace for each batch, 0.3 s a
+batch of 32 with 10,000 jobs. The pipeline keeps each row on its key.
 
 Not here: what a row the statement did not change means (the store decides
 it again the locking way, :mod:`~celery_exactonce.stores.sql.transitions`),
@@ -25,7 +27,6 @@ the one-row statement (:mod:`~celery_exactonce.stores.sql.statements`).
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,80 +34,47 @@ import sqlalchemy as sa
 
 from celery_exactonce.core.refs import JobRef
 from celery_exactonce.core.writes import Transition
+from celery_exactonce.stores.sql import schema as sql_schema
 from celery_exactonce.stores.sql.statements import Statements
-
-#: The parameters of the one-row statement that differ per job: bound as arrays.
-_ROW_PARAMS = frozenset(
-    {
-        "k_space",
-        "k_id",
-        "s_rev",
-        "e_head",
-        "e_mid",
-        "e_tail",
-        "g_rev",
-        "g_attempt",
-        "g_run_id",
-        "g_task",
-        "g_stale",
-        "s_run_id",
-        "s_run_at",
-    }
-)
-#: Those of them that are integers (the others are text).
-_INTEGER_PARAMS = frozenset({"g_attempt", "g_stale", "s_run_at"})
-#: The expected states, ``x0``, ``x1``...: per job too (one shape, the same count).
-_EXPECTED = re.compile(r"x\d+")
 
 
 class BatchStatements(Statements):
-    """:class:`Statements`, and a brief batch of transitions as one statement (PostgreSQL)."""
+    """:class:`Statements`, and a brief batch of transitions as one pipeline (PostgreSQL)."""
+
+    def __init__(
+        self, dialect: sa.Dialect, tables: sql_schema.Tables, now: str, retention: float
+    ) -> None:
+        super().__init__(dialect, tables, now, retention)
+        self._dialect = dialect
+        # A pipeline needs psycopg 3 (its ``executemany(returning=True)``) and a libpq
+        # that has pipeline mode.
+        self._pipeline = self._pg and dialect.driver == "psycopg" and _pipeline_supported()
+        self._compiled: dict[tuple[Any, ...], str] = {}
 
     def transition_batch(
         self, namespace: str, items: Sequence[tuple[JobRef, Transition]]
-    ) -> tuple[sa.TextClause | sa.TextualSelect, dict[str, Any]] | None:
-        """One brief guarded ``UPDATE`` of every item, in the order given; ``None``: not one.
+    ) -> tuple[str, list[dict[str, Any]]] | None:
+        """The driver's SQL of the one-row brief statement, and each item's parameters.
 
-        The statement answers the 1-based position (``i``) of each item it
-        changed. ``None`` when the items cannot be one statement: not
-        PostgreSQL, fewer than two, shapes or shared values that differ, a
-        key twice.
+        ``None`` when the items do not go as one pipeline: not PostgreSQL on
+        psycopg 3 with pipeline mode, fewer than two items, shapes that differ.
         """
-        if not self._pg or len(items) < 2:
+        if not self._pipeline or len(items) < 2:
             return None
         parts = [self._transition_parts(namespace, ref, t, brief=True) for ref, t in items]
-        shape, first = parts[0]
-        names = first.keys()
-        rows = tuple(sorted(n for n in names if n in _ROW_PARAMS or _EXPECTED.fullmatch(n)))
-        shared = [n for n in names if n not in rows]
-        for other_shape, params in parts[1:]:
-            if (
-                other_shape != shape
-                or params.keys() != names
-                or any(params[n] != first[n] for n in shared)
-            ):
-                return None
-        if len({(p["k_space"], p["k_id"]) for _, p in parts}) != len(parts):
+        shape = parts[0][0]
+        if any(other != shape for other, _ in parts[1:]):
             return None
-        bound = {n: first[n] for n in shared}
-        bound.update((f"a_{n}", [params[n] for _, params in parts]) for n in rows)
-        return self._text(
-            ("transition_batch", shape, rows), lambda: self._batch_sql(shape, rows), ("i",)
-        ), bound
+        sql = self._compiled.get(shape)
+        if sql is None:
+            stmt, _ = self.transition(namespace, items[0][0], items[0][1], brief=True)
+            sql = self._compiled[shape] = str(stmt.compile(dialect=self._dialect))
+        return sql, [params for _, params in parts]
 
-    def _batch_sql(self, shape: tuple[Any, ...], rows: tuple[str, ...]) -> str:
-        """The one-row statement of ``shape``, its per-job parameters read from the arrays."""
-        sql = self._transition_sql(shape)
-        # The per-job parameters become the columns of ``v`` (a colon escaped in the
-        # clock's SQL, or inside a word, is no parameter).
-        per_job = re.compile(r"(?<![\w\\]):(" + "|".join(rows) + r")\b")
-        sql = per_job.sub(r"v.\1", sql)
-        arrays = ", ".join(
-            f"CAST(:a_{n} AS {'BIGINT' if n in _INTEGER_PARAMS else 'TEXT'}[])" for n in rows
-        )
-        source = f" FROM clock, unnest({arrays}) WITH ORDINALITY AS v({', '.join(rows)}, i) WHERE "
-        for old, new in ((" FROM clock WHERE ", source), (" RETURNING 1 AS one", " RETURNING v.i")):
-            if sql.count(old) != 1:  # pragma: no cover - the one-row statement changed shape
-                raise AssertionError(f"the transition statement has no single {old.strip()!r}")
-            sql = sql.replace(old, new)
-        return sql
+
+def _pipeline_supported() -> bool:
+    try:
+        import psycopg
+    except ImportError:  # pragma: no cover - the psycopg dialect imported it
+        return False
+    return bool(psycopg.Pipeline.is_supported())
