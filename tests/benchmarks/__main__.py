@@ -15,10 +15,15 @@ Suites (``--suite all``, the default, runs every one):
 * ``claims``: beat's claims per second per store, won and lost (``claims.py``);
 * ``shards``: beat's claims on a 3-master Redis Cluster, the namespace on one
   shard against three: claims/s and the store's ceiling (``shards.py``);
-* ``submit``, ``e2e``, ``group``: ``.delay()`` per store and broker, no-op
-  tasks through a real worker, and groups of 100 signatures, each from
-  alternating plain and gated rounds of one run (``submit.py``, ``e2e.py``,
-  ``group.py``, ``rounds.py``).
+* ``submit``, ``e2e``, ``group``: ``.delay()`` per store (the ``django://``
+  store on PostgreSQL among them) and broker, no-op tasks through a real
+  worker per store, and groups of 100 signatures, each from alternating plain
+  and gated rounds of one run (``submit.py``, ``e2e.py``, ``group.py``,
+  ``rounds.py``).
+
+The run ends with a summary: every ratio against plain Celery it measured
+(``submit``, ``e2e``, ``beat`` on each store), beside its target
+(``summary.py``).
 
 ``--small`` makes every suite tiny (a smoke run of a minute or less): sizes
 given on the command line still win.
@@ -39,7 +44,7 @@ from celery_exactonce.core.states import State
 from celery_exactonce.core.writes import NewJob, Transition
 from celery_exactonce.stores.base import StateStore
 from tests import services
-from tests.benchmarks import submit
+from tests.benchmarks import submit, summary
 from tests.benchmarks.rounds import Rounds, table
 from tests.support.backends import BACKENDS, DJANGO_BACKENDS, StoreFactory
 
@@ -153,6 +158,9 @@ SMALL = {
     "shard_processes": 2,
     "shard_claims": 500,
     "shard_runs": 1,
+    # The SQL store's paths of the e2e and beat suites, on one SQL store: a smoke run.
+    "e2e_stores": "redis,postgres",
+    "beat_stores": "redis,postgres",
 }
 #: Seconds of the beat suite's slot and of the reconcile suite's stale/fresh gap, small runs.
 SMALL_SLOT_SECONDS = 2
@@ -175,8 +183,15 @@ def main(argv: list[str] | None = None) -> int:
         # Not the django:// stores: they need a Django project's settings (the tests'
         # come with pytest), and they are the SQL store on a Django connection.
         default=",".join(b for b in BACKENDS if b not in DJANGO_BACKENDS),
-        help="stores (submit: all but memory)",
+        help="stores of the stores and claims suites",
     )
+    parser.add_argument(
+        "--submit-stores", default=",".join(submit.STORES), help="stores (submit suite)"
+    )
+    parser.add_argument(
+        "--e2e-stores", default="redis,postgres,mysql,sqlite", help="stores (e2e suite)"
+    )
+    parser.add_argument("--beat-stores", default="redis,postgres", help="stores (beat suite)")
     parser.add_argument("--suite", choices=(*SUITES, "all"), default="all", help="which figures")
     parser.add_argument("--small", action="store_true", help="tiny sizes: a quick smoke run")
     parser.add_argument("--entries", type=int, default=10_000, help="beat entries (beat suite)")
@@ -226,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     status = 0
     for suite in suites:
         status = figures[suite](args) or status
+    print("\n".join(summary.lines()))
     return status
 
 
@@ -235,7 +251,7 @@ def submit_figures(args: argparse.Namespace) -> int:
         return 1
     rows: list[tuple[str, Rounds]] = []
     brokers = args.brokers.split(",")
-    for store in (b for b in args.backends.split(",") if b in submit.STORES):
+    for store in (b for b in args.submit_stores.split(",") if b in submit.STORES):
         for broker in brokers:
             down = [
                 s
@@ -246,8 +262,17 @@ def submit_figures(args: argparse.Namespace) -> int:
                 url = services.SERVICE_URLS[down[0]]
                 print(f"submit: {store} store, {broker} broker skipped, {url} does not answer")
                 continue
-            rows.append(
-                (f"{store} / {broker}", submit.measure(store, broker, args.submits, args.rounds))
+            figures = submit.measure(store, broker, args.submits, args.rounds)
+            rows.append((f"{store} / {broker}", figures))
+            summary.add(
+                summary.Row(
+                    f".delay() gated: {summary.store_name(store)} store / "
+                    f"{summary.BROKER_NAMES.get(broker, broker)} broker",
+                    f"{figures.plain_rate:,.0f} calls/s",
+                    f"{figures.ours_rate:,.0f} calls/s",
+                    figures.ratio,
+                    summary.SUBMIT_TARGETS.get((store, broker)),
+                )
             )
     if not rows:
         return 1
@@ -265,14 +290,35 @@ def e2e_figures(args: argparse.Namespace) -> int:
         return 1
     from tests.benchmarks import e2e
 
-    figures = e2e.run(args.e2e_tasks, args.rounds)
+    rows: list[tuple[str, Rounds]] = []
+    status = 0
+    for store in args.e2e_stores.split(","):
+        service = submit.service_of(store)
+        if service and not services.answers(service):
+            print(f"e2e: {store} store skipped, {services.SERVICE_URLS[service]} does not answer")
+            status = 1
+            continue
+        figures = e2e.run(args.e2e_tasks, args.rounds, store)
+        rows.append((f"prefork, queued first, {store}", figures))
+        summary.add(
+            summary.Row(
+                f"no-op end to end, prefork -c {e2e.CONCURRENCY}, "
+                f"{summary.store_name(store)} store",
+                f"{figures.plain_rate:,.0f} tasks/s",
+                f"{figures.ours_rate:,.0f} tasks/s",
+                figures.ratio,
+                summary.E2E_TARGETS.get(store),
+            )
+        )
+    if not rows:
+        return 1
     print(
         f"\nno-op tasks through one prefork worker (-c {e2e.CONCURRENCY}), "
         f"{args.e2e_tasks:,} queued a round, {args.rounds} pairs of rounds, "
-        "on the Redis store and a Redis broker\n"
+        "per store, on a Redis broker\n"
     )
-    print("\n".join(table("worker", "tasks", [("prefork, queued first", figures)])))
-    return 0
+    print("\n".join(table("worker, store", "tasks", rows)))
+    return status
 
 
 def group_figures(args: argparse.Namespace) -> int:
@@ -385,11 +431,30 @@ def beat_figures(args: argparse.Namespace) -> int:
         return 1
     from tests.benchmarks import beat
 
-    print("\nbeat on the Redis store and a Redis broker\n")
     slot = SMALL_SLOT_SECONDS if args.small else beat.SLOT_SECONDS
-    for name, value in beat.run(args.entries, args.rounds, slot):
-        print(f"{name:<45}{value:>30}")
-    return 0
+    status = 0
+    for store in args.beat_stores.split(","):
+        service = submit.service_of(store)
+        if service and not services.answers(service):
+            print(f"beat: {store} store skipped, {services.SERVICE_URLS[service]} does not answer")
+            status = 1
+            continue
+        print(f"\nbeat on the {summary.store_name(store)} store and a Redis broker\n")
+        rows, ratio = beat.run(args.entries, args.rounds, slot, store)
+        for name, value in rows:
+            print(f"{name:<45}{value:>30}")
+        figures = dict(rows)
+        summary.add(
+            summary.Row(
+                f"{args.entries:,} entries due at once, one beat, {summary.store_name(store)}",
+                figures[f"plain apply_async x {args.entries:,} (median)"].split(" (")[0],
+                figures[f"beat, {args.entries:,} due in one slot (median)"].split(" (")[0],
+                ratio,
+                summary.BEAT_TARGETS.get(store),
+                time=True,
+            )
+        )
+    return status
 
 
 def stores(args: argparse.Namespace) -> int:

@@ -4,7 +4,8 @@ One process calls ``.delay(i)`` ``count`` times on a plain task, then ``count``
 times on the same function as a gated task (``base=ExactOnceTask``: each call
 creates the job in the store, CASes it ``DISPATCHED`` and publishes it), in
 alternating rounds (``tests/benchmarks/rounds.py``). Per store (Redis,
-PostgreSQL, MariaDB, SQLite: the URLs of ``tests/support/backends.py``) and
+PostgreSQL, MariaDB, SQLite: the URLs of ``tests/support/backends.py``; and
+the ``django://`` store on PostgreSQL, through the tests' Django settings) and
 per broker: Redis, and RabbitMQ with publisher confirms (``confirm_publish``,
 which a gated app must set on AMQP). Both tasks belong to one app, so the
 plain one publishes with the same broker settings, confirms included. The
@@ -20,6 +21,7 @@ afterwards.
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 import time
@@ -36,10 +38,11 @@ from celery_exactonce import ExactOnceTask, runtime
 from tests import services
 from tests.benchmarks.beat import BROKER_DB
 from tests.benchmarks.rounds import Rounds, alternate
-from tests.support.backends import SHARED_BACKENDS, store_url
+from tests.support.backends import DJANGO_BACKENDS, SHARED_BACKENDS, store_url
 
-#: Stores a gated app can run on (the in-process memory store is no deployment).
-STORES = SHARED_BACKENDS
+#: Stores a gated app can run on (the in-process memory store is no deployment), and the
+#: ``django://`` store on PostgreSQL.
+STORES = (*SHARED_BACKENDS, "django-postgres")
 #: Brokers, each with the ``tests.services`` service it needs.
 BROKERS = ("redis", "rabbitmq")
 
@@ -60,7 +63,18 @@ def transport_options(broker: str) -> dict[str, Any]:
 
 def service_of(name: str) -> str | None:
     """The ``tests.services`` service a store or broker needs (SQLite: none, a file)."""
-    return None if name == "sqlite" else name
+    if name == "sqlite":
+        return None
+    return "postgres" if name == "django-postgres" else name
+
+
+def _django(store: str, tmp: str) -> None:
+    """Django set up in this process with the tests' settings, the store's tables made."""
+    from tests.django_tests.settings import STORE_SQLITE
+    from tests.support.backends import migrate_django_store
+
+    os.environ.setdefault(STORE_SQLITE, os.path.join(tmp, "django-store.sqlite3"))
+    migrate_django_store(DJANGO_BACKENDS[store])
 
 
 def _noop(i: int) -> None:
@@ -113,6 +127,8 @@ def bench_app(store: str, broker: str, name: str = "bench") -> Iterator[Bench]:
     """
     uid = uuid.uuid4().hex[:12]
     tmp = tempfile.mkdtemp(prefix="exactonce-bench-")
+    if store in DJANGO_BACKENDS:
+        _django(store, tmp)
     app = Celery(name, set_as_current=False)
     app.conf.update(
         broker_url=broker_url(broker),

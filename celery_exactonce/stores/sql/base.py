@@ -45,7 +45,7 @@ from celery_exactonce.core.refs import JobRef
 from celery_exactonce.stores import redact_secrets, url_secrets, validate_namespace
 from celery_exactonce.stores.sql import engine as sql_engine
 from celery_exactonce.stores.sql import schema as sql_schema
-from celery_exactonce.stores.sql import statements as sql_statements
+from celery_exactonce.stores.sql import statements_batch as sql_statements_batch
 
 _T = TypeVar("_T")
 _PREFIX_RE = re.compile(r"^[A-Za-z0-9_]{1,32}$")
@@ -127,7 +127,9 @@ class SqlCore:
         self._now_col = sa.literal_column(dialect.now, sa.BigInteger)
         self._inserts: dict[str, Any] = {}  # per table, see _insert_absent
         self._raw_sql: dict[Any, str] = {}  # per statement, see _run_statement
-        self._sql = sql_statements.Statements(engine.dialect, self._t, dialect.now, retention)
+        self._sql = sql_statements_batch.BatchStatements(
+            engine.dialect, self._t, dialect.now, retention
+        )
         # Reading a record by its key: built once (building and keying a select per read
         # cost more than the read), the key bound at execute time.
         c = self._t.jobs.c

@@ -89,6 +89,16 @@ class Statements(CreateStatements):
 
         PostgreSQL returns the record written (``RETURNING``) unless ``brief``.
         """
+        shape, params = self._transition_parts(namespace, ref, t, brief=brief)
+        answers = ("one",) if brief else JOB_COLUMNS
+        return self._text(
+            shape, lambda: self._transition_sql(shape), answers if self._pg else ()
+        ), params
+
+    def _transition_parts(
+        self, namespace: str, ref: JobRef, t: Transition, *, brief: bool
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The shape of ``t``'s statement (what its text depends on), and its parameters."""
         expect = sorted(s.value for s in t.expect - TERMINAL)
         running, terminal = t.to is State.RUNNING, t.to in TERMINAL
         lease = t.lease
@@ -142,10 +152,7 @@ class Statements(CreateStatements):
             terminal,
             t.to is State.DISPATCHED,
         )
-        answers = ("one",) if brief else JOB_COLUMNS
-        return self._text(
-            shape, lambda: self._transition_sql(shape), answers if self._pg else ()
-        ), params
+        return shape, params
 
     def _transition_sql(self, shape: tuple[Any, ...]) -> str:
         _, brief, n_expect, guards, lease, next_attempt, running, run_at, terminal, dispatched = (

@@ -4,6 +4,10 @@
 that decides a transition inside its transaction, with the guards and effects
 of :mod:`celery_exactonce.core.jobs`. A transition goes one of two ways:
 
+* **one round trip for a batch** (:meth:`SqlTransitions._transition_batch`,
+  PostgreSQL): a brief batch of one shape, each row's one-row statement sent
+  in one pipeline (:mod:`~celery_exactonce.stores.sql.statements_batch`); if a
+  row did not apply, the batch is undone (a savepoint) and goes one row at a time;
 * **one statement** (:meth:`SqlTransitions._transition_fast`): the guarded
   ``UPDATE`` of :mod:`~celery_exactonce.stores.sql.statements`, whose
   ``WHERE`` holds every guard (the lease included) and whose ``SET`` restates
@@ -28,6 +32,7 @@ statements' SQL (:mod:`~celery_exactonce.stores.sql.statements`), leases
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import sqlalchemy as sa
 
@@ -48,8 +53,13 @@ class SqlTransitions(SqlLeases):
     ) -> Callable[[sa.Connection], list[TransitionResult]]:
         """The transaction of ``transition_many`` (a batch that is not empty)."""
         order = sorted(range(len(requests)), key=lambda i: str(requests[i][0]))
+        batch = None
+        if brief and all(self._fast_transition(t) for _, t in requests):
+            batch = self._sql.transition_batch(self._namespace, [requests[i] for i in order])
 
         def op(conn: sa.Connection) -> list[TransitionResult]:
+            if batch is not None and (applied := self._transition_batch(conn, *batch)):
+                return applied
             results: dict[int, TransitionResult] = {}
             for i in order:
                 ref, request = requests[i]
@@ -57,6 +67,34 @@ class SqlTransitions(SqlLeases):
             return [results[i] for i in range(len(requests))]
 
         return op
+
+    def _transition_batch(
+        self, conn: sa.Connection, sql: str, rows: Sequence[dict[str, Any]]
+    ) -> list[TransitionResult] | None:
+        """The batch as one pipeline: every result if every row applied, else ``None``.
+
+        The pipeline runs under a savepoint. When a row did not apply, the
+        savepoint is rolled back (the rows it changed, and their locks, let go)
+        and the caller decides the batch one row at a time in key order, as
+        without the pipeline: a batch never holds one row while waiting for a
+        row before it in key order, so two batches cannot deadlock.
+        """
+        with conn.begin_nested() as savepoint:
+            driver = conn.connection.driver_connection
+            try:
+                with driver.cursor() as cursor:  # type: ignore[union-attr]
+                    cursor.executemany(sql, rows, returning=True)
+                    applied = 0
+                    while True:
+                        applied += cursor.fetchone() is not None
+                        if not cursor.nextset():
+                            break
+            except self._driver_errors as exc:  # as SQLAlchemy would wrap it: retried alike
+                raise sa.exc.OperationalError(sql, None, exc) from exc
+            if applied != len(rows):
+                savepoint.rollback()
+                return None
+        return [TransitionResult(TransitionStatus.APPLIED)] * len(rows)
 
     @staticmethod
     def _fast_transition(request: Transition) -> bool:
