@@ -13,10 +13,12 @@ What it holds: :class:`Dispatchers`, the steps of
   the publish (in :mod:`.base`);
 * the caller (``U``): a delayed submit (create-if-absent ``PENDING``; a
   resubmission finding the job ``SCHEDULED`` dispatches it), ``cancel()``
-  (``PENDING`` or ``SCHEDULED → CANCELLED`` on the state), and the one-step
-  submit (the record created ``DISPATCHED`` with its message, in one write;
-  an answer lost and not read back raises ``SubmitAmbiguous``: the caller
-  submits again).
+  (``PENDING`` or ``SCHEDULED → CANCELLED`` on the state), and the submit
+  of a gated job (the record created ``DISPATCHED`` with its message in one
+  write, or the record, then the publish; an answer lost and not read back
+  raises ``SubmitAmbiguous``: the caller submits again, and a resubmission
+  that finds the job ``DISPATCHED`` with no proof its message left publishes
+  it again).
 """
 
 from __future__ import annotations
@@ -151,14 +153,28 @@ class Dispatchers(Base):
     def _enqueue(self, s: St, i: int) -> Iterator[Step]:
         rev, t = self.fresh(s)
         again = ("enqueue",)  # SubmitAmbiguous: the caller submits again
-        one = self.rules.enqueue_in_one_write
+        one, rec = self.scenario.one_write, s.rec
+        if rec is not None and rec[0] is D and not one and self.rules.resubmit_republishes:
+            yield from self.write(
+                t,
+                i,
+                f"submits again: finds {show(rec)}, no proof its message left: "
+                "CAS DISPATCHED->DISPATCHED, to publish again",
+                True,
+                (D, rev, rec[2], 0),
+                ("pub", rec[2], rec[2], DONE, rev),
+                DONE,
+                again=again,
+                unreach=again,
+            )
+            return
         yield from self.write(
             t,
             i,
             "submits in one step: record DISPATCHED and message (if absent)"
             if one
             else "submits: creates the record DISPATCHED (if absent), to publish after",
-            s.rec is None,
+            rec is None,
             (D, rev, 0, 0),
             DONE if one else ("pub", 0, 0, DONE, rev),
             DONE,

@@ -125,6 +125,17 @@ ENQUEUE = Setting(
     Bounds(),
     (Bounds(faults=3, passes=2, reconcilers=2),),
 )
+ENQUEUE_SQL = Setting(
+    dataclasses.replace(ENQUEUE.scenario, one_write=False),
+    Bounds(faults=3),
+    (Bounds(faults=4, passes=2, reconcilers=2),),
+)
+#: The same submit with every fault (crashes, publish failures): safety only.
+ENQUEUE_SQL_FAULTS = Setting(
+    dataclasses.replace(ENQUEUE_SQL.scenario, liveness=False),
+    Bounds(),
+    (Bounds(faults=3, passes=2, reconcilers=2),),
+)
 FOREIGN = Setting(
     Scenario(start="foreign", outcomes=(OK, F, C)),
     Bounds(),
@@ -147,6 +158,12 @@ VARIANTS: dict[str, Variant] = {
     "storeloss": _variant(STORE_LOSS, None, "the design, and the store loses its data once"),
     "delayed": _variant(DELAYED, None, "a delayed job: the sweep, cancel(), deadlines"),
     "enqueue": _variant(ENQUEUE, None, "the one-step submit, with L checked"),
+    "enqueue_sql": _variant(
+        ENQUEUE_SQL, None, "the submit that writes the record, then publishes, with L checked"
+    ),
+    "enqueue_sql_faults": _variant(
+        ENQUEUE_SQL_FAULTS, None, "the same, with crashes and publish failures: S1-S4"
+    ),
     "foreign": _variant(FOREIGN, None, "a message without our headers, adopted at the gate"),
     "rerun": _variant(RERUN, None, "the reconciler's redispatch and re-run opted in"),
     "gate_checks_attempt": _variant(
@@ -198,12 +215,12 @@ VARIANTS: dict[str, Variant] = {
         "data, and the gate adopts our own message: the job runs again",
         "gate_adopts_headerless_only",
     ),
-    "enqueue_in_one_write": _variant(
-        ENQUEUE,
+    "resubmit_republishes": _variant(
+        ENQUEUE_SQL,
         "L",
         "the create applies, its answer is lost and cannot be read back; the "
         "caller submits again and finds the job, whose message is never sent",
-        "enqueue_in_one_write",
+        "resubmit_republishes",
     ),
     "gate_reads_back_its_write": _variant(
         ENQUEUE,

@@ -55,7 +55,7 @@ SHOWS = {
     "claims_carry_epoch": ["THE STORE LOSES ITS DATA", "claims under epoch 0"],
     "claims_respect_floor": ["THE STORE LOSES ITS DATA", "restarts", "claims under epoch 1"],
     "gate_adopts_headerless_only": ["THE STORE LOSES ITS DATA", "gate: no record, adopts"],
-    "enqueue_in_one_write": ["cannot read back", "to publish after: refused", "->TIMEOUT"],
+    "resubmit_republishes": ["cannot read back", "to publish after: refused", "->TIMEOUT"],
     "gate_reads_back_its_write": [
         "applied, then the store timed out",
         "-> suppressed",

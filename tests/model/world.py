@@ -79,9 +79,11 @@ class Rules:
     gate_adopts_headerless_only: bool = True
     """With no record, the gate adopts only a message without our headers; one
     with them is not run (``record_lost``)."""
-    enqueue_in_one_write: bool = True
-    """The one-step submit writes the record (``DISPATCHED``) and its message in
-    one script, instead of creating the record and publishing after."""
+    resubmit_republishes: bool = True
+    """A resubmission that finds the job ``DISPATCHED`` with nothing to prove its
+    message left (the submit wrote the record, then published) writes
+    ``DISPATCHED → DISPATCHED`` on the rev it read and publishes again; the gate
+    drops a second copy."""
     outcome_checks_run_id: bool = True
     """A worker's outcome and retry are conditional on its run_id, not on the
     state ``RUNNING`` alone."""
@@ -114,6 +116,10 @@ class Scenario:
     liveness: bool = False
     """L is checked: no crash, no publish failure, and the reconciler lists a
     job only once no other step can move it (its timeouts are then accurate)."""
+    one_write: bool = True
+    """The caller's submit (``enqueue``) writes the record ``DISPATCHED`` and its
+    message in one script (the Redis store), which proves the message left;
+    ``False``: it writes the record, then publishes (the SQL stores)."""
 
 
 @dataclasses.dataclass(frozen=True)
