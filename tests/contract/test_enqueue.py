@@ -21,12 +21,16 @@ from celery_exactonce.core.states import State
 from celery_exactonce.core.writes import NewJob, Transition
 from celery_exactonce.stores.base import StateStore
 from celery_exactonce.stores.sql.store import SqlStore
+from tests.support.backends import DJANGO_BACKENDS
+
+#: The SQL stores, the Django ones among them: the others have no such write.
+SQL_BACKENDS = ("postgres", "mysql", "sqlite", *DJANGO_BACKENDS)
+pytestmark = pytest.mark.parametrize("backend", SQL_BACKENDS, indirect=True)
 
 
 @pytest.fixture
 def sql_store(store: StateStore) -> Any:
-    if not isinstance(store, SqlStore):
-        pytest.skip("the one-write submit of the SQL stores")
+    assert isinstance(store, SqlStore)
     return store
 
 
