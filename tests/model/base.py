@@ -168,6 +168,27 @@ class Base:
         )
         yield f"{who}: store error, not applied", self.fault(self.put(s, i, check)), None
 
+    def redispatch(
+        self,
+        s: St,
+        i: int,
+        what: str,
+        ok: bool,
+        rev: int,
+        att: int,
+        sent: int,
+        after: Phase,
+        *,
+        bad: str | None = None,
+    ) -> Iterator[Step]:
+        """A CAS to ``DISPATCHED`` at attempt ``att`` (revision ``rev``), then a publish.
+
+        The message carries attempt ``sent``; ``after``: the actor's phase once
+        the publish is done, or when the CAS is refused.
+        """
+        new = (D, rev, att, 0)
+        yield from self.write(s, i, what, ok, new, ("pub", sent, att, after, rev), after, bad=bad)
+
     def read_back(self, s: St, i: int, phase: Phase) -> Iterator[Step]:
         """Actor ``i`` reads back whether its write applied (``phase``: its ``check``)."""
         _, (field, value), yes, no, unreach = phase

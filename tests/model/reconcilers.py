@@ -47,15 +47,8 @@ class Reconcilers(Base):
         new_rev, t = self.fresh(s)
         now = rec[2] if rec is not None else att
         if state is S:
-            yield from self.write(
-                t,
-                i,
-                "replay CAS SCHEDULED->DISPATCHED",
-                ok,
-                (D, new_rev, now, 0),
-                ("pub", att, now, IDLE, new_rev),
-                IDLE,
-            )
+            label = "replay CAS SCHEDULED->DISPATCHED"
+            yield from self.redispatch(t, i, label, ok, new_rev, now, att, IDLE)
             if self.delayed:
                 for to, why in ((F, "replays exhausted"), (C, "deadline passed")):
                     yield from self.write(
@@ -80,22 +73,8 @@ class Reconcilers(Base):
         if not self.scenario.rerun:
             return
         if state is D:
-            yield from self.write(
-                t,
-                i,
-                "redispatch CAS DISPATCHED->DISPATCHED",
-                ok,
-                (D, new_rev, now, 0),
-                ("pub", att, now, IDLE, new_rev),
-                IDLE,
-            )
+            label = "redispatch CAS DISPATCHED->DISPATCHED"
+            yield from self.redispatch(t, i, label, ok, new_rev, now, att, IDLE)
         else:
-            yield from self.write(
-                t,
-                i,
-                f"re-run CAS RUNNING->DISPATCHED att{now + 1}",
-                ok,
-                (D, new_rev, now + 1, 0),
-                ("pub", att + 1, now + 1, IDLE, new_rev),
-                IDLE,
-            )
+            label = f"re-run CAS RUNNING->DISPATCHED att{now + 1}"
+            yield from self.redispatch(t, i, label, ok, new_rev, now + 1, att + 1, IDLE)

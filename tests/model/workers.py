@@ -129,16 +129,8 @@ class Workers(Base):
             return
         t = t._replace(retries=t.retries + 1)
         nxt = now + 1
-        yield from self.write(
-            t,
-            i,
-            f"retry CAS RUNNING run{run}->DISPATCHED att{nxt}",
-            holds,
-            (D, rev, nxt, 0),
-            ("pub", nxt, nxt, ACK, rev),
-            ACK,
-            bad=stolen,
-        )
+        label = f"retry CAS RUNNING run{run}->DISPATCHED att{nxt}"
+        yield from self.redispatch(t, i, label, holds, rev, nxt, nxt, ACK, bad=stolen)
         if self.delayed:
             yield from self.write(
                 t,
