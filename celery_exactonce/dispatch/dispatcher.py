@@ -262,11 +262,12 @@ class Dispatcher(DispatchFailures):
 
         With its message in the same call where the broker shares a Redis
         store's server (:class:`OneStep`); else, on a store whose ``enqueue``
-        writes the record alone (the SQL stores), the record is written
-        ``DISPATCHED`` by one statement, then published as :meth:`dispatch`
-        publishes (a definite failure rolls it back to ``SCHEDULED``, retried
-        in the background). ``None`` where neither can be done: the caller
-        takes the general path, :meth:`dispatch` after a create.
+        writes the record alone (the SQL stores; the Redis store with another
+        broker), the record is written ``DISPATCHED`` by one statement or
+        script, then published as :meth:`dispatch` publishes (a definite
+        failure rolls it back to ``SCHEDULED``, retried in the background).
+        ``None`` where neither can be done: the caller takes the general
+        path, :meth:`dispatch` after a create.
 
         Raises :class:`~celery_exactonce.core.exceptions.StoreError` when the
         write's outcome is unknown (the answer was lost and the record could
@@ -280,7 +281,7 @@ class Dispatcher(DispatchFailures):
     def _one_write(self, new: NewJob, reason: str, call: Mapping[str, Any]) -> Enqueued | None:
         """The record written ``DISPATCHED`` by one store write (``enqueue``), then published."""
         enqueue = getattr(self.store, "enqueue", None)
-        if enqueue is None or hasattr(self.store, "shares_server"):  # Redis: a push only
+        if enqueue is None:
             return None
         gated = bool(new.options.get(GATED_OPTION))
         if new.state is not State.SCHEDULED or not gated or self.signer is not None:

@@ -58,10 +58,11 @@ class RedisEnqueue(RedisCore):
     """The one-step enqueue's script call and reply."""
 
     def _enqueue_call(
-        self, new: NewJob, dispatch: Transition, push: Push
+        self, new: NewJob, dispatch: Transition, push: Push | None
     ) -> tuple[list[str], list[Any]]:
-        """The ``enqueue`` script's keys and arguments; :class:`PushRefused` without a command."""
-        if not push.commands:
+        """The ``enqueue`` script's keys and arguments; :class:`PushRefused` for a push
+        without a command. No ``push``: the record alone (a broker elsewhere)."""
+        if push is not None and not push.commands:
             raise PushRefused(f"enqueue of {new.ref}: no broker command")
         fields = record_fields(
             new, State.DISPATCHED.value, dispatch.new_rev, dispatch.node, dispatch.reason
@@ -77,13 +78,13 @@ class RedisEnqueue(RedisCore):
         )
         args: list[Any] = [
             self._db,
-            push.db,
+            self._db if push is None else push.db,
             "[" + created,
             '"},' + dispatched,
             len(fields) // 2,
             *fields,
         ]
-        for name, key, value in push.commands:
+        for name, key, value in push.commands if push is not None else ():
             keys.append(key)
             args += [name, value]
         return keys, args

@@ -229,22 +229,26 @@ class RedisStore(RedisReads, RedisEnqueue, RedisBatches):
             return None
         return self._db
 
-    def enqueue(self, new: NewJob, dispatch: Transition, push: Push) -> CreateResult:
-        """Create ``new`` straight into ``DISPATCHED`` and run ``push``, atomically.
+    def enqueue(self, new: NewJob, dispatch: Transition, push: Push | None = None) -> CreateResult:
+        """Create ``new`` straight into ``DISPATCHED`` (and run ``push``), atomically.
 
         ``new`` (``SCHEDULED``) is written with ``dispatch`` (``SCHEDULED →
         DISPATCHED``) already applied, both in its history, in the same script
         that runs the broker commands: the record and the message exist together
-        or not at all. ``CREATED`` (``job`` unset: the caller knows the record),
-        or ``EXISTS`` with the record and nothing pushed. :class:`PushRefused`
-        when Redis refused a broker command (nothing written). Any other error
-        leaves the outcome unknown: read back ``dispatch.new_rev``.
+        or not at all. Without ``push`` (a broker elsewhere) the script writes
+        the record alone: the one write before the caller's publish.
+        ``CREATED`` (``job`` unset: the caller knows the record), or ``EXISTS``
+        with the record and nothing pushed. :class:`PushRefused` when Redis
+        refused a broker command (nothing written). Any other error leaves the
+        outcome unknown: read back ``dispatch.new_rev``.
         """
         keys, args = self._enqueue_call(new, dispatch, push)
         with self._wrap("enqueue"):
             try:
                 reply = self._run("enqueue", keys, args)
             except rexc.NoPermissionError as exc:  # an ACL refused the call: it did not run
+                if push is None:
+                    raise
                 raise self._push_refused(f"enqueue refused: {exc}") from exc
         return self._enqueued(reply)
 
