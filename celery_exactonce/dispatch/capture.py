@@ -1,4 +1,5 @@
-"""Capturing a Celery message as the Redis commands kombu would run, without running them.
+"""Capturing a Celery message without sending it: as the Redis commands kombu would run, or
+as the producer's ``publish`` calls (:class:`Prepared`), made once the store's answer is in.
 
 For the one-step submit: :meth:`~celery_exactonce.dispatch.publisher.CeleryPublisher.capture`
 runs Celery's ``send_task`` on a :class:`CaptureChannel`, which collects
@@ -89,6 +90,33 @@ def declared_once(producer: Any) -> Callable[..., Any]:
         return declare(entity, retry, **retry_policy)
 
     return maybe_declare
+
+
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """A message :meth:`CeleryPublisher.prepare` built: the producer calls that send it."""
+
+    #: What ``send_task`` returned (its ``AsyncResult``).
+    sent: Any
+    #: The ``publish`` calls ``send_task`` made on its producer (the message, then any
+    #: ``task-sent`` event), as ``(args, kwargs)``, not made yet.
+    calls: tuple[tuple[tuple[Any, ...], dict[str, Any]], ...]
+    #: Makes :attr:`calls` on this thread's batch producer; returns :attr:`sent`.
+    send: Callable[[], Any]
+
+
+class KeptProducer:
+    """A producer whose ``publish`` calls are kept, not made; the rest is ``producer``'s."""
+
+    def __init__(self, producer: Any) -> None:
+        self.producer = producer
+        self.calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+
+    def publish(self, *args: Any, **kwargs: Any) -> None:
+        self.calls.append((args, kwargs))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.producer, name)
 
 
 class CaptureChannel:

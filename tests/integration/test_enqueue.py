@@ -358,29 +358,30 @@ def test_a_broker_the_capture_cannot_reach_takes_the_general_path(
 def test_a_broker_elsewhere_costs_one_store_call_before_the_publish(
     server: RedisServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The record written ``DISPATCHED`` by one script, the only store call of the submit;
-    no ``PUBLISHED`` write after the publish of a gated job."""
+    """The record written ``DISPATCHED`` by one script, the only store call of the submit
+    (the message built while its answer is on the way), then the publish; no ``PUBLISHED``
+    write after the publish of a gated job."""
     store = _store(server)
     dispatcher = _dispatcher(server, store, f"redis://localhost:{server.port}/2")
     assert dispatcher.enqueue(_new("j0")) is not None  # loads the script on the fresh server
-    calls: list[str] = []
-    execute, pipeline = store._client.execute_command, store._client.pipeline
+    sent: list[tuple[int, str]] = []  # (database, command), in the order they were sent
+    send = redis.connection.AbstractConnection.send_packed_command
 
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        calls.append(str(args[0]))
-        return execute(*args, **kwargs)
+    def counted(self: Any, command: Any, check_health: bool = True) -> Any:
+        packed = b"".join(command) if isinstance(command, list) else command
+        sent.append((int(self.db), packed.split(b"\r\n")[2].decode().upper()))
+        return send(self, command, check_health)
 
-    def counted_pipeline(*args: Any, **kwargs: Any) -> Any:
-        calls.append("pipeline")
-        return pipeline(*args, **kwargs)
-
-    monkeypatch.setattr(store._client, "execute_command", counted)
-    monkeypatch.setattr(store._client, "pipeline", counted_pipeline)
+    monkeypatch.setattr(redis.connection.AbstractConnection, "send_packed_command", counted)
     for job_id in ("j1", "j2"):
         enqueued = dispatcher.enqueue(_new(job_id))
         assert enqueued is not None and enqueued.created and enqueued.sent is not None
-    assert calls == ["EVALSHA", "EVALSHA"]
     monkeypatch.undo()
+    assert [name for db, name in sent if db == 1] == ["EVALSHA", "EVALSHA"]
+    # Each message pushed after its record's script was sent
+    pushes = [i for i, (db, name) in enumerate(sent) if db == 2 and name == "LPUSH"]
+    scripts = [i for i, (db, _) in enumerate(sent) if db == 1]
+    assert len(pushes) == 2 and scripts[0] < pushes[0] < scripts[1] < pushes[1], sent
     assert _written_alone(store, "j2").state is State.DISPATCHED
     assert _queued(server) == 3
 
