@@ -308,7 +308,7 @@ class Dispatcher(DispatchFailures):
             if expired is not None:
                 expired(job)
             return DispatchResult(Outcome.EXPIRED, job)
-        headers = messages.message_headers(job, self.store.namespace)
+        headers = messages.message_headers(job, self.store.namespace) if built is None else {}
         try:
             if isinstance(built, PublishFailed):
                 raise built
@@ -316,6 +316,7 @@ class Dispatcher(DispatchFailures):
         except PublishFailed as exc:
             return self._publish_failed(job, exc)
         if reason == BEAT_REASON:  # stock beat's line, and what names the occurrence
+            headers = headers or messages.message_headers(job, self.store.namespace)
             metrics.event(
                 "dispatched",
                 "Scheduler: Sending due task %s (%s) key=%s fire_time=%s idempotency_key=%s",

@@ -65,11 +65,13 @@ class _Build:
     def __init__(
         self, prepare: Callable[..., Prepared], job: Job, namespace: str, call: Mapping[str, Any]
     ) -> None:
-        self._prepare, self._job, self._namespace, self._call = prepare, job, namespace, call
+        self._prepare, self._namespace, self._call = prepare, namespace, call
+        #: The record as this process expects the write to leave it (its times: before the write).
+        self.job = job
         self.built: Built = None
 
     def __call__(self) -> None:
-        job = self._job
+        job = self.job
         try:
             headers = messages.message_headers(job, self._namespace)
             self.built = self._prepare(job, headers, self._call)
@@ -131,9 +133,7 @@ class OneWrite:
             if not result.created:
                 assert result.job is not None  # noqa: S101 (an existing record comes back)
                 return Enqueued(result.job, created=False, sent=build.sent if build else None)
-            job = result.job or jobs.apply_transition(
-                jobs.job_from_new(new, _now()), request, _now()
-            )
+            job = result.job or _written(new, request, build)
             sent = parts._send(job, call, reason, build.built if build is not None else None)
             sent = parts._flushed(job, sent)
         if sent.outcome in (Outcome.FAIL_CLOSED, Outcome.ROLLED_BACK) and parts.retrier is not None:
@@ -148,6 +148,14 @@ class OneWrite:
         now = _now()  # the message holds no time of the record: this estimate builds it
         job = jobs.apply_transition(jobs.job_from_new(new, now), request, now)
         return _Build(prepare, job, store.namespace, call)
+
+
+def _written(new: NewJob, request: Transition, build: _Build | None) -> Job:
+    """The record the write made, on this process's clock: the one the message was built
+    from, but where a deadline asks whether it passed during the write."""
+    if build is not None and new.deadline is None:
+        return build.job
+    return jobs.apply_transition(jobs.job_from_new(new, _now()), request, _now())
 
 
 def _now() -> datetime:
