@@ -68,6 +68,17 @@ def redis_broker(channel: Any) -> tuple[int, str] | None:
     return int(channel.pool.connection_kwargs.get("db") or 0), prefix
 
 
+def declared(producer: Any, entity: Any) -> bool:
+    """Whether ``entity`` is declared already on ``producer``'s connection (kombu's cache)."""
+    connection = producer.channel.connection
+    return bool(
+        entity
+        and connection is not None
+        and entity.can_cache_declaration
+        and hash(entity) in connection.client.declared_entities
+    )
+
+
 def declared_once(producer: Any) -> Callable[..., Any]:
     """``producer.maybe_declare``, answering an entity already declared on its connection at once.
 
@@ -79,13 +90,7 @@ def declared_once(producer: Any) -> Callable[..., Any]:
     declare = producer.maybe_declare
 
     def maybe_declare(entity: Any, retry: bool = False, **retry_policy: Any) -> Any:
-        connection = producer.channel.connection
-        if (
-            entity
-            and connection is not None
-            and entity.can_cache_declaration
-            and hash(entity) in connection.client.declared_entities
-        ):
+        if declared(producer, entity):
             return False
         return declare(entity, retry, **retry_policy)
 
@@ -114,6 +119,13 @@ class KeptProducer:
 
     def publish(self, *args: Any, **kwargs: Any) -> None:
         self.calls.append((args, kwargs))
+
+    def replay(self, producer: Any) -> None:
+        """Make the kept calls on ``producer``, but declaring what is declared on its
+        connection already (kombu's ``maybe_declare`` would only bind a copy of it)."""
+        for args, kwargs in self.calls:
+            declare = [e for e in kwargs.get("declare") or () if not declared(producer, e)]
+            producer.publish(*args, **{**kwargs, "declare": declare})
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.producer, name)

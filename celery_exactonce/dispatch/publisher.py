@@ -306,9 +306,10 @@ class CeleryPublisher:
         """Build ``job``'s message as :meth:`__call__` would, inside :meth:`batch`; send nothing.
 
         ``send_task`` runs on the batch's producer with its ``publish`` calls kept
-        (:class:`KeptProducer`): all it does but the sending (routing, the message,
-        its signals, the result) is done here; :attr:`Prepared.send` makes the
-        calls as :meth:`__call__` would. :class:`PublishFailed` (definite) as :meth:`__call__`.
+        (:class:`KeptProducer`): all but the sending (routing, the message, its
+        signals, the result) is done here; :attr:`Prepared.send` makes the calls
+        (but declaring what is declared already). :class:`PublishFailed` (definite)
+        as :meth:`__call__`.
         """
         options = self.message_options(job, headers, extra)
         kept = KeptProducer(self._connected())
@@ -319,16 +320,15 @@ class CeleryPublisher:
             raise PublishFailed(str(failed), definite=True, permanent=failed.permanent) from exc
 
         def send(producer: Any) -> Any:
-            for args, kwargs in kept.calls:
-                producer.publish(*args, **kwargs)
+            kept.replay(producer)
             return sent
 
         return Prepared(sent, tuple(kept.calls), lambda: self._publish_on(send))
 
     def _connected(self) -> Any:
-        """The batch's producer, its connection checked (kombu's retries off) if nothing was
-        sent on it yet, or after a failed publish: a refused connection is told apart from
-        a publish that may have landed. :class:`PublishFailed` (definite) if refused."""
+        """The batch's producer, its connection checked (kombu's retries off) before its first
+        publish and after a failed one: a refused connection (:class:`PublishFailed`,
+        definite) is told apart from a publish that may have landed."""
         local = self._local
         if not local.checked:
             local.connect_error, local.checked = self._connect(local.producer), True
