@@ -115,9 +115,8 @@ class OneWrite:
             reason=reason,
             rev=new.rev,
         )
-        batch = getattr(parts.publisher, "batch", None)
-        with batch() if batch is not None else contextlib.nullcontext():
-            build = self._build(new, request, call)
+        build = self._build(new, request, call)
+        with self._batch(build is not None):  # a message built meanwhile takes the producer now
             try:
                 if build is None:
                     result = enqueue(new, request)
@@ -134,11 +133,17 @@ class OneWrite:
                 assert result.job is not None  # noqa: S101 (an existing record comes back)
                 return Enqueued(result.job, created=False, sent=build.sent if build else None)
             job = result.job or _written(new, request, build)
-            sent = parts._send(job, call, reason, build.built if build is not None else None)
-            sent = parts._flushed(job, sent)
+            with self._batch(True):
+                sent = parts._send(job, call, reason, build.built if build is not None else None)
+                sent = parts._flushed(job, sent)
         if sent.outcome in (Outcome.FAIL_CLOSED, Outcome.ROLLED_BACK) and parts.retrier is not None:
             parts.retrier.schedule(job.ref)
         return Enqueued(sent.job or job, created=True, sent=sent.sent)
+
+    def _batch(self, held: bool) -> contextlib.AbstractContextManager[Any]:
+        """The publisher's batch (one producer, held until the block ends), if ``held``."""
+        batch = getattr(self._parts.publisher, "batch", None)
+        return batch() if held and batch is not None else contextlib.nullcontext()
 
     def _build(self, new: NewJob, request: Transition, call: Mapping[str, Any]) -> _Build | None:
         """What builds the message while the store writes, where both can (else ``None``)."""
