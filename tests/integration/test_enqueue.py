@@ -386,6 +386,33 @@ def test_a_broker_elsewhere_costs_one_store_call_before_the_publish(
     assert _queued(server) == 3
 
 
+@pytest.mark.parametrize("flushed", [False, True], ids=["loaded", "script-flushed"])
+def test_the_record_alone_runs_meanwhile_once_and_a_lost_script_is_loaded(
+    server: RedisServer, flushed: bool
+) -> None:
+    """``enqueue`` without a push, with ``meanwhile``: the caller's work runs once; a server
+    that lost the script (restarted, flushed) loads it and runs the call again, the work
+    not repeated."""
+    store = _store(server)
+    store.ping()
+    admin = redis.Redis.from_url(_url(server, 0))
+    if flushed:
+        admin.script_flush()
+    new = _new()
+    request = Transition(
+        State.DISPATCHED, frozenset({State.SCHEDULED}), node="n", reason="x", rev=new.rev
+    )
+    ran: list[str] = []
+    assert store.enqueue(new, request, meanwhile=lambda: ran.append("first")).created
+    assert ran == ["first"]
+    record = store.get(new.ref)
+    assert record is not None and record.state is State.DISPATCHED
+    assert record.rev == request.new_rev
+    again = store.enqueue(new, request, meanwhile=lambda: ran.append("again"))
+    assert not again.created and ran == ["first", "again"]  # the work runs, the record stands
+    assert again.job is not None and again.job.rev == record.rev
+
+
 def test_one_capturing_connection_serves_calls_one_after_another(server: RedisServer) -> None:
     store = _store(server)
     publisher = CeleryPublisher(_app(_url(server, 2)))
