@@ -68,7 +68,7 @@ class PushRefused(exceptions.StoreError):
 
 
 class RedisEnqueue(RedisCore):
-    """The one-step enqueue's script call and reply."""
+    """The enqueue script's call (its answer awaited while the caller works) and reply."""
 
     #: ``enqueue`` takes ``meanwhile``: a function run while the script's answer is on the way.
     enqueue_overlaps = True
