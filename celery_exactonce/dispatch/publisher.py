@@ -351,8 +351,6 @@ class CeleryPublisher:
             local.buffer = buffer
         try:
             return send(producer)
-        except PublishFailed:
-            raise
         except Exception as exc:
             raise self._failure(exc) from exc
 
@@ -369,11 +367,8 @@ class CeleryPublisher:
         if isinstance(exc, EncodeError):
             return PublishFailed(f"cannot encode: {exc}", definite=True, permanent=True)
         if isinstance(exc, (TypeError, ValueError)) and not _reached_the_transport(exc):
-            return PublishFailed(
-                f"cannot build the message: {type(exc).__name__}: {exc}",
-                definite=True,
-                permanent=True,
-            )
+            built = f"cannot build the message: {type(exc).__name__}: {exc}"
+            return PublishFailed(built, definite=True, permanent=True)
         self._local.checked = False
         return PublishFailed(str(exc), definite=connection_refused(exc))
 
