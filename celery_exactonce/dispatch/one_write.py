@@ -22,7 +22,7 @@ Not here: the one-step submit, record and message in one script
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from datetime import datetime, timezone
 from typing import Any, Protocol
 
@@ -60,23 +60,42 @@ class Parts(Protocol):
 
 
 class _Build:
-    """Builds a job's message, as the store's ``meanwhile``; keeps it, or why it failed."""
+    """Builds a job's message, as the store's ``meanwhile``; keeps it, or why it failed.
+
+    All of it runs while the write's answer is on the way: the record the
+    write will make (this process's estimate), taking the publisher's
+    producer (held in ``held`` until the publish is done), and ``send_task``.
+    """
 
     def __init__(
-        self, prepare: Callable[..., Prepared], job: Job, namespace: str, call: Mapping[str, Any]
+        self,
+        new: NewJob,
+        request: Transition,
+        call: Mapping[str, Any],
+        publisher: Any,
+        namespace: str,
+        held: contextlib.ExitStack,
     ) -> None:
-        self._prepare, self._namespace, self._call = prepare, namespace, call
-        #: The record as this process expects the write to leave it (its times: before the write).
-        self.job = job
+        self._new, self._request, self._call = new, request, call
+        self._publisher, self._namespace, self._held = publisher, namespace, held
+        #: The record as this process expects the write to leave it (its times: before the
+        #: write's answer), once built.
+        self.job: Job | None = None
         self.built: Built = None
 
     def __call__(self) -> None:
-        job = self.job
+        now = _now()
+        self.job = job = jobs.apply_transition(
+            jobs.job_from_new(self._new, now), self._request, now
+        )
         try:
+            self._held.enter_context(self._publisher.batch())
             headers = messages.message_headers(job, self._namespace)
-            self.built = self._prepare(job, headers, self._call)
+            self.built = self._publisher.prepare(job, headers, self._call)
         except PublishFailed as exc:
             self.built = exc
+        except Exception as exc:  # no producer to build it on: nothing was sent
+            self.built = PublishFailed(f"no producer: {exc}", definite=True)
 
     @property
     def sent(self) -> Any:
@@ -115,8 +134,8 @@ class OneWrite:
             reason=reason,
             rev=new.rev,
         )
-        build = self._build(new, request, call)
-        with self._batch(build is not None):  # a message built meanwhile takes the producer now
+        with contextlib.ExitStack() as held:  # the producer a message built meanwhile took
+            build = self._build(new, request, call, held)
             try:
                 if build is None:
                     result = enqueue(new, request)
@@ -145,20 +164,23 @@ class OneWrite:
         batch = getattr(self._parts.publisher, "batch", None)
         return batch() if held and batch is not None else contextlib.nullcontext()
 
-    def _build(self, new: NewJob, request: Transition, call: Mapping[str, Any]) -> _Build | None:
+    def _build(
+        self, new: NewJob, request: Transition, call: Mapping[str, Any], held: contextlib.ExitStack
+    ) -> _Build | None:
         """What builds the message while the store writes, where both can (else ``None``)."""
-        store, prepare = self._parts.store, getattr(self._parts.publisher, "prepare", None)
-        if prepare is None or getattr(store, "enqueue_overlaps", False) is not True:
+        store, publisher = self._parts.store, self._parts.publisher
+        if not hasattr(publisher, "prepare") or not hasattr(publisher, "batch"):
             return None
-        now = _now()  # the message holds no time of the record: this estimate builds it
-        job = jobs.apply_transition(jobs.job_from_new(new, now), request, now)
-        return _Build(prepare, job, store.namespace, call)
+        if getattr(store, "enqueue_overlaps", False) is not True:
+            return None
+        return _Build(new, request, call, publisher, store.namespace, held)
 
 
 def _written(new: NewJob, request: Transition, build: _Build | None) -> Job:
     """The record the write made, on this process's clock: the one the message was built
-    from, but where a deadline asks whether it passed during the write."""
-    if build is not None and new.deadline is None:
+    from (the message holds none of its times), but where a deadline asks whether it
+    passed during the write."""
+    if build is not None and build.job is not None and new.deadline is None:
         return build.job
     return jobs.apply_transition(jobs.job_from_new(new, _now()), request, _now())
 

@@ -3,7 +3,8 @@ store): the message is built while the write's answer is on the way, and sent on
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import pytest
@@ -50,6 +51,20 @@ class PreparingBroker(Broker):
         super().__init__()
         self.events = events
         self.build_fault: PublishFailed | None = None
+        self.depth = 0
+
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        """One producer for the block (a nested block uses the outer one's), as Celery's."""
+        self.depth += 1
+        if self.depth == 1:
+            self.events.append("producer taken")
+        try:
+            yield
+        finally:
+            self.depth -= 1
+            if not self.depth:
+                self.events.append("producer given back")
 
     def prepare(self, job: Job, headers: Mapping[str, Any], extra: Mapping[str, Any]) -> Prepared:
         if self.build_fault is not None:
@@ -90,7 +105,14 @@ def test_the_message_is_built_while_the_write_is_on_the_way_and_sent_after_its_a
 ) -> None:
     enqueued = Dispatcher(store, broker, node="n").enqueue(_new(), reason="apply_async")
     assert enqueued is not None and enqueued.created
-    assert events == ["write sent", "built", "answer read", "published"]
+    assert events == [
+        "write sent",
+        "producer taken",
+        "built",
+        "answer read",
+        "published",
+        "producer given back",
+    ]
     assert store.writes == ["enqueue"] and enqueued.sent == "result of w1"
     ((sent, headers),) = broker.sent
     stored = store.get(JobRef.submitted("w1"))
@@ -108,7 +130,8 @@ def test_a_job_that_exists_gets_no_message_and_its_result_is_the_one_built(
     events.clear()
     again = dispatcher.enqueue(_new())
     assert again is not None and not again.created and again.sent == "result of w1"
-    assert events == ["write sent", "built", "answer read"] and len(broker.sent) == 1
+    assert events == ["write sent", "producer taken", "built", "answer read", "producer given back"]
+    assert len(broker.sent) == 1
 
 
 @pytest.mark.parametrize(
@@ -142,7 +165,8 @@ def test_an_answer_lost_is_read_back_and_the_message_built_is_sent_once(
     store.lose = "after"
     enqueued = Dispatcher(store, broker, node="n").enqueue(_new())
     assert enqueued is not None and enqueued.created and enqueued.sent == "result of w1"
-    assert events == ["write sent", "built", "published"] and len(broker.sent) == 1
+    assert events == ["write sent", "producer taken", "built", "published", "producer given back"]
+    assert len(broker.sent) == 1
 
 
 def test_a_call_that_could_not_be_sent_builds_nothing_and_raises(
@@ -151,5 +175,5 @@ def test_a_call_that_could_not_be_sent_builds_nothing_and_raises(
     store.lose = "before"
     with pytest.raises(StoreUnavailable):
         Dispatcher(store, broker, node="n").enqueue(_new())
-    assert events == [] and broker.sent == []
+    assert events == [] and broker.sent == []  # no producer taken either
     assert store.get(JobRef.submitted("w1")) is None
