@@ -1,4 +1,5 @@
-"""Capturing a Celery message as the Redis commands kombu would run, without running them.
+"""Capturing a Celery message without sending it: as the Redis commands kombu would run, or
+as the producer's ``publish`` calls (:class:`Prepared`), made once the store's answer is in.
 
 For the one-step submit: :meth:`~celery_exactonce.dispatch.publisher.CeleryPublisher.capture`
 runs Celery's ``send_task`` on a :class:`CaptureChannel`, which collects
@@ -67,6 +68,17 @@ def redis_broker(channel: Any) -> tuple[int, str] | None:
     return int(channel.pool.connection_kwargs.get("db") or 0), prefix
 
 
+def declared(producer: Any, entity: Any) -> bool:
+    """Whether ``entity`` is declared already on ``producer``'s connection (kombu's cache)."""
+    connection = producer.channel.connection
+    return bool(
+        entity
+        and connection is not None
+        and entity.can_cache_declaration
+        and hash(entity) in connection.client.declared_entities
+    )
+
+
 def declared_once(producer: Any) -> Callable[..., Any]:
     """``producer.maybe_declare``, answering an entity already declared on its connection at once.
 
@@ -78,17 +90,45 @@ def declared_once(producer: Any) -> Callable[..., Any]:
     declare = producer.maybe_declare
 
     def maybe_declare(entity: Any, retry: bool = False, **retry_policy: Any) -> Any:
-        connection = producer.channel.connection
-        if (
-            entity
-            and connection is not None
-            and entity.can_cache_declaration
-            and hash(entity) in connection.client.declared_entities
-        ):
+        if declared(producer, entity):
             return False
         return declare(entity, retry, **retry_policy)
 
     return maybe_declare
+
+
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """A message :meth:`CeleryPublisher.prepare` built: the producer calls that send it."""
+
+    #: What ``send_task`` returned (its ``AsyncResult``).
+    sent: Any
+    #: The ``publish`` calls ``send_task`` made on its producer (the message, then any
+    #: ``task-sent`` event), as ``(args, kwargs)``, not made yet.
+    calls: tuple[tuple[tuple[Any, ...], dict[str, Any]], ...]
+    #: Makes :attr:`calls` on this thread's batch producer; returns :attr:`sent`.
+    send: Callable[[], Any]
+
+
+class KeptProducer:
+    """A producer whose ``publish`` calls are kept, not made; the rest is ``producer``'s."""
+
+    def __init__(self, producer: Any) -> None:
+        self.producer = producer
+        self.calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+
+    def publish(self, *args: Any, **kwargs: Any) -> None:
+        self.calls.append((args, kwargs))
+
+    def replay(self, producer: Any) -> None:
+        """Make the kept calls on ``producer``, but declaring what is declared on its
+        connection already (kombu's ``maybe_declare`` would only bind a copy of it)."""
+        for args, kwargs in self.calls:
+            declare = [e for e in kwargs.get("declare") or () if not declared(producer, e)]
+            producer.publish(*args, **{**kwargs, "declare": declare})
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.producer, name)
 
 
 class CaptureChannel:

@@ -26,10 +26,11 @@ does not verify is never published: it ends ``FAILED`` and is counted
 again on the very record about to be published.
 
 Here: :class:`Dispatcher`, the ``DISPATCHED`` write, the publish and the
-one-step enqueue's entry. Not here: what each failure writes and counts, the
+enqueue's entry. Not here: what each failure writes and counts, the
 rollback among them, and the dispatcher's best-effort writes on its own
 ``rev`` (:mod:`~celery_exactonce.dispatch.failures`, its base); the one-step
-submit itself (:mod:`~celery_exactonce.dispatch.one_step`); the background retries
+submit itself (:mod:`~celery_exactonce.dispatch.one_step`) and the one-write
+submit (:mod:`~celery_exactonce.dispatch.one_write`); the background retries
 (:mod:`~celery_exactonce.dispatch.retrier`); what a dispatch did
 (:mod:`~celery_exactonce.dispatch.outcomes`).
 """
@@ -39,7 +40,6 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Mapping, Sequence
-from datetime import datetime, timezone
 from typing import Any
 
 from celery_exactonce.core import exceptions, jobs
@@ -50,6 +50,7 @@ from celery_exactonce.dispatch import messages
 from celery_exactonce.dispatch.failures import DispatchFailures
 from celery_exactonce.dispatch.messages import GATED_OPTION
 from celery_exactonce.dispatch.one_step import OneStep
+from celery_exactonce.dispatch.one_write import Built, OneWrite
 from celery_exactonce.dispatch.outcomes import DispatchResult, Enqueued, Outcome
 from celery_exactonce.dispatch.publisher import Publisher, PublishFailed
 from celery_exactonce.dispatch.retrier import Retrier
@@ -69,11 +70,6 @@ _REPUBLISHED = frozenset({State.SCHEDULED, State.DISPATCHED})
 #: Jobs per ``DISPATCHED`` write in :meth:`Dispatcher.dispatch_many`: at most this
 #: many are left ``DISPATCHED`` without a message if the process dies mid-chunk.
 DISPATCH_CHUNK = 32
-
-
-def utc_now() -> datetime:
-    """This process's clock, as an aware UTC datetime."""
-    return datetime.now(timezone.utc)
 
 
 class Dispatcher(DispatchFailures):
@@ -97,6 +93,7 @@ class Dispatcher(DispatchFailures):
         if retrier is not None:
             retrier.bind(self)
         self._one_step = OneStep(self)
+        self._one_write = OneWrite(self)
 
     def dispatch(
         self,
@@ -262,11 +259,12 @@ class Dispatcher(DispatchFailures):
 
         With its message in the same call where the broker shares a Redis
         store's server (:class:`OneStep`); else, on a store whose ``enqueue``
-        writes the record alone (the SQL stores), the record is written
-        ``DISPATCHED`` by one statement, then published as :meth:`dispatch`
-        publishes (a definite failure rolls it back to ``SCHEDULED``, retried
-        in the background). ``None`` where neither can be done: the caller
-        takes the general path, :meth:`dispatch` after a create.
+        writes the record alone (the SQL stores; the Redis store with another
+        broker), the record is written ``DISPATCHED`` by one statement or
+        script, then published as :meth:`dispatch` publishes (a definite
+        failure rolls it back to ``SCHEDULED``, retried in the background).
+        ``None`` where neither can be done: the caller takes the general
+        path, :meth:`dispatch` after a create.
 
         Raises :class:`~celery_exactonce.core.exceptions.StoreError` when the
         write's outcome is unknown (the answer was lost and the record could
@@ -275,51 +273,7 @@ class Dispatcher(DispatchFailures):
         enqueued = self._one_step.enqueue(new, reason=reason, call=call)
         if enqueued is not None:
             return enqueued
-        return self._one_write(new, reason, call or {})
-
-    def _one_write(self, new: NewJob, reason: str, call: Mapping[str, Any]) -> Enqueued | None:
-        """The record written ``DISPATCHED`` by one store write (``enqueue``), then published."""
-        enqueue = getattr(self.store, "enqueue", None)
-        if enqueue is None or hasattr(self.store, "shares_server"):  # Redis: a push only
-            return None
-        gated = bool(new.options.get(GATED_OPTION))
-        if new.state is not State.SCHEDULED or not gated or self.signer is not None:
-            return None
-        if new.entry is not None or (new.deadline is not None and new.deadline <= utc_now()):
-            return None  # the general path records the expiry
-        request = Transition(
-            State.DISPATCHED,
-            frozenset({State.SCHEDULED}),
-            node=self.node,
-            reason=reason,
-            rev=new.rev,
-        )
-        try:
-            result = enqueue(new, request)
-        except exceptions.StoreError:
-            back = settle.read_back(self.store, new.ref, request.new_rev, tries=1)
-            if back.job is None:  # none yet, or unreadable: the statement may still run
-                raise
-            if back.decision is not settle.Decision.APPLIED:  # another's, or ours moved on
-                return Enqueued(back.job, created=False)
-            result = jobs.CreateResult(jobs.CreateStatus.CREATED, back.job)
-        if not result.created:
-            assert result.job is not None  # noqa: S101 (an existing record comes back)
-            return Enqueued(result.job, created=False)
-        job = result.job or jobs.apply_transition(
-            jobs.job_from_new(new, utc_now()), request, utc_now()
-        )
-        batch = getattr(self.publisher, "batch", None)
-        with batch() if batch is not None else contextlib.nullcontext():
-            sent = self._send(job, call, reason)
-            if sent.outcome is Outcome.PUBLISHED:
-                try:
-                    self._flush()
-                except PublishFailed as exc:
-                    sent = self._publish_failed(job, exc)
-        if sent.outcome in (Outcome.FAIL_CLOSED, Outcome.ROLLED_BACK) and self.retrier is not None:
-            self.retrier.schedule(job.ref)
-        return Enqueued(sent.job or job, created=True, sent=sent.sent)
+        return self._one_write.enqueue(new, reason, call or {})
 
     def publish(self, job: Job, *, extra: Mapping[str, Any] | None = None) -> DispatchResult:
         """Publish ``job``, which this caller just wrote ``DISPATCHED`` (its ``rev`` is ours).
@@ -331,11 +285,14 @@ class Dispatcher(DispatchFailures):
             self._write(job, State.PUBLISHED, "publish returned")
         return result
 
-    def _send(self, job: Job, extra: Mapping[str, Any], reason: str = "") -> DispatchResult:
+    def _send(
+        self, job: Job, extra: Mapping[str, Any], reason: str = "", built: Built = None
+    ) -> DispatchResult:
         """Publish a job we hold ``DISPATCHED``; every outcome but the ``PUBLISHED`` write.
 
-        A beat tick's dispatch (``reason`` :data:`BEAT_REASON`) is logged at
-        info as stock beat logs it; any other at debug.
+        ``built``: its message built already (:mod:`~celery_exactonce.dispatch.one_write`),
+        or why it could not be. A beat tick's dispatch (``reason`` :data:`BEAT_REASON`)
+        is logged at info as stock beat logs it; any other at debug.
         """
         if self.signer is not None and (problem := self.signer.problem(job)):
             return self._refuse(job, problem)
@@ -351,12 +308,15 @@ class Dispatcher(DispatchFailures):
             if expired is not None:
                 expired(job)
             return DispatchResult(Outcome.EXPIRED, job)
-        headers = messages.message_headers(job, self.store.namespace)
+        headers = messages.message_headers(job, self.store.namespace) if built is None else {}
         try:
-            sent = self.publisher(job, headers, extra)
+            if isinstance(built, PublishFailed):
+                raise built
+            sent = self.publisher(job, headers, extra) if built is None else built.send()
         except PublishFailed as exc:
             return self._publish_failed(job, exc)
         if reason == BEAT_REASON:  # stock beat's line, and what names the occurrence
+            headers = headers or messages.message_headers(job, self.store.namespace)
             metrics.event(
                 "dispatched",
                 "Scheduler: Sending due task %s (%s) key=%s fire_time=%s idempotency_key=%s",
@@ -384,6 +344,15 @@ class Dispatcher(DispatchFailures):
         return DispatchResult(Outcome.PUBLISHED, job, sent=sent)
 
     # -- internals ------------------------------------------------------------------
+
+    def _flushed(self, job: Job, sent: DispatchResult) -> DispatchResult:
+        """``sent``, once what the publisher buffered is sent; the failure if that failed."""
+        if sent.outcome is Outcome.PUBLISHED:
+            try:
+                self._flush()
+            except PublishFailed as exc:
+                return self._publish_failed(job, exc)
+        return sent
 
     def _flush(self) -> None:
         """Send what the publisher buffered (:class:`PublishFailed` if that failed)."""

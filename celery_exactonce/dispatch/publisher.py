@@ -26,6 +26,8 @@ from celery_exactonce.dispatch.capture import (
     CaptureChannel,
     Captured,
     Capturing,
+    KeptProducer,
+    Prepared,
     declared_once,
     redis_broker,
 )
@@ -300,43 +302,75 @@ class CeleryPublisher:
             options.setdefault("timeout", self.timeout)
         return options
 
-    def _publish(self, job: Job, options: dict[str, Any]) -> Any:
-        """Send (or buffer) on the batch's producer; connect first if nothing was sent on it yet.
+    def prepare(self, job: Job, headers: Mapping[str, Any], extra: Mapping[str, Any]) -> Prepared:
+        """Build ``job``'s message as :meth:`__call__` would, inside :meth:`batch`; send nothing.
 
-        The connect is checked (kombu's retries off) before the first publish
-        and again after any failed one, so a refused connection is told apart
-        from a publish that may have landed.
+        ``send_task`` runs on the batch's producer with its ``publish`` calls kept
+        (:class:`KeptProducer`): all but the sending (routing, the message, its
+        signals, the result) is done here; :attr:`Prepared.send` makes the calls
+        (but declaring what is declared already). :class:`PublishFailed` (definite)
+        as :meth:`__call__`.
         """
-        from kombu.exceptions import EncodeError
+        options = self.message_options(job, headers, extra)
+        kept = KeptProducer(self._connected())
+        try:
+            sent = self._send_task(job, kept, options)
+        except Exception as exc:
+            failed = self._failure(exc)
+            raise PublishFailed(str(failed), definite=True, permanent=failed.permanent) from exc
 
+        def send(producer: Any) -> Any:
+            kept.replay(producer)
+            return sent
+
+        return Prepared(sent, tuple(kept.calls), lambda: self._publish_on(send))
+
+    def _connected(self) -> Any:
+        """The batch's producer, its connection checked (kombu's retries off) before its first
+        publish and after a failed one: a refused connection (:class:`PublishFailed`,
+        definite) is told apart from a publish that may have landed."""
         local = self._local
         if not local.checked:
             local.connect_error, local.checked = self._connect(local.producer), True
         if local.connect_error is not None:
             error = local.connect_error
             raise PublishFailed(f"connect failed: {error}", definite=True) from error
-        if local.buffer is None and hasattr(local.producer, "batch"):  # kombu >= 5.7
-            buffer = local.producer.batch(max_size=PUBLISH_BUFFER_MAX)
+        return local.producer
+
+    def _publish(self, job: Job, options: dict[str, Any]) -> Any:
+        """Send (or buffer) ``job``'s message on the batch's producer."""
+        return self._publish_on(lambda producer: self._send_task(job, producer, options))
+
+    def _publish_on(self, send: Callable[[Any], Any]) -> Any:
+        """``send`` on the batch's producer (connected first), buffered where kombu batches."""
+        local = self._local
+        producer = self._connected()
+        if local.buffer is None and hasattr(producer, "batch"):  # kombu >= 5.7
+            buffer = producer.batch(max_size=PUBLISH_BUFFER_MAX)
             buffer.__enter__()
             local.buffer = buffer
         try:
-            return self._send_task(job, local.producer, options)
-        except EncodeError as exc:
-            raise PublishFailed(f"cannot encode: {exc}", definite=True, permanent=True) from exc
-        except (TypeError, ValueError) as exc:
-            if _reached_the_transport(exc):
-                local.checked = False
-                raise PublishFailed(str(exc), definite=connection_refused(exc)) from exc
-            # Celery could not build the message from the stored job: nothing was sent,
-            # and no later try would build it either.
-            raise PublishFailed(
-                f"cannot build the message: {type(exc).__name__}: {exc}",
-                definite=True,
-                permanent=True,
-            ) from exc
+            return send(producer)
         except Exception as exc:
-            local.checked = False
-            raise PublishFailed(str(exc), definite=connection_refused(exc)) from exc
+            raise self._failure(exc) from exc
+
+    def _failure(self, exc: Exception) -> PublishFailed:
+        """The :class:`PublishFailed` of a publish that raised ``exc`` (raise it ``from exc``).
+
+        One that reached the transport may have landed, and the connection is
+        checked again before the next publish; one raised before (Celery could
+        not build the message from the stored job, or encode it) sent nothing,
+        and no later try would build it either.
+        """
+        from kombu.exceptions import EncodeError
+
+        if isinstance(exc, EncodeError):
+            return PublishFailed(f"cannot encode: {exc}", definite=True, permanent=True)
+        if isinstance(exc, (TypeError, ValueError)) and not _reached_the_transport(exc):
+            built = f"cannot build the message: {type(exc).__name__}: {exc}"
+            return PublishFailed(built, definite=True, permanent=True)
+        self._local.checked = False
+        return PublishFailed(str(exc), definite=connection_refused(exc))
 
     def _send_task(self, job: Job, producer: Any, options: Mapping[str, Any]) -> Any:
         """Celery's ``send_task`` of ``job`` on ``producer``, kombu's publish retry off."""

@@ -259,8 +259,8 @@ class LoseFirstEnqueue:
         self.lost = 0
         self.unreadable = False
 
-    def enqueue(self, new: Any, dispatch: Any) -> Any:
-        result = self._store.enqueue(new, dispatch)
+    def enqueue(self, new: Any, dispatch: Any, **meanwhile: Any) -> Any:
+        result = self._store.enqueue(new, dispatch, **meanwhile)
         if not self.lost:
             self.lost, self.unreadable = 1, True
             raise StoreUnavailable("injected: the answer to the enqueue was lost")
@@ -282,6 +282,22 @@ def test_an_ambiguous_one_write_submit_resubmitted_runs_once(
 ) -> None:
     """Scenario 64 on the SQL stores' one-write submit: the statement wrote the record
     DISPATCHED but its answer was lost before the publish."""
+    ambiguous_one_write_submit_resubmitted_runs_once(deployment, ledger)
+
+
+@pytest.mark.acceptance_matrix(brokers=("amqp",), stores=("redis",))
+def test_an_ambiguous_one_write_submit_on_redis_with_rabbitmq_resubmitted_runs_once(
+    deployment: Deployment, ledger: Ledger
+) -> None:
+    """Scenario 64 on the Redis store with another broker (RabbitMQ, confirms on): its script
+    wrote the record DISPATCHED, the message built meanwhile, but the answer was lost before
+    the publish."""
+    ambiguous_one_write_submit_resubmitted_runs_once(deployment, ledger)
+
+
+def ambiguous_one_write_submit_resubmitted_runs_once(
+    deployment: Deployment, ledger: Ledger
+) -> None:
     app = deployment.app()
     store = LoseFirstEnqueue(deployment.store())
     runtime.install(app, store)  # type: ignore[arg-type]

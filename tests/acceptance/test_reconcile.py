@@ -568,6 +568,22 @@ def test_a_worker_without_the_gate_runs_each_one_write_submit_once(
 ) -> None:
     """Scenario 65 on the SQL stores' one-write submit (the record written DISPATCHED by
     the statement that creates it, then published): with redispatch off, once."""
+    worker_without_the_gate_runs_each_one_write_submit_once(deployment, ledger)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.acceptance_matrix(brokers=("amqp",), stores=("redis",))
+def test_a_worker_without_the_gate_runs_each_one_write_submit_on_redis_with_rabbitmq_once(
+    deployment: Deployment, ledger: Ledger, gate: None
+) -> None:
+    """Scenario 65 on the Redis store with another broker (RabbitMQ, confirms on): the
+    record written DISPATCHED by one script, then published; with redispatch off, once."""
+    worker_without_the_gate_runs_each_one_write_submit_once(deployment, ledger)
+
+
+def worker_without_the_gate_runs_each_one_write_submit_once(
+    deployment: Deployment, ledger: Ledger
+) -> None:
     # Given a worker on code from before the gate, consuming a gated task's queue, and a
     # beat that reconciles (redispatch off: the default)
     scale_down(deployment)
@@ -576,7 +592,7 @@ def test_a_worker_without_the_gate_runs_each_one_write_submit_once(
     deployment.start_worker(concurrency=2)
     del deployment.extra_env[NO_GATE]
     deployment.start_beat(every=0)
-    # When gated jobs are sent, each created DISPATCHED by one statement
+    # When gated jobs are sent, each created DISPATCHED by one statement or script
     ids = [deployment.send("gated_record", "old-sql", i).id for i in range(OLD_WORKER_JOBS)]
     for job in jobs_of(deployment, ids):
         created, dispatched = job.history[:2]

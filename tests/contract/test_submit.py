@@ -1,9 +1,9 @@
 """``apply_async`` of a gated task, per store, through a broker the store cannot push to.
 
-The broker is kombu's in-memory transport. On the SQL stores the record is
-created already ``DISPATCHED`` by one statement, then published (the
-one-write submit); on the others it is created, then written ``DISPATCHED``
-(the general path). Either way no record comes back: the submit builds the
+The broker is kombu's in-memory transport. On the SQL and Redis stores the
+record is created already ``DISPATCHED`` by one statement or script, then
+published (the one-write submit); on the others it is created, then written
+``DISPATCHED`` (the general path). Either way no record comes back: the submit builds the
 record it wrote itself. A ``task_id`` submitted again is read, and answered as
 the same job or refused as a conflict; found ``DISPATCHED`` with no proof its
 message left, it is published again (the gate drops a copy).

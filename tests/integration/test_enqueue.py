@@ -5,7 +5,8 @@ On a private redis-server (store in database 1, broker in database 2): what
 the script pushes is byte for byte what kombu publishes (but kombu's random
 delivery tag), a push Redis refuses writes nothing, an existing job is not
 pushed again, a lost answer is settled by reading back, and every broker the
-capture cannot reproduce takes the general path.
+capture cannot reproduce gets the record written alone by one script, then
+the publish.
 """
 
 from __future__ import annotations
@@ -219,6 +220,20 @@ def test_an_existing_job_is_returned_and_nothing_is_pushed_again(server: RedisSe
     assert _queued(server) == 1
 
 
+def _written_alone(store: RedisStore, job_id: str = "j1") -> Job:
+    """The record of a submit written ``DISPATCHED`` by one script, without its message."""
+    record = store.get(JobRef.submitted(job_id))
+    assert record is not None and record.dispatches == 1
+    created, dispatched = record.history[:2]
+    assert (created.dst, dispatched.dst, created.at) == (
+        State.SCHEDULED,
+        State.DISPATCHED,
+        dispatched.at,
+    )
+    assert ENQUEUED not in dispatched.reason  # nothing proves the message left
+    return record
+
+
 def test_a_push_redis_refuses_writes_nothing(server: RedisServer) -> None:
     admin = redis.Redis.from_url(_url(server, 0))
     admin.execute_command(
@@ -226,11 +241,17 @@ def test_a_push_redis_refuses_writes_nothing(server: RedisServer) -> None:
     )
     store = _store(server, user="nolpush")
     dispatcher = _dispatcher(server, store)
-    assert dispatcher.enqueue(_new()) is None  # the caller takes the general path
+    one_step = dispatcher._one_step
+    assert one_step.enqueue(_new()) is None  # the one-step submit declines
     assert store.get(JobRef.submitted("j1")) is None
     assert _queued(server) == 0
-    assert dispatcher.enqueue(_new("j2")) is None  # not tried again by this process
+    assert one_step.enqueue(_new("j2")) is None  # not tried again by this process
     assert store.get(JobRef.submitted("j2")) is None
+    # The dispatcher then writes the record alone, and publishes through the broker connection
+    enqueued = dispatcher.enqueue(_new("j3"))
+    assert enqueued is not None and enqueued.created and enqueued.sent is not None
+    assert _written_alone(store, "j3").state is State.DISPATCHED
+    assert _queued(server) == 1
 
 
 def test_a_push_refused_midway_is_undone_and_writes_nothing(server: RedisServer) -> None:
@@ -258,9 +279,15 @@ def test_keys_redis_refuses_write_nothing(server: RedisServer) -> None:
         "ACL", "SETUSER", "storeonly", "on", ">secret", "&*", "+@all", "~exactonce:*"
     )
     store = _store(server, user="storeonly")
-    assert _dispatcher(server, store).enqueue(_new()) is None
+    dispatcher = _dispatcher(server, store)
+    assert dispatcher._one_step.enqueue(_new()) is None
     assert store.get(JobRef.submitted("j1")) is None
     assert _queued(server) == 0
+    # The record alone is within the user's keys: written, then published by kombu
+    enqueued = dispatcher.enqueue(_new())
+    assert enqueued is not None and enqueued.created and enqueued.sent is not None
+    assert _written_alone(store).state is State.DISPATCHED
+    assert _queued(server) == 1
 
 
 class LoseAnswer(RedisStore):
@@ -315,8 +342,75 @@ def test_a_broker_the_capture_cannot_reach_takes_the_general_path(
 ) -> None:
     store = _store(server)
     dispatcher = _dispatcher(server, store, broker.format(port=server.port))
-    assert dispatcher.enqueue(_new()) is None
+    assert dispatcher._one_step.enqueue(_new()) is None
     assert store.get(JobRef.submitted("j1")) is None
+    # The dispatcher writes the record alone, then publishes through the broker connection:
+    # a broker that refuses the connection rolls it back (nothing can have been sent)
+    enqueued = dispatcher.enqueue(_new())
+    assert enqueued is not None and enqueued.created
+    reachable = broker.startswith("redis://localhost")
+    assert (enqueued.sent is not None) is reachable
+    record = _written_alone(store)
+    assert record.state is (State.DISPATCHED if reachable else State.SCHEDULED)
+    assert _queued(server) == (1 if reachable else 0)
+
+
+def test_a_broker_elsewhere_costs_one_store_call_before_the_publish(
+    server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The record written ``DISPATCHED`` by one script, the only store call of the submit
+    (the message built while its answer is on the way), then the publish; no ``PUBLISHED``
+    write after the publish of a gated job."""
+    store = _store(server)
+    dispatcher = _dispatcher(server, store, f"redis://localhost:{server.port}/2")
+    assert dispatcher.enqueue(_new("j0")) is not None  # loads the script on the fresh server
+    sent: list[tuple[int, str]] = []  # (database, command), in the order they were sent
+    send = redis.connection.AbstractConnection.send_packed_command
+
+    def counted(self: Any, command: Any, check_health: bool = True) -> Any:
+        packed = b"".join(command) if isinstance(command, list) else command
+        sent.append((int(self.db), packed.split(b"\r\n")[2].decode().upper()))
+        return send(self, command, check_health)
+
+    monkeypatch.setattr(redis.connection.AbstractConnection, "send_packed_command", counted)
+    for job_id in ("j1", "j2"):
+        enqueued = dispatcher.enqueue(_new(job_id))
+        assert enqueued is not None and enqueued.created and enqueued.sent is not None
+    monkeypatch.undo()
+    assert [name for db, name in sent if db == 1] == ["EVALSHA", "EVALSHA"]
+    # Each message pushed after its record's script was sent
+    pushes = [i for i, (db, name) in enumerate(sent) if db == 2 and name == "LPUSH"]
+    scripts = [i for i, (db, _) in enumerate(sent) if db == 1]
+    assert len(pushes) == 2 and scripts[0] < pushes[0] < scripts[1] < pushes[1], sent
+    assert _written_alone(store, "j2").state is State.DISPATCHED
+    assert _queued(server) == 3
+
+
+@pytest.mark.parametrize("flushed", [False, True], ids=["loaded", "script-flushed"])
+def test_the_record_alone_runs_meanwhile_once_and_a_lost_script_is_loaded(
+    server: RedisServer, flushed: bool
+) -> None:
+    """``enqueue`` without a push, with ``meanwhile``: the caller's work runs once; a server
+    that lost the script (restarted, flushed) loads it and runs the call again, the work
+    not repeated."""
+    store = _store(server)
+    store.ping()
+    admin = redis.Redis.from_url(_url(server, 0))
+    if flushed:
+        admin.script_flush()
+    new = _new()
+    request = Transition(
+        State.DISPATCHED, frozenset({State.SCHEDULED}), node="n", reason="x", rev=new.rev
+    )
+    ran: list[str] = []
+    assert store.enqueue(new, request, meanwhile=lambda: ran.append("first")).created
+    assert ran == ["first"]
+    record = store.get(new.ref)
+    assert record is not None and record.state is State.DISPATCHED
+    assert record.rev == request.new_rev
+    again = store.enqueue(new, request, meanwhile=lambda: ran.append("again"))
+    assert not again.created and ran == ["first", "again"]  # the work runs, the record stands
+    assert again.job is not None and again.job.rev == record.rev
 
 
 def test_one_capturing_connection_serves_calls_one_after_another(server: RedisServer) -> None:

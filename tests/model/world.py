@@ -119,7 +119,9 @@ class Scenario:
     one_write: bool = True
     """The caller's submit (``enqueue``) writes the record ``DISPATCHED`` and its
     message in one script (the Redis store), which proves the message left;
-    ``False``: it writes the record, then publishes (the SQL stores)."""
+    ``False``: it writes the record, then publishes (the SQL stores; the Redis
+    store with another broker, which builds the message meanwhile but sends
+    it only after the write's answer: the same steps here)."""
 
 
 @dataclasses.dataclass(frozen=True)

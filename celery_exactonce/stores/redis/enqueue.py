@@ -1,19 +1,24 @@
-"""The Redis store's one-step enqueue: a record written ``DISPATCHED`` with its message, atomically.
+"""The Redis store's enqueue: a record written ``DISPATCHED`` (with its message), atomically.
 
 When the broker is a database on the store's own Redis server
 (:meth:`RedisStore.shares_server <celery_exactonce.stores.redis.store.RedisStore.shares_server>`),
 one script (``stores/redis/lua/enqueue.lua``) writes the record and runs the
-broker commands of its publish: both exist or neither does. Here:
+broker commands of its publish: both exist or neither does. With a broker
+elsewhere the same script writes the record alone, the one write before the
+caller's publish; the caller may build its message while the script's answer
+is on the way. Here:
 
 * :class:`Push`: the broker commands of one publish, as kombu's Redis
   transport would run them (the publisher captures them);
 * :class:`PushRefused`: Redis refused a broker command, or the script
   (an ACL): nothing was written;
+* :data:`Run`: what the caller runs meanwhile;
 * :class:`RedisEnqueue`, a base of
   :class:`~celery_exactonce.stores.redis.store.RedisStore`: the script's keys and
   arguments (the record as ``create`` writes it, with ``SCHEDULED →
   DISPATCHED`` already applied and both entries in its history, then each
-  command's key, name and value) and what its reply means.
+  command's key, name and value), the call with the caller's work between
+  sending it and reading its answer, and what its reply means.
 
 Not here: :meth:`RedisStore.enqueue
 <celery_exactonce.stores.redis.store.RedisStore.enqueue>` itself, which runs the
@@ -26,7 +31,10 @@ whether a broker's connection reaches the store's server
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
+
+import redis.exceptions as rexc
 
 from celery_exactonce.core import exceptions
 from celery_exactonce.core.jobs import CreateResult, CreateStatus
@@ -34,6 +42,7 @@ from celery_exactonce.core.states import State
 from celery_exactonce.core.writes import NewJob, Transition
 from celery_exactonce.stores import redact_secrets
 from celery_exactonce.stores.redis.base import RedisCore
+from celery_exactonce.stores.redis.cluster import ClusterClient
 from celery_exactonce.stores.redis.codec import as_text, decode_job, history_entry, record_fields
 
 
@@ -50,18 +59,62 @@ class Push:
     commands: tuple[tuple[str, str, Any], ...]
 
 
+#: What ``RedisStore.enqueue`` may run while its answer is on the way (its ``meanwhile``).
+Run = Callable[[], None] | None
+
+
 class PushRefused(exceptions.StoreError):
     """Redis refused a broker command of :meth:`RedisStore.enqueue`: nothing was written."""
 
 
 class RedisEnqueue(RedisCore):
-    """The one-step enqueue's script call and reply."""
+    """The enqueue script's call (its answer awaited while the caller works) and reply."""
+
+    #: ``enqueue`` takes ``meanwhile``: a function run while the script's answer is on the way.
+    enqueue_overlaps = True
+
+    def _run_meanwhile(self, keys: list[str], args: list[Any], meanwhile: Run = None) -> Any:
+        """The ``enqueue`` script, ``meanwhile`` run between sending it and reading its answer.
+
+        The call is written to a connection of the client's pool, ``meanwhile``
+        runs, then the answer is read: the caller's work overlaps the round
+        trip. Where the call is more than one command on one connection
+        (``min_replicas``: its ``WAIT``; a cluster; a single-connection client)
+        ``meanwhile`` runs first, then the call. ``meanwhile`` does not raise
+        (if it does, the connection is dropped with the answer unread, and
+        the outcome is unknown); it does not run if the call could not be sent.
+        """
+        if meanwhile is None:
+            return self._run("enqueue", keys, args)
+        client: Any = self._client
+        pool: Any = getattr(client, "connection_pool", None)
+        shared = getattr(client, "connection", None) is not None  # a single-connection client
+        if self._counted or isinstance(client, ClusterClient) or pool is None or shared:
+            meanwhile()
+            return self._run("enqueue", keys, args)
+        script = self._scripts["enqueue"]
+        conn = pool.get_connection()
+        try:
+            conn.send_command("EVALSHA", script.sha, len(keys), *keys, *args)
+            meanwhile()
+            return client.parse_response(conn, "EVALSHA")
+        except rexc.NoScriptError:  # a restarted or flushed server: the call did not run
+            pass
+        except rexc.ResponseError:  # answered: the connection is sound
+            raise
+        except BaseException:
+            conn.disconnect()
+            raise
+        finally:
+            pool.release(conn)
+        return self._run("enqueue", keys, args)  # loads the script, runs the call again
 
     def _enqueue_call(
-        self, new: NewJob, dispatch: Transition, push: Push
+        self, new: NewJob, dispatch: Transition, push: Push | None
     ) -> tuple[list[str], list[Any]]:
-        """The ``enqueue`` script's keys and arguments; :class:`PushRefused` without a command."""
-        if not push.commands:
+        """The ``enqueue`` script's keys and arguments; :class:`PushRefused` for a push
+        without a command. No ``push``: the record alone (a broker elsewhere)."""
+        if push is not None and not push.commands:
             raise PushRefused(f"enqueue of {new.ref}: no broker command")
         fields = record_fields(
             new, State.DISPATCHED.value, dispatch.new_rev, dispatch.node, dispatch.reason
@@ -77,13 +130,13 @@ class RedisEnqueue(RedisCore):
         )
         args: list[Any] = [
             self._db,
-            push.db,
+            self._db if push is None else push.db,
             "[" + created,
             '"},' + dispatched,
             len(fields) // 2,
             *fields,
         ]
-        for name, key, value in push.commands:
+        for name, key, value in push.commands if push is not None else ():
             keys.append(key)
             args += [name, value]
         return keys, args

@@ -26,8 +26,8 @@ What the operations stand on lives in the classes and functions
   record's fields, history entries) and replies (records, results);
 * :mod:`~celery_exactonce.stores.redis.batches`: the keys and arguments of
   the batch scripts, ``create`` and ``transition``, shared and per job;
-* :mod:`~celery_exactonce.stores.redis.enqueue`: the one-step enqueue's
-  :class:`Push`, :class:`PushRefused`, the script's arguments and reply;
+* :mod:`~celery_exactonce.stores.redis.enqueue`: the enqueue's :class:`Push`,
+  :class:`PushRefused`, the script's arguments, call (overlapped) and reply;
 * :mod:`~celery_exactonce.stores.redis.reads`: the reads for people behind
   ``list_jobs`` and ``lease`` (a filtered listing, a lease's holder).
 
@@ -74,7 +74,7 @@ from celery_exactonce.stores.redis.codec import (
     opt,
     transition_result,
 )
-from celery_exactonce.stores.redis.enqueue import Push, PushRefused, RedisEnqueue
+from celery_exactonce.stores.redis.enqueue import Push, PushRefused, RedisEnqueue, Run
 from celery_exactonce.stores.redis.reads import RedisReads, filtered
 
 __all__ = ["SCRIPT_BATCH", "Push", "PushRefused", "RedisStore"]
@@ -229,22 +229,27 @@ class RedisStore(RedisReads, RedisEnqueue, RedisBatches):
             return None
         return self._db
 
-    def enqueue(self, new: NewJob, dispatch: Transition, push: Push) -> CreateResult:
-        """Create ``new`` straight into ``DISPATCHED`` and run ``push``, atomically.
+    def enqueue(
+        self, new: NewJob, dispatch: Transition, push: Push | None = None, *, meanwhile: Run = None
+    ) -> CreateResult:
+        """Create ``new`` straight into ``DISPATCHED`` (and run ``push``), atomically.
 
         ``new`` (``SCHEDULED``) is written with ``dispatch`` (``SCHEDULED →
-        DISPATCHED``) already applied, both in its history, in the same script
-        that runs the broker commands: the record and the message exist together
-        or not at all. ``CREATED`` (``job`` unset: the caller knows the record),
-        or ``EXISTS`` with the record and nothing pushed. :class:`PushRefused`
-        when Redis refused a broker command (nothing written). Any other error
-        leaves the outcome unknown: read back ``dispatch.new_rev``.
+        DISPATCHED``) applied, both in its history, by the script that runs the
+        broker commands: the record and the message exist together or not at
+        all. Without ``push`` (a broker elsewhere) the record alone, the one write
+        before the caller's publish, whose message ``meanwhile`` may build while
+        the answer is on the way (:meth:`_run_meanwhile`). ``CREATED`` (``job``
+        unset), or ``EXISTS`` with the record, nothing pushed. :class:`PushRefused`:
+        Redis refused a broker command (nothing written). Any other error: read back.
         """
         keys, args = self._enqueue_call(new, dispatch, push)
         with self._wrap("enqueue"):
             try:
-                reply = self._run("enqueue", keys, args)
+                reply = self._run_meanwhile(keys, args, meanwhile)
             except rexc.NoPermissionError as exc:  # an ACL refused the call: it did not run
+                if push is None:
+                    raise
                 raise self._push_refused(f"enqueue refused: {exc}") from exc
         return self._enqueued(reply)
 
