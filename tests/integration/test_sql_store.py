@@ -278,19 +278,9 @@ def test_the_gate_and_the_completion_are_one_round_trip_each_on_postgresql(
     autocommit: list[bool] = []
     sent = _driver_statements(server_store, autocommit)
     # When the gate's CAS and the completion run, brief (as the worker sends them)
-    gate = Transition(
-        State.RUNNING,
-        frozenset({State.SCHEDULED, State.DISPATCHED}),
-        node="w",
-        reason="gate",
-        attempt=0,
-        task=new.task,
-        new_run_id="run-1",
-    )
+    gate = to(State.RUNNING, State.SCHEDULED, State.DISPATCHED, attempt=0, new_run_id="run-1")
     (entered,) = server_store.transition_many([(new.ref, gate)], brief=True)
-    done = Transition(
-        State.SUCCEEDED, frozenset({State.RUNNING}), node="w", reason="ok", run_id="run-1"
-    )
+    done = to(State.SUCCEEDED, State.RUNNING, run_id="run-1")
     (finished,) = server_store.transition_many([(new.ref, done)], brief=True)
     # Then each applied in one UPDATE sent in autocommit, and the record is as written
     assert entered.applied and finished.applied
