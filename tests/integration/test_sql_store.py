@@ -205,13 +205,41 @@ def test_a_heartbeat_reads_the_clock_once(store: SqlStore) -> None:
 
 
 def _statements(store: SqlStore) -> list[str]:
-    """The first word of every statement the store sends from now on."""
+    """The first word of every statement the store sends from now on.
+
+    On psycopg they are counted on the driver's cursors (:func:`_driver_statements`),
+    which also see the statements the store runs on the driver itself, past
+    SQLAlchemy's events.
+    """
+    if store.engine.dialect.driver == "psycopg":
+        return _driver_statements(store, [])
     sent: list[str] = []
 
     def record(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
         sent.append(statement.split(None, 1)[0].upper())
 
     sa.event.listen(store.engine, "before_cursor_execute", record)
+    return sent
+
+
+def _driver_statements(store: SqlStore, autocommit: list[bool]) -> list[str]:
+    """psycopg: the first word of every statement sent from now on; ``autocommit``: whether
+    each ran outside a transaction (no ``BEGIN`` or ``COMMIT`` sent around it)."""
+    import psycopg
+
+    sent: list[str] = []
+
+    class Counted(psycopg.Cursor[Any]):
+        def execute(self, query: Any, *args: Any, **kwargs: Any) -> Any:
+            sent.append(str(query).split(None, 1)[0].upper())
+            autocommit.append(self.connection.autocommit)
+            return super().execute(query, *args, **kwargs)
+
+    def count_on(dbapi_conn: Any, *_: Any) -> None:
+        dbapi_conn.cursor_factory = Counted
+
+    store.engine.dispose()  # every connection from now on is checked out, and counted
+    sa.event.listen(store.engine, "checkout", count_on)
     return sent
 
 
@@ -237,6 +265,33 @@ def test_each_write_of_a_submit_and_a_gate_is_one_statement(server_store: SqlSto
     # MariaDB has no UPDATE … RETURNING: a CAS that answers with the record reads it after.
     assert counts == {"brief create": 1, "brief CAS": 1, "create": 1, "CAS": 2 if mariadb else 1}
     assert server_store.get(new.ref).state is State.DISPATCHED  # type: ignore[union-attr]
+
+
+def test_the_gate_and_the_completion_are_one_round_trip_each_on_postgresql(
+    server_store: SqlStore,
+) -> None:
+    """A run's two writes: each its statement alone, in autocommit (no BEGIN, no COMMIT)."""
+    if server_store.engine.dialect.name != "postgresql":
+        pytest.skip("the statement alone, in autocommit: PostgreSQL")
+    new = task_job()
+    assert server_store.create(new).created
+    autocommit: list[bool] = []
+    sent = _driver_statements(server_store, autocommit)
+    # When the gate's CAS and the completion run, brief (as the worker sends them)
+    gate = to(State.RUNNING, State.SCHEDULED, State.DISPATCHED, attempt=0, new_run_id="run-1")
+    (entered,) = server_store.transition_many([(new.ref, gate)], brief=True)
+    done = to(State.SUCCEEDED, State.RUNNING, run_id="run-1")
+    (finished,) = server_store.transition_many([(new.ref, done)], brief=True)
+    # Then each applied in one UPDATE sent in autocommit, and the record is as written
+    assert entered.applied and finished.applied
+    assert (sent, autocommit) == (["WITH", "WITH"], [True, True])
+    job = server_store.get(new.ref)
+    assert job is not None and job.state is State.SUCCEEDED and job.run_id == "run-1"
+    # And a refused one (the run no longer owns the job) answers the record, decided
+    # the locking way
+    (late,) = server_store.transition_many([(new.ref, done)], brief=True)
+    assert late.status is TransitionStatus.CONFLICT
+    assert late.job is not None and late.job.state is State.SUCCEEDED
 
 
 def test_without_insert_returning_mysql_creates_the_locking_way(

@@ -206,12 +206,14 @@ class SqlCore:
     ) -> Any:
         """PostgreSQL: run one statement in autocommit on a pooled DB-API connection; its row.
 
-        The hot path's one write (``enqueue``): SQLAlchemy's connection,
-        transaction and result objects cost more than the statement's own
-        round trip, so the driver runs it. The pool still checks the
-        connection out (its checkout check included) and takes it back; the
-        error is wrapped as every other (:meth:`_guard`). Not retried: one
-        ``INSERT`` in autocommit waits on no lock another statement holds.
+        The hot path's one-statement writes (``enqueue``, the gate's brief
+        transitions): SQLAlchemy's connection, transaction and result objects
+        cost more than the statement's own round trip, so the driver runs it.
+        The pool still checks the connection out (its checkout check included)
+        and takes it back; the error is wrapped as every other (:meth:`_guard`).
+        Not retried: a statement alone in autocommit locks at most its one row,
+        so it cannot deadlock (PostgreSQL's ``READ COMMITTED`` has no
+        serialization failure); an ``INSERT`` waits on no lock at all.
         """
         sql = self._raw_sql.get(stmt)
         if sql is None:

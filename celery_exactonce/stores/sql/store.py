@@ -62,7 +62,13 @@ from typing import Any
 import sqlalchemy as sa
 
 from celery_exactonce.core import times
-from celery_exactonce.core.jobs import CreateResult, CreateStatus, Job, TransitionResult
+from celery_exactonce.core.jobs import (
+    CreateResult,
+    CreateStatus,
+    Job,
+    TransitionResult,
+    TransitionStatus,
+)
 from celery_exactonce.core.refs import JobRef
 from celery_exactonce.core.skipped_slots import SkippedSlots
 from celery_exactonce.core.states import State
@@ -262,11 +268,36 @@ class SqlStore(SqlCreates, SqlTransitions, SqlScans, SqlLeases):
     def transition_many(
         self, requests: Sequence[tuple[JobRef, Transition]], *, brief: bool = False
     ) -> list[TransitionResult]:
-        """One transaction for the batch; rows locked in key order (no deadlock)."""
+        """One transaction for the batch; rows locked in key order (no deadlock).
+
+        A brief batch of one transition one statement can apply, on PostgreSQL
+        (the worker gate's ``RUNNING`` CAS, a run's completion), is that
+        statement alone, in autocommit on the driver: one round trip. If it
+        changed nothing, the locking transaction decides (and answers the record).
+        """
         if not requests:
             self._check_usable()
             return []
+        if brief and len(requests) == 1 and self._alone(requests[0][1]):
+            ref, request = requests[0]
+            stmt, params = self._sql.transition(self._namespace, ref, request, brief=True)
+            if self._run_statement("transition_many", stmt, params) is not None:
+                return [TransitionResult(TransitionStatus.APPLIED)]
+            return self._run("transition_many", lambda conn: [self._transition(conn, ref, request)])
         return self._run("transition_many", self._transition_many_op(requests, brief))
+
+    def _alone(self, request: Transition) -> bool:
+        """Whether ``request`` runs as its one statement alone (see :meth:`transition_many`).
+
+        Not with a lease: its ``EXISTS`` locks a second row, which a lock-ordered
+        transaction may hold (a deadlock, which only :meth:`_run` runs again).
+        """
+        return (
+            self._postgresql
+            and self.owns_transactions
+            and request.lease is None
+            and self._fast_transition(request)
+        )
 
     def heartbeat(self, ref: JobRef, run_id: str) -> bool:
         stmt, params = self._sql.heartbeat(self._namespace, ref, run_id)
