@@ -1,0 +1,282 @@
+"""The store's footprint: bytes per terminal job on each store, and the steady state.
+
+``python -m tests.benchmarks --suite footprint`` fills each store with ``N``
+terminal jobs, written as the package writes them, half of each kind:
+
+* **beat occurrences** of distinct plain entries, one slot: beat's claim
+  (``SCHEDULED``, the entry's watermark advanced), the ``DISPATCHED`` write
+  and ``PUBLISHED``;
+* **gated jobs** of ``.delay()``: created ``SCHEDULED``, ``DISPATCHED``, the
+  gate's ``RUNNING`` and the completion's ``SUCCEEDED``.
+
+and reports the bytes the fill added, per job:
+
+* **Redis**: ``used_memory`` of a private ``redis-server`` (no other client
+  writes to it), before and after the fill;
+* **PostgreSQL**: ``pg_total_relation_size`` (table, TOAST and indexes) of the
+  fill's own tables (a table prefix of its own), after ``VACUUM ANALYZE``,
+  less the same tables empty;
+* **MariaDB**: ``data_length + index_length`` of those tables after ``ANALYZE
+  TABLE`` (InnoDB's page counts, approximate);
+* **SQLite**: the database file's pages in use, after ``VACUUM``.
+
+Then the **steady state** on Redis (:func:`steady_state`): jobs of
+``E`` entries every ``P`` seconds with a retention of ``R`` seconds, purged as
+the reconciler purges, measured once it has stopped growing, beside the
+formula of docs/design/scale.md, which it must be within 20% of.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from celery_exactonce.beat import claims
+from celery_exactonce.beat.claimer import CLAIM_BATCH
+from celery_exactonce.core.refs import JobRef, new_token
+from celery_exactonce.core.states import State
+from celery_exactonce.core.writes import NewJob, Transition
+from celery_exactonce.dispatch.dispatcher import BEAT_REASON
+from celery_exactonce.dispatch.messages import GATED_OPTION, POLICY_OPTION
+from celery_exactonce.stores import store_from_url
+from celery_exactonce.stores.base import StateStore
+from tests import services
+from tests.benchmarks.claims import occurrences
+
+#: A node id as the package makes one (``hostname:pid``).
+NODE = "bench-host-01:12345"
+#: Targets, bytes per terminal job, by store.
+TARGETS = {"redis": 700, "postgres": 500}
+STORE_NAMES = {"redis": "Redis", "postgres": "PostgreSQL", "mysql": "MariaDB", "sqlite": "SQLite"}
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """What one fill of ``jobs`` terminal jobs added to a store, in bytes."""
+
+    store: str
+    jobs: int
+    added: int
+    what: str
+    sample: dict[str, int]
+    """Bytes of one record of each kind, where the store tells (Redis ``MEMORY USAGE``)."""
+
+    @property
+    def per_job(self) -> float:
+        return self.added / self.jobs
+
+
+def _write(store: StateStore, requests: Sequence[tuple[JobRef, Transition]]) -> None:
+    for result in store.transition_many(requests, brief=True):
+        if not result.applied:
+            raise AssertionError(f"a write of the fill did not apply: {result.status}")
+
+
+def _plain(store: StateStore, batch: Sequence[NewJob], epoch: str) -> None:
+    got = claims.claim(store, batch, epoch=epoch, now=store.now())
+    if len(got.won) != len(batch):
+        raise AssertionError(f"won {len(got.won)} of {len(batch)}")
+    dispatched = [
+        (new.ref, Transition(State.DISPATCHED, frozenset({State.SCHEDULED}), node=NODE,
+                             reason=BEAT_REASON, rev=new.rev))
+        for new in batch
+    ]
+    _write(store, dispatched)
+    _write(store, [
+        (ref, Transition(State.PUBLISHED, frozenset({State.DISPATCHED}), node=NODE,
+                         reason="publish returned", rev=t.new_rev))
+        for ref, t in dispatched
+    ])
+
+
+def gated_jobs(count: int, start: int = 0) -> list[NewJob]:
+    """``count`` jobs as a gated ``.delay(i)`` makes them (a Celery task id each)."""
+    options = {"ignore_result": False, "reply_to": str(uuid.uuid4()), GATED_OPTION: True,
+               POLICY_OPTION: {}}
+    return [
+        NewJob(JobRef.submitted(str(uuid.uuid4())), "bench.tasks.add", State.SCHEDULED,
+               node=NODE, args=[start + i], options=options, reason="apply_async")
+        for i in range(count)
+    ]
+
+
+def _gated(store: StateStore, batch: Sequence[NewJob]) -> None:
+    for result in store.create_many(batch, brief=True):
+        if not result.created:
+            raise AssertionError(f"a create of the fill did not apply: {result.status}")
+    dispatched = [
+        (new.ref, Transition(State.DISPATCHED, frozenset({State.SCHEDULED}), node=NODE,
+                             reason="apply_async enqueued", rev=new.rev))
+        for new in batch
+    ]
+    _write(store, dispatched)
+    running = [
+        (ref, Transition(State.RUNNING, frozenset({State.DISPATCHED}), node=NODE, reason="gate",
+                         attempt=0, new_run_id=new_token()))
+        for ref, _ in dispatched
+    ]
+    _write(store, running)
+    _write(store, [
+        (ref, Transition(State.SUCCEEDED, frozenset({State.RUNNING}), node=NODE,
+                         reason="succeeded", run_id=t.new_run_id))
+        for ref, t in running
+    ])
+
+
+def fill(store: StateStore, count: int, *, fire: datetime | None = None, offset: int = 0) -> None:
+    """``count`` terminal jobs in ``store``: half beat occurrences, half gated jobs."""
+    epoch = store.epoch()
+    fire = fire or store.now().replace(microsecond=0) - timedelta(seconds=1)
+    plain = occurrences(store, count // 2 + offset, fire)[offset:]
+    gated = gated_jobs(count - count // 2, offset)
+    for i in range(0, len(plain), CLAIM_BATCH):
+        _plain(store, plain[i : i + CLAIM_BATCH], epoch)
+    for i in range(0, len(gated), CLAIM_BATCH):
+        _gated(store, gated[i : i + CLAIM_BATCH])
+
+
+# -- per store -----------------------------------------------------------------------------
+
+
+def _used_memory(client: Any) -> int:
+    return int(client.info("memory")["used_memory"])
+
+
+def _samples(client: Any, store: StateStore) -> dict[str, int]:
+    """``MEMORY USAGE`` of one record of each kind."""
+    out = {}
+    for kind, pattern in (("beat occurrence", "*:job:o:*"), ("gated job", "*:job:t:*")):
+        key = next(iter(client.scan_iter(match=pattern, count=1000)), None)
+        if key is not None:
+            out[kind] = int(client.memory_usage(key, samples=0))
+    return out
+
+
+@contextmanager
+def private_redis() -> Iterator[Any]:
+    """A redis-server of this run's own (no persistence), killed by pid at the end."""
+    from tests.integration.redis_server import redis_server
+
+    with redis_server() as server:
+        yield server
+
+
+def measure_redis(count: int) -> Footprint:
+    with private_redis() as server:
+        client = server.client()
+        store = store_from_url(server.url, namespace="fp")
+        try:
+            store.setup()
+            before = _used_memory(client)
+            fill(store, count)
+            added = _used_memory(client) - before
+            return Footprint("redis", count, added, "used_memory", _samples(client, store))
+        finally:
+            store.close()
+
+
+def _sql_sizes(engine: Any, tables: Sequence[str]) -> int:
+    import sqlalchemy as sa
+
+    name = engine.dialect.name
+    with engine.connect() as conn:
+        if name == "postgresql":
+            conn = conn.execution_options(isolation_level="AUTOCOMMIT")
+            for table in tables:
+                conn.execute(sa.text(f"VACUUM ANALYZE {table}"))
+            return sum(
+                int(conn.execute(sa.text("SELECT pg_total_relation_size(:t)"), {"t": t}).scalar_one())
+                for t in tables
+            )
+        if name in ("mysql", "mariadb"):
+            for table in tables:
+                conn.execute(sa.text(f"ANALYZE TABLE {table}")).fetchall()
+            row = conn.execute(
+                sa.text(
+                    "SELECT COALESCE(SUM(data_length + index_length), 0) FROM "
+                    "information_schema.tables WHERE table_schema = DATABASE() AND "
+                    f"table_name IN ({', '.join(f':t{i}' for i in range(len(tables)))})"
+                ),
+                {f"t{i}": t for i, t in enumerate(tables)},
+            ).scalar_one()
+            return int(row)
+    import sqlite3  # the store's engine opens its own transactions: one of our own
+
+    db = sqlite3.connect(str(engine.url.database), isolation_level=None)
+    try:
+        db.execute("VACUUM")
+        pages, free, size = (
+            db.execute(f"PRAGMA {p}").fetchone()[0]
+            for p in ("page_count", "freelist_count", "page_size")
+        )
+        return int((pages - free) * size)
+    finally:
+        db.close()
+
+
+def measure_sql(backend: str, count: int) -> Footprint:
+    import tempfile
+
+    from tests.support.backends import store_url
+
+    prefix = f"fp{uuid.uuid4().hex[:8]}_"
+    url = store_url(backend, tempfile.mkdtemp(prefix="exactonce-footprint-"))
+    store: Any = store_from_url(url, namespace="fp", table_prefix=prefix)
+    tables = [f"{prefix}jobs", f"{prefix}watermarks"]
+    try:
+        store.setup()
+        engine = store._engine
+        before = _sql_sizes(engine, tables)
+        fill(store, count)
+        added = _sql_sizes(engine, tables) - before
+        what = {"postgresql": "table + index", "sqlite": "file pages"}.get(
+            engine.dialect.name, "data + index"
+        )
+        return Footprint(backend, count, added, what, {})
+    finally:
+        _drop(store, prefix)
+
+
+def _drop(store: Any, prefix: str) -> None:
+    try:
+        store._t.metadata.drop_all(store._engine)
+    finally:
+        store.close()
+
+
+MEASURES: dict[str, Callable[[int], Footprint]] = {
+    "redis": measure_redis,
+    "postgres": lambda n: measure_sql("postgres", n),
+    "mysql": lambda n: measure_sql("mysql", n),
+    "sqlite": lambda n: measure_sql("sqlite", n),
+}
+
+
+def run(stores: Sequence[str], count: int) -> list[Footprint]:
+    out = []
+    for name in stores:
+        if name in services.SERVICE_URLS and not services.answers(name):
+            print(f"footprint: {name} skipped, {services.SERVICE_URLS[name]} does not answer")
+            continue
+        out.append(MEASURES[name](count))
+    return out
+
+
+def table(rows: Sequence[Footprint]) -> list[str]:
+    lines = [
+        f"{'store':<12}{'jobs':>9}{'bytes added':>14}{'bytes/job':>11}{'target':>9}  measured as",
+    ]
+    for row in rows:
+        target = TARGETS.get(row.store)
+        lines.append(
+            f"{STORE_NAMES.get(row.store, row.store):<12}{row.jobs:>9,}{row.added:>14,}"
+            f"{row.per_job:>11,.0f}{'<= ' + str(target) if target else '-':>9}  {row.what}"
+        )
+        for kind, size in row.sample.items():
+            lines.append(f"{'':<12}one {kind}: MEMORY USAGE {size:,} bytes")
+    return lines
