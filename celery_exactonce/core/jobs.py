@@ -44,6 +44,37 @@ from celery_exactonce.core.writes import Action, NewJob, Transition
 #: that is replayed for days grow without bound.
 HISTORY_LIMIT = 32
 
+#: What a terminal record may keep of its history (``exactonce_terminal_history``).
+TERMINAL_HISTORY = ("full", "last", "none")
+
+
+@dataclasses.dataclass(frozen=True)
+class Compaction:
+    """What a record keeps once terminal (``exactonce_terminal_history`` and ``_payload``).
+
+    ``history``: ``"full"`` (the capped history, as a live record keeps it),
+    ``"last"`` (the transition that ended the job) or ``"none"``; ``payload``:
+    whether args, kwargs, options and the signature stay. The record's own
+    fields (state, reason, node, rev, run id, attempt, dispatches, task, entry
+    and every time) always stay: they are what operators read.
+    """
+
+    history: str = "full"
+    payload: bool = True
+
+    def __post_init__(self) -> None:
+        if self.history not in TERMINAL_HISTORY:
+            raise ValueError(f"history must be one of {TERMINAL_HISTORY}, got {self.history!r}")
+
+    @property
+    def compacts(self) -> bool:
+        """Whether a terminal record loses anything."""
+        return self.history != "full" or not self.payload
+
+
+#: Everything kept: the default.
+KEEP = Compaction()
+
 
 @dataclasses.dataclass(frozen=True)
 class HistoryEntry:
@@ -234,12 +265,15 @@ def _replaced(job: Job, **changes: Any) -> Job:
     return out
 
 
-def apply_transition(job: Job, t: Transition, now: datetime) -> Job:
-    """The record after ``t`` applied to ``job`` at store time ``now`` (guards not checked)."""
+def apply_transition(job: Job, t: Transition, now: datetime, compaction: Compaction = KEEP) -> Job:
+    """The record after ``t`` applied to ``job`` at store time ``now`` (guards not checked).
+
+    A transition to a terminal state leaves the record as ``compaction`` keeps it.
+    """
     entry = HistoryEntry(job.state, t.to, now, t.node, t.reason, t.new_rev, t.action)
     running = t.to is State.RUNNING
     resigned = t.args is not None or t.kwargs is not None or t.signature is not None
-    return _replaced(
+    updated = _replaced(
         job,
         state=t.to,
         rev=t.new_rev,
@@ -258,6 +292,19 @@ def apply_transition(job: Job, t: Transition, now: datetime) -> Job:
         history=(*job.history, entry)[-HISTORY_LIMIT:],
         signature=t.signature if resigned else job.signature,
     )
+    if t.to in TERMINAL and compaction.compacts:
+        return compact_terminal(updated, compaction)
+    return updated
+
+
+def compact_terminal(job: Job, compaction: Compaction) -> Job:
+    """The terminal record ``job`` as ``compaction`` keeps it."""
+    changes: dict[str, Any] = {}
+    if compaction.history != "full":
+        changes["history"] = job.history[-1:] if compaction.history == "last" else ()
+    if not compaction.payload:
+        changes.update(args=[], kwargs={}, options={}, signature=None)
+    return _replaced(job, **changes)
 
 
 def check_note(node: str, reason: str, op_id: str) -> str:

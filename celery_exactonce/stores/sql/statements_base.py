@@ -31,6 +31,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from celery_exactonce.core import jobs
 from celery_exactonce.core.jobs import HistoryEntry
 from celery_exactonce.stores.sql import schema as sql_schema
 
@@ -110,9 +111,16 @@ class StatementCore:
     """What the one-statement writes of one store (dialect, tables) are spelt with."""
 
     def __init__(
-        self, dialect: sa.Dialect, tables: sql_schema.Tables, now: str, retention: float
+        self,
+        dialect: sa.Dialect,
+        tables: sql_schema.Tables,
+        now: str,
+        retention: float,
+        *,
+        compaction: jobs.Compaction = jobs.KEEP,
     ) -> None:
         self.name = dialect.name
+        self._compaction = compaction  # what a terminal record keeps
         quote = dialect.identifier_preparer.quote
         self._jobs = quote(tables.jobs.name)
         self._wm = quote(tables.watermarks.name)
