@@ -28,7 +28,6 @@ formula of docs/design/scale.md, which it must be within 20% of.
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -38,6 +37,8 @@ from typing import Any
 
 from celery_exactonce.beat import claims
 from celery_exactonce.beat.claimer import CLAIM_BATCH
+from celery_exactonce.beat.entries import occurrence_id
+from celery_exactonce.core.jobs import KEEP, Compaction
 from celery_exactonce.core.refs import JobRef, new_token
 from celery_exactonce.core.states import State
 from celery_exactonce.core.writes import NewJob, Transition
@@ -46,7 +47,6 @@ from celery_exactonce.dispatch.messages import GATED_OPTION, POLICY_OPTION
 from celery_exactonce.stores import store_from_url
 from celery_exactonce.stores.base import StateStore
 from tests import services
-from tests.benchmarks.claims import occurrences
 
 #: A node id as the package makes one (``hostname:pid``).
 NODE = "bench-host-01:12345"
@@ -82,25 +82,55 @@ def _plain(store: StateStore, batch: Sequence[NewJob], epoch: str) -> None:
     if len(got.won) != len(batch):
         raise AssertionError(f"won {len(got.won)} of {len(batch)}")
     dispatched = [
-        (new.ref, Transition(State.DISPATCHED, frozenset({State.SCHEDULED}), node=NODE,
-                             reason=BEAT_REASON, rev=new.rev))
+        (
+            new.ref,
+            Transition(
+                State.DISPATCHED,
+                frozenset({State.SCHEDULED}),
+                node=NODE,
+                reason=BEAT_REASON,
+                rev=new.rev,
+            ),
+        )
         for new in batch
     ]
     _write(store, dispatched)
-    _write(store, [
-        (ref, Transition(State.PUBLISHED, frozenset({State.DISPATCHED}), node=NODE,
-                         reason="publish returned", rev=t.new_rev))
-        for ref, t in dispatched
-    ])
+    _write(
+        store,
+        [
+            (
+                ref,
+                Transition(
+                    State.PUBLISHED,
+                    frozenset({State.DISPATCHED}),
+                    node=NODE,
+                    reason="publish returned",
+                    rev=t.new_rev,
+                ),
+            )
+            for ref, t in dispatched
+        ],
+    )
 
 
 def gated_jobs(count: int, start: int = 0) -> list[NewJob]:
     """``count`` jobs as a gated ``.delay(i)`` makes them (a Celery task id each)."""
-    options = {"ignore_result": False, "reply_to": str(uuid.uuid4()), GATED_OPTION: True,
-               POLICY_OPTION: {}}
+    options = {
+        "ignore_result": False,
+        "reply_to": str(uuid.uuid4()),
+        GATED_OPTION: True,
+        POLICY_OPTION: {},
+    }
     return [
-        NewJob(JobRef.submitted(str(uuid.uuid4())), "bench.tasks.add", State.SCHEDULED,
-               node=NODE, args=[start + i], options=options, reason="apply_async")
+        NewJob(
+            JobRef.submitted(str(uuid.uuid4())),
+            "bench.tasks.add",
+            State.SCHEDULED,
+            node=NODE,
+            args=[start + i],
+            options=options,
+            reason="apply_async",
+        )
         for i in range(count)
     ]
 
@@ -110,34 +140,101 @@ def _gated(store: StateStore, batch: Sequence[NewJob]) -> None:
         if not result.created:
             raise AssertionError(f"a create of the fill did not apply: {result.status}")
     dispatched = [
-        (new.ref, Transition(State.DISPATCHED, frozenset({State.SCHEDULED}), node=NODE,
-                             reason="apply_async enqueued", rev=new.rev))
+        (
+            new.ref,
+            Transition(
+                State.DISPATCHED,
+                frozenset({State.SCHEDULED}),
+                node=NODE,
+                reason="apply_async enqueued",
+                rev=new.rev,
+            ),
+        )
         for new in batch
     ]
     _write(store, dispatched)
     running = [
-        (ref, Transition(State.RUNNING, frozenset({State.DISPATCHED}), node=NODE, reason="gate",
-                         attempt=0, new_run_id=new_token()))
+        (
+            ref,
+            Transition(
+                State.RUNNING,
+                frozenset({State.DISPATCHED}),
+                node=NODE,
+                reason="gate",
+                attempt=0,
+                new_run_id=new_token(),
+            ),
+        )
         for ref, _ in dispatched
     ]
     _write(store, running)
-    _write(store, [
-        (ref, Transition(State.SUCCEEDED, frozenset({State.RUNNING}), node=NODE,
-                         reason="succeeded", run_id=t.new_run_id))
-        for ref, t in running
-    ])
+    _write(
+        store,
+        [
+            (
+                ref,
+                Transition(
+                    State.SUCCEEDED,
+                    frozenset({State.RUNNING}),
+                    node=NODE,
+                    reason="succeeded",
+                    run_id=t.new_run_id,
+                ),
+            )
+            for ref, t in running
+        ],
+    )
 
 
-def fill(store: StateStore, count: int, *, fire: datetime | None = None, offset: int = 0) -> None:
-    """``count`` terminal jobs in ``store``: half beat occurrences, half gated jobs."""
+def occurrences(store: StateStore, entries: int, slots: int, last: datetime) -> list[NewJob]:
+    """``slots`` occurrences of each of ``entries`` plain entries, a second apart up to ``last``.
+
+    In slot order, as beat claims them (each claim advances its entry's watermark).
+    """
+    fires = [last - timedelta(seconds=slots - 1 - k) for k in range(slots)]
+    return [
+        NewJob(
+            JobRef.occurrence(occurrence_id(store.namespace, f"entry-{i:06}", fire)),
+            "bench.tasks.tick",
+            State.SCHEDULED,
+            node=NODE,
+            args=[i],
+            options={GATED_OPTION: False},
+            entry=f"entry-{i:06}",
+            fire_time=fire,
+            reason="beat claim",
+        )
+        for fire in fires
+        for i in range(entries)
+    ]
+
+
+#: Slots of each entry in a fill: the entries' watermarks are shared by their slots' jobs.
+SLOTS = 10
+
+
+def fill(
+    store: StateStore,
+    count: int,
+    *,
+    chunks: int = 1,
+    between: Callable[[], object] = lambda: None,
+) -> None:
+    """``count`` terminal jobs in ``store``: half beat occurrences (:data:`SLOTS` of each
+    entry), half gated jobs; in ``chunks``, ``between`` called after each."""
     epoch = store.epoch()
-    fire = fire or store.now().replace(microsecond=0) - timedelta(seconds=1)
-    plain = occurrences(store, count // 2 + offset, fire)[offset:]
-    gated = gated_jobs(count - count // 2, offset)
-    for i in range(0, len(plain), CLAIM_BATCH):
-        _plain(store, plain[i : i + CLAIM_BATCH], epoch)
-    for i in range(0, len(gated), CLAIM_BATCH):
-        _gated(store, gated[i : i + CLAIM_BATCH])
+    start = store.now().replace(microsecond=0) - timedelta(seconds=SLOTS * (chunks + 1))
+    size = count // chunks
+    for chunk in range(chunks):
+        entries = max(1, size // 2 // SLOTS)
+        last = start + timedelta(seconds=SLOTS * (chunk + 1))
+        plain = occurrences(store, entries, size // 2 // entries, last)
+        gated = gated_jobs(size - len(plain))
+        for i in range(0, len(plain), CLAIM_BATCH):
+            _plain(store, plain[i : i + CLAIM_BATCH], epoch)
+        for i in range(0, len(gated), CLAIM_BATCH):
+            _gated(store, gated[i : i + CLAIM_BATCH])
+        between()
 
 
 # -- per store -----------------------------------------------------------------------------
@@ -147,7 +244,7 @@ def _used_memory(client: Any) -> int:
     return int(client.info("memory")["used_memory"])
 
 
-def _samples(client: Any, store: StateStore) -> dict[str, int]:
+def _samples(client: Any) -> dict[str, int]:
     """``MEMORY USAGE`` of one record of each kind."""
     out = {}
     for kind, pattern in (("beat occurrence", "*:job:o:*"), ("gated job", "*:job:t:*")):
@@ -166,16 +263,16 @@ def private_redis() -> Iterator[Any]:
         yield server
 
 
-def measure_redis(count: int) -> Footprint:
+def measure_redis(count: int, compaction: Compaction = KEEP) -> Footprint:
     with private_redis() as server:
         client = server.client()
-        store = store_from_url(server.url, namespace="fp")
+        store = store_from_url(server.url, namespace="fp", compaction=compaction)
         try:
             store.setup()
             before = _used_memory(client)
             fill(store, count)
             added = _used_memory(client) - before
-            return Footprint("redis", count, added, "used_memory", _samples(client, store))
+            return Footprint("redis", count, added, "used_memory", _samples(client))
         finally:
             store.close()
 
@@ -186,13 +283,11 @@ def _sql_sizes(engine: Any, tables: Sequence[str]) -> int:
     name = engine.dialect.name
     with engine.connect() as conn:
         if name == "postgresql":
-            conn = conn.execution_options(isolation_level="AUTOCOMMIT")
+            auto = conn.execution_options(isolation_level="AUTOCOMMIT")
             for table in tables:
-                conn.execute(sa.text(f"VACUUM ANALYZE {table}"))
-            return sum(
-                int(conn.execute(sa.text("SELECT pg_total_relation_size(:t)"), {"t": t}).scalar_one())
-                for t in tables
-            )
+                auto.execute(sa.text(f"VACUUM ANALYZE {table}"))
+            size = sa.text("SELECT pg_total_relation_size(:t)")
+            return sum(int(auto.execute(size, {"t": t}).scalar_one()) for t in tables)
         if name in ("mysql", "mariadb"):
             for table in tables:
                 conn.execute(sa.text(f"ANALYZE TABLE {table}")).fetchall()
@@ -219,20 +314,22 @@ def _sql_sizes(engine: Any, tables: Sequence[str]) -> int:
         db.close()
 
 
-def measure_sql(backend: str, count: int) -> Footprint:
+def measure_sql(backend: str, count: int, compaction: Compaction = KEEP) -> Footprint:
     import tempfile
 
     from tests.support.backends import store_url
 
     prefix = f"fp{uuid.uuid4().hex[:8]}_"
     url = store_url(backend, tempfile.mkdtemp(prefix="exactonce-footprint-"))
-    store: Any = store_from_url(url, namespace="fp", table_prefix=prefix)
+    store: Any = store_from_url(url, namespace="fp", table_prefix=prefix, compaction=compaction)
     tables = [f"{prefix}jobs", f"{prefix}watermarks"]
     try:
         store.setup()
         engine = store._engine
         before = _sql_sizes(engine, tables)
-        fill(store, count)
+        # In chunks, each vacuumed after (as autovacuum would): a row's dead versions
+        # (one per update) leave room the next chunk's rows fill, as in a steady state.
+        fill(store, count, chunks=10, between=lambda: _sql_sizes(engine, tables))
         added = _sql_sizes(engine, tables) - before
         what = {"postgresql": "table + index", "sqlite": "file pages"}.get(
             engine.dialect.name, "data + index"
@@ -249,34 +346,45 @@ def _drop(store: Any, prefix: str) -> None:
         store.close()
 
 
-MEASURES: dict[str, Callable[[int], Footprint]] = {
+MEASURES: dict[str, Callable[[int, Compaction], Footprint]] = {
     "redis": measure_redis,
-    "postgres": lambda n: measure_sql("postgres", n),
-    "mysql": lambda n: measure_sql("mysql", n),
-    "sqlite": lambda n: measure_sql("sqlite", n),
+    "postgres": lambda n, c: measure_sql("postgres", n, c),
+    "mysql": lambda n, c: measure_sql("mysql", n, c),
+    "sqlite": lambda n, c: measure_sql("sqlite", n, c),
 }
+#: The settings measured: the defaults, and a terminal record compacted.
+COMPACT = Compaction(history="none", payload=False)
+SETTINGS = {"full": KEEP, "compact": COMPACT}
 
 
-def run(stores: Sequence[str], count: int) -> list[Footprint]:
+def run(stores: Sequence[str], count: int) -> list[tuple[str, Footprint]]:
+    """Each store's footprint under each of :data:`SETTINGS`; a store that is down skipped."""
     out = []
     for name in stores:
         if name in services.SERVICE_URLS and not services.answers(name):
             print(f"footprint: {name} skipped, {services.SERVICE_URLS[name]} does not answer")
             continue
-        out.append(MEASURES[name](count))
+        out += [(setting, MEASURES[name](count, c)) for setting, c in SETTINGS.items()]
     return out
 
 
-def table(rows: Sequence[Footprint]) -> list[str]:
+def table(rows: Sequence[tuple[str, Footprint]]) -> list[str]:
+    """The footprint table: per store and setting, bytes per job beside the target."""
     lines = [
-        f"{'store':<12}{'jobs':>9}{'bytes added':>14}{'bytes/job':>11}{'target':>9}  measured as",
+        f"{'store':<12}{'terminal':<10}{'jobs':>9}{'bytes added':>14}{'bytes/job':>11}"
+        f"{'target':>9}  measured as",
     ]
-    for row in rows:
+    for setting, row in rows:
         target = TARGETS.get(row.store)
+        bound = f"<= {target}" if target else "-"
         lines.append(
-            f"{STORE_NAMES.get(row.store, row.store):<12}{row.jobs:>9,}{row.added:>14,}"
-            f"{row.per_job:>11,.0f}{'<= ' + str(target) if target else '-':>9}  {row.what}"
+            f"{STORE_NAMES.get(row.store, row.store):<12}{setting:<10}{row.jobs:>9,}"
+            f"{row.added:>14,}{row.per_job:>11,.0f}{bound:>9}  {row.what}"
         )
         for kind, size in row.sample.items():
-            lines.append(f"{'':<12}one {kind}: MEMORY USAGE {size:,} bytes")
+            lines.append(f"{'':<22}one {kind}: MEMORY USAGE {size:,} bytes")
+    lines.append(
+        "(full: the default settings; compact: exactonce_terminal_history='none', "
+        "exactonce_terminal_payload=False)"
+    )
     return lines

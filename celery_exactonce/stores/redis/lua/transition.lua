@@ -105,8 +105,22 @@ local function transition(key, lease_key, a)
   elseif cur[9] then
     del[#del + 1] = 'terminal_at'
   end
-  redis.call('HSET', key, unpack(set))
-  if #del > 0 then redis.call('HDEL', key, unpack(del)) end
+  if TERMINAL[to] and compacts then
+    -- Written afresh: a hash Redis once encoded as a hashtable (a long value) stays one
+    -- however short its values become; a new one of short values is a listpack.
+    local record = {}
+    local flat = redis.call('HGETALL', key)
+    for i = 1, #flat, 2 do record[flat[i]] = flat[i + 1] end
+    for i = 1, #set, 2 do record[set[i]] = set[i + 1] end
+    for _, field in ipairs(del) do record[field] = nil end
+    set = {}
+    for field, value in pairs(record) do put(field, value) end
+    redis.call('DEL', key)
+    redis.call('HSET', key, unpack(set))
+  else
+    redis.call('HSET', key, unpack(set))
+    if #del > 0 then redis.call('HDEL', key, unpack(del)) end
+  end
 
   if to ~= state then
     redis.call('ZREM', state_key(1, state), member)
