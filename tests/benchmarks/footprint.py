@@ -28,6 +28,7 @@ formula of docs/design/scale.md, which it must be within 20% of.
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -50,6 +51,8 @@ from tests import services
 
 #: A node id as the package makes one (``hostname:pid``).
 NODE = "bench-host-01:12345"
+#: How far the measured steady state may be from the formula's.
+FORMULA_TOLERANCE = 0.2
 #: Targets, bytes per terminal job, by store.
 TARGETS = {"redis": 700, "postgres": 500}
 STORE_NAMES = {"redis": "Redis", "postgres": "PostgreSQL", "mysql": "MariaDB", "sqlite": "SQLite"}
@@ -388,3 +391,91 @@ def table(rows: Sequence[tuple[str, Footprint]]) -> list[str]:
         "exactonce_terminal_payload=False)"
     )
     return lines
+
+
+# -- the steady state ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SteadyState:
+    """A namespace's size once its jobs expire as fast as they come, measured and predicted."""
+
+    entries: int
+    period: float
+    retention: float
+    interval: float
+    per_job: float
+    """Bytes per terminal job, from a fill with the same settings (:func:`measure_redis`)."""
+    jobs: float
+    """Jobs held, the mean of the samples."""
+    measured: float
+    """``used_memory`` above the empty namespace, the mean of the samples."""
+
+    @property
+    def held(self) -> float:
+        """The formula's jobs held: ``E x (R + I/2) / P``."""
+        return self.entries * (self.retention + self.interval / 2) / self.period
+
+    @property
+    def predicted(self) -> float:
+        """The formula of docs/design/scale.md: jobs held x bytes per job."""
+        return self.held * self.per_job
+
+    @property
+    def error(self) -> float:
+        return self.measured / self.predicted - 1
+
+
+def steady_state(
+    entries: int, period: float, retention: float, interval: float, per_job: float
+) -> SteadyState:
+    """``entries`` plain entries due every ``period`` s, purged every ``interval`` s.
+
+    On a private Redis, with :data:`COMPACT` terminal records and a retention
+    of ``retention`` s: each slot's occurrences claimed, dispatched and
+    published as beat does, and ``purge_expired`` run as the reconciler runs
+    it. Sampled each slot from ``retention + 2 x interval`` on, for as long again.
+    """
+    with private_redis() as server:
+        client = server.client()
+        store = store_from_url(server.url, namespace="fp", retention=retention, compaction=COMPACT)
+        try:
+            store.setup()
+            epoch = store.epoch()
+            base = _used_memory(client)
+            began = time.monotonic()
+            settle, end = retention + 2 * interval, 2 * (retention + 2 * interval)
+            next_purge, slot, samples = interval, 0, []
+            first = store.now() - timedelta(seconds=1)
+            while (elapsed := time.monotonic() - began) < end:
+                batch = occurrences(store, entries, 1, first + timedelta(seconds=slot * period))
+                for i in range(0, len(batch), CLAIM_BATCH):
+                    _plain(store, batch[i : i + CLAIM_BATCH], epoch)
+                if elapsed >= next_purge:
+                    while store.purge_expired(10_000):
+                        pass
+                    next_purge += interval
+                if elapsed >= settle:
+                    held = sum(store.count_by_state().values())
+                    samples.append((held, _used_memory(client) - base))
+                slot += 1
+                time.sleep(max(0.0, began + slot * period - time.monotonic()))
+        finally:
+            store.close()
+    jobs = sum(s[0] for s in samples) / len(samples)
+    measured = sum(s[1] for s in samples) / len(samples)
+    return SteadyState(entries, period, retention, interval, per_job, jobs, measured)
+
+
+def steady_lines(state: SteadyState) -> list[str]:
+    return [
+        f"\nsteady state on Redis (compact): {state.entries:,} entries every {state.period:g} s, "
+        f"retention {state.retention:g} s, purged every {state.interval:g} s\n",
+        f"{'jobs held, measured (mean)':<45}{state.jobs:>16,.0f}",
+        f"{'jobs held, E x (R + I/2) / P':<45}{state.held:>16,.0f}",
+        f"{'used_memory, measured (mean)':<45}{state.measured:>16,.0f}",
+        f"{'formula: jobs held x ' + f'{state.per_job:,.0f} bytes/job':<45}"
+        f"{state.predicted:>16,.0f}",
+        f"{'measured / formula':<45}{state.measured / state.predicted:>15.2f}x"
+        f"  ({'within' if abs(state.error) <= FORMULA_TOLERANCE else 'NOT within'} 20%)",
+    ]
