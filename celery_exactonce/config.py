@@ -77,6 +77,12 @@ class ExactOnceConfig:
     """How long a terminal record is kept (7 days), from ``max(fire_time, terminal_at)``;
     live records never expire. >= ``window_lookback + tick_interval + max_skew``, and on
     a gated worker with a Redis or SQS broker >= its ``visibility_timeout``."""
+    occurrence_retention: float | None = None
+    """How long a terminal beat occurrence is kept, from ``max(fire_time, terminal_at)``, when
+    shorter than ``retention`` (``None``: as long). Past the look-back it guards nothing: the
+    entry's watermark refuses its slot. >= ``window_lookback + tick_interval + max_skew``,
+    <= ``retention``, and on a gated worker with a Redis or SQS broker >= its
+    ``visibility_timeout``."""
     terminal_history: TerminalHistory = "full"
     """What a terminal record keeps of its history: ``full`` (the capped history a live
     record keeps), ``last`` (the transition that ended the job) or ``none``. Its own
@@ -215,6 +221,13 @@ class ExactOnceConfig:
                 f"({self.retention:g} s) must be >= window_lookback + tick_interval + max_skew "
                 f"({horizon:g} s): a record must outlive every node's look-back",
             )
+        kept = self.occurrence_retention
+        if kept is not None and not horizon <= kept <= self.retention:
+            raise _error(
+                "occurrence_retention",
+                f"({kept:g} s) must be >= window_lookback + tick_interval + max_skew "
+                f"({horizon:g} s) and <= retention ({self.retention:g} s)",
+            )
         floor = 2 * (self.tick_interval + self.publish_timeout + self.store_timeout)
         if self.replay_age < floor:
             raise _error(
@@ -248,8 +261,10 @@ class ExactOnceConfig:
 
     @property
     def compaction(self) -> jobs.Compaction:
-        """What a terminal record keeps (``terminal_history``, ``terminal_payload``)."""
-        return jobs.Compaction(self.terminal_history, self.terminal_payload)
+        """What a terminal record keeps, and how long an occurrence's is kept."""
+        return jobs.Compaction(
+            self.terminal_history, self.terminal_payload, self.occurrence_retention
+        )
 
     @classmethod
     def from_mapping(cls, settings: Mapping[str, Any]) -> ExactOnceConfig:

@@ -36,6 +36,9 @@ from celery_exactonce.core.refs import (
 )
 from celery_exactonce.core.skipped_slots import SkippedSlots as SkippedSlots  # noqa: PLC0414  (importable here)
 from celery_exactonce.core.states import TERMINAL, State
+from celery_exactonce.core.terminal import KEEP as KEEP  # noqa: PLC0414  (importable here)
+from celery_exactonce.core.terminal import TERMINAL_HISTORY as TERMINAL_HISTORY  # noqa: PLC0414
+from celery_exactonce.core.terminal import Compaction as Compaction  # noqa: PLC0414
 from celery_exactonce.core.times import from_micros, from_micros_opt, to_micros, to_micros_opt
 from celery_exactonce.core.writes import Action, NewJob, Transition
 
@@ -43,37 +46,6 @@ from celery_exactonce.core.writes import Action, NewJob, Transition
 #: (create, claim, dispatch, a few retries, completion) without letting a job
 #: that is replayed for days grow without bound.
 HISTORY_LIMIT = 32
-
-#: What a terminal record may keep of its history (``exactonce_terminal_history``).
-TERMINAL_HISTORY = ("full", "last", "none")
-
-
-@dataclasses.dataclass(frozen=True)
-class Compaction:
-    """What a record keeps once terminal (``exactonce_terminal_history`` and ``_payload``).
-
-    ``history``: ``"full"`` (the capped history, as a live record keeps it),
-    ``"last"`` (the transition that ended the job) or ``"none"``; ``payload``:
-    whether args, kwargs, options and the signature stay. The record's own
-    fields (state, reason, node, rev, run id, attempt, dispatches, task, entry
-    and every time) always stay: they are what operators read.
-    """
-
-    history: str = "full"
-    payload: bool = True
-
-    def __post_init__(self) -> None:
-        if self.history not in TERMINAL_HISTORY:
-            raise ValueError(f"history must be one of {TERMINAL_HISTORY}, got {self.history!r}")
-
-    @property
-    def compacts(self) -> bool:
-        """Whether a terminal record loses anything."""
-        return self.history != "full" or not self.payload
-
-
-#: Everything kept: the default.
-KEEP = Compaction()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -294,9 +294,15 @@ class InMemoryStore:
                 job
                 for state in TERMINAL
                 for job in (self._jobs[ref] for ref in self._by_state[state])
-                if (at := job.expires_at(self._retention)) is not None and at <= now
+                if (at := job.expires_at(self._compaction.retention_of(job.ref, self._retention)))
+                is not None
+                and at <= now
             ]
-            expired.sort(key=lambda job: job.expires_at(self._retention) or now)
+            expired.sort(
+                key=lambda job: (
+                    job.expires_at(self._compaction.retention_of(job.ref, self._retention)) or now
+                )
+            )
             for job in expired[: max(limit, 0)]:
                 del self._jobs[job.ref]
                 self._by_state[job.state].discard(job.ref)

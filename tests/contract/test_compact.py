@@ -12,7 +12,7 @@ from datetime import timedelta
 
 import pytest
 
-from celery_exactonce.core.jobs import Compaction, Job
+from celery_exactonce.core.jobs import Compaction, CreateStatus, Job
 from celery_exactonce.core.states import State
 from celery_exactonce.core.writes import NewJob
 from celery_exactonce.stores.base import StateStore
@@ -120,3 +120,26 @@ def test_compacted_records_expire(store_factory: StoreFactory, compaction: Compa
     assert store.purge_expired(10) == 0
     assert [store.get(ref) for ref in refs] == [None, None, None]
     assert store.count_by_state()[State.SUCCEEDED] == 0
+
+
+def test_an_occurrence_may_go_before_the_retention_and_its_slot_stays_decided(
+    store_factory: StoreFactory,
+) -> None:
+    # Given occurrences kept 0.05 s once terminal, every other record an hour
+    store = store_factory(compaction=Compaction(occurrence_retention=0.05))
+    fire = store.now() - timedelta(seconds=1)
+    new, job = occurrence("short-e", fire), task_job("short-t")
+    for created in (store.create(new).job, store.create(job).job):
+        assert created is not None
+        move(store, move(store, created, State.DISPATCHED), State.PUBLISHED)
+    done = store.get(new.ref)
+    assert done is not None and done.terminal_at is not None
+    # When its retention has passed, the occurrence is purged, the other record kept
+    end = done.terminal_at + timedelta(seconds=0.06)
+    poll(lambda: store.now() >= end)
+    assert store.purge_expired(10) == 1
+    assert store.get(new.ref) is None and store.get(job.ref) is not None
+    # And its slot is still decided: the entry's watermark refuses a claim of it
+    again = store.create(occurrence("short-e", fire))
+    assert again.status is CreateStatus.BELOW_WATERMARK and store.get(new.ref) is None
+    assert store.watermark("short-e") == fire

@@ -147,8 +147,13 @@ class RedisCore(RedisKeys):
         self._namespace = namespace
         self._retention = float(retention)
         self._retention_us = int(retention * 1_000_000)
-        #: What a terminal record keeps: the transition script's arguments 3 and 4.
-        self._compaction = [compaction.history, "1" if compaction.payload else "0"]
+        #: What a terminal record keeps: the transition script's arguments 3 to 5.
+        kept = compaction.occurrence_retention
+        self._compaction = [
+            compaction.history,
+            "1" if compaction.payload else "0",
+            "" if kept is None or kept >= retention else f"={int(kept * 1_000_000)}",
+        ]
         self._base = base
         self._shards = shards  # exactonce_shards, pinned in each shard's meta
         # The namespace's fixed keys, built once: every script call passes several.

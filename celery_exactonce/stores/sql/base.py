@@ -374,6 +374,7 @@ class SqlCore:
         return True
 
     def _values(self, job: Job, *, key: bool = True) -> dict[str, Any]:
-        return sql_schema.job_values(job, self._namespace, self._retention, key=key)
+        retention = self._compaction.retention_of(job.ref, self._retention)
+        return sql_schema.job_values(job, self._namespace, retention, key=key)
 
     _job = staticmethod(sql_schema.job_from_row)

@@ -139,7 +139,8 @@ class Statements(CreateStatements):
         if t.run_at is not None:
             params["s_run_at"] = times.to_micros(t.run_at)
         if terminal:
-            params["s_ret"] = self._retention_us
+            retention = self._compaction.retention_of(ref, self._retention)
+            params["s_ret"] = int(retention * 1_000_000)  # as Job.expires_at adds it
             if not self._compaction.payload:
                 params["s_payload"] = COMPACT_PAYLOAD
         if lease is not None:

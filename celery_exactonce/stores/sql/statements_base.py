@@ -128,6 +128,7 @@ class StatementCore:
         self._meta = quote(tables.meta.name)
         self._col = {name: quote(name) for name in (*JOB_COLUMNS, "epoch", "name", "token")}
         self._retention_us = int(retention * 1_000_000)  # as Job.expires_at adds it
+        self._retention = retention
         # A colon in the clock's SQL ('00:00:00') must not read as a bound parameter.
         now = now.replace(":", "\\:")
         self._pg = self.name == "postgresql"

@@ -5,6 +5,7 @@
 -- ARGV: 1 retention in microseconds, 2 brief ('1': answer 'applied' without the record),
 --       3 what a terminal record keeps of its history ('full', 'last' or 'none'),
 --       4 whether it keeps its payload ('1' or '0'),
+--       5 how long a terminal occurrence is kept, in microseconds, when shorter (opt),
 --       then per job (ARGS_PER_JOB): member, to, expected states (comma-separated),
 --       node, reason, rev (opt), attempt (opt), run_id (opt), lease token (opt),
 --       stale_for seconds (opt), new rev, new run_id (opt), next_attempt ('1' or '0'),
@@ -17,6 +18,7 @@ local ARGS_PER_JOB = 19
 local retention, brief = tonumber(ARGV[1]), ARGV[2] == '1'
 local keep_history, keep_payload = ARGV[3], ARGV[4] == '1'
 local compacts = keep_history ~= 'full' or not keep_payload
+local occurrence_retention = opt(ARGV[5])
 
 local function transition(key, lease_key, a)
   local cur = redis.call('HMGET', key, 'state', 'rev', 'attempt', 'run_id', 'touched_at',
@@ -132,15 +134,20 @@ local function transition(key, lease_key, a)
     redis.call('ZREM', KEYS[10], member)
   end
   -- A terminal record is purged through its state's index (scored by terminal_at: see
-  -- purge_expired), unless its slot is later than that: then the expiry index keeps it.
-  if TERMINAL[to] and cur[6] and tonumber(cur[6]) > now then
+  -- purge_expired), unless its slot is later than that, or it is an occurrence kept for
+  -- less than the retention: then the expiry index has it, scored by its expiry.
+  local slot_later = cur[6] and tonumber(cur[6]) > now
+  if TERMINAL[to] and occurrence_retention and string.sub(member, 1, 2) == 'o:' then
+    local start = slot_later and tonumber(cur[6]) or now
+    redis.call('ZADD', KEYS[11], us(start + tonumber(occurrence_retention)), member)
+  elseif TERMINAL[to] and slot_later then
     redis.call('ZADD', KEYS[11], us(tonumber(cur[6]) + retention), member)
   end
   if brief then return {'applied'} end
   return {'applied', record_of(key, member)}
 end
 
-local out, a = {}, 5
+local out, a = {}, 6
 for k = 12, #KEYS, 2 do
   out[#out + 1] = transition(KEYS[k], KEYS[k + 1], a)
   a = a + ARGS_PER_JOB
