@@ -80,40 +80,30 @@ def _write(store: StateStore, requests: Sequence[tuple[JobRef, Transition]]) -> 
             raise AssertionError(f"a write of the fill did not apply: {result.status}")
 
 
+def _step(
+    store: StateStore,
+    items: Sequence[tuple[JobRef, dict[str, Any]]],
+    src: State,
+    to: State,
+    reason: str,
+) -> list[tuple[JobRef, Transition]]:
+    """Move each of ``items`` (a ref, its guards) from ``src`` to ``to``: one brief batch."""
+    requests = [
+        (ref, Transition(to, frozenset({src}), node=NODE, reason=reason, **guards))
+        for ref, guards in items
+    ]
+    _write(store, requests)
+    return requests
+
+
 def _plain(store: StateStore, batch: Sequence[NewJob], epoch: str) -> None:
     got = claims.claim(store, batch, epoch=epoch, now=store.now())
     if len(got.won) != len(batch):
         raise AssertionError(f"won {len(got.won)} of {len(batch)}")
-    dispatched = [
-        (
-            new.ref,
-            Transition(
-                State.DISPATCHED,
-                frozenset({State.SCHEDULED}),
-                node=NODE,
-                reason=BEAT_REASON,
-                rev=new.rev,
-            ),
-        )
-        for new in batch
-    ]
-    _write(store, dispatched)
-    _write(
-        store,
-        [
-            (
-                ref,
-                Transition(
-                    State.PUBLISHED,
-                    frozenset({State.DISPATCHED}),
-                    node=NODE,
-                    reason="publish returned",
-                    rev=t.new_rev,
-                ),
-            )
-            for ref, t in dispatched
-        ],
-    )
+    items = [(new.ref, {"rev": new.rev}) for new in batch]
+    dispatched = _step(store, items, State.SCHEDULED, State.DISPATCHED, BEAT_REASON)
+    items = [(ref, {"rev": t.new_rev}) for ref, t in dispatched]
+    _step(store, items, State.DISPATCHED, State.PUBLISHED, "publish returned")
 
 
 def gated_jobs(count: int, start: int = 0) -> list[NewJob]:
@@ -142,51 +132,13 @@ def _gated(store: StateStore, batch: Sequence[NewJob]) -> None:
     for result in store.create_many(batch, brief=True):
         if not result.created:
             raise AssertionError(f"a create of the fill did not apply: {result.status}")
-    dispatched = [
-        (
-            new.ref,
-            Transition(
-                State.DISPATCHED,
-                frozenset({State.SCHEDULED}),
-                node=NODE,
-                reason="apply_async enqueued",
-                rev=new.rev,
-            ),
-        )
-        for new in batch
-    ]
-    _write(store, dispatched)
-    running = [
-        (
-            ref,
-            Transition(
-                State.RUNNING,
-                frozenset({State.DISPATCHED}),
-                node=NODE,
-                reason="gate",
-                attempt=0,
-                new_run_id=new_token(),
-            ),
-        )
-        for ref, _ in dispatched
-    ]
-    _write(store, running)
-    _write(
-        store,
-        [
-            (
-                ref,
-                Transition(
-                    State.SUCCEEDED,
-                    frozenset({State.RUNNING}),
-                    node=NODE,
-                    reason="succeeded",
-                    run_id=t.new_run_id,
-                ),
-            )
-            for ref, t in running
-        ],
-    )
+    items = [(new.ref, {"rev": new.rev}) for new in batch]
+    reason = "apply_async enqueued"
+    dispatched = _step(store, items, State.SCHEDULED, State.DISPATCHED, reason)
+    items = [(ref, {"attempt": 0, "new_run_id": new_token()}) for ref, _ in dispatched]
+    running = _step(store, items, State.DISPATCHED, State.RUNNING, "gate")
+    items = [(ref, {"run_id": t.new_run_id}) for ref, t in running]
+    _step(store, items, State.RUNNING, State.SUCCEEDED, "succeeded")
 
 
 def occurrences(store: StateStore, entries: int, slots: int, last: datetime) -> list[NewJob]:
