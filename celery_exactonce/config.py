@@ -19,13 +19,14 @@ from collections.abc import Mapping
 from typing import Any, Literal, cast
 
 from celery_exactonce import unknown_settings
-from celery_exactonce.core import exceptions, refs
+from celery_exactonce.core import exceptions, jobs, refs
 from celery_exactonce.stores import KNOWN_SCHEMES, redact_url, signing, validate_namespace
 
 PREFIX = "exactonce_"
 
 Catchup = Literal["latest", "all", "none"]
 ReconcileOn = Literal["beat", "worker"]
+TerminalHistory = Literal["full", "last", "none"]
 
 _PREFIX_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 _TABLE_PREFIX_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,31}$")
@@ -76,6 +77,19 @@ class ExactOnceConfig:
     """How long a terminal record is kept (7 days), from ``max(fire_time, terminal_at)``;
     live records never expire. >= ``window_lookback + tick_interval + max_skew``, and on
     a gated worker with a Redis or SQS broker >= its ``visibility_timeout``."""
+    occurrence_retention: float | None = None
+    """How long a terminal beat occurrence is kept, from ``max(fire_time, terminal_at)``, when
+    shorter than ``retention`` (``None``: as long). Past the look-back it guards nothing: the
+    entry's watermark refuses its slot. >= ``window_lookback + tick_interval + max_skew``,
+    <= ``retention``, and on a gated worker with a Redis or SQS broker >= its
+    ``visibility_timeout``."""
+    terminal_history: TerminalHistory = "full"
+    """What a terminal record keeps of its history: ``full`` (the capped history a live
+    record keeps), ``last`` (the transition that ended the job) or ``none``. Its own
+    fields (state, reason, node, times, attempt, key) stay whatever this says."""
+    terminal_payload: bool = True
+    """Whether a terminal record keeps its payload (args, kwargs, options, signature).
+    Off, with ``terminal_history = "none"``, a terminal record is a few hundred bytes."""
     replay_age: float = 60.0
     """A ``SCHEDULED`` job older than this is replayed by the reconciler.
     >= 2 x (``tick_interval`` + ``publish_timeout`` + ``store_timeout``)."""
@@ -147,6 +161,7 @@ class ExactOnceConfig:
         _check_store_url(self.store_url)
         _check_choice("catchup", self.catchup, ("latest", "all", "none"))
         _check_choice("reconcile_on", self.reconcile_on, ("beat", "worker"))
+        _check_choice("terminal_history", self.terminal_history, jobs.TERMINAL_HISTORY)
         for name in (
             "tick_interval",
             "window_lookback",
@@ -206,6 +221,13 @@ class ExactOnceConfig:
                 f"({self.retention:g} s) must be >= window_lookback + tick_interval + max_skew "
                 f"({horizon:g} s): a record must outlive every node's look-back",
             )
+        kept = self.occurrence_retention
+        if kept is not None and not horizon <= kept <= self.retention:
+            raise _error(
+                "occurrence_retention",
+                f"({kept:g} s) must be >= window_lookback + tick_interval + max_skew "
+                f"({horizon:g} s) and <= retention ({self.retention:g} s)",
+            )
         floor = 2 * (self.tick_interval + self.publish_timeout + self.store_timeout)
         if self.replay_age < floor:
             raise _error(
@@ -236,6 +258,13 @@ class ExactOnceConfig:
                 "lease_ttl",
                 f"({self.lease_ttl:g} s) must be > store_timeout ({self.store_timeout:g} s)",
             )
+
+    @property
+    def compaction(self) -> jobs.Compaction:
+        """What a terminal record keeps, and how long an occurrence's is kept."""
+        return jobs.Compaction(
+            self.terminal_history, self.terminal_payload, self.occurrence_retention
+        )
 
     @classmethod
     def from_mapping(cls, settings: Mapping[str, Any]) -> ExactOnceConfig:
@@ -328,7 +357,10 @@ def _check_type(name: str, value: object, annotation: object) -> None:
         if not optional:
             raise _error(name, "must be set, got None")
         return
-    if text.startswith(("float", "int")):
+    if text == "bool":
+        if not isinstance(value, bool):
+            raise _error(name, f"must be True or False, got {type(value).__name__} {value!r}")
+    elif text.startswith(("float", "int")):
         number_ok = isinstance(value, (int, float)) and not isinstance(value, bool)
         if text.startswith("int") and not isinstance(value, int):
             number_ok = False

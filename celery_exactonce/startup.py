@@ -120,7 +120,7 @@ def redelivery_horizon(app: Any) -> float | None:
 
 
 def check_retention(app: Any, settings: config.ExactOnceConfig) -> None:
-    """A worker's records must outlive the broker's redelivery horizon.
+    """A worker's records (occurrences' too) must outlive the broker's redelivery horizon.
 
     The gate adopts a message sent without celery-exactonce's headers by
     creating its record; a copy of that message redelivered after the record
@@ -133,6 +133,14 @@ def check_retention(app: Any, settings: config.ExactOnceConfig) -> None:
             f"visibility_timeout ({horizon:g} s): a message adopted at the gate and "
             "redelivered after its record was purged would run again",
             setting="exactonce_retention",
+        )
+    kept = settings.occurrence_retention
+    if horizon is not None and kept is not None and kept < horizon:
+        raise exceptions.ConfigurationError(
+            f"exactonce_occurrence_retention ({kept:g} s) must be >= the broker's "
+            f"visibility_timeout ({horizon:g} s): an occurrence's message redelivered after "
+            "its record was purged would be refused at the gate as a record the store lost",
+            setting="exactonce_occurrence_retention",
         )
 
 

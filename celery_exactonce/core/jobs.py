@@ -36,6 +36,9 @@ from celery_exactonce.core.refs import (
 )
 from celery_exactonce.core.skipped_slots import SkippedSlots as SkippedSlots  # noqa: PLC0414  (importable here)
 from celery_exactonce.core.states import TERMINAL, State
+from celery_exactonce.core.terminal import KEEP as KEEP  # noqa: PLC0414  (importable here)
+from celery_exactonce.core.terminal import TERMINAL_HISTORY as TERMINAL_HISTORY  # noqa: PLC0414
+from celery_exactonce.core.terminal import Compaction as Compaction  # noqa: PLC0414
 from celery_exactonce.core.times import from_micros, from_micros_opt, to_micros, to_micros_opt
 from celery_exactonce.core.writes import Action, NewJob, Transition
 
@@ -234,12 +237,15 @@ def _replaced(job: Job, **changes: Any) -> Job:
     return out
 
 
-def apply_transition(job: Job, t: Transition, now: datetime) -> Job:
-    """The record after ``t`` applied to ``job`` at store time ``now`` (guards not checked)."""
+def apply_transition(job: Job, t: Transition, now: datetime, compaction: Compaction = KEEP) -> Job:
+    """The record after ``t`` applied to ``job`` at store time ``now`` (guards not checked).
+
+    A transition to a terminal state leaves the record as ``compaction`` keeps it.
+    """
     entry = HistoryEntry(job.state, t.to, now, t.node, t.reason, t.new_rev, t.action)
     running = t.to is State.RUNNING
     resigned = t.args is not None or t.kwargs is not None or t.signature is not None
-    return _replaced(
+    updated = _replaced(
         job,
         state=t.to,
         rev=t.new_rev,
@@ -258,6 +264,19 @@ def apply_transition(job: Job, t: Transition, now: datetime) -> Job:
         history=(*job.history, entry)[-HISTORY_LIMIT:],
         signature=t.signature if resigned else job.signature,
     )
+    if t.to in TERMINAL and compaction.compacts:
+        return compact_terminal(updated, compaction)
+    return updated
+
+
+def compact_terminal(job: Job, compaction: Compaction) -> Job:
+    """The terminal record ``job`` as ``compaction`` keeps it."""
+    changes: dict[str, Any] = {}
+    if compaction.history != "full":
+        changes["history"] = job.history[-1:] if compaction.history == "last" else ()
+    if not compaction.payload:
+        changes.update(args=[], kwargs={}, options={}, signature=None)
+    return _replaced(job, **changes)
 
 
 def check_note(node: str, reason: str, op_id: str) -> str:

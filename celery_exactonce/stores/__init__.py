@@ -29,6 +29,7 @@ from typing import Any, Protocol
 from urllib.parse import quote, quote_plus, unquote, unquote_plus, urlsplit
 
 from celery_exactonce.core import exceptions
+from celery_exactonce.core.jobs import KEEP, Compaction
 from celery_exactonce.stores import shards
 from celery_exactonce.stores.base import FORMAT_VERSION, StateStore
 from celery_exactonce.stores.memory import InMemoryStore
@@ -291,8 +292,9 @@ def store_from_url(
         )
     scheme = url.split("://", 1)[0].lower()
     base = scheme.split("+", 1)[0]
+    compaction = options.get("compaction", KEEP)
     if base == "memory":
-        return InMemoryStore(namespace, retention=retention)
+        return InMemoryStore(namespace, retention=retention, compaction=compaction)
     if base in _REDIS_SCHEMES:
         count = options.pop("shards", 1)
         shards.check_setting(count, url, redact_url(url))
@@ -302,22 +304,21 @@ def store_from_url(
                 url, namespace=namespace, retention=retention, shards=count, **options
             )
         module = _import("celery_exactonce.stores.redis.store", "redis")
-        store: StateStore = module.RedisStore.from_url(
+        return module.RedisStore.from_url(  # type: ignore[no-any-return]
             url, namespace=namespace, retention=retention, **options
         )
-        return store
     if base == "django":
         module = _import("celery_exactonce.contrib.django.store", "django")
-        store = module.DjangoStore.from_url(url, namespace=namespace, retention=retention)
-        return store
+        return module.DjangoStore.from_url(  # type: ignore[no-any-return]
+            url, namespace=namespace, retention=retention, **options
+        )
     if base in _SQL_DRIVERS:
         driver, extra = _SQL_DRIVERS[base]
         sa_url = url if "+" in scheme else driver + url[len(scheme) :]
         module = _import("celery_exactonce.stores.sql.store", extra)
-        store = module.SqlStore.from_url(
+        return module.SqlStore.from_url(  # type: ignore[no-any-return]
             sa_url, namespace=namespace, retention=retention, **options
         )
-        return store
     raise exceptions.ConfigurationError(
         f"exactonce_store_url={redact_url(url)!r}: unknown scheme {scheme!r} "
         "(expected redis://, postgresql://, mysql://, sqlite:///, django:// or memory://)",
@@ -354,14 +355,16 @@ class StoreSettings(Protocol):
     @property
     def shards(self) -> int: ...
 
+    @property
+    def compaction(self) -> Compaction: ...
+
 
 def open_store(config: StoreSettings, *, setup: bool = True) -> StateStore:
     """Build, set up and check the store of ``config``: what every node does at start-up.
 
-    Runs :meth:`StateStore.setup` (schema and format version) and the
-    backend's own start-up checks (Redis must run with
-    ``maxmemory-policy noeviction``, and have ``exactonce_min_replicas``
-    replicas), unless ``setup`` is false: then nothing
+    Runs :meth:`StateStore.setup` (schema and format version) and the backend's own
+    start-up checks (Redis must run with ``maxmemory-policy noeviction``, and have
+    ``exactonce_min_replicas`` replicas), unless ``setup`` is false: then nothing
     touches the network (a worker's pool child, whose parent checked at start-up).
 
     Raises
@@ -377,11 +380,10 @@ def open_store(config: StoreSettings, *, setup: bool = True) -> StateStore:
     url = config.store_url
     base = url.split("://", 1)[0].lower().split("+", 1)[0]
     shards.check_setting(config.shards, url, redact_url(url))
-    options: dict[str, Any] = {}
+    options: dict[str, Any] = {"compaction": config.compaction}
     if base in _REDIS_SCHEMES:
-        options = {"prefix": config.key_prefix, "socket_timeout": config.store_timeout}
-        options["min_replicas"] = config.min_replicas
-        options["shards"] = config.shards
+        options.update(prefix=config.key_prefix, socket_timeout=config.store_timeout)
+        options.update(min_replicas=config.min_replicas, shards=config.shards)
     elif config.min_replicas:
         raise exceptions.ConfigurationError(
             f"exactonce_min_replicas={config.min_replicas}: only a Redis store waits for "
@@ -390,7 +392,7 @@ def open_store(config: StoreSettings, *, setup: bool = True) -> StateStore:
             setting="exactonce_min_replicas",
         )
     elif base in _SQL_DRIVERS:
-        options = {"table_prefix": config.table_prefix}
+        options["table_prefix"] = config.table_prefix
     store = store_from_url(url, namespace=config.namespace, retention=config.retention, **options)
     if not setup:
         return store  # no I/O: the caller's process (or its parent) already set it up

@@ -42,6 +42,7 @@ class InMemoryStore:
         *,
         retention: float = 7 * 86_400,
         clock: Clock | None = None,
+        compaction: jobs.Compaction = jobs.KEEP,
     ) -> None:
         refs.validate_identifier(namespace, "namespace", refs.MAX_NAME_LENGTH)
         if retention <= 0:
@@ -49,6 +50,7 @@ class InMemoryStore:
         self._namespace = namespace
         self._retention = float(retention)
         self._clock = clock or SystemClock()
+        self._compaction = compaction
         self._lock = threading.RLock()
         self._closed = False
         self._reset()
@@ -146,7 +148,7 @@ class InMemoryStore:
                 return TransitionResult(TransitionStatus.LEASE_LOST, job)
             if not jobs.check_transition(job, request, now):
                 return TransitionResult(TransitionStatus.CONFLICT, job)
-            updated = jobs.apply_transition(job, request, now)
+            updated = jobs.apply_transition(job, request, now, self._compaction)
             self._store(job, updated)
             return TransitionResult(TransitionStatus.APPLIED, updated)
 
@@ -279,7 +281,7 @@ class InMemoryStore:
                 request = Transition(
                     State.SCHEDULED, frozenset({State.PENDING}), node=node, reason=reason
                 )
-                updated = jobs.apply_transition(job, request, now)
+                updated = jobs.apply_transition(job, request, now, self._compaction)
                 self._store(job, updated)
                 claimed.append(updated)
             return claimed
@@ -292,9 +294,15 @@ class InMemoryStore:
                 job
                 for state in TERMINAL
                 for job in (self._jobs[ref] for ref in self._by_state[state])
-                if (at := job.expires_at(self._retention)) is not None and at <= now
+                if (at := job.expires_at(self._compaction.retention_of(job.ref, self._retention)))
+                is not None
+                and at <= now
             ]
-            expired.sort(key=lambda job: job.expires_at(self._retention) or now)
+            expired.sort(
+                key=lambda job: (
+                    job.expires_at(self._compaction.retention_of(job.ref, self._retention)) or now
+                )
+            )
             for job in expired[: max(limit, 0)]:
                 del self._jobs[job.ref]
                 self._by_state[job.state].discard(job.ref)

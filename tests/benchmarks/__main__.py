@@ -13,6 +13,9 @@ Suites (``--suite all``, the default, runs every one):
 * ``entries``: beat with 1,000 to 100,000 entries spread over a day: start-up,
   memory per entry, and the tick's cost against the entry count (``entries.py``);
 * ``claims``: beat's claims per second per store, won and lost (``claims.py``);
+* ``footprint``: bytes per terminal job on each store, with the default settings
+  and with compacted terminal records, and the steady state of a Redis namespace
+  against the formula of docs/design/scale.md (``footprint.py``);
 * ``shards``: beat's claims on a 3-master Redis Cluster, the namespace on one
   shard against three: claims/s and the store's ceiling (``shards.py``);
 * ``submit``, ``e2e``, ``group``: ``.delay()`` per store (the ``django://``
@@ -161,6 +164,10 @@ SMALL = {
     # The SQL store's paths of the e2e and beat suites, on one SQL store: a smoke run.
     "e2e_stores": "redis,postgres",
     "beat_stores": "redis,postgres",
+    "footprint_jobs": 1000,
+    "footprint_stores": "redis,postgres,sqlite",
+    "steady_entries": 100,
+    "steady_retention": 3.0,
 }
 #: Seconds of the beat suite's slot and of the reconcile suite's stale/fresh gap, small runs.
 SMALL_SLOT_SECONDS = 2
@@ -168,7 +175,18 @@ SMALL_SLOT_SECONDS = 2
 # reconciler is built and its pass lists them: 1 s was not enough beside a busy suite.
 SMALL_SETTLE = 4.0
 
-SUITES = ("stores", "beat", "entries", "claims", "shards", "delayed", "submit", "e2e", "group")
+SUITES = (
+    "stores",
+    "beat",
+    "entries",
+    "claims",
+    "shards",
+    "delayed",
+    "submit",
+    "e2e",
+    "group",
+    "footprint",
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -219,6 +237,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--brokers", default=",".join(submit.BROKERS), help="submit suite")
     parser.add_argument("--e2e-tasks", type=int, default=3000, help="tasks per e2e round")
     parser.add_argument("--groups", type=int, default=20, help="groups of 100 per group round")
+    parser.add_argument(
+        "--footprint-jobs", type=int, default=20_000, help="terminal jobs a fill writes"
+    )
+    parser.add_argument(
+        "--footprint-stores", default="redis,postgres,mysql,sqlite", help="footprint suite"
+    )
+    parser.add_argument(
+        "--steady-entries", type=int, default=300, help="entries due each second (steady state)"
+    )
+    parser.add_argument(
+        "--steady-retention", type=float, default=20.0, help="retention, s (steady state)"
+    )
     args = parser.parse_args(argv)
     if args.small:
         parser.set_defaults(**SMALL)
@@ -237,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         "submit": submit_figures,
         "e2e": e2e_figures,
         "group": group_figures,
+        "footprint": footprint_figures,
     }
     status = 0
     for suite in suites:
@@ -337,6 +368,38 @@ def group_figures(args: argparse.Namespace) -> int:
     print(
         f"{'(signatures/s)':<34}{figures.plain_rate * GROUP_SIZE:>16,.0f}"
         f"{figures.ours_rate * GROUP_SIZE:>16,.0f}"
+    )
+    return 0
+
+
+def footprint_figures(args: argparse.Namespace) -> int:
+    from tests.benchmarks import footprint
+
+    rows = footprint.run(args.footprint_stores.split(","), args.footprint_jobs)
+    if not rows:
+        return 1
+    print(
+        f"\nbytes per terminal job: {args.footprint_jobs:,} jobs a store, half beat "
+        "occurrences, half gated jobs\n"
+    )
+    print("\n".join(footprint.table(rows)))
+    for setting, row in rows:
+        summary.add_size(
+            summary.Size(
+                f"{summary.store_name(row.store)}, {setting} terminal records",
+                row.per_job,
+                footprint.TARGETS.get(row.store) if setting == "compact" else None,
+            )
+        )
+    compact = next((r for s, r in rows if r.store == "redis" and s == "compact"), None)
+    if compact is None:
+        return 0
+    state = footprint.steady_state(
+        args.steady_entries, 1.0, args.steady_retention, 1.0, compact.per_job
+    )
+    print("\n".join(footprint.steady_lines(state)))
+    summary.add_size(
+        summary.Size("Redis steady state, measured / formula (%)", 100 * (1 + state.error), None)
     )
     return 0
 

@@ -82,11 +82,47 @@ def add(row: Row) -> None:
     ROWS.append(row)
 
 
+@dataclass(frozen=True)
+class Size:
+    """One footprint figure: bytes per terminal job on a store, and its ceiling if set."""
+
+    what: str
+    per_job: float
+    target: float | None = None
+
+    @property
+    def verdict(self) -> str:
+        if self.target is None:
+            return "-"
+        return "met" if self.per_job <= self.target else "UNMET"
+
+
+#: The footprint figures of this run (``--suite footprint``).
+SIZES: list[Size] = []
+
+
+def add_size(size: Size) -> None:
+    SIZES.append(size)
+
+
+def size_lines(sizes: list[Size] | None = None) -> list[str]:
+    """The footprint part of the summary; nothing when the run measured none."""
+    sizes = SIZES if sizes is None else sizes
+    if not sizes:
+        return []
+    width = max(len(size.what) for size in sizes) + 2
+    out = ["", f"{'store footprint, this run':<{width}}{'bytes/job':>12}{'target':>10}  verdict"]
+    for size in sizes:
+        bound = "-" if size.target is None else f"<= {size.target:,.0f}"
+        out.append(f"{size.what:<{width}}{size.per_job:>12,.0f}{bound:>10}  {size.verdict}")
+    return out
+
+
 def lines(rows: list[Row] | None = None) -> list[str]:
     """The summary table of ``rows`` (the run's, by default); nothing when there is none."""
     rows = ROWS if rows is None else rows
     if not rows:
-        return []
+        return size_lines()
     width = max(len(row.what) for row in rows) + 2
     head = (
         f"{'ours against plain Celery, this run':<{width}}{'plain':>18}{'ours':>18}"
@@ -98,4 +134,4 @@ def lines(rows: list[Row] | None = None) -> list[str]:
             f"{row.what:<{width}}{row.plain:>18}{row.ours:>18}{row.ratio:>8.2f}x"
             f"{row.bound:>10}  {row.verdict}"
         )
-    return out
+    return out + size_lines()

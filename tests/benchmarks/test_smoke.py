@@ -34,6 +34,7 @@ TABLES = {
     "submit": "redis / redis",
     "e2e": "prefork, queued first",
     "group": "(signatures/s)",
+    "footprint": "measured / formula",
     "summary": "ours against plain Celery, this run",
 }
 #: Rows of the summary that need PostgreSQL (the SQL store's paths of the suites).

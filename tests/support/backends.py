@@ -70,13 +70,16 @@ def store_url(backend: str, tmpdir: str) -> str:
     return services.SERVICE_URLS[backend]
 
 
-def make_store(backend: str, url: str, namespace: str, retention: float = 3600.0) -> StateStore:
+def make_store(
+    backend: str, url: str, namespace: str, retention: float = 3600.0, **extra: Any
+) -> StateStore:
+    """A set-up store of ``backend``; ``extra``: options every store takes (``compaction``)."""
     if backend == "memory":
-        return InMemoryStore(namespace, retention=retention)
+        return InMemoryStore(namespace, retention=retention, **extra)
     if backend in DJANGO_BACKENDS:
         migrate_django_store(DJANGO_BACKENDS[backend])
     waits = backend == "sentinel" or backend.endswith("-replicas")
-    options: dict[str, Any] = {"min_replicas": 1} if waits else {}
+    options: dict[str, Any] = {"min_replicas": 1, **extra} if waits else dict(extra)
     if backend.startswith("cluster-shards"):
         options["shards"] = CLUSTER_SHARDS
     store = store_from_url(url, namespace=namespace, retention=retention, **options)
@@ -122,17 +125,22 @@ class StoreFactory:
         self.url = store_url(backend, self._tmp)
         self.namespace = f"t{uuid.uuid4().hex[:12]}"
         self._made: list[StateStore] = []
-        self._memory: dict[tuple[str, float], StateStore] = {}
+        self._memory: dict[tuple[str, float, Any], StateStore] = {}
 
-    def __call__(self, namespace: str | None = None, retention: float = 3600.0) -> StateStore:
-        """A new client of the store; for memory, the one store of that namespace."""
+    def __call__(
+        self, namespace: str | None = None, retention: float = 3600.0, **extra: Any
+    ) -> StateStore:
+        """A new client of the store; for memory, the one store of that namespace.
+
+        ``extra``: options every store takes (``compaction``).
+        """
         namespace = namespace or self.namespace
         if self.backend == "memory":
-            key = (namespace, retention)
+            key = (namespace, retention, tuple(sorted(extra.items())))
             if key not in self._memory:
-                self._memory[key] = make_store("memory", self.url, namespace, retention)
+                self._memory[key] = make_store("memory", self.url, namespace, retention, **extra)
             return self._memory[key]
-        store = make_store(self.backend, self.url, namespace, retention)
+        store = make_store(self.backend, self.url, namespace, retention, **extra)
         self._made.append(store)
         return store
 

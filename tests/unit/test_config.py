@@ -10,6 +10,10 @@ from celery import Celery
 
 from celery_exactonce import ConfigurationError, ExactOnceConfig, open_store
 from celery_exactonce.config import UnknownSettingWarning
+from celery_exactonce.core.jobs import KEEP, Compaction
+from celery_exactonce.core.refs import JobRef
+from celery_exactonce.core.states import State
+from celery_exactonce.core.writes import NewJob, Transition
 from celery_exactonce.stores import InMemoryStore, redact_url, store_from_url
 
 
@@ -37,6 +41,13 @@ def test_defaults_are_consistent() -> None:
         ({"exactonce_namespace": ""}, "exactonce_namespace"),
         ({"exactonce_catchup": "sometimes"}, "exactonce_catchup"),
         ({"exactonce_reconcile_on": "cron"}, "exactonce_reconcile_on"),
+        ({"exactonce_occurrence_retention": 60}, "exactonce_occurrence_retention"),
+        ({"exactonce_occurrence_retention": 10**7}, "exactonce_occurrence_retention"),
+        ({"exactonce_occurrence_retention": "1h"}, "exactonce_occurrence_retention"),
+        ({"exactonce_terminal_history": "some"}, "exactonce_terminal_history"),
+        ({"exactonce_terminal_history": 3}, "exactonce_terminal_history"),
+        ({"exactonce_terminal_payload": "no"}, "exactonce_terminal_payload"),
+        ({"exactonce_terminal_payload": 0}, "exactonce_terminal_payload"),
         ({"exactonce_window_lookback": 0}, "exactonce_window_lookback"),
         ({"exactonce_max_skew": -1}, "exactonce_max_skew"),
         ({"exactonce_retention": 100}, "exactonce_retention"),
@@ -162,3 +173,25 @@ def test_open_store_sets_up_the_configured_store() -> None:
     store = open_store(config)
     assert isinstance(store, InMemoryStore)
     assert store.namespace == "app1" and store.retention == config.retention
+
+
+def test_the_terminal_settings_reach_the_store() -> None:
+    # Given settings that compact terminal records
+    config = ExactOnceConfig.from_app(
+        app_with(exactonce_terminal_history="last", exactonce_terminal_payload=False)
+    )
+    assert config.compaction == Compaction(history="last", payload=False)
+    store = open_store(config)
+    # When a job ends on the store they open
+    new = NewJob(JobRef.submitted("t1"), "tasks.add", State.SCHEDULED, node="n", args=[1])
+    store.create(new)
+    done = store.transition(
+        new.ref,
+        Transition(State.CANCELLED, frozenset({State.SCHEDULED}), node="n", reason="revoked"),
+    ).job
+    # Then its record keeps what they ask
+    assert (
+        done is not None and done.args == [] and [h.dst for h in done.history] == [State.CANCELLED]
+    )
+    # And by default, everything
+    assert ExactOnceConfig.from_app(app_with()).compaction == KEEP

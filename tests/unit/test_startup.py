@@ -136,6 +136,25 @@ def test_retention_below_the_visibility_timeout_is_refused_on_a_gated_worker() -
     runtime.reset(app)
 
 
+def test_an_occurrence_retention_below_the_visibility_timeout_is_refused() -> None:
+    # A gated occurrence's message redelivered after its record went would find none
+    app = gated_app(
+        broker_url="redis://localhost/0",
+        broker_transport_options={"visibility_timeout": 900},
+        exactonce_occurrence_retention=600,
+    )
+    with pytest.raises(ConfigurationError, match=r"visibility_timeout \(900 s\)") as info:
+        check_worker(app)
+    assert info.value.setting == "exactonce_occurrence_retention"
+    app = gated_app(
+        broker_url="redis://localhost/0",
+        broker_transport_options={"visibility_timeout": 900},
+        exactonce_occurrence_retention=900,
+    )
+    check_worker(app)
+    runtime.reset(app)
+
+
 def test_retention_is_not_compared_on_a_broker_without_a_redelivery_horizon() -> None:
     """AMQP redelivers only when the consumer's connection is gone: nothing to compare."""
     app = gated_app(

@@ -33,7 +33,7 @@ import sqlalchemy as sa
 
 from celery_exactonce.contrib.django.connection import engine_for, require_immediate
 from celery_exactonce.contrib.django.tables import prefix
-from celery_exactonce.core import exceptions
+from celery_exactonce.core import exceptions, jobs
 from celery_exactonce.stores.base import FORMAT_VERSION
 from celery_exactonce.stores.sql import schema as sql_schema
 from celery_exactonce.stores.sql.store import SqlStore
@@ -68,7 +68,14 @@ class DjangoStore(SqlStore):
 
     owns_transactions = False
 
-    def __init__(self, alias: str, *, namespace: str, retention: float) -> None:
+    def __init__(
+        self,
+        alias: str,
+        *,
+        namespace: str,
+        retention: float,
+        compaction: jobs.Compaction = jobs.KEEP,
+    ) -> None:
         from django.conf import settings
         from django.db import Error, connections
 
@@ -91,6 +98,7 @@ class DjangoStore(SqlStore):
             engine_for(alias, self._borrowed),
             namespace=namespace,
             retention=retention,
+            compaction=compaction,
             table_prefix=prefix(),
         )
         self.alias = alias
@@ -105,10 +113,11 @@ class DjangoStore(SqlStore):
         *,
         namespace: str,
         retention: float,
+        compaction: jobs.Compaction = jobs.KEEP,
         **_options: Any,
     ) -> DjangoStore:
         """The store of ``django://ALIAS``; Django's settings say how to connect."""
-        return cls(alias_of(url), namespace=namespace, retention=retention)
+        return cls(alias_of(url), namespace=namespace, retention=retention, compaction=compaction)
 
     def setup(self) -> None:
         """Check the tables are there, at this code's schema version; never create them.

@@ -137,6 +137,7 @@ class RedisCore(RedisKeys):
         replica_timeout: float = 5.0,
         shard: int = 0,
         shards: int = 1,
+        compaction: jobs.Compaction = jobs.KEEP,
     ) -> None:
         validate_namespace(namespace)
         base = shard_base(key_base(prefix, namespace), shard, shards)
@@ -146,6 +147,13 @@ class RedisCore(RedisKeys):
         self._namespace = namespace
         self._retention = float(retention)
         self._retention_us = int(retention * 1_000_000)
+        #: What a terminal record keeps: the transition script's arguments 3 to 5.
+        kept = compaction.occurrence_retention
+        self._compaction = [
+            compaction.history,
+            "1" if compaction.payload else "0",
+            "" if kept is None or kept >= retention else f"={int(kept * 1_000_000)}",
+        ]
         self._base = base
         self._shards = shards  # exactonce_shards, pinned in each shard's meta
         # The namespace's fixed keys, built once: every script call passes several.
@@ -171,6 +179,7 @@ class RedisCore(RedisKeys):
         prefix: str = "exactonce",
         socket_timeout: float = 5.0,
         min_replicas: int = 0,
+        compaction: jobs.Compaction = jobs.KEEP,
         **kwargs: Any,
     ) -> _Store:
         """A store on a new client for ``url`` (``redis://``, ``rediss://``, ``unix://``, Sentinel,
@@ -192,6 +201,7 @@ class RedisCore(RedisKeys):
             prefix=prefix,
             min_replicas=min_replicas,
             replica_timeout=socket_timeout,
+            compaction=compaction,
         )
         store._owns_client = True
         store._where = redact_url(url)

@@ -12,9 +12,10 @@ calls and pipelines them. :class:`RedisBatches`, a base of
   with the epoch to check and whether the reply is brief; per job, its
   record's key and its fields;
 * ``transition``: every state index, the due index and the expiry index, with
-  the retention and whether the reply is brief; per job, its record's key, the
-  key of the lease its transition checks (or a key no lease has) and the
-  compare-and-swap's arguments.
+  the retention, whether the reply is brief and what a terminal record keeps
+  (``exactonce_terminal_history``, ``exactonce_terminal_payload``); per job, its
+  record's key, the key of the lease its transition checks (or a key no lease
+  has) and the compare-and-swap's arguments.
 
 Not here: the operations that run them
 (:mod:`~celery_exactonce.stores.redis.store`, where every operation of the store is
@@ -63,7 +64,7 @@ class RedisBatches(RedisCore):
         key no lease has).
         """
         shared_keys = [*self._index_keys, self._due_key, self._expire_key]
-        shared_args = [self._retention_us, "1" if brief else "0"]
+        shared_args = [self._retention_us, "1" if brief else "0", *self._compaction]
         return shared_keys, shared_args, [self._transition_item(*pair) for pair in requests]
 
     def _transition_item(self, ref: JobRef, request: Transition) -> tuple[list[str], list[Any]]:

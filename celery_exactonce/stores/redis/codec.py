@@ -3,7 +3,11 @@
 A record is a hash: scalar fields as text, times as integer microseconds
 since the UNIX epoch, ``args``/``kwargs``/``options`` as opaque JSON and
 ``history`` a JSON array; absent optional fields (``run_id``, ``run_at``...)
-are absent from the hash. Here:
+are absent from the hash. A terminal record compacted by the settings
+(``exactonce_terminal_history``, ``exactonce_terminal_payload``) has no ``ref``
+(its key holds it), and no ``history`` or payload fields as they ask: every
+value then fits a listpack (Redis' compact hash encoding, values of at most
+``hash-max-listpack-value`` bytes, 64 by default). Here:
 
 * **arguments**: the fields a create writes (:func:`record_fields`), the
   per-job arguments of the ``create`` and ``transition`` scripts
@@ -185,11 +189,18 @@ def transition_result(reply: Sequence[Any]) -> TransitionResult:
     return TransitionResult(status, decode_job(reply[1]) if len(reply) > 1 else None)
 
 
-def decode_job(flat: Sequence[Any]) -> Job:
-    """A :class:`~celery_exactonce.core.jobs.Job` from a record's ``HGETALL`` reply."""
+def decode_job(flat: Sequence[Any], ref: JobRef | None = None) -> Job:
+    """A :class:`~celery_exactonce.core.jobs.Job` from a record's ``HGETALL`` reply.
+
+    A compacted terminal record has no ``ref`` field (its key holds it): the
+    scripts add it to their replies, and a caller that read the hash itself
+    gives ``ref``. Every other field a compacted record dropped decodes as empty.
+    """
     data: dict[str, Any] = {
         as_text(flat[i]): as_text(flat[i + 1]) for i in range(0, len(flat) - 1, 2)
     }
+    if ref is not None:
+        data.setdefault("ref", str(ref))
     for field in ("args", "kwargs", "options", "history"):
         data[field] = json.loads(data.get(field) or "null")
     return jobs.job_from_json(data)

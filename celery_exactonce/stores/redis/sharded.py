@@ -61,7 +61,7 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-from celery_exactonce.core import exceptions
+from celery_exactonce.core import exceptions, jobs
 from celery_exactonce.core.jobs import (
     CreateResult,
     CreateStatus,
@@ -94,6 +94,7 @@ class ShardedRedisStore(ShardRoutes):
         prefix: str = "exactonce",
         min_replicas: int = 0,
         replica_timeout: float = 5.0,
+        compaction: jobs.Compaction = jobs.KEEP,
     ) -> None:
         if shards < 2:
             raise exceptions.ConfigurationError(
@@ -111,6 +112,7 @@ class ShardedRedisStore(ShardRoutes):
                 min_replicas=min_replicas,
                 replica_timeout=replica_timeout,
                 shards=shards,
+                compaction=compaction,
             )
             for s in range(shards)
         ]
@@ -130,6 +132,7 @@ class ShardedRedisStore(ShardRoutes):
         prefix: str = "exactonce",
         socket_timeout: float = 5.0,
         min_replicas: int = 0,
+        compaction: jobs.Compaction = jobs.KEEP,
         **kwargs: Any,
     ) -> ShardedRedisStore:
         """A store on a new cluster client for ``url`` (``redis+cluster://``).
@@ -145,6 +148,7 @@ class ShardedRedisStore(ShardRoutes):
             prefix=prefix,
             min_replicas=min_replicas,
             replica_timeout=socket_timeout,
+            compaction=compaction,
         )
         store._parts[0]._owns_client = True  # the shards share it: the first closes it
         for part in store._parts:

@@ -256,7 +256,8 @@ class RedisStore(RedisReads, RedisEnqueue, RedisBatches):
     def get(self, ref: JobRef) -> Job | None:
         with self._wrap("get"):
             record = dict(self._confirmed_read("HGETALL", self._job_key(ref)))
-        return decode_job([item for pair in record.items() for item in pair]) if record else None
+        flat = [item for pair in record.items() for item in pair]
+        return decode_job(flat, ref) if record else None
 
     def watermark(self, entry: str) -> datetime | None:
         return self.watermarks([entry]).get(entry)
@@ -395,7 +396,7 @@ class RedisStore(RedisReads, RedisEnqueue, RedisBatches):
             return 0
         keys = [self._key("expire"), self._key("due"), self._key("job", ""), *self._state_keys()]
         with self._wrap("purge_expired"):
-            return int(self._run("purge_expired", keys, [limit]))
+            return int(self._run("purge_expired", keys, [limit, self._retention_us]))
 
     # -- leases --------------------------------------------------------------------------
 

@@ -39,7 +39,7 @@ from typing import Any, TypeVar
 import sqlalchemy as sa
 from sqlalchemy import exc as sa_exc
 
-from celery_exactonce.core import exceptions
+from celery_exactonce.core import exceptions, jobs
 from celery_exactonce.core.jobs import Job
 from celery_exactonce.core.refs import JobRef
 from celery_exactonce.stores import redact_secrets, url_secrets, validate_namespace
@@ -96,6 +96,7 @@ class SqlCore:
         namespace: str,
         retention: float,
         table_prefix: str = "exactonce_",
+        compaction: jobs.Compaction = jobs.KEEP,
     ) -> None:
         validate_namespace(namespace)
         if not isinstance(table_prefix, str) or not _PREFIX_RE.match(table_prefix):
@@ -127,8 +128,9 @@ class SqlCore:
         self._now_col = sa.literal_column(dialect.now, sa.BigInteger)
         self._inserts: dict[str, Any] = {}  # per table, see _insert_absent
         self._raw_sql: dict[Any, str] = {}  # per statement, see _run_statement
+        self._compaction = compaction
         self._sql = sql_statements_batch.BatchStatements(
-            engine.dialect, self._t, dialect.now, retention
+            engine.dialect, self._t, dialect.now, retention, compaction=compaction
         )
         # Reading a record by its key: built once (building and keying a select per read
         # cost more than the read), the key bound at execute time.
@@ -374,6 +376,7 @@ class SqlCore:
         return True
 
     def _values(self, job: Job, *, key: bool = True) -> dict[str, Any]:
-        return sql_schema.job_values(job, self._namespace, self._retention, key=key)
+        retention = self._compaction.retention_of(job.ref, self._retention)
+        return sql_schema.job_values(job, self._namespace, retention, key=key)
 
     _job = staticmethod(sql_schema.job_from_row)

@@ -50,7 +50,9 @@ from celery_exactonce.stores.sql.statements_create import CreateStatements
 #: and a string value never holds an unescaped quote): counting it counts entries.
 ENTRY_MARK = '{"from":'
 
-_COMMA, _CLOSE = "','", "']'"
+_COMMA, _CLOSE, _EMPTY = "','", "']'", "'[]'"
+#: The payload column of a terminal record that keeps none (``exactonce_terminal_payload``).
+COMPACT_PAYLOAD = '{"args":[],"kwargs":{},"options":{}}'
 """SQL literals of the history's separator and end."""
 
 
@@ -137,7 +139,10 @@ class Statements(CreateStatements):
         if t.run_at is not None:
             params["s_run_at"] = times.to_micros(t.run_at)
         if terminal:
-            params["s_ret"] = self._retention_us
+            retention = self._compaction.retention_of(ref, self._retention)
+            params["s_ret"] = int(retention * 1_000_000)  # as Job.expires_at adds it
+            if not self._compaction.payload:
+                params["s_payload"] = COMPACT_PAYLOAD
         if lease is not None:
             params.update(l_name=lease.name, l_token=lease.token)
         shape = (
@@ -175,7 +180,7 @@ class Statements(CreateStatements):
         )
         # MySQL assigns left to right, later assignments seeing earlier ones: the history
         # (which reads the old state) goes first; the others read only their own column.
-        sets = [f"{history} = {self._concat(kept, _COMMA, entry, _CLOSE)}"]
+        sets = self._history_sets(kept, entry, terminal)
         sets += [f"{state} = :s_to", f"{c['rev']} = :s_rev"]
         if next_attempt:
             sets.append(f"{c['attempt']} = {c['attempt']} + 1")
@@ -230,6 +235,22 @@ class Statements(CreateStatements):
             f"{self._with_clock}UPDATE {self._jobs} SET {', '.join(sets)}"
             f"{' FROM clock' if self._pg else ''} WHERE {' AND '.join(where)}{returning}"
         )
+
+    def _history_sets(self, kept: str, entry: str, terminal: bool) -> list[str]:
+        """The history's assignment, and the payload's on a compacted terminal record.
+
+        ``kept``: the history's text without its end (and its oldest entry when full);
+        ``entry``: the new entry's. A terminal record keeps what
+        :func:`~celery_exactonce.core.jobs.compact_terminal` keeps.
+        """
+        c, keep = self._col, self._compaction
+        history = self._concat(kept, _COMMA, entry, _CLOSE)
+        if terminal and keep.history != "full":
+            history = self._concat("'['", entry, _CLOSE) if keep.history == "last" else _EMPTY
+        sets = [f"{c['history']} = {history}"]
+        if terminal and not keep.payload:
+            sets.append(f"{c['payload']} = :s_payload")
+        return sets
 
     # -- heartbeat -----------------------------------------------------------------------
 

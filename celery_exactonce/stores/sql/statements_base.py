@@ -31,6 +31,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from celery_exactonce.core import jobs
 from celery_exactonce.core.jobs import HistoryEntry
 from celery_exactonce.stores.sql import schema as sql_schema
 
@@ -110,9 +111,16 @@ class StatementCore:
     """What the one-statement writes of one store (dialect, tables) are spelt with."""
 
     def __init__(
-        self, dialect: sa.Dialect, tables: sql_schema.Tables, now: str, retention: float
+        self,
+        dialect: sa.Dialect,
+        tables: sql_schema.Tables,
+        now: str,
+        retention: float,
+        *,
+        compaction: jobs.Compaction = jobs.KEEP,
     ) -> None:
         self.name = dialect.name
+        self._compaction = compaction  # what a terminal record keeps
         quote = dialect.identifier_preparer.quote
         self._jobs = quote(tables.jobs.name)
         self._wm = quote(tables.watermarks.name)
@@ -120,6 +128,7 @@ class StatementCore:
         self._meta = quote(tables.meta.name)
         self._col = {name: quote(name) for name in (*JOB_COLUMNS, "epoch", "name", "token")}
         self._retention_us = int(retention * 1_000_000)  # as Job.expires_at adds it
+        self._retention = retention
         # A colon in the clock's SQL ('00:00:00') must not read as a bound parameter.
         now = now.replace(":", "\\:")
         self._pg = self.name == "postgresql"

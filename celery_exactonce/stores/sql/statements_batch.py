@@ -32,6 +32,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from celery_exactonce.core import jobs
 from celery_exactonce.core.refs import JobRef
 from celery_exactonce.core.writes import Transition
 from celery_exactonce.stores.sql import schema as sql_schema
@@ -42,9 +43,15 @@ class BatchStatements(Statements):
     """:class:`Statements`, and a brief batch of transitions as one pipeline (PostgreSQL)."""
 
     def __init__(
-        self, dialect: sa.Dialect, tables: sql_schema.Tables, now: str, retention: float
+        self,
+        dialect: sa.Dialect,
+        tables: sql_schema.Tables,
+        now: str,
+        retention: float,
+        *,
+        compaction: jobs.Compaction = jobs.KEEP,
     ) -> None:
-        super().__init__(dialect, tables, now, retention)
+        super().__init__(dialect, tables, now, retention, compaction=compaction)
         self._dialect = dialect
         # A pipeline needs psycopg 3 (its ``executemany(returning=True)``) and a libpq
         # that has pipeline mode.

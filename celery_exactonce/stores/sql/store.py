@@ -61,7 +61,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from celery_exactonce.core import times
+from celery_exactonce.core import jobs, times
 from celery_exactonce.core.jobs import (
     CreateResult,
     CreateStatus,
@@ -112,6 +112,7 @@ class SqlStore(SqlCreates, SqlTransitions, SqlScans, SqlLeases):
         namespace: str,
         retention: float,
         table_prefix: str = "exactonce_",
+        compaction: jobs.Compaction = jobs.KEEP,
         **engine_kwargs: Any,
     ) -> SqlStore:
         """Build the engine for ``url`` (a SQLAlchemy URL naming its driver) and the store.
@@ -129,7 +130,13 @@ class SqlStore(SqlCreates, SqlTransitions, SqlScans, SqlLeases):
         from when the tables were empty would read a whole table per key.
         """
         engine = sql_engine.engine_from_url(url, engine_kwargs)
-        store = cls(engine, namespace=namespace, retention=retention, table_prefix=table_prefix)
+        store = cls(
+            engine,
+            namespace=namespace,
+            retention=retention,
+            table_prefix=table_prefix,
+            compaction=compaction,
+        )
         store._owns_engine = True
         return store
 

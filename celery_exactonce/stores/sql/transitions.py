@@ -156,7 +156,7 @@ class SqlTransitions(SqlLeases):
         at = times.from_micros(now)
         if not jobs.check_transition(job, request, at):
             return TransitionResult(TransitionStatus.CONFLICT, job)
-        updated = jobs.apply_transition(job, request, at)
+        updated = jobs.apply_transition(job, request, at, self._compaction)
         c = self._t.jobs.c
         result = conn.execute(
             self._t.jobs.update()

@@ -52,3 +52,16 @@ local function history_append(raw, src, dst, at, node, reason, rev, action)
   while #h > HISTORY_LIMIT do table.remove(h, 1) end
   return cjson.encode(h)
 end
+
+-- A record's HGETALL, with its 'ref' when the record has none (a compacted terminal
+-- record keeps its ref in its key only: `member`, the index member, is that ref).
+local function record_of(key, member)
+  local flat = redis.call('HGETALL', key)
+  if #flat == 0 then return flat end
+  for i = 1, #flat, 2 do
+    if flat[i] == 'ref' then return flat end
+  end
+  flat[#flat + 1] = 'ref'
+  flat[#flat + 1] = member
+  return flat
+end

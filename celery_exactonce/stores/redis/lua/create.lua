@@ -18,7 +18,7 @@ local function create(key, a)
   end
   if redis.call('EXISTS', key) == 1 then
     if brief then return {'exists', current} end
-    return {'exists', current, redis.call('HGETALL', key)}
+    return {'exists', current, record_of(key, ARGV[a + 2])}
   end
   local entry, fire_time, member, state = ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3]
   if entry ~= '' then

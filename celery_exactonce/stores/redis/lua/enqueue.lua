@@ -22,7 +22,7 @@
 -- would pass, and the record's HSET after it fail.)
 local key, member = KEYS[1], ARGV[7]
 if redis.call('EXISTS', key) == 1 then
-  return {'exists', redis.call('HGETALL', key)}
+  return {'exists', record_of(key, member)}
 end
 local store_db, broker_db = ARGV[1], ARGV[2]
 local n = tonumber(ARGV[5])

@@ -40,7 +40,7 @@ local out = {}
 while first < stale and #out < limit do
   local last = math.min(first + limit - #out, stale) - 1
   for _, member in ipairs(redis.call('ZRANGE', KEYS[1], first, last)) do
-    local record = redis.call('HGETALL', KEYS[2] .. member)
+    local record = record_of(KEYS[2] .. member, member)
     if #record > 0 then out[#out + 1] = record end
   end
   first = last + 1

@@ -3,6 +3,9 @@
 -- KEYS: 1..9 state indexes (in STATES order), 10 due, 11 expire,
 --       then per job: its record, its lease (a dummy when no lease)
 -- ARGV: 1 retention in microseconds, 2 brief ('1': answer 'applied' without the record),
+--       3 what a terminal record keeps of its history ('full', 'last' or 'none'),
+--       4 whether it keeps its payload ('1' or '0'),
+--       5 how long a terminal occurrence is kept, in microseconds, when shorter (opt),
 --       then per job (ARGS_PER_JOB): member, to, expected states (comma-separated),
 --       node, reason, rev (opt), attempt (opt), run_id (opt), lease token (opt),
 --       stale_for seconds (opt), new rev, new run_id (opt), next_attempt ('1' or '0'),
@@ -13,6 +16,9 @@
 -- can be: one read, one write of the record, and the index moves it needs.
 local ARGS_PER_JOB = 19
 local retention, brief = tonumber(ARGV[1]), ARGV[2] == '1'
+local keep_history, keep_payload = ARGV[3], ARGV[4] == '1'
+local compacts = keep_history ~= 'full' or not keep_payload
+local occurrence_retention = opt(ARGV[5])
 
 local function transition(key, lease_key, a)
   local cur = redis.call('HMGET', key, 'state', 'rev', 'attempt', 'run_id', 'touched_at',
@@ -23,7 +29,7 @@ local function transition(key, lease_key, a)
   end
   local token = opt(ARGV[a + 8])
   if token and redis.call('GET', lease_key) ~= token then
-    return {'lease_lost', redis.call('HGETALL', key)}
+    return {'lease_lost', record_of(key, ARGV[a])}
   end
   local now = clock()
   local ok = not TERMINAL[state]
@@ -44,7 +50,7 @@ local function transition(key, lease_key, a)
     ok = false
   end
   if not ok then
-    return {'conflict', redis.call('HGETALL', key)}
+    return {'conflict', record_of(key, ARGV[a])}
   end
 
   local member, to, node, reason = ARGV[a], ARGV[a + 1], ARGV[a + 3], ARGV[a + 4]
@@ -80,11 +86,43 @@ local function transition(key, lease_key, a)
   end
   if TERMINAL[to] then
     put('terminal_at', us(now))
+    -- Compacted (jobs.compact_terminal): the history and payload as the settings keep
+    -- them, and no 'ref' (the key holds it), so the record's values stay short.
+    if compacts then
+      local drop = {ref = true, history = keep_history == 'none' or nil}
+      if not keep_payload then
+        drop.args, drop.kwargs, drop.options, drop.signature = true, true, true, true
+      end
+      local kept = {}
+      for i = 1, #set, 2 do
+        local field, value = set[i], set[i + 1]
+        if field == 'history' and keep_history == 'last' then
+          value = history_append(nil, state, to, now, node, reason, new_rev, opt(ARGV[a + 18]))
+        end
+        if not drop[field] then kept[#kept + 1] = field; kept[#kept + 1] = value end
+      end
+      set = kept
+      for field in pairs(drop) do del[#del + 1] = field end
+    end
   elseif cur[9] then
     del[#del + 1] = 'terminal_at'
   end
-  redis.call('HSET', key, unpack(set))
-  if #del > 0 then redis.call('HDEL', key, unpack(del)) end
+  if TERMINAL[to] and compacts then
+    -- Written afresh: a hash Redis once encoded as a hashtable (a long value) stays one
+    -- however short its values become; a new one of short values is a listpack.
+    local record = {}
+    local flat = redis.call('HGETALL', key)
+    for i = 1, #flat, 2 do record[flat[i]] = flat[i + 1] end
+    for i = 1, #set, 2 do record[set[i]] = set[i + 1] end
+    for _, field in ipairs(del) do record[field] = nil end
+    set = {}
+    for field, value in pairs(record) do put(field, value) end
+    redis.call('DEL', key)
+    redis.call('HSET', key, unpack(set))
+  else
+    redis.call('HSET', key, unpack(set))
+    if #del > 0 then redis.call('HDEL', key, unpack(del)) end
+  end
 
   if to ~= state then
     redis.call('ZREM', state_key(1, state), member)
@@ -95,16 +133,21 @@ local function transition(key, lease_key, a)
   elseif state == 'PENDING' then
     redis.call('ZREM', KEYS[10], member)
   end
-  if TERMINAL[to] then
-    local start = now
-    if cur[6] and tonumber(cur[6]) > start then start = tonumber(cur[6]) end
-    redis.call('ZADD', KEYS[11], us(start + retention), member)
+  -- A terminal record is purged through its state's index (scored by terminal_at: see
+  -- purge_expired), unless its slot is later than that, or it is an occurrence kept for
+  -- less than the retention: then the expiry index has it, scored by its expiry.
+  local slot_later = cur[6] and tonumber(cur[6]) > now
+  if TERMINAL[to] and occurrence_retention and string.sub(member, 1, 2) == 'o:' then
+    local start = slot_later and tonumber(cur[6]) or now
+    redis.call('ZADD', KEYS[11], us(start + tonumber(occurrence_retention)), member)
+  elseif TERMINAL[to] and slot_later then
+    redis.call('ZADD', KEYS[11], us(tonumber(cur[6]) + retention), member)
   end
   if brief then return {'applied'} end
-  return {'applied', redis.call('HGETALL', key)}
+  return {'applied', record_of(key, member)}
 end
 
-local out, a = {}, 3
+local out, a = {}, 6
 for k = 12, #KEYS, 2 do
   out[#out + 1] = transition(KEYS[k], KEYS[k + 1], a)
   a = a + ARGS_PER_JOB
