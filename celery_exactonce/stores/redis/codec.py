@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -187,6 +187,11 @@ def create_result(reply: Sequence[Any]) -> CreateResult:
 def transition_result(reply: Sequence[Any]) -> TransitionResult:
     status = TransitionStatus(as_text(reply[0]))
     return TransitionResult(status, decode_job(reply[1]) if len(reply) > 1 else None)
+
+
+def decode_hash(record: Mapping[Any, Any], ref: JobRef) -> Job | None:
+    """The job of record ``ref`` from its hash as ``HGETALL`` answers it; ``None`` when empty."""
+    return decode_job([item for pair in record.items() for item in pair], ref) if record else None
 
 
 def decode_job(flat: Sequence[Any], ref: JobRef | None = None) -> Job:

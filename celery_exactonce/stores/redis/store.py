@@ -68,6 +68,7 @@ from celery_exactonce.stores.redis.cluster import ClusterClient
 from celery_exactonce.stores.redis.codec import (
     as_text,
     create_result,
+    decode_hash,
     decode_job,
     due_backlog_result,
     lease_ms,
@@ -255,9 +256,8 @@ class RedisStore(RedisReads, RedisEnqueue, RedisBatches):
 
     def get(self, ref: JobRef) -> Job | None:
         with self._wrap("get"):
-            record = dict(self._confirmed_read("HGETALL", self._job_key(ref)))
-        flat = [item for pair in record.items() for item in pair]
-        return decode_job(flat, ref) if record else None
+            record = self._confirmed_read("HGETALL", self._job_key(ref))
+        return decode_hash(record, ref)
 
     def watermark(self, entry: str) -> datetime | None:
         return self.watermarks([entry]).get(entry)
@@ -349,8 +349,7 @@ class RedisStore(RedisReads, RedisEnqueue, RedisBatches):
         if limit <= 0:
             self._check_open()
             return []
-        # As the in-memory store: the age rounded to microseconds by timedelta.
-        age = timedelta(seconds=older_than) // timedelta(microseconds=1)
+        age = timedelta(seconds=older_than) // timedelta(microseconds=1)  # as the memory store
         keys = [self._state_key(State(state)), self._key("job", "")]
         # The cursor is the index's own (score, member) of the previous page's last job.
         at, member = (None, None) if after is None else (times.to_micros(after[0]), after[1])
