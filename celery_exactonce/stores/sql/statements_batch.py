@@ -17,27 +17,26 @@ could turn into a read of the namespace. Planned once per batch, where the
 one-row statements were planned once per claim (the store plans every run,
 see :mod:`~celery_exactonce.stores.sql.engine`).
 
-**Transitions.**
+**Transitions.** A brief ``transition_many`` (beat's and the dispatcher's
+``DISPATCHED`` and ``PUBLISHED`` writes of a chunk) is one statement,
+:meth:`BatchStatements.transition_batch`: the one-row guarded ``UPDATE`` of
+:mod:`~celery_exactonce.stores.sql.statements`, its per-job values (key,
+guards, new ``rev``, history entry) bound as arrays and joined through
+``unnest(...) WITH ORDINALITY``, its shared ones (target, node, lease...)
+once. Each row is decided by the one-row statement's ``WHERE``, evaluated
+on the row as its lock finds it (PostgreSQL rechecks a row a concurrent
+writer changed): the compare-and-swap per row is the one-row statement's.
+Only a batch of one shape (the same statement text), the same shared
+values, one key space and no key twice is one statement; any other goes one
+row at a time.
 
-A brief ``transition_many`` (beat's and the dispatcher's ``DISPATCHED`` and
-``PUBLISHED`` writes of a chunk) would otherwise wait for one guarded
-``UPDATE`` per job, one after the other. On PostgreSQL with psycopg 3, the
-batch is the same one-row ``UPDATE`` of
-:mod:`~celery_exactonce.stores.sql.statements`, once per job, sent as one
-``executemany`` in pipeline mode: every statement sent before the first
-answer is read, so the batch waits for the network once. Each row is
-decided by its own one-row statement, with the plan that statement has
-(the primary key), and the statements run in the order given, in one
-transaction: the compare-and-swap per row is the one-row statement's.
-
-Only a batch whose transitions share one shape (the same statement text:
-the same guards, target, lease...) goes this way; any other goes one row
-at a time.
-
-A single ``UPDATE … FROM unnest(<arrays>)`` was tried first: PostgreSQL
-planned it from the namespace (a new namespace looks rare to its
-statistics) and read every job of the namespace for each batch, 0.3 s a
-batch of 32 with 10,000 jobs. The pipeline keeps each row on its key.
+The rows are found by the primary key only: besides the join, the
+statement names the keys as ``id = ANY(<array>)`` under the namespace and
+the space, which only the primary key serves. A first version had the join
+alone: PostgreSQL planned it from the namespace (a new namespace looks rare
+to its statistics) and read every job of the namespace for each batch, 0.3 s
+a batch of 32 with 10,000 jobs; a psycopg pipeline of one-row statements
+came next, planned once per row.
 
 Not here: what a row the statement did not change means (the store decides
 it again the locking way, :mod:`~celery_exactonce.stores.sql.transitions`),
@@ -56,46 +55,67 @@ import sqlalchemy as sa
 from celery_exactonce.core.refs import JobRef, Space
 from celery_exactonce.core.states import State
 from celery_exactonce.core.writes import NewJob, Transition
-from celery_exactonce.stores.sql import schema as sql_schema
 from celery_exactonce.stores.sql.statements import Statements
 from celery_exactonce.stores.sql.statements_base import _INTEGERS, JOB_COLUMNS
 
+#: The integer parameters of a transition (those of a create are its integer columns').
+_INTEGER_PARAMS = frozenset({"g_attempt", "g_stale", "s_run_at", "s_ret", "h_min", "h_full"})
 #: The answers of :meth:`BatchStatements.create_batch`, one row per claim.
 CREATE_ANSWERS = ("i", "now_", "stored_", "created_", "mark_", "id")
 
 
 class BatchStatements(Statements):
-    """:class:`Statements`, and a brief batch of transitions as one pipeline (PostgreSQL)."""
-
-    def __init__(
-        self, dialect: sa.Dialect, tables: sql_schema.Tables, now: str, retention: float
-    ) -> None:
-        super().__init__(dialect, tables, now, retention)
-        self._dialect = dialect
-        # A pipeline needs psycopg 3 (its ``executemany(returning=True)``) and a libpq
-        # that has pipeline mode.
-        self._pipeline = self._pg and dialect.driver == "psycopg" and _pipeline_supported()
-        self._compiled: dict[tuple[Any, ...], str] = {}
+    """:class:`Statements`, and batches of claims and of transitions as one statement each."""
 
     def transition_batch(
         self, namespace: str, items: Sequence[tuple[JobRef, Transition]]
-    ) -> tuple[str, list[dict[str, Any]]] | None:
-        """The driver's SQL of the one-row brief statement, and each item's parameters.
+    ) -> tuple[sa.TextClause | sa.TextualSelect, dict[str, Any]] | None:
+        """One brief guarded ``UPDATE`` of every item; ``None`` when they are not one.
 
-        ``None`` when the items do not go as one pipeline: not PostgreSQL on
-        psycopg 3 with pipeline mode, fewer than two items, shapes that differ.
+        Answers the 1-based position (``i``) of each item it changed. ``None``:
+        not PostgreSQL, fewer than two items, shapes or shared values that
+        differ, key spaces that differ, a key twice.
         """
-        if not self._pipeline or len(items) < 2:
+        if not self._pg or len(items) < 2:
             return None
         parts = [self._transition_parts(namespace, ref, t, brief=True) for ref, t in items]
         shape = parts[0][0]
         if any(other != shape for other, _ in parts[1:]):
             return None
-        sql = self._compiled.get(shape)
-        if sql is None:
-            stmt, _ = self.transition(namespace, items[0][0], items[0][1], brief=True)
-            sql = self._compiled[shape] = str(stmt.compile(dialect=self._dialect))
-        return sql, [params for _, params in parts]
+        if len({ref.id for ref, _ in items}) != len(items):
+            return None
+        split = _split([params for _, params in parts], always=("k_id",))
+        if split is None or "k_space" in split[0]:
+            return None
+        rows, bound = split
+        key = ("transition_batch", shape, rows)
+        return self._text(
+            key, functools.partial(self._transition_batch_sql, shape, rows), ("i",)
+        ), bound
+
+    def _transition_batch_sql(self, shape: tuple[Any, ...], rows: tuple[str, ...]) -> str:
+        """The one-row statement of ``shape``, its per-job parameters read from the arrays."""
+        sql = _per_row(rows).sub(r"v.\1", self._transition_sql(shape))
+        c, jobs_t = self._col, self._jobs
+        arrays = ", ".join(f"CAST(:a_{name} AS {_array_type(name)}[])" for name in rows)
+        found = (
+            f"(SELECT j.ctid FROM {jobs_t} j WHERE j.{c['namespace']} = CAST(:k_ns AS TEXT)"
+            f" AND j.{c['space']} = CAST(:k_space AS TEXT) AND j.{c['id']} = u.k_id)"
+        )
+        rows_cte = (
+            f", v AS MATERIALIZED (SELECT u.*, {found} AS tid_"
+            f" FROM unnest({arrays}) WITH ORDINALITY AS u({', '.join(rows)}, i))"
+        )
+        for old, new in (
+            (self._clock, self._clock + rows_cte),
+            (" FROM clock WHERE ", " FROM clock, v WHERE "),
+            (_per_row(rows).sub(r"v.\1", self._key_sql(jobs_t)), f"{jobs_t}.ctid = v.tid_"),
+            (" RETURNING 1 AS one", " RETURNING v.i"),
+        ):
+            if sql.count(old) != 1:  # pragma: no cover - the one-row statement changed shape
+                raise AssertionError(f"the transition statement has no single {old.strip()!r}")
+            sql = sql.replace(old, new)
+        return sql
 
     def create_batch(
         self, namespace: str, news: Sequence[NewJob], epoch: str | None
@@ -122,19 +142,10 @@ class BatchStatements(Statements):
         parts = [self._create_params(namespace, new, epoch) for new in news]
         for params in parts:  # the history is written from its pieces (h_0, h_1...)
             del params["c_history"]
-        first = parts[0]
-        if any(params.keys() != first.keys() for params in parts[1:]):
+        split = _split(parts, always=("k_id", "c_entry", "c_fire_time"))
+        if split is None:
             return None  # (histories of one length: one shape)
-        rows = tuple(
-            sorted(
-                name
-                for name in first
-                if name in ("k_id", "c_entry", "c_fire_time")
-                or any(params[name] != first[name] for params in parts[1:])
-            )
-        )
-        bound = {name: value for name, value in first.items() if name not in rows}
-        bound.update((f"a_{name}", [params[name] for params in parts]) for name in rows)
+        rows, bound = split
         shape = ("create_batch", running, epoch is not None, rows)
         build = functools.partial(self._create_batch_sql, running, epoch, rows)
         return self._text(shape, build, CREATE_ANSWERS), bound
@@ -158,8 +169,7 @@ class BatchStatements(Statements):
         )
         # Each claim's values, read from the arrays (a colon escaped in the clock's SQL,
         # or inside a word, is no parameter).
-        per_row = re.compile(r"(?<![\w\\]):(" + "|".join(rows) + r")\b")
-        values = per_row.sub(r"v.\1", ", ".join(self._job_values_sql(running)))
+        values = _per_row(rows).sub(r"v.\1", ", ".join(self._job_values_sql(running)))
         columns = ", ".join(c[name] for name in JOB_COLUMNS)
         return (
             f"{self._clock}, ok AS ({ok}),"
@@ -181,14 +191,34 @@ class BatchStatements(Statements):
         )
 
 
+def _split(
+    parts: Sequence[dict[str, Any]], always: tuple[str, ...]
+) -> tuple[tuple[str, ...], dict[str, Any]] | None:
+    """The names bound per row (``always``, and those whose values differ), and the bound
+    values: each shared one once, each per-row one as ``a_<name>``, a list in row order.
+    ``None`` when the rows do not bind the same names."""
+    first = parts[0]
+    if any(params.keys() != first.keys() for params in parts[1:]):
+        return None
+    rows = tuple(
+        sorted(
+            name
+            for name in first
+            if name in always or any(params[name] != first[name] for params in parts[1:])
+        )
+    )
+    bound = {name: value for name, value in first.items() if name not in rows}
+    bound.update((f"a_{name}", [params[name] for params in parts]) for name in rows)
+    return rows, bound
+
+
+def _per_row(rows: tuple[str, ...]) -> re.Pattern[str]:
+    """The bound parameters of ``rows`` in a statement (a colon escaped in the clock's SQL,
+    or inside a word, is no parameter), to be replaced by the columns of ``v``."""
+    return re.compile(r"(?<![\w\\]):(" + "|".join(rows) + r")\b")
+
+
 def _array_type(name: str) -> str:
-    """The SQL type of a per-claim parameter's array (``c_<column>``: the column's)."""
-    return "BIGINT" if name.startswith("c_") and name[2:] in _INTEGERS else "TEXT"
-
-
-def _pipeline_supported() -> bool:
-    try:
-        import psycopg
-    except ImportError:  # pragma: no cover - the psycopg dialect imported it
-        return False
-    return bool(psycopg.Pipeline.is_supported())
+    """The SQL type of a per-row parameter's array: ``BIGINT`` for the integer ones."""
+    column = name[2:] if name.startswith("c_") else None
+    return "BIGINT" if column in _INTEGERS or name in _INTEGER_PARAMS else "TEXT"

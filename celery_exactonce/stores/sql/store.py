@@ -262,11 +262,12 @@ class SqlStore(SqlCreates, SqlTransitions, SqlScans, SqlLeases):
     def transition_many(
         self, requests: Sequence[tuple[JobRef, Transition]], *, brief: bool = False
     ) -> list[TransitionResult]:
-        """One transaction for the batch; rows locked in key order (no deadlock)."""
+        """Rows locked in key order (no deadlock): one transaction for the batch, or, for a
+        brief one on PostgreSQL, one statement, then a transaction for any row it left."""
         if not requests:
             self._check_usable()
             return []
-        return self._run("transition_many", self._transition_many_op(requests, brief))
+        return self._transition_many(requests, brief)
 
     def heartbeat(self, ref: JobRef, run_id: str) -> bool:
         stmt, params = self._sql.heartbeat(self._namespace, ref, run_id)
