@@ -215,7 +215,8 @@ def _scans(plan: Any) -> list[dict[str, Any]]:
 def test_the_batches_find_each_row_by_its_key_in_a_namespace_of_many_jobs(
     store: SqlStore,
 ) -> None:
-    # Given a namespace of 3,000 jobs, and a claims batch and a transitions batch over it
+    # Given a namespace of 3,000 jobs, and a claims batch, its decided read and a transitions
+    # batch over it
     news = [task_job() for _ in range(3000)]
     for start in range(0, len(news), 500):
         store.create_many(news[start : start + 500], brief=True)
@@ -226,6 +227,9 @@ def test_the_batches_find_each_row_by_its_key_in_a_namespace_of_many_jobs(
         ),
         "transitions": store._sql.transition_batch(
             store.namespace, [(n.ref, to(State.DISPATCHED, State.SCHEDULED)) for n in chunk]
+        ),
+        "decided": store._sql.decided(
+            store.namespace, [f"e{i}" for i in range(CHUNK)], [n.ref.id for n in chunk]
         ),
     }
     for name, batch in batches.items():

@@ -91,15 +91,18 @@ class SqlClaims(SqlCore):
         }
         if not todo:
             return {}
-        params = {
-            "k_ns": self._namespace,
-            "entries": sorted({str(entry) for entry, _ in todo.values()}),
-            "ids": [news[i].ref.id for i in todo],
-        }
+        entries = sorted({str(entry) for entry, _ in todo.values()})
+        ids = [news[i].ref.id for i in todo]
+        query: sa.Executable
+        if self._postgresql:  # each row by its key
+            query, params = self._sql.decided(self._namespace, entries, ids)
+        else:
+            query, params = self._decided_query, {"k_ns": self._namespace}
+            params.update(entries=entries, ids=ids)
         marks: dict[str, int | None] = {}
         found: set[str] = set()
         stored: str | None = None
-        for kind, key, mark in conn.execute(self._decided_query, params):
+        for kind, key, mark in conn.execute(query, params):
             if kind == "m":
                 marks[key] = mark
             elif kind == "j":

@@ -117,6 +117,45 @@ class BatchStatements(Statements):
             sql = sql.replace(old, new)
         return sql
 
+    def decided(
+        self, namespace: str, entries: Sequence[str], ids: Sequence[str]
+    ) -> tuple[sa.TextClause | sa.TextualSelect, dict[str, Any]]:
+        """PostgreSQL: the read of a batch of claims' decided slots, each row by its key.
+
+        Rows of ``(kind, key, mark)``: ``m`` an entry and its watermark (when it
+        has one), ``j`` the id of an occurrence record that exists, ``e`` the
+        namespace's epoch. The same answers as the store's portable read
+        (``IN`` lists), which PostgreSQL served by reading every job and mark
+        of the namespace (the key columns' last one a filter, not a bound).
+        """
+        params: dict[str, Any] = {"k_ns": namespace, "k_space": Space.OCCURRENCE.value}
+        params.update(a_entries=list(entries), a_ids=list(ids))
+
+        def build() -> str:
+            c = self._col
+            ns, ns_param = c["namespace"], "CAST(:k_ns AS TEXT)"
+            mark = (
+                f"(SELECT m.{c['fire_time']} FROM {self._wm} m"
+                f" WHERE m.{ns} = {ns_param} AND m.{c['entry']} = e.entry)"
+            )
+            found = (
+                f"(SELECT j.{c['id']} FROM {self._jobs} j WHERE j.{ns} = {ns_param}"
+                f" AND j.{c['space']} = CAST(:k_space AS TEXT) AND j.{c['id']} = k.id)"
+            )
+            return (
+                f"WITH m AS MATERIALIZED (SELECT e.entry, {mark} AS mark"
+                f" FROM unnest(CAST(:a_entries AS TEXT[])) AS e(entry)),"
+                f" f AS MATERIALIZED (SELECT k.id, {found} AS found"
+                f" FROM unnest(CAST(:a_ids AS TEXT[])) AS k(id))"
+                f" SELECT 'm' AS kind, m.entry AS key, m.mark FROM m WHERE m.mark IS NOT NULL"
+                f" UNION ALL SELECT 'j', f.id, CAST(NULL AS BIGINT) FROM f"
+                f" WHERE f.found IS NOT NULL"
+                f" UNION ALL SELECT 'e', {c['epoch']}, CAST(NULL AS BIGINT) FROM {self._meta}"
+                f" WHERE {ns} = {ns_param}"
+            )
+
+        return self._text(("decided",), build, ("kind", "key", "mark")), params
+
     def create_batch(
         self, namespace: str, news: Sequence[NewJob], epoch: str | None
     ) -> tuple[sa.TextClause | sa.TextualSelect, dict[str, Any]] | None:
