@@ -180,7 +180,7 @@ class BatchStatements(Statements):
             return None
         parts = [self._create_params(namespace, new, epoch) for new in news]
         for params in parts:  # the history is written from its pieces (h_0, h_1...)
-            del params["c_history"]
+            params.pop("c_history", None)
         split = _split(parts, always=("k_id", "c_entry", "c_fire_time"))
         if split is None:
             return None  # (histories of one length: one shape)
