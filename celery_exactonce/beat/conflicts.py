@@ -35,6 +35,8 @@ class ConflictWatch:
         self._store = store
         self._node = node
         self._checked: dict[str, datetime] = {}
+        self._tick: datetime | None = None  # the tick the reads below were made in
+        self._reads = 0
 
     def check(self, taken: list[tuple[NewJob, Job | None]], now: datetime) -> None:
         """Compare ``taken`` (this node's claim, the record if the store answered with it).
@@ -43,7 +45,8 @@ class ConflictWatch:
         at most :data:`CHECKS_PER_TICK` records are read per tick (a brief
         claim answers without the record).
         """
-        reads = 0
+        if now != self._tick:  # a tick's batches share its reads
+            self._tick, self._reads = now, 0
         for new, found in taken:
             record = found
             entry = entry_of(new)
@@ -51,9 +54,9 @@ class ConflictWatch:
             if checked is not None and (now - checked).total_seconds() < RECHECK:
                 continue
             if record is None:
-                if reads >= CHECKS_PER_TICK:
+                if self._reads >= CHECKS_PER_TICK:
                     continue
-                reads += 1
+                self._reads += 1
                 try:
                     record = self._store.get(new.ref)
                 except exceptions.StoreError:

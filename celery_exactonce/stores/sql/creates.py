@@ -17,33 +17,35 @@ that decides a create inside its transaction. A create goes one of two ways:
   queue there), look for the record and check the mark; insert; raise the
   mark.
 
-A batch takes its locks in entry order (:func:`_lock_order`), so two batches
-never deadlock; once a one-statement create aborts the batch's transaction
-(PostgreSQL), the batch runs again the locking way.
+A batch (``create_many``) takes its locks in entry order (:func:`_lock_order`),
+so two batches never deadlock. On PostgreSQL its claims are first created by
+one statement for the whole batch (:mod:`~celery_exactonce.stores.sql.claims`,
+rows in lock order); a claim that statement leaves undecided goes the one-row
+way, then the locking way. Once a one-statement create aborts the batch's
+transaction, the batch runs again the locking way.
 
 Not here: which transaction a create runs in (autocommit or not, one create
 or a batch: :mod:`~celery_exactonce.stores.sql.store`), running and retrying it
 (:mod:`~celery_exactonce.stores.sql.base`), the statements' SQL
-(:mod:`~celery_exactonce.stores.sql.statements_create`).
+(:mod:`~celery_exactonce.stores.sql.statements_create`), a batch's decided
+claims and its one statement (:mod:`~celery_exactonce.stores.sql.claims`).
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
-from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy import exc as sa_exc
 
 from celery_exactonce.core import exceptions, jobs, refs, times
 from celery_exactonce.core.jobs import CreateResult, CreateStatus
-from celery_exactonce.core.refs import Space
 from celery_exactonce.core.states import State
 from celery_exactonce.core.writes import NewJob, Transition
 from celery_exactonce.stores.sql import engine as sql_engine
-from celery_exactonce.stores.sql.base import Rerun, Slow, SqlCore
+from celery_exactonce.stores.sql.base import Rerun, Slow
+from celery_exactonce.stores.sql.claims import SqlClaims
 
 #: How many times a brief batch reads its undecided claims again (see ``_create_many_op``).
 REREADS = 4
@@ -61,7 +63,7 @@ def _lock_order(new: NewJob) -> tuple[str, str]:
     return (new.entry or "", "" if new.entry else str(new.ref))
 
 
-class SqlCreates(SqlCore):
+class SqlCreates(SqlClaims):
     """Creates and the epoch, inside their transaction."""
 
     def _epoch_op(self, replace: str | None) -> Callable[[sa.Connection], str]:
@@ -106,6 +108,12 @@ class SqlCreates(SqlCore):
             rereads = REREADS if brief else 0
             if brief:
                 results.update(self._decided(conn, news, order, epoch))
+            if fast and self._postgresql:
+                try:
+                    results.update(self._create_batch(conn, news, order, results, epoch, brief))
+                except Slow:
+                    fast = False  # the transaction is aborted: run the batch again, locking
+                    raise Rerun from None
             for n, i in enumerate(order):
                 if i in results:
                     continue
@@ -120,81 +128,13 @@ class SqlCreates(SqlCore):
                     clock = clock or self._clock_and_epoch(conn)
                     result = self._create(conn, news[i], epoch, clock)
                 results[i] = result
-                if rereads > 0 and result.status in _TAKEN and n + 1 < len(order):
+                later = [j for j in order[n + 1 :] if j not in results]
+                if rereads > 0 and result.status in _TAKEN and later:
                     rereads -= 1
-                    results.update(self._decided(conn, news, order[n + 1 :], epoch))
+                    results.update(self._decided(conn, news, later, epoch))
             return [results[i] for i in range(len(news))]
 
         return op
-
-    def _decided(
-        self, conn: sa.Connection, news: Sequence[NewJob], indices: Sequence[int], epoch: str | None
-    ) -> dict[int, CreateResult]:
-        """The occurrences among ``news[i]`` that one read shows decided, by index.
-
-        One statement reads the epoch, the entries' watermarks and which
-        records exist. A slot whose record exists is ``EXISTS``; one at or
-        below its entry's mark is ``BELOW_WATERMARK`` (marks only rise, and a
-        record is created only above the mark, so neither answer can change).
-        These are the answers a create would give, without a write or a lock:
-        what every beat node but the first gets for most of a tick's claims.
-        Nothing is decided when the epoch differs from ``epoch`` (each create
-        answers the mismatch) or when no occurrence is among them.
-        """
-        todo = {  # index -> (entry, slot in microseconds)
-            i: (news[i].entry, times.to_micros(fire))
-            for i in indices
-            if news[i].ref.space is Space.OCCURRENCE
-            and news[i].entry is not None
-            and (fire := news[i].fire_time) is not None
-        }
-        if not todo:
-            return {}
-        params = {
-            "k_ns": self._namespace,
-            "entries": sorted({str(entry) for entry, _ in todo.values()}),
-            "ids": [news[i].ref.id for i in todo],
-        }
-        marks: dict[str, int | None] = {}
-        found: set[str] = set()
-        stored: str | None = None
-        for kind, key, mark in conn.execute(self._decided_query, params):
-            if kind == "m":
-                marks[key] = mark
-            elif kind == "j":
-                found.add(key)
-            else:
-                stored = key
-        if stored is None or (epoch is not None and stored != epoch):
-            return {}
-        decided = {}
-        for i, (entry, slot) in todo.items():
-            mark = marks.get(str(entry))
-            if news[i].ref.id in found:
-                decided[i] = CreateResult(CreateStatus.EXISTS, epoch=stored)
-            elif mark is not None and slot <= mark:
-                decided[i] = CreateResult(CreateStatus.BELOW_WATERMARK, epoch=stored)
-        return decided
-
-    @functools.cached_property
-    def _decided_query(self) -> sa.CompoundSelect[Any]:
-        """The statement of :meth:`_decided` (built once): rows of ``(kind, key, mark)``."""
-        wm, jobs_t, meta = self._t.watermarks, self._t.jobs, self._t.meta
-        ns: sa.BindParameter[str] = sa.bindparam("k_ns")
-        no_mark = sa.cast(sa.null(), sa.BigInteger)
-        return sa.union_all(
-            sa.select(sa.literal_column("'m'"), wm.c.entry, wm.c.fire_time).where(
-                wm.c.namespace == ns, wm.c.entry.in_(sa.bindparam("entries", expanding=True))
-            ),
-            sa.select(sa.literal_column("'j'"), jobs_t.c.id, no_mark).where(
-                jobs_t.c.namespace == ns,
-                jobs_t.c.space == Space.OCCURRENCE.value,
-                jobs_t.c.id.in_(sa.bindparam("ids", expanding=True)),
-            ),
-            sa.select(sa.literal_column("'e'"), meta.c.epoch, no_mark).where(
-                meta.c.namespace == ns
-            ),
-        )
 
     def _create_one(self, conn: sa.Connection, new: NewJob, epoch: str | None) -> CreateResult:
         """``create`` in a transaction that goes on after a failed statement (MySQL)."""
@@ -241,33 +181,8 @@ class SqlCreates(SqlCore):
             job = jobs.job_from_new(new, times.from_micros(row.now_))
             return CreateResult(CreateStatus.CREATED, job, epoch=row.stored_)
         stmt, params = self._sql.create_postgresql(self._namespace, new, epoch)
-        try:
-            row = conn.execute(stmt, params).one()
-        except sa_exc.IntegrityError as exc:
-            if sql_engine.error_code(exc.orig) != sql_engine.UNIQUE_VIOLATION:
-                raise
-            raise Slow from None
-        stored = row.stored_
-        if epoch is not None and stored != epoch:
-            return CreateResult(CreateStatus.EPOCH_MISMATCH, epoch=stored)
-        if row.created_:
-            job = jobs.job_from_new(new, times.from_micros(row.now_))
-            return CreateResult(CreateStatus.CREATED, job, epoch=stored)
-        if row.id is not None:  # the record existed when the statement began
-            if brief:
-                return CreateResult(CreateStatus.EXISTS, epoch=stored)
-            existing = self._select_job(conn, new.ref)  # the record as it is
-            if existing is None:  # purged since: decide again
-                return None
-            return CreateResult(CreateStatus.EXISTS, existing, epoch=stored)
-        # Marks only rise, and a record is created only above the mark: with the slot
-        # at or below the mark the statement began with, no record can have appeared since.
-        fire = times.to_micros_opt(new.fire_time)
-        if fire is not None and row.mark_ is not None and fire <= row.mark_:
-            return CreateResult(CreateStatus.BELOW_WATERMARK, epoch=stored)
-        # A create that committed after this statement began (and so is not in its
-        # snapshot) made the record or moved the mark: the transaction reads them.
-        return None
+        row = self._one_statement(conn, stmt, params)[0]
+        return self._answer(conn, new, row, epoch, brief=brief)
 
     def _enqueue_op(
         self, new: NewJob, dispatch: Transition

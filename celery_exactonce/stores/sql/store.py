@@ -275,7 +275,8 @@ class SqlStore(SqlCreates, SqlTransitions, SqlScans, SqlLeases):
     def transition_many(
         self, requests: Sequence[tuple[JobRef, Transition]], *, brief: bool = False
     ) -> list[TransitionResult]:
-        """One transaction for the batch; rows locked in key order (no deadlock).
+        """Rows locked in key order (no deadlock): one transaction for the batch, or, for a
+        brief one on PostgreSQL, one statement, then a transaction for any row it left.
 
         A brief batch of one transition one statement can apply, on PostgreSQL
         (the worker gate's ``RUNNING`` CAS, a run's completion), is that
@@ -291,7 +292,7 @@ class SqlStore(SqlCreates, SqlTransitions, SqlScans, SqlLeases):
             if self._run_statement("transition_many", stmt, params) is not None:
                 return [TransitionResult(TransitionStatus.APPLIED)]
             return self._run("transition_many", lambda conn: [self._transition(conn, ref, request)])
-        return self._run("transition_many", self._transition_many_op(requests, brief))
+        return self._transition_many(requests, brief)
 
     def _alone(self, request: Transition) -> bool:
         """Whether ``request`` runs as its one statement alone (see :meth:`transition_many`).

@@ -4,10 +4,10 @@
 that decides a transition inside its transaction, with the guards and effects
 of :mod:`celery_exactonce.core.jobs`. A transition goes one of two ways:
 
-* **one round trip for a batch** (:meth:`SqlTransitions._transition_batch`,
-  PostgreSQL): a brief batch of one shape, each row's one-row statement sent
-  in one pipeline (:mod:`~celery_exactonce.stores.sql.statements_batch`); if a
-  row did not apply, the batch is undone (a savepoint) and goes one row at a time;
+* **one statement for a batch** (:meth:`SqlTransitions._transition_batch`,
+  PostgreSQL): a brief batch of one shape, the one-row statement run for
+  every row at once (:mod:`~celery_exactonce.stores.sql.statements_batch`); if
+  a row did not apply, the batch is undone (a savepoint) and goes one row at a time;
 * **one statement** (:meth:`SqlTransitions._transition_fast`): the guarded
   ``UPDATE`` of :mod:`~celery_exactonce.stores.sql.statements`, whose
   ``WHERE`` holds every guard (the lease included) and whose ``SET`` restates
@@ -48,53 +48,76 @@ from celery_exactonce.stores.sql.leases import SqlLeases
 class SqlTransitions(SqlLeases):
     """Transitions and notes, inside their transaction."""
 
-    def _transition_many_op(
+    def _transition_many(
         self, requests: Sequence[tuple[JobRef, Transition]], brief: bool
-    ) -> Callable[[sa.Connection], list[TransitionResult]]:
-        """The transaction of ``transition_many`` (a batch that is not empty)."""
+    ) -> list[TransitionResult]:
+        """``transition_many`` of a batch that is not empty.
+
+        A brief batch that is one statement (PostgreSQL) runs alone, in
+        autocommit where the store owns its transactions: each row it changed
+        is applied, and only the others are decided, one row at a time in key
+        order, in a transaction of their own (the statement's row locks went
+        with its commit). Else the batch is one transaction
+        (:meth:`_transition_many_op`).
+        """
         order = sorted(range(len(requests)), key=lambda i: str(requests[i][0]))
         batch = None
         if brief and all(self._fast_transition(t) for _, t in requests):
             batch = self._sql.transition_batch(self._namespace, [requests[i] for i in order])
+        results: dict[int, TransitionResult] = {}
+        rest = order
+        if batch is not None and self._autocommit and self.owns_transactions:
+            stmt, params = batch
+            applied = self._run(
+                "transition_many",
+                lambda conn: {order[row.i - 1] for row in conn.execute(stmt, params)},
+                autocommit=True,
+            )
+            results = dict.fromkeys(applied, TransitionResult(TransitionStatus.APPLIED))
+            rest, batch = [i for i in order if i not in applied], None
+        if rest:
+            op = self._transition_many_op(requests, rest, batch, brief)
+            results.update(zip(rest, self._run("transition_many", op), strict=True))
+        return [results[i] for i in range(len(requests))]
+
+    def _transition_many_op(
+        self,
+        requests: Sequence[tuple[JobRef, Transition]],
+        order: Sequence[int],
+        batch: tuple[sa.TextClause | sa.TextualSelect, dict[str, Any]] | None,
+        brief: bool,
+    ) -> Callable[[sa.Connection], list[TransitionResult]]:
+        """The transaction of the ``requests`` at ``order`` (key order): their results, in
+        that order; ``batch``: the statement of them all, tried first under a savepoint."""
 
         def op(conn: sa.Connection) -> list[TransitionResult]:
             if batch is not None and (applied := self._transition_batch(conn, *batch)):
                 return applied
-            results: dict[int, TransitionResult] = {}
+            results = []
             for i in order:
                 ref, request = requests[i]
-                results[i] = self._transition_one(conn, ref, request, brief=brief)
-            return [results[i] for i in range(len(requests))]
+                results.append(self._transition_one(conn, ref, request, brief=brief))
+            return results
 
         return op
 
     def _transition_batch(
-        self, conn: sa.Connection, sql: str, rows: Sequence[dict[str, Any]]
+        self, conn: sa.Connection, stmt: sa.TextClause | sa.TextualSelect, params: dict[str, Any]
     ) -> list[TransitionResult] | None:
-        """The batch as one pipeline: every result if every row applied, else ``None``.
+        """The batch as one statement: every result if every row applied, else ``None``.
 
-        The pipeline runs under a savepoint. When a row did not apply, the
+        The statement runs under a savepoint. When a row did not apply, the
         savepoint is rolled back (the rows it changed, and their locks, let go)
-        and the caller decides the batch one row at a time in key order, as
-        without the pipeline: a batch never holds one row while waiting for a
-        row before it in key order, so two batches cannot deadlock.
+        and the caller decides the batch one row at a time in key order: a
+        batch never holds one row while waiting for a row before it in key
+        order, so two batches cannot deadlock.
         """
         with conn.begin_nested() as savepoint:
-            driver = conn.connection.driver_connection
-            try:
-                with driver.cursor() as cursor:  # type: ignore[union-attr]
-                    cursor.executemany(sql, rows, returning=True)
-                    applied = 0
-                    while True:
-                        applied += cursor.fetchone() is not None
-                        if not cursor.nextset():
-                            break
-            except self._driver_errors as exc:  # as SQLAlchemy would wrap it: retried alike
-                raise sa.exc.OperationalError(sql, None, exc) from exc
-            if applied != len(rows):
+            applied = len(conn.execute(stmt, params).all())
+            if applied != len(params["a_k_id"]):
                 savepoint.rollback()
                 return None
-        return [TransitionResult(TransitionStatus.APPLIED)] * len(rows)
+        return [TransitionResult(TransitionStatus.APPLIED)] * applied
 
     @staticmethod
     def _fast_transition(request: Transition) -> bool:
