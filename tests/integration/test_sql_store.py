@@ -494,7 +494,8 @@ def test_a_batch_behind_another_nodes_reads_the_rest_again_once_a_slot_is_taken(
     """A batch that read its slots before another node's batch committed them.
 
     Its first create finds the slot taken (it waited for the other's commit):
-    the rest are read again rather than created one by one.
+    the rest are read again rather than created one by one. On PostgreSQL the
+    batch is one statement, which answers every slot taken without a read again.
     """
     fire = store.now().replace(microsecond=0)
     batch = [occurrence(f"behind-{i:03}", fire) for i in range(50)]
@@ -511,6 +512,10 @@ def test_a_batch_behind_another_nodes_reads_the_rest_again_once_a_slot_is_taken(
     sent = _statements_of(store)
     results = store.create_many(batch, epoch=epoch, brief=True)
     assert {r.status for r in results} == {CreateStatus.EXISTS}
+    if store.engine.dialect.name == "postgresql":
+        assert reads == [50]
+        assert len(sent) <= 2, sent  # the read, the batch's one statement
+        return
     assert reads == [50, 49]
     # One create (on the locking way: the clock, the mark locked, the record read), one read
     assert len(sent) <= 4, sent
