@@ -152,7 +152,9 @@ class OneWrite:
                 assert result.job is not None  # noqa: S101 (an existing record comes back)
                 return Enqueued(result.job, created=False, sent=build.sent if build else None)
             job = result.job or _written(new, request, build)
-            with self._batch(True):
+            # A message built meanwhile goes out on the producer that built it; else the
+            # one message is sent at once, outside a batch (not buffered).
+            with self._batch(build is not None):
                 sent = parts._send(job, call, reason, build.built if build is not None else None)
                 sent = parts._flushed(job, sent)
         if sent.outcome in (Outcome.FAIL_CLOSED, Outcome.ROLLED_BACK) and parts.retrier is not None:

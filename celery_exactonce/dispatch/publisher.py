@@ -102,7 +102,10 @@ class CeleryPublisher:
     producer, acquired and connection-checked once for the whole batch; where
     the transport batches publishes (kombu's ``Producer.batch``: the Redis
     transport pipelines them), messages are buffered until :meth:`flush`,
-    which sends them in one round trip and says whether they landed.
+    which sends them in one round trip and says whether they landed. A
+    publish outside a batch (one message: the SQL stores' one-write submit)
+    is sent at once: kombu's Redis buffer is a pipeline of its own, dearer
+    than the one command.
     ``timeout`` (``exactonce_publish_timeout``) bounds each publish where the
     transport supports it; one that times out counts as ambiguous.
     """
@@ -117,11 +120,12 @@ class CeleryPublisher:
         self._capturable: bool | None = None
 
     @contextlib.contextmanager
-    def batch(self) -> Iterator[None]:
+    def batch(self, *, buffered: bool = True) -> Iterator[None]:
         """Publish the calls made inside on one producer from the pool.
 
         Messages still buffered at the end are flushed (:class:`PublishFailed`
         if that fails), or discarded, never half-sent, if the block raised.
+        Not ``buffered``: each one is sent as it is published.
         """
         local = self._local
         if getattr(local, "producer", None) is not None:
@@ -129,7 +133,7 @@ class CeleryPublisher:
             return
         with self.app.producer_or_acquire(None) as producer:
             local.producer, local.checked, local.connect_error = producer, False, None
-            local.buffer = None
+            local.buffer, local.buffered = None, buffered
             try:
                 yield
                 self.flush()
@@ -161,7 +165,7 @@ class CeleryPublisher:
     def __call__(self, job: Job, headers: Mapping[str, Any], extra: Mapping[str, Any]) -> Any:
         options = self.message_options(job, headers, extra)
         if getattr(self._local, "producer", None) is None:
-            with self.batch():
+            with self.batch(buffered=False):
                 return self._publish(job, options)
         return self._publish(job, options)
 
@@ -345,7 +349,7 @@ class CeleryPublisher:
         """``send`` on the batch's producer (connected first), buffered where kombu batches."""
         local = self._local
         producer = self._connected()
-        if local.buffer is None and hasattr(producer, "batch"):  # kombu >= 5.7
+        if local.buffer is None and local.buffered and hasattr(producer, "batch"):  # kombu 5.7
             buffer = producer.batch(max_size=PUBLISH_BUFFER_MAX)
             buffer.__enter__()
             local.buffer = buffer

@@ -13,6 +13,7 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
 
 from celery_exactonce.core.exceptions import InvalidRequest
 from celery_exactonce.core.jobs import CreateStatus, HistoryEntry, apply_transition, job_from_new
@@ -156,3 +157,54 @@ def test_enqueue_without_insert_returning_writes_the_record_and_answers_exists(
     assert stored.rev == dispatch.new_rev and stored.history[0].at == stored.history[1].at
     again = sql_store.enqueue(new, dispatch)
     assert again.status is CreateStatus.EXISTS and again.job == stored
+
+
+_LOCK_WAIT = {  # a second writer waits this long (about 2 s) for a lock before it fails
+    "postgresql": "SET lock_timeout = '2s'",
+    "mysql": "SET SESSION innodb_lock_wait_timeout = 2",
+}
+
+
+def test_the_insert_runs_alone_and_a_refused_one_leaves_no_lock_behind(sql_store: Any) -> None:
+    """The one statement commits at once; a duplicate key (MySQL: an error) lets its row go.
+
+    On MySQL a refused ``INSERT`` share-locks the record it met until its
+    transaction ends; the statement's transaction is rolled back before its
+    connection goes back to the pool, where it would hold the lock unseen.
+    """
+    if not sql_store.owns_transactions:
+        pytest.skip("the Django stores run it on Django's connection, in its autocommit")
+    new = _new("e7")
+    dispatch = _dispatch(new)
+    assert sql_store.enqueue(new, dispatch).created
+    stmt, params = sql_store._sql.enqueue(
+        sql_store.namespace, new, dispatch, returning=sql_store._enqueue_returning()
+    )
+    assert sql_store._run_statement("enqueue", stmt, params) is None  # the key exists
+    # Another connection writes the record at once: nothing of the store's holds it
+    jobs = sql_store._t.jobs
+    other = sa.create_engine(sql_store.engine.url, poolclass=sa.pool.NullPool)
+    if other.dialect.name == "sqlite":
+        other = sa.create_engine(
+            sql_store.engine.url, poolclass=sa.pool.NullPool, connect_args={"timeout": 2}
+        )
+    try:
+        with other.connect() as conn, conn.begin():
+            if other.dialect.name in _LOCK_WAIT:
+                conn.exec_driver_sql(_LOCK_WAIT[other.dialect.name])
+            written = conn.execute(
+                jobs.update()
+                .where(jobs.c.namespace == sql_store.namespace, jobs.c.id == new.ref.id)
+                .values(reason="touched")
+            )
+            assert written.rowcount == 1
+    finally:
+        other.dispose()
+    stored = sql_store.get(new.ref)
+    assert stored is not None and stored.reason == "touched"
+    if sql_store.engine.dialect.name == "postgresql":  # its pooled connection is as it was
+        raw = sql_store.engine.raw_connection()
+        try:
+            assert raw.driver_connection.autocommit is False
+        finally:
+            raw.close()

@@ -12,15 +12,16 @@ from typing import Any
 import pytest
 import redis
 from celery import Celery
+from kombu import Producer
 
 from celery_exactonce.core.jobs import Job
 from celery_exactonce.core.refs import JobRef
 from celery_exactonce.core.states import State
 from celery_exactonce.core.writes import NewJob
 from celery_exactonce.dispatch.dispatcher import DISPATCH_CHUNK, Dispatcher
-from celery_exactonce.dispatch.messages import GATED_OPTION
+from celery_exactonce.dispatch.messages import GATED_OPTION, message_headers
 from celery_exactonce.dispatch.outcomes import Outcome
-from celery_exactonce.dispatch.publisher import CeleryPublisher
+from celery_exactonce.dispatch.publisher import CeleryPublisher, PublishFailed
 from celery_exactonce.testing import InMemoryStore
 from tests.integration.redis_server import RedisServer, redis_server
 
@@ -106,3 +107,26 @@ def test_a_broker_lost_before_the_flush_publishes_nothing_and_claims_no_success(
     more = _scheduled(store, 3, "after")
     assert [r.outcome for r in dispatcher.dispatch_many(more)] == [Outcome.PUBLISHED] * 3
     assert _queued(server) == 3
+
+
+def test_a_publish_outside_a_batch_is_sent_at_once_and_a_refused_one_is_definite(
+    server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One message (the one-write submit's) goes out at once, not through kombu's buffer."""
+    store = InMemoryStore()
+    (job,) = _scheduled(store, 1, "single")
+    publisher = CeleryPublisher(_app(server))
+    headers = message_headers(job, store.namespace)
+
+    def buffered(*_args: Any, **_kwargs: Any) -> Any:
+        raise AssertionError("a single publish went through kombu's publish buffer")
+
+    monkeypatch.setattr(Producer, "batch", buffered)
+    # When one message is published outside a batch, it is on the broker when the call returns
+    publisher(job, headers, {})
+    assert _queued(server) == 1
+    # And with the broker gone, the publish fails definitely (nothing can have been sent)
+    server.kill()
+    with pytest.raises(PublishFailed) as failed:
+        publisher(job, headers, {})
+    assert failed.value.definite

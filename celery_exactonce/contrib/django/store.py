@@ -26,10 +26,12 @@ the tables' migration (:mod:`celery_exactonce.contrib.django.migrations`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import sqlalchemy as sa
+from sqlalchemy import exc as sa_exc
 
 from celery_exactonce.contrib.django.connection import engine_for, require_immediate
 from celery_exactonce.contrib.django.tables import prefix
@@ -158,6 +160,36 @@ class DjangoStore(SqlStore):
                     return fn(conn)
         with transaction.atomic(using=self.alias), self._engine.connect() as conn:
             return fn(conn)
+
+    def _commits_alone(self) -> bool:
+        """Whether a statement run alone commits at once: in Django's autocommit, outside
+        any ``atomic`` block (a statement inside one commits with the caller's)."""
+        from django.db import connections
+
+        connection = connections[self.alias]
+        return not connection.in_atomic_block and connection.get_autocommit()
+
+    @contextlib.contextmanager
+    def _statement_connection(self) -> Iterator[tuple[Any, bool]]:
+        """Django's DB-API connection of this thread, in its autocommit: nothing to commit.
+
+        Its own cursor runs the statement, as Django binds values on it
+        (psycopg: client-side unless the project asks for server-side binding).
+        """
+        from django.db import connections
+
+        self._check_usable()
+        connection = connections[self.alias]
+        connection.ensure_connection()
+        self._borrowed.add(connection)
+        driver = connection.connection
+        try:
+            yield driver, False
+        except self._driver_errors as exc:
+            dialect = self._engine.dialect
+            raise sa_exc.DBAPIError.instance(
+                None, None, exc, dialect.loaded_dbapi.Error, connection_invalidated=False
+            ) from exc
 
     def after_commit(self) -> Callable[[Callable[[], None]], None] | None:
         """Inside a caller's transaction on this alias: how to run a function once it commits.

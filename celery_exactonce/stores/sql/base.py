@@ -127,7 +127,7 @@ class SqlCore:
         self._t = sql_schema.build(table_prefix)
         self._now_col = sa.literal_column(dialect.now, sa.BigInteger)
         self._inserts: dict[str, Any] = {}  # per table, see _insert_absent
-        self._raw_sql: dict[Any, str] = {}  # per statement, see _run_statement
+        self._raw_sql: dict[Any, tuple[str, tuple[str, ...] | None]] = {}  # _run_statement's
         self._compaction = compaction
         self._sql = sql_statements_batch.BatchStatements(
             engine.dialect, self._t, dialect.now, retention, compaction=compaction
@@ -206,45 +206,82 @@ class SqlCore:
     def _run_statement(
         self, op: str, stmt: sa.TextClause | sa.TextualSelect, params: dict[str, Any]
     ) -> Any:
-        """PostgreSQL: run one statement in autocommit on a pooled DB-API connection; its row.
+        """Run one write alone, committed, on a DB-API connection: its first row.
 
         The hot path's one-statement writes (``enqueue``, the gate's brief
         transitions): SQLAlchemy's connection, transaction and result objects
-        cost more than the statement's own round trip, so the driver runs it.
-        The pool still checks the connection out (its checkout check included)
-        and takes it back; the error is wrapped as every other (:meth:`_guard`).
-        Not retried: a statement alone in autocommit locks at most its one row,
-        so it cannot deadlock (PostgreSQL's ``READ COMMITTED`` has no
-        serialization failure); an ``INSERT`` waits on no lock at all.
+        cost more than the statement's own round trip, so the driver runs it,
+        compiled once. PostgreSQL runs it in autocommit (psycopg switches
+        locally, no round trip), SQLite in the autocommit its connections are
+        in (a lone statement takes the write lock as ``BEGIN IMMEDIATE`` would,
+        waiting as long), MySQL commits it. ``()``: the statement answers no
+        rows (no ``RETURNING``); ``None``: it answered none, or (MySQL) its key
+        exists. Errors are wrapped as every other (:meth:`_guard`), the
+        connection dropped if it broke. Not retried: a statement alone locks at
+        most its one row, so it cannot deadlock (PostgreSQL's ``READ
+        COMMITTED`` has no serialization failure); an ``INSERT`` waits on no
+        lock but its key's.
         """
-        sql = self._raw_sql.get(stmt)
-        if sql is None:
-            sql = self._raw_sql[stmt] = str(stmt.compile(dialect=self._engine.dialect))
-        with self._guard(op):
-            self._check_usable()
-            raw = self._engine.raw_connection()
+        compiled = self._raw_sql.get(stmt)
+        if compiled is None:
+            done = stmt.compile(dialect=self._engine.dialect)
+            keys = tuple(done.positiontup or ()) if done.positional else None
+            compiled = self._raw_sql[stmt] = (str(done), keys)
+        sql, keys = compiled
+        values = params if keys is None else tuple(params[key] for key in keys)
+        with self._guard(op), self._statement_connection() as (driver, commit):
+            cursor = driver.cursor()
             try:
-                driver: Any = raw.driver_connection
-                driver.autocommit = True  # psycopg: local, no round trip while idle
-                try:
-                    with driver.cursor() as cursor:
-                        cursor.execute(sql, params)
-                        return cursor.fetchone()
-                except self._driver_errors as exc:
-                    # As SQLAlchemy wraps it (so :meth:`_guard` tells it as every other),
-                    # the connection dropped from the pool if it broke.
-                    broken = bool(getattr(driver, "broken", False) or driver.closed)
-                    if broken:
-                        raw.invalidate(exc)
-                    dbapi = self._engine.dialect.loaded_dbapi
-                    raise sa_exc.DBAPIError.instance(
-                        sql, params, exc, dbapi.Error, connection_invalidated=broken
-                    ) from exc
-                finally:
-                    if not driver.closed:
-                        driver.autocommit = False
+                cursor.execute(sql, values)
+                rows = cursor.fetchall() if cursor.description is not None else None
+            except self._driver_errors as exc:
+                if sql_engine.error_code(exc) != sql_engine.DUPLICATE_KEY:
+                    raise
+                rows = []  # MySQL: the key exists (its transaction is rolled back below)
             finally:
-                raw.close()  # back to the pool
+                cursor.close()
+            if commit and rows == []:  # MySQL's duplicate key: its transaction is let go
+                driver.rollback()
+            elif commit:
+                driver.commit()
+            return () if rows is None else (rows[0] if rows else None)
+
+    def _commits_alone(self) -> bool:
+        """Whether a statement run by :meth:`_run_statement` commits at once (here: always)."""
+        return True
+
+    @contextlib.contextmanager
+    def _statement_connection(self) -> Iterator[tuple[Any, bool]]:
+        """A pooled DB-API connection for :meth:`_run_statement`, and whether to commit.
+
+        The pool checks it out (its checkout check included) and takes it
+        back. A driver error leaves as SQLAlchemy would raise it, the
+        connection dropped from the pool if it broke.
+        """
+        self._check_usable()
+        raw = self._engine.raw_connection()
+        driver: Any = raw.driver_connection
+        try:
+            if self._postgresql:
+                driver.autocommit = True  # psycopg: local, no round trip while idle
+            try:
+                yield driver, self._engine.dialect.name == "mysql"
+            except self._driver_errors as exc:
+                dialect = self._engine.dialect
+                broken = dialect.is_disconnect(exc, driver, None)  # type: ignore[arg-type]
+                if broken:
+                    raw.invalidate(exc)
+                elif dialect.name == "mysql":  # PyMySQL: no transaction status after an error
+                    with contextlib.suppress(*self._driver_errors):
+                        driver.rollback()
+                raise sa_exc.DBAPIError.instance(
+                    None, None, exc, dialect.loaded_dbapi.Error, connection_invalidated=broken
+                ) from exc
+            finally:
+                if self._postgresql and not driver.closed:
+                    driver.autocommit = False
+        finally:
+            raw.close()  # back to the pool
 
     def _run_idempotent(self, op: str, fn: Callable[[], None]) -> None:
         """Run ``fn`` (idempotent, no one transaction) under the guard, again while unavailable."""

@@ -190,8 +190,7 @@ class SqlCreates(SqlClaims):
         """The transaction of ``enqueue``: one ``INSERT``, and a read only when the key exists."""
 
         def op(conn: sa.Connection) -> CreateResult:
-            returning = self._postgresql or self._engine.dialect.name == "sqlite"
-            returning = returning or self._insert_returning()
+            returning = self._enqueue_returning()
             stmt, params = self._sql.enqueue(self._namespace, new, dispatch, returning=returning)
             try:
                 result = conn.execute(stmt, params)
@@ -211,6 +210,10 @@ class SqlCreates(SqlClaims):
             return CreateResult(CreateStatus.EXISTS, existing)
 
         return op
+
+    def _enqueue_returning(self) -> bool:
+        """Whether ``enqueue``'s ``INSERT`` answers its row (all but MySQL before MariaDB 10.5)."""
+        return self._postgresql or self._engine.dialect.name == "sqlite" or self._insert_returning()
 
     @staticmethod
     def _check_enqueue(new: NewJob, dispatch: Transition) -> None:

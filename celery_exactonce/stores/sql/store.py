@@ -56,7 +56,7 @@ here, not in those classes, so that whatever wraps a store class's operations
 from __future__ import annotations
 
 from collections.abc import Sequence
-from datetime import datetime
+from datetime import datetime, timezone
 from typing import Any
 
 import sqlalchemy as sa
@@ -245,11 +245,12 @@ class SqlStore(SqlCreates, SqlTransitions, SqlScans, SqlLeases):
         ``EXISTS`` with a record whose ``rev`` is ``dispatch.new_rev``.
         """
         self._check_enqueue(new, dispatch)
-        if self._postgresql and self.owns_transactions:  # the statement alone, on the driver
-            stmt, params = self._sql.enqueue(self._namespace, new, dispatch, returning=True)
+        if self._commits_alone():  # the statement alone, on the driver
+            returning = self._enqueue_returning()
+            stmt, params = self._sql.enqueue(self._namespace, new, dispatch, returning=returning)
             row = self._run_statement("enqueue", stmt, params)
-            if row is not None:
-                now = times.from_micros(row[0])
+            if row is not None:  # inserted; without RETURNING, at this process's estimate
+                now = times.from_micros(row[0]) if row else datetime.now(timezone.utc)
                 return CreateResult(CreateStatus.CREATED, self._enqueued(new, dispatch, now))
             # The ref exists: the general way answers its record (its INSERT changes nothing).
         return self._run("enqueue", self._enqueue_op(new, dispatch), autocommit=self._autocommit)
