@@ -89,7 +89,7 @@ class _Build:
             jobs.job_from_new(self._new, now), self._request, now
         )
         try:
-            self._held.enter_context(self._publisher.batch())
+            self._held.enter_context(self._publisher.batch(buffered=False))  # one message
             headers = messages.message_headers(job, self._namespace)
             self.built = self._publisher.prepare(job, headers, self._call)
         except PublishFailed as exc:

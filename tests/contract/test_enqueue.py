@@ -100,6 +100,26 @@ def test_enqueue_writes_the_record_a_create_and_its_dispatch_write(sql_store: An
     assert sql_store.transition(new.ref, gate).applied
 
 
+def test_enqueue_runs_meanwhile_once_whether_or_not_the_ref_exists(sql_store: Any) -> None:
+    # Given the caller's message build, run while the write is on the way (or first)
+    seen: list[State | None] = []
+
+    def meanwhile() -> None:
+        seen.append(None)
+
+    new = _new("e-meanwhile")
+    dispatch = _dispatch(new)
+    # When the record is enqueued, then enqueued again (the ref exists)
+    first = sql_store.enqueue(new, dispatch, meanwhile=meanwhile)
+    again = sql_store.enqueue(new, dispatch, meanwhile=meanwhile)
+    # Then each call ran it once, and answered as without it
+    assert len(seen) == 2
+    assert first.status is CreateStatus.CREATED
+    assert again.status is CreateStatus.EXISTS and again.job == sql_store.get(new.ref)
+    # And it overlaps the statement on PostgreSQL alone (psycopg's pipeline)
+    assert sql_store.enqueue_overlaps is (sql_store.engine.dialect.name == "postgresql")
+
+
 def test_enqueue_of_a_ref_that_exists_answers_its_record_unchanged(sql_store: Any) -> None:
     new = _new("e2")
     dispatch = _dispatch(new)

@@ -294,6 +294,29 @@ def test_the_gate_and_the_completion_are_one_round_trip_each_on_postgresql(
     assert late.job is not None and late.job.state is State.SUCCEEDED
 
 
+def test_a_submit_on_postgresql_sends_its_insert_and_commit_before_meanwhile_runs(
+    server_store: SqlStore,
+) -> None:
+    """The message is built while the INSERT and its commit are on the way, not before."""
+    if server_store.engine.dialect.name != "postgresql":
+        pytest.skip("psycopg's pipeline: PostgreSQL")
+    new = task_job()
+    dispatch = to(State.DISPATCHED, State.SCHEDULED, rev=new.rev)
+    autocommit: list[bool] = []
+    sent = _driver_statements(server_store, autocommit)
+    at_meanwhile: list[list[str]] = []
+    # When a submit's write runs with the message's build
+    result = server_store.enqueue(new, dispatch, meanwhile=lambda: at_meanwhile.append(sent[:]))
+    # Then its one statement (the INSERT) had been sent, in autocommit, when the build
+    # ran; nothing after it
+    assert len(sent) == 1 and at_meanwhile == [sent]
+    assert autocommit == [True]
+    # And the record is written, committed (another connection reads it)
+    assert result.created
+    job = server_store.get(new.ref)
+    assert job is not None and job.state is State.DISPATCHED and job.rev == dispatch.new_rev
+
+
 def test_without_insert_returning_mysql_creates_the_locking_way(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

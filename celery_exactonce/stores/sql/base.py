@@ -204,7 +204,11 @@ class SqlCore:
                 return fn(conn)
 
     def _run_statement(
-        self, op: str, stmt: sa.TextClause | sa.TextualSelect, params: dict[str, Any]
+        self,
+        op: str,
+        stmt: sa.TextClause | sa.TextualSelect,
+        params: dict[str, Any],
+        meanwhile: Callable[[], None] | None = None,
     ) -> Any:
         """Run one write alone, committed, on a DB-API connection: its first row.
 
@@ -220,7 +224,8 @@ class SqlCore:
         connection dropped if it broke. Not retried: a statement alone locks at
         most its one row, so it cannot deadlock (PostgreSQL's ``READ
         COMMITTED`` has no serialization failure); an ``INSERT`` waits on no
-        lock but its key's.
+        lock but its key's. ``meanwhile``: run while the answer is on the way
+        (:func:`~celery_exactonce.stores.sql.engine.execute`).
         """
         compiled = self._raw_sql.get(stmt)
         if compiled is None:
@@ -230,16 +235,12 @@ class SqlCore:
         sql, keys = compiled
         values = params if keys is None else tuple(params[key] for key in keys)
         with self._guard(op), self._statement_connection() as (driver, commit):
-            cursor = driver.cursor()
             try:
-                cursor.execute(sql, values)
-                rows = cursor.fetchall() if cursor.description is not None else None
+                rows = sql_engine.execute(driver, sql, values, meanwhile)
             except self._driver_errors as exc:
                 if sql_engine.error_code(exc) != sql_engine.DUPLICATE_KEY:
                     raise
                 rows = []  # MySQL: the key exists (its transaction is rolled back below)
-            finally:
-                cursor.close()
             if commit and rows == []:  # MySQL's duplicate key: its transaction is let go
                 driver.rollback()
             elif commit:

@@ -38,6 +38,7 @@ Not here: running a transaction, its retries and the errors it raises
 from __future__ import annotations
 
 import dataclasses
+import functools
 import select
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -205,6 +206,52 @@ def _plan_each_call(dbapi_conn: Any, _record: Any) -> None:
     finally:
         cursor.close()
     dbapi_conn.commit()
+
+
+@functools.cache
+def pipelines() -> bool:
+    """Whether psycopg 3 is here with the parts of its pipeline :func:`execute` uses.
+
+    Its pipeline mode (libpq 14 or later) sends a statement and the ``Sync``
+    that ends its implicit transaction, and reads the answer later.
+    """
+    try:
+        from psycopg import Pipeline
+    except ImportError:  # pragma: no cover - psycopg 3 not installed
+        return False
+    parts = ("_enqueue_sync", "_communicate_gen")
+    return Pipeline.is_supported() and all(hasattr(Pipeline, part) for part in parts)
+
+
+def overlaps(driver: Any) -> bool:
+    """Whether :func:`execute` can run a function while ``driver``'s statement is on the way:
+    a psycopg 3 connection in autocommit, with a pipeline (else the function runs first)."""
+    return hasattr(type(driver), "pipeline") and driver.autocommit is True and pipelines()
+
+
+def execute(driver: Any, sql: str, values: Any, meanwhile: Callable[[], None] | None) -> Any:
+    """Run one statement on a DB-API connection: its rows (``None``: it answers none).
+
+    ``meanwhile`` runs while the statement's answer is on the way where the
+    driver can (:func:`overlaps`: an autocommit statement's commit, too,
+    runs on the server meanwhile), else before the statement is sent. It
+    must not raise.
+    """
+    cursor = driver.cursor()
+    try:
+        if meanwhile is not None and overlaps(driver):
+            with driver.pipeline() as pipeline:
+                cursor.execute(sql, values)
+                pipeline._enqueue_sync()  # the statement's commit: not waited for here
+                driver.wait(pipeline._communicate_gen())
+                meanwhile()
+        else:
+            if meanwhile is not None:
+                meanwhile()
+            cursor.execute(sql, values)
+        return cursor.fetchall() if cursor.description is not None else None
+    finally:
+        cursor.close()
 
 
 _MYSQL_IN_TRANS = 1  # SERVER_STATUS_IN_TRANS, from the status of the server's last reply

@@ -55,7 +55,7 @@ here, not in those classes, so that whatever wraps a store class's operations
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from typing import Any
 
@@ -231,7 +231,18 @@ class SqlStore(SqlCreates, SqlTransitions, SqlScans, SqlLeases):
             return []
         return self._run("create_many", self._create_many_op(news, epoch, brief))
 
-    def enqueue(self, new: NewJob, dispatch: Transition) -> CreateResult:
+    @property
+    def enqueue_overlaps(self) -> bool:
+        """Whether ``enqueue`` runs its ``meanwhile`` while the statement is on the way.
+
+        On PostgreSQL through psycopg 3 (pipeline mode), where the statement
+        runs alone; elsewhere ``meanwhile`` runs before the statement.
+        """
+        return self._postgresql and sql_engine.pipelines() and self._commits_alone()
+
+    def enqueue(
+        self, new: NewJob, dispatch: Transition, *, meanwhile: Callable[[], None] | None = None
+    ) -> CreateResult:
         """The one-write submit: ``new`` created already ``DISPATCHED``, unless its ref exists.
 
         ``new`` is ``SCHEDULED`` and no occurrence; ``dispatch`` is its
@@ -243,16 +254,20 @@ class SqlStore(SqlCreates, SqlTransitions, SqlScans, SqlLeases):
         read back); a ref that exists answers ``EXISTS`` with the record as it
         is (a second statement). Repeating a call that applied answers
         ``EXISTS`` with a record whose ``rev`` is ``dispatch.new_rev``.
+        ``meanwhile`` (the caller's message built) runs once: while the
+        statement is on the way where it can (:attr:`enqueue_overlaps`), else first.
         """
         self._check_enqueue(new, dispatch)
         if self._commits_alone():  # the statement alone, on the driver
             returning = self._enqueue_returning()
             stmt, params = self._sql.enqueue(self._namespace, new, dispatch, returning=returning)
-            row = self._run_statement("enqueue", stmt, params)
+            row = self._run_statement("enqueue", stmt, params, meanwhile)
             if row is not None:  # inserted; without RETURNING, at this process's estimate
                 now = times.from_micros(row[0]) if row else datetime.now(timezone.utc)
                 return CreateResult(CreateStatus.CREATED, self._enqueued(new, dispatch, now))
             # The ref exists: the general way answers its record (its INSERT changes nothing).
+        elif meanwhile is not None:
+            meanwhile()
         return self._run("enqueue", self._enqueue_op(new, dispatch), autocommit=self._autocommit)
 
     def get(self, ref: JobRef) -> Job | None:

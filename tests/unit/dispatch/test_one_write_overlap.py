@@ -54,11 +54,11 @@ class PreparingBroker(Broker):
         self.depth = 0
 
     @contextlib.contextmanager
-    def batch(self) -> Iterator[None]:
+    def batch(self, *, buffered: bool = True) -> Iterator[None]:
         """One producer for the block (a nested block uses the outer one's), as Celery's."""
         self.depth += 1
         if self.depth == 1:
-            self.events.append("producer taken")
+            self.events.append("producer taken" if buffered else "producer taken, unbuffered")
         try:
             yield
         finally:
@@ -107,7 +107,7 @@ def test_the_message_is_built_while_the_write_is_on_the_way_and_sent_after_its_a
     assert enqueued is not None and enqueued.created
     assert events == [
         "write sent",
-        "producer taken",
+        "producer taken, unbuffered",
         "built",
         "answer read",
         "published",
@@ -130,7 +130,13 @@ def test_a_job_that_exists_gets_no_message_and_its_result_is_the_one_built(
     events.clear()
     again = dispatcher.enqueue(_new())
     assert again is not None and not again.created and again.sent == "result of w1"
-    assert events == ["write sent", "producer taken", "built", "answer read", "producer given back"]
+    assert events == [
+        "write sent",
+        "producer taken, unbuffered",
+        "built",
+        "answer read",
+        "producer given back",
+    ]
     assert len(broker.sent) == 1
 
 
@@ -165,7 +171,13 @@ def test_an_answer_lost_is_read_back_and_the_message_built_is_sent_once(
     store.lose = "after"
     enqueued = Dispatcher(store, broker, node="n").enqueue(_new())
     assert enqueued is not None and enqueued.created and enqueued.sent == "result of w1"
-    assert events == ["write sent", "producer taken", "built", "published", "producer given back"]
+    assert events == [
+        "write sent",
+        "producer taken, unbuffered",
+        "built",
+        "published",
+        "producer given back",
+    ]
     assert len(broker.sent) == 1
 
 
