@@ -14,6 +14,7 @@ from celery_exactonce.core.jobs import Job
 from celery_exactonce.core.refs import JobRef
 from celery_exactonce.core.states import State
 from celery_exactonce.core.writes import NewJob, Transition
+from celery_exactonce.dispatch.messages import GATED_OPTION
 from celery_exactonce.stores import InMemoryStore
 from celery_exactonce.stores.base import StateStore
 
@@ -55,6 +56,14 @@ def occurrence(entry: str, fire_time: datetime, task: str = "tasks.tick") -> New
         node=NODE,
         entry=entry,
         fire_time=fire_time,
+    )
+
+
+def submitted(job_id: str = "w1", *, gated: bool = True) -> NewJob:
+    """A ``SCHEDULED`` job as a submit makes it, gated (``ExactOnceTask``) unless told not."""
+    options = {GATED_OPTION: gated, "queue": "q"}
+    return NewJob(
+        JobRef.submitted(job_id), "tasks.t", State.SCHEDULED, node="n", args=[1], options=options
     )
 
 

@@ -93,15 +93,22 @@ class BatchStatements(Statements):
             key, functools.partial(self._transition_batch_sql, shape, rows), ("i",)
         ), bound
 
+    def _by_key(self, rows: tuple[str, ...], column: str) -> tuple[str, str]:
+        """A batch's per-row ``rows`` as arrays to ``unnest``, and the subquery that finds
+        a row's job by its key (row ``u``), answering the job's ``column``."""
+        c = self._col
+        arrays = ", ".join(f"CAST(:a_{name} AS {_array_type(name)}[])" for name in rows)
+        found = (
+            f"(SELECT j.{column} FROM {self._jobs} j WHERE j.{c['namespace']} = CAST(:k_ns AS TEXT)"
+            f" AND j.{c['space']} = CAST(:k_space AS TEXT) AND j.{c['id']} = u.k_id)"
+        )
+        return arrays, found
+
     def _transition_batch_sql(self, shape: tuple[Any, ...], rows: tuple[str, ...]) -> str:
         """The one-row statement of ``shape``, its per-job parameters read from the arrays."""
         sql = _per_row(rows).sub(r"v.\1", self._transition_sql(shape))
-        c, jobs_t = self._col, self._jobs
-        arrays = ", ".join(f"CAST(:a_{name} AS {_array_type(name)}[])" for name in rows)
-        found = (
-            f"(SELECT j.ctid FROM {jobs_t} j WHERE j.{c['namespace']} = CAST(:k_ns AS TEXT)"
-            f" AND j.{c['space']} = CAST(:k_space AS TEXT) AND j.{c['id']} = u.k_id)"
-        )
+        jobs_t = self._jobs
+        arrays, found = self._by_key(rows, "ctid")
         rows_cte = (
             f", v AS MATERIALIZED (SELECT u.*, {found} AS tid_"
             f" FROM unnest({arrays}) WITH ORDINALITY AS u({', '.join(rows)}, i))"
@@ -197,11 +204,7 @@ class BatchStatements(Statements):
         ok = "SELECT 1 AS one"
         if epoch is not None:
             ok += f" WHERE {meta_epoch} = CAST(:epoch AS TEXT)"
-        arrays = ", ".join(f"CAST(:a_{name} AS {_array_type(name)}[])" for name in rows)
-        found = (
-            f"(SELECT j.{c['id']} FROM {jobs_t} j WHERE j.{ns} = CAST(:k_ns AS TEXT)"
-            f" AND j.{c['space']} = CAST(:k_space AS TEXT) AND j.{c['id']} = u.k_id)"
-        )
+        arrays, found = self._by_key(rows, c["id"])
         mark = (
             f"(SELECT m.{fire} FROM {wm} m WHERE m.{ns} = CAST(:k_ns AS TEXT)"
             f" AND m.{entry} = u.c_entry)"

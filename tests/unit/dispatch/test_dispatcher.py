@@ -22,7 +22,7 @@ from celery_exactonce.dispatch.publisher import CeleryPublisher, PublishFailed, 
 from celery_exactonce.dispatch.retrier import Retrier
 from celery_exactonce.observe import metrics
 from celery_exactonce.testing import InMemoryStore
-from tests.support.helpers import poll
+from tests.support.helpers import poll, submitted
 
 
 class Broker:
@@ -62,15 +62,7 @@ def _counters() -> None:
 
 
 def scheduled(store: InMemoryStore, gated: bool = True, job_id: str = "j1") -> Job:
-    new = NewJob(
-        JobRef.submitted(job_id),
-        "tasks.t",
-        State.SCHEDULED,
-        node="n",
-        args=[1],
-        options={GATED_OPTION: gated, "queue": "q"},
-    )
-    result = store.create(new)
+    result = store.create(submitted(job_id, gated=gated))
     assert result.job is not None
     return result.job
 

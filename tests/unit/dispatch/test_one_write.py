@@ -13,12 +13,11 @@ from celery_exactonce.core.refs import JobRef
 from celery_exactonce.core.states import State
 from celery_exactonce.core.writes import NewJob, Transition
 from celery_exactonce.dispatch.dispatcher import Dispatcher
-from celery_exactonce.dispatch.messages import GATED_OPTION
 from celery_exactonce.dispatch.publisher import PublishFailed
 from celery_exactonce.dispatch.retrier import Retrier
 from celery_exactonce.observe import metrics
 from celery_exactonce.testing import InMemoryStore
-from tests.support.helpers import poll
+from tests.support.helpers import poll, submitted
 from tests.unit.dispatch.test_dispatcher import Broker
 
 
@@ -58,15 +57,7 @@ def _counters() -> None:
     metrics.COUNTERS.reset()
 
 
-def _new(job_id: str = "w1", *, gated: bool = True) -> NewJob:
-    return NewJob(
-        JobRef.submitted(job_id),
-        "tasks.t",
-        State.SCHEDULED,
-        node="n",
-        args=[1],
-        options={GATED_OPTION: gated, "queue": "q"},
-    )
+_new = submitted
 
 
 def test_one_write_then_the_publish_of_the_record_it_wrote() -> None:
