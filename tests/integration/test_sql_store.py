@@ -267,12 +267,11 @@ def test_each_write_of_a_submit_and_a_gate_is_one_statement(server_store: SqlSto
     assert server_store.get(new.ref).state is State.DISPATCHED  # type: ignore[union-attr]
 
 
+@pytest.mark.parametrize("server_store", ["postgres"], indirect=True)
 def test_the_gate_and_the_completion_are_one_round_trip_each_on_postgresql(
     server_store: SqlStore,
 ) -> None:
     """A run's two writes: each its statement alone, in autocommit (no BEGIN, no COMMIT)."""
-    if server_store.engine.dialect.name != "postgresql":
-        pytest.skip("the statement alone, in autocommit: PostgreSQL")
     new = task_job()
     assert server_store.create(new).created
     autocommit: list[bool] = []
@@ -294,12 +293,11 @@ def test_the_gate_and_the_completion_are_one_round_trip_each_on_postgresql(
     assert late.job is not None and late.job.state is State.SUCCEEDED
 
 
+@pytest.mark.parametrize("server_store", ["postgres"], indirect=True)
 def test_a_submit_on_postgresql_sends_its_insert_and_commit_before_meanwhile_runs(
     server_store: SqlStore,
 ) -> None:
     """The message is built while the INSERT and its commit are on the way, not before."""
-    if server_store.engine.dialect.name != "postgresql":
-        pytest.skip("psycopg's pipeline: PostgreSQL")
     new = task_job()
     dispatch = to(State.DISPATCHED, State.SCHEDULED, rev=new.rev)
     autocommit: list[bool] = []
