@@ -29,7 +29,7 @@ and reconciles the parts it holds, so that several nodes reconcile at once.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime
 from typing import Protocol, runtime_checkable
 
@@ -66,6 +66,11 @@ class DueBacklog:
         if self.oldest is None:
             return 0.0
         return max(0.0, (self.now - self.oldest).total_seconds())
+
+
+#: What a store's ``enqueue`` may run while its write's answer is on the way (the caller's
+#: message built), where the store says it can (``enqueue_overlaps``); else it runs first.
+Run = Callable[[], None] | None
 
 
 @runtime_checkable

@@ -12,7 +12,6 @@ is on the way. Here:
   transport would run them (the publisher captures them);
 * :class:`PushRefused`: Redis refused a broker command, or the script
   (an ACL): nothing was written;
-* :data:`Run`: what the caller runs meanwhile;
 * :class:`RedisEnqueue`, a base of
   :class:`~celery_exactonce.stores.redis.store.RedisStore`: the script's keys and
   arguments (the record as ``create`` writes it, with ``SCHEDULED →
@@ -31,7 +30,6 @@ whether a broker's connection reaches the store's server
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from typing import Any
 
 import redis.exceptions as rexc
@@ -41,6 +39,7 @@ from celery_exactonce.core.jobs import CreateResult, CreateStatus
 from celery_exactonce.core.states import State
 from celery_exactonce.core.writes import NewJob, Transition
 from celery_exactonce.stores import redact_secrets
+from celery_exactonce.stores.base import Run
 from celery_exactonce.stores.redis.base import RedisCore
 from celery_exactonce.stores.redis.cluster import ClusterClient
 from celery_exactonce.stores.redis.codec import as_text, decode_job, history_entry, record_fields
@@ -57,10 +56,6 @@ class Push:
 
     db: int
     commands: tuple[tuple[str, str, Any], ...]
-
-
-#: What ``RedisStore.enqueue`` may run while its answer is on the way (its ``meanwhile``).
-Run = Callable[[], None] | None
 
 
 class PushRefused(exceptions.StoreError):

@@ -60,7 +60,7 @@ from celery_exactonce.core.states import State
 from celery_exactonce.core.writes import Lease, NewJob, Transition
 from celery_exactonce.observe import metrics
 from celery_exactonce.stores import shards
-from celery_exactonce.stores.base import FORMAT_VERSION, SKIPPED_KEPT, DueBacklog
+from celery_exactonce.stores.base import FORMAT_VERSION, SKIPPED_KEPT, DueBacklog, Run
 from celery_exactonce.stores.redis.base import SCRIPT_BATCH
 from celery_exactonce.stores.redis.batches import RedisBatches
 from celery_exactonce.stores.redis.client import masters, maxmemory_policy, same_server
@@ -75,7 +75,7 @@ from celery_exactonce.stores.redis.codec import (
     opt,
     transition_result,
 )
-from celery_exactonce.stores.redis.enqueue import Push, PushRefused, RedisEnqueue, Run
+from celery_exactonce.stores.redis.enqueue import Push, PushRefused, RedisEnqueue
 from celery_exactonce.stores.redis.reads import RedisReads, filtered
 
 __all__ = ["SCRIPT_BATCH", "Push", "PushRefused", "RedisStore"]

@@ -43,6 +43,7 @@ from celery_exactonce.core import exceptions, jobs
 from celery_exactonce.core.jobs import Job
 from celery_exactonce.core.refs import JobRef
 from celery_exactonce.stores import redact_secrets, url_secrets, validate_namespace
+from celery_exactonce.stores.base import Run
 from celery_exactonce.stores.sql import engine as sql_engine
 from celery_exactonce.stores.sql import schema as sql_schema
 from celery_exactonce.stores.sql import statements_batch as sql_statements_batch
@@ -208,7 +209,7 @@ class SqlCore:
         op: str,
         stmt: sa.TextClause | sa.TextualSelect,
         params: dict[str, Any],
-        meanwhile: Callable[[], None] | None = None,
+        meanwhile: Run = None,
     ) -> Any:
         """Run one write alone, committed, on a DB-API connection: its first row.
 
@@ -224,8 +225,7 @@ class SqlCore:
         connection dropped if it broke. Not retried: a statement alone locks at
         most its one row, so it cannot deadlock (PostgreSQL's ``READ
         COMMITTED`` has no serialization failure); an ``INSERT`` waits on no
-        lock but its key's. ``meanwhile``: run while the answer is on the way
-        (:func:`~celery_exactonce.stores.sql.engine.execute`).
+        lock but its key's. ``meanwhile``: see :func:`~celery_exactonce.stores.sql.engine.execute`.
         """
         compiled = self._raw_sql.get(stmt)
         if compiled is None:

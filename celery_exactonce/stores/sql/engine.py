@@ -50,6 +50,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 
 from celery_exactonce.core import exceptions
 from celery_exactonce.stores import redact_message, redact_url
+from celery_exactonce.stores.base import Run
 
 _SQLITE_BUSY = 30.0
 """Seconds a SQLite transaction waits for the write lock (``from_url`` default)."""
@@ -229,7 +230,7 @@ def overlaps(driver: Any) -> bool:
     return hasattr(type(driver), "pipeline") and driver.autocommit is True and pipelines()
 
 
-def execute(driver: Any, sql: str, values: Any, meanwhile: Callable[[], None] | None) -> Any:
+def execute(driver: Any, sql: str, values: Any, meanwhile: Run) -> Any:
     """Run one statement on a DB-API connection: its rows (``None``: it answers none).
 
     ``meanwhile`` runs while the statement's answer is on the way where the

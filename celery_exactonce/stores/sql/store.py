@@ -55,7 +55,7 @@ here, not in those classes, so that whatever wraps a store class's operations
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from datetime import datetime, timezone
 from typing import Any
 
@@ -73,7 +73,7 @@ from celery_exactonce.core.refs import JobRef
 from celery_exactonce.core.skipped_slots import SkippedSlots
 from celery_exactonce.core.states import State
 from celery_exactonce.core.writes import NewJob, Transition
-from celery_exactonce.stores.base import DueBacklog
+from celery_exactonce.stores.base import DueBacklog, Run
 from celery_exactonce.stores.sql import engine as sql_engine
 from celery_exactonce.stores.sql import schema as sql_schema
 from celery_exactonce.stores.sql.base import Slow
@@ -240,9 +240,7 @@ class SqlStore(SqlCreates, SqlTransitions, SqlScans, SqlLeases):
         """
         return self._postgresql and sql_engine.pipelines() and self._commits_alone()
 
-    def enqueue(
-        self, new: NewJob, dispatch: Transition, *, meanwhile: Callable[[], None] | None = None
-    ) -> CreateResult:
+    def enqueue(self, new: NewJob, dispatch: Transition, *, meanwhile: Run = None) -> CreateResult:
         """The one-write submit: ``new`` created already ``DISPATCHED``, unless its ref exists.
 
         ``new`` is ``SCHEDULED`` and no occurrence; ``dispatch`` is its
