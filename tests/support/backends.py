@@ -123,6 +123,8 @@ class StoreFactory:
         self.backend = backend
         self._tmp = tempfile.mkdtemp(prefix="exactonce-contract-")
         self.url = store_url(backend, self._tmp)
+        if backend in DJANGO_BACKENDS:  # an app given ``url`` alone finds the tables made
+            migrate_django_store(DJANGO_BACKENDS[backend])
         self.namespace = f"t{uuid.uuid4().hex[:12]}"
         self._made: list[StateStore] = []
         self._memory: dict[tuple[str, float, Any], StateStore] = {}
