@@ -87,6 +87,33 @@ def encode_payload(payload: Mapping[str, Any], *, context: str) -> str:
     return _encode_payload(payload, context)[0]
 
 
+#: Plain JSON as the stores write a payload's parts (ASCII-escaped, compact, no ``NaN``).
+_PLAIN = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
+#: ``{"args":…,"kwargs":…,"options":…}`` around the three parts: what a payload's size adds.
+_DOCUMENT_OVERHEAD = len('{"args":,"kwargs":,"options":}')
+
+
+def plain_parts(args: Any, kwargs: Any, options: Any) -> tuple[str, str, str] | None:
+    """The JSON texts of a payload's three parts, where every value is plain JSON.
+
+    Each text is what the stores write for that part (:func:`storable_payload`
+    leaves a plain payload as it is). ``None`` when the payload is not that
+    simple: a value plain JSON cannot hold (kombu may type it), something
+    that looks typed, ``NaN``, or a payload over :data:`MAX_PAYLOAD_BYTES`;
+    :func:`storable_payload` then stores it, or refuses it naming the culprit.
+    """
+    encode = _PLAIN.encode
+    try:
+        texts = (encode(args), encode(kwargs), encode(options))
+    except (TypeError, ValueError, OverflowError):
+        return None
+    # ASCII-escaped: as many bytes as characters, and as many as the sorted document has.
+    size = _DOCUMENT_OVERHEAD + len(texts[0]) + len(texts[1]) + len(texts[2])
+    if size > MAX_PAYLOAD_BYTES or any(_TYPE_MARKER in text for text in texts):
+        return None
+    return texts
+
+
 def storable_payload(payload: Mapping[str, Any], *, context: str) -> dict[str, Any]:
     """``payload`` as it is stored: plain JSON values, kombu-typed ones in kombu's encoding.
 

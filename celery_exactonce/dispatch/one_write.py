@@ -84,10 +84,7 @@ class _Build:
         self.built: Built = None
 
     def __call__(self) -> None:
-        now = _now()
-        self.job = job = jobs.apply_transition(
-            jobs.job_from_new(self._new, now), self._request, now
-        )
+        self.job = job = jobs.enqueued_job(self._new, self._request, _now())
         try:
             self._held.enter_context(self._publisher.batch(buffered=False))  # one message
             headers = messages.message_headers(job, self._namespace)
@@ -184,7 +181,7 @@ def _written(new: NewJob, request: Transition, build: _Build | None) -> Job:
     passed during the write."""
     if build is not None and build.job is not None and new.deadline is None:
         return build.job
-    return jobs.apply_transition(jobs.job_from_new(new, _now()), request, _now())
+    return jobs.enqueued_job(new, request, _now())
 
 
 def _now() -> datetime:

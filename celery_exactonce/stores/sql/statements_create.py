@@ -171,9 +171,7 @@ class CreateStatements(StatementCore):
         when the key exists (PostgreSQL, SQLite: ``ON CONFLICT DO NOTHING``);
         MySQL and MariaDB refuse the duplicate key with an error.
         """
-        job = jobs.apply_transition(
-            jobs.job_from_new(new, times.UNIX_EPOCH), dispatch, times.UNIX_EPOCH
-        )
+        job = jobs.enqueued_job(new, dispatch, times.UNIX_EPOCH)
         params = self._record_params(namespace, job)
 
         def build() -> str:
