@@ -253,12 +253,19 @@ def _record_version(conn: sa.Connection, tables: Tables, where: str) -> None:
 
 
 def job_values(
-    job: Job, namespace: str, retention: float, *, key: bool = True, payload: str | None = None
+    job: Job,
+    namespace: str,
+    retention: float,
+    *,
+    key: bool = True,
+    payload: str | None = None,
+    history: bool = True,
 ) -> dict[str, Any]:
     """The ``jobs`` row of ``job`` (without the primary key unless ``key``).
 
     ``expires_at`` is set only on terminal records: ``max(fire_time, terminal_at) + retention``.
     ``payload``: the ``payload`` column's text already encoded (:func:`new_payload`), if it is.
+    Not ``history``: without the ``history`` column (a statement that writes it in pieces).
     """
     values: dict[str, Any] = {
         "task": job.task,
@@ -279,8 +286,9 @@ def job_values(
         "dispatches": job.dispatches,
         "node": job.node,
         "reason": job.reason,
-        "history": json.dumps([h.to_json() for h in job.history], separators=(",", ":")),
     }
+    if history:
+        values["history"] = json.dumps([h.to_json() for h in job.history], separators=(",", ":"))
     if key:
         values.update(namespace=namespace, space=job.ref.space.value, id=job.ref.id)
     return values

@@ -52,7 +52,9 @@ class CreateStatements(StatementCore):
         ``h_1``... around them (:meth:`_job_values_sql`). ``payload``: the payload
         column's text, where its request kept it encoded.
         """
-        values = sql_schema.job_values(job, namespace, 1.0, key=False, payload=payload)
+        values = sql_schema.job_values(
+            job, namespace, 1.0, key=False, payload=payload, history=False
+        )
         params = {f"c_{name}": value for name, value in values.items()}
         params.update(k_ns=namespace, k_space=job.ref.space.value, k_id=job.ref.id)
         for i, piece in enumerate(history_parts(job.history)):

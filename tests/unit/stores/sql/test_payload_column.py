@@ -29,3 +29,9 @@ def test_the_payload_column_of_a_create_is_its_requests_texts_and_decodes_as_bef
 
 def test_a_payload_with_kombu_typed_values_is_encoded_by_the_store() -> None:
     assert schema.new_payload(_new(kwargs={"d": Decimal("1")})) is None
+
+
+def test_a_create_statement_binds_no_history_column_it_writes_in_pieces() -> None:
+    job = jobs.job_from_new(_new(), times.UNIX_EPOCH)
+    assert "history" not in schema.job_values(job, "ns", 1.0, history=False)
+    assert json.loads(schema.job_values(job, "ns", 1.0)["history"])[0]["rev"] == job.rev
