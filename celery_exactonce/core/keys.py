@@ -102,6 +102,13 @@ def _digest(key: str, instant: str, namespace: str) -> str:
     """The key of a validated occurrence, remembered: beat derives each one when it
     plans the slot and again when it publishes the claim (a whole slot of entries
     may come between the two)."""
+    return digest(key, instant, namespace)
+
+
+def digest(key: str, instant: str, namespace: str) -> str:
+    """:func:`idempotency_key` of a non-empty ``key`` and ``namespace`` and a canonical
+    ``instant`` (:func:`canonical_instant`), not remembered: a key derived once (a
+    submitted job's, whose id is new each time) would only push others out."""
     data = _length_prefixed(
         _DOMAIN, namespace.encode("utf-8"), key.encode("utf-8"), instant.encode("ascii")
     )
