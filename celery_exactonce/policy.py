@@ -44,13 +44,19 @@ def task_policy(task: Any) -> dict[str, Any]:
     does not import the task, a slim beat, still applies the task's own
     timeouts and opt-ins.
     """
-    policy: dict[str, Any] = {}
-    for name, value in _attributes(task).items():
-        if name in TASK_TIMEOUTS:
+    policy: dict[str, Any] = {}  # what _attributes finds, without its dicts (every submit)
+    for name, attribute in _TIMEOUT_ATTRIBUTES:
+        value = getattr(task, attribute, None)
+        if value is not None:
             policy[name] = float(value)
-        elif value:
+    for name, attribute in _FLAG_ATTRIBUTES:
+        if getattr(task, attribute, None):
             policy[name] = True
     return policy
+
+
+_TIMEOUT_ATTRIBUTES = tuple((name, f"exactonce_{name}") for name in TASK_TIMEOUTS)
+_FLAG_ATTRIBUTES = tuple((name, f"exactonce_{name}") for name in TASK_FLAGS)
 
 
 def check_timeouts(

@@ -330,6 +330,23 @@ def job_from_new(new: NewJob, now: datetime) -> Job:
     )
 
 
+def enqueued_job(new: NewJob, dispatch: Transition, now: datetime) -> Job:
+    """The record an enqueue writes at store time ``now``: ``new`` created, ``dispatch``
+    (``SCHEDULED → DISPATCHED``, no next attempt) applied. What ``apply_transition(
+    job_from_new(new, now), dispatch, now)`` builds, in one step: a submit builds it each call.
+    """
+    created = HistoryEntry(None, new.state, now, new.node, new.reason, new.rev)
+    d = dispatch
+    entry = HistoryEntry(new.state, d.to, now, d.node, d.reason, d.new_rev, d.action)
+    run_at = new.run_at if d.run_at is None else d.run_at
+    return Job(
+        new.ref, new.task, d.to, d.new_rev, 0, new.run_id,  # ref, task, state, rev, attempt
+        list(new.args), dict(new.kwargs), dict(new.options), new.entry, new.fire_time, run_at,
+        new.deadline, now, now, None, None, 1, d.node, d.reason,  # ... created, touched at
+        (created, entry), new.signature,
+    )  # fmt: skip
+
+
 # -- encoding ----------------------------------------------------------------------------
 
 

@@ -102,7 +102,26 @@ def _digest(key: str, instant: str, namespace: str) -> str:
     """The key of a validated occurrence, remembered: beat derives each one when it
     plans the slot and again when it publishes the claim (a whole slot of entries
     may come between the two)."""
-    data = _length_prefixed(
-        _DOMAIN, namespace.encode("utf-8"), key.encode("utf-8"), instant.encode("ascii")
+    return digest(key, instant, namespace)
+
+
+def digest(key: str, instant: str, namespace: str) -> str:
+    """:func:`idempotency_key` of a non-empty ``key`` and ``namespace`` and a canonical
+    ``instant`` (:func:`canonical_instant`), not remembered: a key derived once (a
+    submitted job's, whose id is new each time) would only push others out."""
+    space, name, at = namespace.encode("utf-8"), key.encode("utf-8"), instant.encode("ascii")
+    data = b"".join(  # _length_prefixed(_DOMAIN, space, name, at), spelt out: every submit
+        (
+            _DOMAIN_PREFIXED,
+            len(space).to_bytes(4, "big"),
+            space,
+            len(name).to_bytes(4, "big"),
+            name,
+            len(at).to_bytes(4, "big"),
+            at,
+        )
     )
     return _PREFIX + hashlib.sha256(data).hexdigest()
+
+
+_DOMAIN_PREFIXED = _length_prefixed(_DOMAIN)

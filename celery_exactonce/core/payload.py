@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from json.encoder import c_make_encoder as _c_encoder  # type: ignore[attr-defined]  # private
+from json.encoder import encode_basestring_ascii
 from typing import Any
 
 from kombu.utils import json as kombu_json
@@ -85,6 +87,39 @@ def encode_payload(payload: Mapping[str, Any], *, context: str) -> str:
     cannot hold (an arbitrary object, ``NaN``) is refused.
     """
     return _encode_payload(payload, context)[0]
+
+
+#: Plain JSON as the stores write a payload's parts (ASCII-escaped, compact, no ``NaN``).
+_PLAIN = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
+#: ``{"args":…,"kwargs":…,"options":…}`` around the three parts: what a payload's size adds.
+_DOCUMENT_OVERHEAD = len('{"args":,"kwargs":,"options":}')
+
+
+def plain_parts(args: Any, kwargs: Any, options: Any) -> tuple[str, str, str] | None:
+    """The JSON texts of a payload's three parts, where every value is plain JSON.
+
+    Each text is what the stores write for that part (:func:`storable_payload`
+    leaves a plain payload as it is). ``None`` when the payload is not that
+    simple: a value plain JSON cannot hold (kombu may type it), something
+    that looks typed, ``NaN``, or a payload over :data:`MAX_PAYLOAD_BYTES`;
+    :func:`storable_payload` then stores it, or refuses it naming the culprit.
+    """
+    try:
+        if _c_encoder is None:  # no C accelerator: the encoder's own way
+            texts = (_PLAIN.encode(args), _PLAIN.encode(kwargs), _PLAIN.encode(options))
+        else:  # one C encoder for the three (``encode`` makes one per call), as _PLAIN's
+            encode = _c_encoder(
+                {}, _PLAIN.default, encode_basestring_ascii, None, ":", ",", False, False, False
+            )
+            join = "".join
+            texts = (join(encode(args, 0)), join(encode(kwargs, 0)), join(encode(options, 0)))
+    except (TypeError, ValueError, OverflowError):
+        return None
+    # ASCII-escaped: as many bytes as characters, and as many as the sorted document has.
+    size = _DOCUMENT_OVERHEAD + len(texts[0]) + len(texts[1]) + len(texts[2])
+    if size > MAX_PAYLOAD_BYTES or _TYPE_MARKER in texts[0] + texts[1] + texts[2]:
+        return None
+    return texts
 
 
 def storable_payload(payload: Mapping[str, Any], *, context: str) -> dict[str, Any]:

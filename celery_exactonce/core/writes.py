@@ -26,7 +26,7 @@ from datetime import datetime
 from typing import Any
 
 from celery_exactonce.core import exceptions
-from celery_exactonce.core.payload import storable_payload
+from celery_exactonce.core.payload import plain_parts, storable_payload
 from celery_exactonce.core.refs import (
     MAX_NAME_LENGTH,
     JobRef,
@@ -84,6 +84,13 @@ class NewJob:
     rev: str = dataclasses.field(default_factory=new_token)
     signature: str | None = None
     """Set by :class:`~celery_exactonce.stores.signing.SigningStore` under a signing key."""
+    payload_json: tuple[str, str, str] | None = dataclasses.field(
+        default=None, init=False, repr=False, compare=False
+    )
+    """The JSON texts of ``args``, ``kwargs`` and ``options`` as the stores write them,
+    encoded once when the request is built; ``None`` for a payload with kombu-typed
+    values (a store encodes those itself). The payload of a request is not changed
+    after it is built."""
 
     def __post_init__(self) -> None:
         validate_identifier(self.task, "task name", MAX_NAME_LENGTH)
@@ -118,14 +125,23 @@ class NewJob:
             if value is not None:
                 object.__setattr__(self, name, require_aware(value, name))
         # Freeze the payload as JSON now: a payload that cannot be stored fails
-        # here, before anything is written.
-        payload = storable_payload(
-            {"args": list(self.args), "kwargs": dict(self.kwargs), "options": dict(self.options)},
-            context=str(self.ref),
-        )
-        object.__setattr__(self, "args", list(payload["args"]))
-        object.__setattr__(self, "kwargs", dict(payload["kwargs"]))
-        object.__setattr__(self, "options", dict(payload["options"]))
+        # here, before anything is written. A plain one (the common case) is
+        # encoded once, its texts kept for the store that writes them.
+        args, kwargs, options = list(self.args), dict(self.kwargs), dict(self.options)
+        texts = plain_parts(args, kwargs, options)
+        if texts is None:
+            payload = storable_payload(
+                {"args": args, "kwargs": kwargs, "options": options}, context=str(self.ref)
+            )
+            args, kwargs, options = (
+                list(payload["args"]),
+                dict(payload["kwargs"]),
+                dict(payload["options"]),
+            )
+        object.__setattr__(self, "args", args)
+        object.__setattr__(self, "kwargs", kwargs)
+        object.__setattr__(self, "options", options)
+        object.__setattr__(self, "payload_json", texts)
 
     @property
     def payload(self) -> dict[str, Any]:

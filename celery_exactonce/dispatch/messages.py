@@ -113,7 +113,13 @@ def job_idempotency_key(job: Job, namespace: str) -> str:
 
 def submitted_key(task_id: str, namespace: str) -> str:
     """The idempotency key of the job ``task_id`` submitted (not a beat occurrence)."""
-    return keys.idempotency_key(f"job:{task_id}", times.UNIX_EPOCH, namespace)
+    if type(namespace) is not str or not namespace:  # refused, as idempotency_key refuses it
+        return keys.idempotency_key(f"job:{task_id}", times.UNIX_EPOCH, namespace)
+    return keys.digest(f"job:{task_id}", _EPOCH_INSTANT, namespace)
+
+
+#: The canonical text of the instant every submitted job's key is derived at.
+_EPOCH_INSTANT = keys.canonical_instant(times.UNIX_EPOCH)
 
 
 def message_headers(job: Job, namespace: str) -> dict[str, Any]:

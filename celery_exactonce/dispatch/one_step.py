@@ -99,7 +99,7 @@ class OneStep:
             rev=new.rev,
         )
         now = datetime.now(timezone.utc)
-        job = jobs.apply_transition(jobs.job_from_new(new, now), request, now)
+        job = jobs.enqueued_job(new, request, now)
         if job.deadline is not None and job.deadline <= now:
             return None  # the general path records the expiry
         headers = messages.message_headers(job, self.store.namespace)

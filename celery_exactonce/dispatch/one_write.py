@@ -84,10 +84,7 @@ class _Build:
         self.built: Built = None
 
     def __call__(self) -> None:
-        now = _now()
-        self.job = job = jobs.apply_transition(
-            jobs.job_from_new(self._new, now), self._request, now
-        )
+        self.job = job = jobs.enqueued_job(self._new, self._request, _now())
         try:
             self._held.enter_context(self._publisher.batch(buffered=False))  # one message
             headers = messages.message_headers(job, self._namespace)
@@ -152,19 +149,14 @@ class OneWrite:
                 assert result.job is not None  # noqa: S101 (an existing record comes back)
                 return Enqueued(result.job, created=False, sent=build.sent if build else None)
             job = result.job or _written(new, request, build)
-            # A message built meanwhile goes out on the producer that built it; else the
-            # one message is sent at once, outside a batch (not buffered).
-            with self._batch(build is not None):
-                sent = parts._send(job, call, reason, build.built if build is not None else None)
-                sent = parts._flushed(job, sent)
+            # A message built meanwhile goes out on the producer that built it (its batch,
+            # in ``held``); else the one message is sent at once, outside a batch (not
+            # buffered).
+            sent = parts._send(job, call, reason, build.built if build is not None else None)
+            sent = parts._flushed(job, sent)
         if sent.outcome in (Outcome.FAIL_CLOSED, Outcome.ROLLED_BACK) and parts.retrier is not None:
             parts.retrier.schedule(job.ref)
         return Enqueued(sent.job or job, created=True, sent=sent.sent)
-
-    def _batch(self, held: bool) -> contextlib.AbstractContextManager[Any]:
-        """The publisher's batch (one producer, held until the block ends), if ``held``."""
-        batch = getattr(self._parts.publisher, "batch", None)
-        return batch() if held and batch is not None else contextlib.nullcontext()
 
     def _build(
         self, new: NewJob, request: Transition, call: Mapping[str, Any], held: contextlib.ExitStack
@@ -184,7 +176,7 @@ def _written(new: NewJob, request: Transition, build: _Build | None) -> Job:
     passed during the write."""
     if build is not None and build.job is not None and new.deadline is None:
         return build.job
-    return jobs.apply_transition(jobs.job_from_new(new, _now()), request, _now())
+    return jobs.enqueued_job(new, request, _now())
 
 
 def _now() -> datetime:

@@ -58,7 +58,7 @@ class Counters:
             key = (action, ())
         with self._lock:
             self._counts[key] += amount
-        _prometheus_incr(action, dict(key[1]), amount)
+        _prometheus_incr(key, amount)
 
     def get(self, action: str, **labels: str) -> int:
         """The count of ``action``, summed over every label set that includes ``labels``."""
@@ -219,7 +219,7 @@ _prometheus_counter: Any = None
 _prometheus_last_pass: Any = None
 _prometheus_checked = False
 #: The counter's child per label values, remembered (label values are bounded).
-_prometheus_children: dict[tuple[str, ...], Any] = {}
+_prometheus_children: dict[tuple[str, tuple[tuple[str, str], ...]], Any] = {}
 
 
 def ensure_prometheus() -> None:
@@ -254,12 +254,13 @@ def ensure_prometheus() -> None:
         _prometheus_checked = True
 
 
-def _prometheus_incr(action: str, labels: dict[str, str], amount: int) -> None:
+def _prometheus_incr(key: tuple[str, tuple[tuple[str, str], ...]], amount: int) -> None:
+    """Add ``amount`` to the Prometheus child of ``key`` (an action, its sorted label pairs)."""
     ensure_prometheus()
     if _prometheus_counter is not None:
-        key = (action, *(labels.get(name, "") for name in LABELS))
         child = _prometheus_children.get(key)
         if child is None:  # prometheus_client's labels() looks the child up under a lock
-            child = _prometheus_counter.labels(*key)
+            labels = dict(key[1])
+            child = _prometheus_counter.labels(key[0], *(labels.get(n, "") for n in LABELS))
             _prometheus_children[key] = child
         child.inc(amount)

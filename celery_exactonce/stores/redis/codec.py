@@ -32,7 +32,6 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Mapping, Sequence
-from datetime import datetime
 from typing import Any
 
 from celery_exactonce.core import jobs, times
@@ -101,7 +100,13 @@ def _history_head(src: str | None, dst: str, node: str, reason: str) -> str:
 
 
 def record_fields(new: NewJob, state: str, rev: str, node: str, reason: str) -> list[Any]:
-    """The fields of the record a create of ``new`` writes, but its times and history."""
+    """The fields of the record a create of ``new`` writes, but its times and history.
+
+    The payload's texts are the ones ``new`` encoded when it was built, where it kept them.
+    """
+    texts = new.payload_json
+    if texts is None:  # kombu-typed values: stored in kombu's encoding
+        texts = (to_json(new.args), to_json(new.kwargs), to_json(new.options))
     fields: list[Any] = [
         "ref",
         str(new.ref),
@@ -116,16 +121,25 @@ def record_fields(new: NewJob, state: str, rev: str, node: str, reason: str) -> 
         "reason",
         reason,
         "args",
-        to_json(new.args),
+        texts[0],
         "kwargs",
-        to_json(new.kwargs),
+        texts[1],
         "options",
-        to_json(new.options),
+        texts[2],
     ]
-    for name in ("run_id", "entry", "fire_time", "run_at", "deadline", "signature"):
-        value = getattr(new, name)
+    if new.run_id is not None:
+        fields += ["run_id", new.run_id]
+    if new.entry is not None:
+        fields += ["entry", new.entry]
+    for name, value in (
+        ("fire_time", new.fire_time),
+        ("run_at", new.run_at),
+        ("deadline", new.deadline),
+    ):
         if value is not None:
-            fields += [name, times.to_micros(value) if isinstance(value, datetime) else value]
+            fields += [name, times.to_micros(value)]
+    if new.signature is not None:
+        fields += ["signature", new.signature]
     return fields
 
 

@@ -226,7 +226,7 @@ class SqlCreates(SqlClaims):
     @staticmethod
     def _enqueued(new: NewJob, dispatch: Transition, now: datetime) -> jobs.Job:
         """The record an ``enqueue`` wrote at store time ``now``, built here, not read back."""
-        return jobs.apply_transition(jobs.job_from_new(new, now), dispatch, now)
+        return jobs.enqueued_job(new, dispatch, now)
 
     def _clock_and_epoch(self, conn: sa.Connection) -> tuple[int, str | None]:
         """The store's time (microseconds) and the namespace's epoch, in one statement."""

@@ -29,6 +29,7 @@ from celery_exactonce.core.jobs import HistoryEntry, Job
 from celery_exactonce.core.payload import encode_payload
 from celery_exactonce.core.refs import JobRef, Space
 from celery_exactonce.core.states import State
+from celery_exactonce.core.writes import NewJob
 from celery_exactonce.stores.base import FORMAT_VERSION
 
 #: Attempts at creating the tables when another process creates them at once.
@@ -251,10 +252,20 @@ def _record_version(conn: sa.Connection, tables: Tables, where: str) -> None:
 # -- rows <-> jobs -------------------------------------------------------------------
 
 
-def job_values(job: Job, namespace: str, retention: float, *, key: bool = True) -> dict[str, Any]:
+def job_values(
+    job: Job,
+    namespace: str,
+    retention: float,
+    *,
+    key: bool = True,
+    payload: str | None = None,
+    history: bool = True,
+) -> dict[str, Any]:
     """The ``jobs`` row of ``job`` (without the primary key unless ``key``).
 
     ``expires_at`` is set only on terminal records: ``max(fire_time, terminal_at) + retention``.
+    ``payload``: the ``payload`` column's text already encoded (:func:`new_payload`), if it is.
+    Not ``history``: without the ``history`` column (a statement that writes it in pieces).
     """
     values: dict[str, Any] = {
         "task": job.task,
@@ -262,7 +273,7 @@ def job_values(job: Job, namespace: str, retention: float, *, key: bool = True) 
         "rev": job.rev,
         "attempt": job.attempt,
         "run_id": job.run_id,
-        "payload": encode_payload(payload_document(job), context=str(job.ref)),
+        "payload": payload or encode_payload(payload_document(job), context=str(job.ref)),
         "entry": job.entry,
         "fire_time": times.to_micros_opt(job.fire_time),
         "run_at": times.to_micros_opt(job.run_at),
@@ -275,8 +286,9 @@ def job_values(job: Job, namespace: str, retention: float, *, key: bool = True) 
         "dispatches": job.dispatches,
         "node": job.node,
         "reason": job.reason,
-        "history": json.dumps([h.to_json() for h in job.history], separators=(",", ":")),
     }
+    if history:
+        values["history"] = json.dumps([h.to_json() for h in job.history], separators=(",", ":"))
     if key:
         values.update(namespace=namespace, space=job.ref.space.value, id=job.ref.id)
     return values
@@ -310,6 +322,16 @@ def job_from_row(row: sa.Row[Any]) -> Job:
         history=tuple(HistoryEntry.from_json(h) for h in json.loads(m["history"])),
         signature=payload.get("signature") or None,
     )
+
+
+def new_payload(new: NewJob) -> str | None:
+    """The ``payload`` column of the record a create of ``new`` writes, from the texts ``new``
+    encoded when it was built (:attr:`NewJob.payload_json`); ``None`` if it kept none."""
+    texts = new.payload_json
+    if texts is None:
+        return None
+    signed = "" if new.signature is None else f',"signature":{json.dumps(new.signature)}'
+    return f'{{"args":{texts[0]},"kwargs":{texts[1]},"options":{texts[2]}{signed}}}'
 
 
 def payload_document(job: Job) -> dict[str, Any]:

@@ -186,8 +186,6 @@ class BatchStatements(Statements):
         ) or len({new.entry for new in news}) != len(news):
             return None
         parts = [self._create_params(namespace, new, epoch) for new in news]
-        for params in parts:  # the history is written from its pieces (h_0, h_1...)
-            params.pop("c_history", None)
         split = _split(parts, always=("k_id", "c_entry", "c_fire_time"))
         if split is None:
             return None  # (histories of one length: one shape)

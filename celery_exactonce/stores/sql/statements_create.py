@@ -37,18 +37,24 @@ class CreateStatements(StatementCore):
     """The one-statement creates of one store (see the module docs)."""
 
     def _create_params(self, namespace: str, new: NewJob, epoch: str | None) -> dict[str, Any]:
-        params = self._record_params(namespace, jobs.job_from_new(new, times.UNIX_EPOCH))
+        job = jobs.job_from_new(new, times.UNIX_EPOCH)
+        params = self._record_params(namespace, job, sql_schema.new_payload(new))
         if epoch is not None:
             params["epoch"] = epoch
         return params
 
-    def _record_params(self, namespace: str, job: Job) -> dict[str, Any]:
+    def _record_params(
+        self, namespace: str, job: Job, payload: str | None = None
+    ) -> dict[str, Any]:
         """The bound values inserting ``job`` (its times aside: SQL writes the store time).
 
         The history is JSON text cut where each entry's time goes: ``h_0``,
-        ``h_1``... around them (:meth:`_job_values_sql`).
+        ``h_1``... around them (:meth:`_job_values_sql`). ``payload``: the payload
+        column's text, where its request kept it encoded.
         """
-        values = sql_schema.job_values(job, namespace, 1.0, key=False)
+        values = sql_schema.job_values(
+            job, namespace, 1.0, key=False, payload=payload, history=False
+        )
         params = {f"c_{name}": value for name, value in values.items()}
         params.update(k_ns=namespace, k_space=job.ref.space.value, k_id=job.ref.id)
         for i, piece in enumerate(history_parts(job.history)):
@@ -171,10 +177,8 @@ class CreateStatements(StatementCore):
         when the key exists (PostgreSQL, SQLite: ``ON CONFLICT DO NOTHING``);
         MySQL and MariaDB refuse the duplicate key with an error.
         """
-        job = jobs.apply_transition(
-            jobs.job_from_new(new, times.UNIX_EPOCH), dispatch, times.UNIX_EPOCH
-        )
-        params = self._record_params(namespace, job)
+        job = jobs.enqueued_job(new, dispatch, times.UNIX_EPOCH)
+        params = self._record_params(namespace, job, sql_schema.new_payload(new))
 
         def build() -> str:
             c = self._col

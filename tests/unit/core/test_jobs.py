@@ -47,3 +47,25 @@ def test_a_transition_applied_is_the_record_dataclasses_replace_builds() -> None
 def test_a_copy_naming_no_field_of_a_job_is_refused() -> None:
     with pytest.raises(TypeError, match="no field 'nope'"):
         jobs._replaced(_job(), nope=1)
+
+
+@pytest.mark.parametrize("deadline", [None, datetime(2026, 11, 25, tzinfo=timezone.utc)])
+def test_an_enqueued_job_built_in_one_step_is_the_record_create_then_dispatch_builds(
+    deadline: datetime | None,
+) -> None:
+    new = NewJob(
+        JobRef.submitted("j2"),
+        "t.add",
+        State.SCHEDULED,
+        node="n",
+        args=[1],
+        kwargs={"k": 2},
+        options={"queue": "q"},
+        deadline=deadline,
+        reason="apply_async",
+    )
+    request = Transition(State.DISPATCHED, [State.SCHEDULED], node="m", reason="r", rev=new.rev)
+    long_way = jobs.apply_transition(jobs.job_from_new(new, NOW), request, NOW)
+    built = jobs.enqueued_job(new, request, NOW)
+    assert built == long_way
+    assert built.args is not new.args and built.options is not new.options  # its own copies

@@ -98,3 +98,15 @@ def test_identical_across_processes_with_different_hash_seeds() -> None:
         outputs.add(out)
     assert len(outputs) == 1
     assert outputs.pop().split()[0] == GOLDEN[0][1]
+
+
+def test_a_submitted_jobs_key_unremembered_is_the_key_idempotency_key_derives() -> None:
+    from celery_exactonce.core import exceptions, keys, times
+    from celery_exactonce.dispatch import messages
+
+    for task_id, namespace in (("a1", "default"), ("é/x:y", "ns")):
+        expected = keys.idempotency_key(f"job:{task_id}", times.UNIX_EPOCH, namespace)
+        assert messages.submitted_key(task_id, namespace) == expected
+        assert keys.digest(f"job:{task_id}", "1970-01-01T00:00:00.000000Z", namespace) == expected
+    with pytest.raises(exceptions.InvalidPayload, match="namespace"):
+        messages.submitted_key("a1", "")

@@ -80,19 +80,18 @@ if broker_db ~= store_db then redis.call('SELECT', store_db) end
 local at = clock()
 local now = us(at)
 local history = table.concat({ARGV[3], now, ARGV[4], now, '"}]'})
-local writes = {
-  {'HSET', key, unpack(ARGV, 6, 5 + 2 * n)},
-  {'HSET', key, 'attempt', '0', 'dispatches', '1', 'created_at', now,
-   'touched_at', now, 'history', history},
-  {'ZADD', KEYS[2], now, member},
-}
-for _, write in ipairs(writes) do
-  local reply = redis.pcall(unpack(write))
-  written = true
-  if type(reply) == 'table' and reply.err then
-    undo()
-    return redis.error_reply(reply.err)
-  end
+-- One HSET for the whole record (all or nothing), then its index entry.
+local reply = redis.pcall('HSET', key, 'attempt', '0', 'dispatches', '1', 'created_at', now,
+                          'touched_at', now, 'history', history, unpack(ARGV, 6, 5 + 2 * n))
+if type(reply) == 'table' and reply.err then
+  undo()
+  return redis.error_reply(reply.err)
+end
+written = true
+reply = redis.pcall('ZADD', KEYS[2], now, member)
+if type(reply) == 'table' and reply.err then
+  undo()
+  return redis.error_reply(reply.err)
 end
 
 -- The fanout's messages, last.
