@@ -358,3 +358,23 @@ def test_a_deadlocked_statement_alone_leaves_every_row_to_the_locking_transactio
     assert [r.status for r in results] == [TransitionStatus.APPLIED] * size
     jobs = [store.get(new.ref) for new in news]
     assert [(j.state, j.dispatches) for j in jobs if j] == [(State.DISPATCHED, 1)] * size
+
+
+def test_a_brief_batch_of_two_shapes_writes_each_row_by_its_own_statement(
+    store: SqlStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given two jobs whose writes are not one statement (one guarded by its rev, one not)
+    news = [task_job(), task_job()]
+    store.create_many(news, brief=True)
+    sent = _sent(store, "UPDATE exactonce_jobs", monkeypatch)
+    locked = _sent(store, "FOR UPDATE", monkeypatch)
+    # When both are written DISPATCHED in one brief call
+    requests = [
+        (news[0].ref, to(State.DISPATCHED, State.SCHEDULED, rev=news[0].rev)),
+        (news[1].ref, to(State.DISPATCHED, State.SCHEDULED)),
+    ]
+    results = store.transition_many(requests, brief=True)
+    # Then each went by its one-row statement, none the locking way
+    assert [r.status for r in results] == [TransitionStatus.APPLIED] * 2
+    assert len(sent) == 2 and not any("unnest" in s for s in sent), sent
+    assert locked == []

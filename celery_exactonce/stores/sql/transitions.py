@@ -68,8 +68,9 @@ class SqlTransitions(SqlLeases):
         rest, batch, tried = order, None, False
         if fast and self._autocommit and self.owns_transactions:
             applied = self._applied_alone(requests, order)
-            results = dict.fromkeys(applied, TransitionResult(TransitionStatus.APPLIED))
-            rest, tried = [i for i in order if i not in applied], True
+            if applied is not None:
+                results = dict.fromkeys(applied, TransitionResult(TransitionStatus.APPLIED))
+                rest, tried = [i for i in order if i not in applied], True
         elif fast:
             batch = self._sql.transition_batch(self._namespace, [requests[i] for i in order])
         if rest:  # tried: the statement left them, and the locking way decides
@@ -79,13 +80,13 @@ class SqlTransitions(SqlLeases):
 
     def _applied_alone(
         self, requests: Sequence[tuple[JobRef, Transition]], order: Sequence[int]
-    ) -> set[int]:
+    ) -> set[int] | None:
         """Which of ``requests`` (brief, fast; ``order``: key order) one statement applied.
 
         The statement runs alone in autocommit on the driver
         (:meth:`~celery_exactonce.stores.sql.base.SqlCore._run_statement`, one
         round trip): the one-row ``UPDATE`` for one request, else the batch's
-        (none when the batch is not one statement). A statement that failed
+        (``None``: the batch is not one statement, nothing ran). A statement that failed
         with an error after which it may be rerun (a deadlock: a lease's
         ``EXISTS`` locks a second row, which a lock-ordered transaction may
         hold) changed nothing: none applied, and the caller's transaction,
@@ -97,7 +98,7 @@ class SqlTransitions(SqlLeases):
         else:
             batch = self._sql.transition_batch(self._namespace, [requests[i] for i in order])
             if batch is None:
-                return set()
+                return None
             stmt, params = batch
         try:
             row = self._run_statement("transition_many", stmt, params)
