@@ -145,6 +145,13 @@ class StatementCore:
     def _length(self, text: str) -> str:
         return f"CHAR_LENGTH({text})" if self.name == "mysql" else f"length({text})"
 
+    def _octets(self, text: str) -> str:
+        """``text``'s length in bytes where the database keeps it (no scan of a UTF-8
+        text for its characters); SQLite counts characters."""
+        return {"postgresql": f"octet_length({text})", "mysql": f"LENGTH({text})"}.get(
+            self.name, f"length({text})"
+        )
+
     def _param(self, name: str, column: str) -> str:
         """A bound value for ``column`` (typed on PostgreSQL, where ``SELECT $1`` is text)."""
         if not self._pg:
