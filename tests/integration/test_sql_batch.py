@@ -21,6 +21,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
 import sqlalchemy as sa
 
@@ -31,6 +32,8 @@ from celery_exactonce.core.jobs import (
     job_from_new,
 )
 from celery_exactonce.core.states import State
+from celery_exactonce.core.writes import Lease
+from celery_exactonce.stores.sql import engine as sql_engine
 from celery_exactonce.stores.sql.store import SqlStore
 from tests import services
 from tests.support.backends import store_url
@@ -51,26 +54,34 @@ def store(tmp_path: Path) -> Iterator[SqlStore]:
     store.close()
 
 
-def _sent(store: SqlStore, word: str) -> list[str]:
+def _sent(store: SqlStore, word: str, monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The statements with ``word`` (or a savepoint's) ``store`` sends from now on (a list that
-    grows)."""
+    grows), through SQLAlchemy or on the driver (a statement run alone)."""
     sent: list[str] = []
 
     def record(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
         if word in statement or "SAVEPOINT" in statement.split()[:3]:
             sent.append(statement)
 
+    def alone(driver: Any, statement: str, *args: Any, **kwargs: Any) -> Any:
+        record(None, None, statement)
+        return execute(driver, statement, *args, **kwargs)
+
     sa.event.listen(store.engine, "before_cursor_execute", record)
+    execute = sql_engine.execute
+    monkeypatch.setattr(sql_engine, "execute", alone)
     return sent
 
 
-def test_a_brief_batch_is_one_statement_that_writes_what_each_cas_would(store: SqlStore) -> None:
+def test_a_brief_batch_is_one_statement_that_writes_what_each_cas_would(
+    store: SqlStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # Given a chunk of scheduled jobs
     news = [task_job() for _ in range(CHUNK)]
     store.create_many(news, brief=True)
     listed = [store.get(new.ref) for new in news]
     requests = [(new.ref, to(State.DISPATCHED, State.SCHEDULED, rev=new.rev)) for new in news]
-    sent = _sent(store, "UPDATE exactonce_jobs")
+    sent = _sent(store, "UPDATE exactonce_jobs", monkeypatch)
     # When the chunk is written DISPATCHED, brief
     results = store.transition_many(requests, brief=True)
     # Then every CAS applied, by one statement of the whole chunk, in autocommit
@@ -85,7 +96,7 @@ def test_a_brief_batch_is_one_statement_that_writes_what_each_cas_would(store: S
 
 
 def test_a_refused_row_is_decided_alone_and_the_applied_ones_are_not_written_again(
-    store: SqlStore,
+    store: SqlStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Given a chunk where one job's listed rev is stale
     news = [task_job() for _ in range(CHUNK)]
@@ -95,11 +106,14 @@ def test_a_refused_row_is_decided_alone_and_the_applied_ones_are_not_written_aga
         (new.ref, to(State.DISPATCHED, State.SCHEDULED, rev="stale" if i == stale else new.rev))
         for i, new in enumerate(news)
     ]
-    sent = _sent(store, "UPDATE exactonce_jobs")
+    sent = _sent(store, "UPDATE exactonce_jobs", monkeypatch)
+    locked = _sent(store, "FOR UPDATE", monkeypatch)
     # When the chunk is written DISPATCHED, brief
     results = store.transition_many(requests, brief=True)
-    # Then the batch's statement ran once, and only the refused row went again, alone
-    assert len(sent) == 2 and "unnest" in sent[0] and "unnest" not in sent[1], sent
+    # Then the batch's statement ran once, and only the refused row was decided again, alone,
+    # the locking way (its statement is not sent twice)
+    assert len(sent) == 1 and "unnest" in sent[0], sent
+    assert len(locked) == 1 and "unnest" not in locked[0], locked
     # and every answer is the one-row CAS's: the stale one refused with its record, unchanged
     assert [r.status for r in results] == [
         TransitionStatus.CONFLICT if i == stale else TransitionStatus.APPLIED for i in range(CHUNK)
@@ -125,7 +139,7 @@ def test_a_batch_in_a_transaction_of_its_own_is_undone_when_a_row_is_refused(
         (new.ref, to(State.DISPATCHED, State.SCHEDULED, rev="stale" if i == 0 else new.rev))
         for i, new in enumerate(news)
     ]
-    sent = _sent(store, "UPDATE exactonce_jobs")
+    sent = _sent(store, "UPDATE exactonce_jobs", monkeypatch)
     # When the chunk with one stale rev is written DISPATCHED, brief
     results = store.transition_many(requests, brief=True)
     # Then the statement ran under a savepoint, was rolled back, and the rows went one at a time
@@ -142,13 +156,13 @@ def _slot(k: int = 0) -> datetime:
 
 
 def test_a_batch_of_claims_is_one_statement_that_writes_what_each_create_would(
-    store: SqlStore,
+    store: SqlStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Given a beat batch: one slot of many entries, and the same claim created alone
     epoch = store.epoch()
     alone = store.create(occurrence("alone", _slot()), epoch=epoch)
     news = [occurrence(f"e{i:03}", _slot()) for i in range(CHUNK)]
-    sent = _sent(store, "INSERT INTO exactonce_jobs")
+    sent = _sent(store, "INSERT INTO exactonce_jobs", monkeypatch)
     # When the batch is claimed
     results = store.create_many(news, epoch=epoch, brief=True)
     # Then one statement created every record and advanced every mark
@@ -186,10 +200,12 @@ def test_a_batch_of_claims_answers_what_each_create_would(store: SqlStore) -> No
     assert [store.get(n.ref) is None for n in news[10:20]] == [True] * 10
 
 
-def test_a_batch_with_an_entry_twice_is_claimed_one_row_at_a_time(store: SqlStore) -> None:
+def test_a_batch_with_an_entry_twice_is_claimed_one_row_at_a_time(
+    store: SqlStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # Given a catch-up batch: two slots of one entry, beside other entries
     news = [occurrence("a", _slot(1)), occurrence("a", _slot(2)), occurrence("b", _slot(1))]
-    sent = _sent(store, "INSERT INTO exactonce_jobs")
+    sent = _sent(store, "INSERT INTO exactonce_jobs", monkeypatch)
     # When it is claimed
     results = store.create_many(news, brief=True)
     # Then each slot was created by its own statement, and the entry's mark is its newest slot
@@ -288,3 +304,77 @@ def test_concurrent_batches_apply_each_job_once_without_a_deadlock(store: SqlSto
         assert statuses.count(TransitionStatus.CONFLICT) == writers - 1
         job = store.get(new.ref)
         assert job is not None and (job.state, job.dispatches) == (State.DISPATCHED, 1)
+
+
+@pytest.mark.parametrize("size", [1, CHUNK])
+def test_a_brief_write_under_a_lease_runs_alone_on_the_driver(
+    store: SqlStore, monkeypatch: pytest.MonkeyPatch, size: int
+) -> None:
+    # Given jobs, and a lease the writer holds
+    news = [task_job() for _ in range(size)]
+    store.create_many(news, brief=True)
+    assert store.acquire_lease("effects", "tok", 60.0)
+    lease = Lease("effects", "tok")
+    sent = _sent(store, "UPDATE exactonce_jobs", monkeypatch)
+    autocommit: list[bool] = []
+    execute = sql_engine.execute
+
+    def alone(driver: Any, *args: Any, **kwargs: Any) -> Any:
+        autocommit.append(driver.autocommit)
+        return execute(driver, *args, **kwargs)
+
+    monkeypatch.setattr(sql_engine, "execute", alone)
+    # When they are written DISPATCHED under it, brief (one, as the gate writes, or a chunk)
+    requests = [(new.ref, to(State.DISPATCHED, State.SCHEDULED, lease=lease)) for new in news]
+    results = store.transition_many(requests, brief=True)
+    # Then one statement applied them all, alone on the driver in autocommit
+    assert [r.status for r in results] == [TransitionStatus.APPLIED] * size
+    assert len(sent) == 1 and ("unnest" in sent[0]) == (size > 1), sent
+    assert autocommit == [True]
+    assert [store.get(new.ref).state for new in news] == [State.DISPATCHED] * size  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("size", [1, CHUNK])
+def test_a_deadlocked_statement_alone_leaves_every_row_to_the_locking_transaction(
+    store: SqlStore, monkeypatch: pytest.MonkeyPatch, size: int
+) -> None:
+    # Given jobs, and a statement alone that fails as a deadlock victim's does (rolled back)
+    news = [task_job() for _ in range(size)]
+    store.create_many(news, brief=True)
+    locked = _sent(store, "FOR UPDATE", monkeypatch)
+    alone: list[str] = []
+
+    def deadlocked(_driver: Any, statement: str, *_args: Any, **_kwargs: Any) -> Any:
+        alone.append(statement)
+        raise psycopg.errors.DeadlockDetected("deadlock detected")
+
+    monkeypatch.setattr(sql_engine, "execute", deadlocked)
+    # When they are written DISPATCHED, brief
+    requests = [(new.ref, to(State.DISPATCHED, State.SCHEDULED)) for new in news]
+    results = store.transition_many(requests, brief=True)
+    # Then the statement ran once, and every row was decided the locking way, and applied
+    assert len(alone) == 1
+    assert len(locked) == size
+    assert [r.status for r in results] == [TransitionStatus.APPLIED] * size
+    jobs = [store.get(new.ref) for new in news]
+    assert [(j.state, j.dispatches) for j in jobs if j] == [(State.DISPATCHED, 1)] * size
+
+
+def test_a_brief_batch_of_two_shapes_writes_each_row_by_its_own_statement(
+    store: SqlStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given two jobs whose writes are not one statement (one guarded by its rev, one not)
+    news = [task_job(), task_job()]
+    store.create_many(news, brief=True)
+    sent = _sent(store, "UPDATE exactonce_jobs", monkeypatch)
+    locked = _sent(store, "FOR UPDATE", monkeypatch)
+    # When both are written DISPATCHED in one brief call
+    requests = [
+        (news[0].ref, to(State.DISPATCHED, State.SCHEDULED, rev=news[0].rev)),
+        (news[1].ref, to(State.DISPATCHED, State.SCHEDULED)),
+    ]
+    results = store.transition_many(requests, brief=True)
+    # Then each went by its one-row statement, none the locking way
+    assert [r.status for r in results] == [TransitionStatus.APPLIED] * 2
+    assert len(sent) == 2 and not any("unnest" in s for s in sent), sent
+    assert locked == []

@@ -9,6 +9,7 @@ history the statement cannot extend, a MySQL without ``INSERT … RETURNING``).
 
 from __future__ import annotations
 
+import re
 import threading
 import uuid
 from collections.abc import Iterator
@@ -176,6 +177,39 @@ def test_a_history_the_statement_cannot_extend_is_written_the_locking_way(
     assert result.applied and result.job is not None
     assert result.job == jobs.apply_transition(before, request, result.job.touched_at)
     assert store.get(new.ref) == result.job
+
+
+def test_a_history_of_multibyte_text_is_capped_by_the_statement(store: SqlStore) -> None:
+    # Given a job whose history holds text of several bytes a character
+    new = task_job()
+    assert store.create(new).created
+    rev, written = new.rev, 0
+    sent: list[str] = []
+    sa.event.listen(store.engine, "before_cursor_execute", lambda *args: sent.append(str(args[2])))
+    # When more writes than the history keeps go by the one statement (not the locking way)
+    for i in range(jobs.HISTORY_LIMIT + 3):
+        request = Transition(
+            State.DISPATCHED,
+            frozenset({State.SCHEDULED, State.DISPATCHED}),
+            node="nœud-ü-✓",
+            reason=f"écrit {i} ✓",
+            rev=rev,
+        )
+        result = store.transition(new.ref, request)
+        assert result.applied and result.job is not None
+        rev, written = result.job.rev, written + 1
+    # Then the history is capped at the limit, its entries whole, the newest last
+    job = store.get(new.ref)
+    assert job is not None and len(job.history) == jobs.HISTORY_LIMIT
+    assert job.history[-1].reason == f"écrit {written - 1} ✓"
+    assert {entry.node for entry in job.history[1:]} == {"nœud-ü-✓"}
+    assert not any("FOR UPDATE" in statement for statement in sent)
+    # and where the database keeps a text's byte length, the marks are counted in bytes
+    counted = {"postgresql": r"\boctet_length\(", "mysql": r"\bLENGTH\("}.get(
+        store.engine.dialect.name
+    )
+    if counted is not None:
+        assert any(re.search(counted, statement) for statement in sent if "UPDATE" in statement)
 
 
 def test_a_terminal_record_expires_from_its_slot_or_its_end(store: SqlStore) -> None:

@@ -165,8 +165,9 @@ class Statements(CreateStatements):
         )
         c, now, cast = self._col, self._now, self._param
         history, state = c["history"], c["state"]
-        without_marks = self._length(f"replace({history}, :h_mark, '')")
-        entries = f"({self._length(history)} - {without_marks})"  # characters of the marks
+        # The marks' length: each is ASCII, so bytes count them as characters would.
+        without_marks = self._octets(f"replace({history}, :h_mark, '')")
+        entries = f"({self._octets(history)} - {without_marks})"
         kept = (
             f"CASE WHEN {entries} >= :h_full THEN {self._but_last(self._but_first_entry(history))}"
             f" ELSE {self._but_last(history)} END"

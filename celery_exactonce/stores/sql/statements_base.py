@@ -85,6 +85,10 @@ def _encode(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"))  # as sql_schema.job_values writes history
 
 
+#: The placeholders as :func:`_encode` writes them (what the encoded texts are cut at).
+_SRC_TEXT, _AT_TEXT = _encode(_SRC), _encode(_AT)
+
+
 def entry_parts(entry: HistoryEntry, *, src: bool) -> tuple[str, ...]:
     """The JSON text of ``entry`` cut where SQL puts the store time (and the source state).
 
@@ -96,15 +100,15 @@ def entry_parts(entry: HistoryEntry, *, src: bool) -> tuple[str, ...]:
     if src:
         data["from"] = _SRC
     text = _encode(data)
-    head, _, rest = text.partition(_encode(_SRC)) if src else ("", "", text)
-    mid, _, tail = rest.partition(_encode(_AT))
+    head, _, rest = text.partition(_SRC_TEXT) if src else ("", "", text)
+    mid, _, tail = rest.partition(_AT_TEXT)
     return (f'{head}"', f'"{mid}', tail) if src else (mid, tail)
 
 
 def history_parts(history: Sequence[HistoryEntry]) -> list[str]:
     """The JSON text of ``history`` cut where SQL puts each entry's store time."""
     text = _encode([{**entry.to_json(), "at": _AT} for entry in history])
-    return text.split(_encode(_AT))
+    return text.split(_AT_TEXT)
 
 
 class StatementCore:
@@ -144,6 +148,13 @@ class StatementCore:
 
     def _length(self, text: str) -> str:
         return f"CHAR_LENGTH({text})" if self.name == "mysql" else f"length({text})"
+
+    def _octets(self, text: str) -> str:
+        """``text``'s length in bytes where the database keeps it (no scan of a UTF-8
+        text for its characters); SQLite counts characters."""
+        return {"postgresql": f"octet_length({text})", "mysql": f"LENGTH({text})"}.get(
+            self.name, f"length({text})"
+        )
 
     def _param(self, name: str, column: str) -> str:
         """A bound value for ``column`` (typed on PostgreSQL, where ``SELECT $1`` is text)."""

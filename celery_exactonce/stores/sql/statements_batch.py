@@ -72,9 +72,10 @@ class BatchStatements(Statements):
     ) -> tuple[sa.TextClause | sa.TextualSelect, dict[str, Any]] | None:
         """One brief guarded ``UPDATE`` of every item; ``None`` when they are not one.
 
-        Answers the 1-based position (``i``) of each item it changed. ``None``:
-        not PostgreSQL, fewer than two items, shapes or shared values that
-        differ, key spaces that differ, a key twice.
+        Answers one row: ``applied``, the 1-based positions of the items it
+        changed (``NULL``: none), so a store reads it as the first row of a
+        statement run alone. ``None``: not PostgreSQL, fewer than two items,
+        shapes or shared values that differ, key spaces that differ, a key twice.
         """
         if not self._pg or len(items) < 2:
             return None
@@ -90,7 +91,7 @@ class BatchStatements(Statements):
         rows, bound = split
         key = ("transition_batch", shape, rows)
         return self._text(
-            key, functools.partial(self._transition_batch_sql, shape, rows), ("i",)
+            key, functools.partial(self._transition_batch_sql, shape, rows), ("applied",)
         ), bound
 
     def _by_key(self, rows: tuple[str, ...], column: str) -> tuple[str, str]:
@@ -105,7 +106,8 @@ class BatchStatements(Statements):
         return arrays, found
 
     def _transition_batch_sql(self, shape: tuple[Any, ...], rows: tuple[str, ...]) -> str:
-        """The one-row statement of ``shape``, its per-job parameters read from the arrays."""
+        """The one-row statement of ``shape``, its per-job parameters read from the arrays,
+        in a ``WITH`` whose one row aggregates the positions it changed."""
         sql = _per_row(rows).sub(r"v.\1", self._transition_sql(shape))
         jobs_t = self._jobs
         arrays, found = self._by_key(rows, "ctid")
@@ -114,10 +116,10 @@ class BatchStatements(Statements):
             f" FROM unnest({arrays}) WITH ORDINALITY AS u({', '.join(rows)}, i))"
         )
         for old, new in (
-            (self._clock, self._clock + rows_cte),
+            (self._with_clock, f"{self._clock}{rows_cte}, done AS ("),
             (" FROM clock WHERE ", " FROM clock, v WHERE "),
             (_per_row(rows).sub(r"v.\1", self._key_sql(jobs_t)), f"{jobs_t}.ctid = v.tid_"),
-            (" RETURNING 1 AS one", " RETURNING v.i"),
+            (" RETURNING 1 AS one", " RETURNING v.i) SELECT array_agg(i) AS applied FROM done"),
         ):
             if sql.count(old) != 1:  # pragma: no cover - the one-row statement changed shape
                 raise AssertionError(f"the transition statement has no single {old.strip()!r}")

@@ -67,7 +67,6 @@ from celery_exactonce.core.jobs import (
     CreateStatus,
     Job,
     TransitionResult,
-    TransitionStatus,
 )
 from celery_exactonce.core.refs import JobRef
 from celery_exactonce.core.skipped_slots import SkippedSlots
@@ -292,34 +291,16 @@ class SqlStore(SqlCreates, SqlTransitions, SqlScans, SqlLeases):
         """Rows locked in key order (no deadlock): one transaction for the batch, or, for a
         brief one on PostgreSQL, one statement, then a transaction for any row it left.
 
-        A brief batch of one transition one statement can apply, on PostgreSQL
-        (the worker gate's ``RUNNING`` CAS, a run's completion), is that
-        statement alone, in autocommit on the driver: one round trip. If it
-        changed nothing, the locking transaction decides (and answers the record).
+        A brief batch of transitions one statement can apply, on PostgreSQL
+        (the worker gate's ``RUNNING`` CAS and a run's completion, one each;
+        beat's chunks), is that statement alone, in autocommit on the driver:
+        one round trip. A row it did not change is decided by the locking
+        transaction (which answers the record).
         """
         if not requests:
             self._check_usable()
             return []
-        if brief and len(requests) == 1 and self._alone(requests[0][1]):
-            ref, request = requests[0]
-            stmt, params = self._sql.transition(self._namespace, ref, request, brief=True)
-            if self._run_statement("transition_many", stmt, params) is not None:
-                return [TransitionResult(TransitionStatus.APPLIED)]
-            return self._run("transition_many", lambda conn: [self._transition(conn, ref, request)])
         return self._transition_many(requests, brief)
-
-    def _alone(self, request: Transition) -> bool:
-        """Whether ``request`` runs as its one statement alone (see :meth:`transition_many`).
-
-        Not with a lease: its ``EXISTS`` locks a second row, which a lock-ordered
-        transaction may hold (a deadlock, which only :meth:`_run` runs again).
-        """
-        return (
-            self._postgresql
-            and self.owns_transactions
-            and request.lease is None
-            and self._fast_transition(request)
-        )
 
     def heartbeat(self, ref: JobRef, run_id: str) -> bool:
         stmt, params = self._sql.heartbeat(self._namespace, ref, run_id)

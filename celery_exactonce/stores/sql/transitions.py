@@ -36,11 +36,12 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from celery_exactonce.core import jobs, times
+from celery_exactonce.core import exceptions, jobs, times
 from celery_exactonce.core.jobs import TransitionResult, TransitionStatus
 from celery_exactonce.core.refs import JobRef
 from celery_exactonce.core.states import TERMINAL
 from celery_exactonce.core.writes import Transition
+from celery_exactonce.stores.sql import engine as sql_engine
 from celery_exactonce.stores.sql.base import Rerun
 from celery_exactonce.stores.sql.leases import SqlLeases
 
@@ -53,32 +54,62 @@ class SqlTransitions(SqlLeases):
     ) -> list[TransitionResult]:
         """``transition_many`` of a batch that is not empty.
 
-        A brief batch that is one statement (PostgreSQL) runs alone, in
-        autocommit where the store owns its transactions: each row it changed
-        is applied, and only the others are decided, one row at a time in key
-        order, in a transaction of their own (the statement's row locks went
-        with its commit). Else the batch is one transaction
-        (:meth:`_transition_many_op`).
+        A brief batch of transitions one statement can apply, where the store
+        owns its transactions on PostgreSQL, first runs alone
+        (:meth:`_applied_alone`): each row it changed is applied, and only the
+        others are decided, one row at a time in key order, in a transaction
+        of their own (the statement's row locks went with its commit). Else
+        the batch is one transaction (:meth:`_transition_many_op`), a batch of
+        one shape tried first as one statement under a savepoint.
         """
         order = sorted(range(len(requests)), key=lambda i: str(requests[i][0]))
-        batch = None
-        if brief and all(self._fast_transition(t) for _, t in requests):
-            batch = self._sql.transition_batch(self._namespace, [requests[i] for i in order])
+        fast = brief and all(self._fast_transition(t) for _, t in requests)
         results: dict[int, TransitionResult] = {}
-        rest = order
-        if batch is not None and self._autocommit and self.owns_transactions:
-            stmt, params = batch
-            applied = self._run(
-                "transition_many",
-                lambda conn: {order[row.i - 1] for row in conn.execute(stmt, params)},
-                autocommit=True,
-            )
-            results = dict.fromkeys(applied, TransitionResult(TransitionStatus.APPLIED))
-            rest, batch = [i for i in order if i not in applied], None
-        if rest:
-            op = self._transition_many_op(requests, rest, batch, brief)
+        rest, batch, tried = order, None, False
+        if fast and self._autocommit and self.owns_transactions:
+            applied = self._applied_alone(requests, order)
+            if applied is not None:
+                results = dict.fromkeys(applied, TransitionResult(TransitionStatus.APPLIED))
+                rest, tried = [i for i in order if i not in applied], True
+        elif fast:
+            batch = self._sql.transition_batch(self._namespace, [requests[i] for i in order])
+        if rest:  # tried: the statement left them, and the locking way decides
+            op = self._transition_many_op(requests, rest, batch, brief, tried=tried)
             results.update(zip(rest, self._run("transition_many", op), strict=True))
         return [results[i] for i in range(len(requests))]
+
+    def _applied_alone(
+        self, requests: Sequence[tuple[JobRef, Transition]], order: Sequence[int]
+    ) -> set[int] | None:
+        """Which of ``requests`` (brief, fast; ``order``: key order) one statement applied.
+
+        The statement runs alone in autocommit on the driver
+        (:meth:`~celery_exactonce.stores.sql.base.SqlCore._run_statement`, one
+        round trip): the one-row ``UPDATE`` for one request, else the batch's
+        (``None``: the batch is not one statement, nothing ran). A statement that failed
+        with an error after which it may be rerun (a deadlock: a lease's
+        ``EXISTS`` locks a second row, which a lock-ordered transaction may
+        hold) changed nothing: none applied, and the caller's transaction,
+        which reruns, decides them all.
+        """
+        if len(order) == 1:
+            ref, request = requests[order[0]]
+            stmt, params = self._sql.transition(self._namespace, ref, request, brief=True)
+        else:
+            batch = self._sql.transition_batch(self._namespace, [requests[i] for i in order])
+            if batch is None:
+                return None
+            stmt, params = batch
+        try:
+            row = self._run_statement("transition_many", stmt, params)
+        except exceptions.StoreUnavailable as exc:
+            cause = exc.__cause__
+            if sql_engine.error_code(getattr(cause, "orig", None) or cause) in self._d.retry:
+                return set()
+            raise
+        if len(order) == 1:
+            return set() if row is None else {order[0]}
+        return {order[i - 1] for i in row[0] or ()}
 
     def _transition_many_op(
         self,
@@ -86,9 +117,12 @@ class SqlTransitions(SqlLeases):
         order: Sequence[int],
         batch: tuple[sa.TextClause | sa.TextualSelect, dict[str, Any]] | None,
         brief: bool,
+        *,
+        tried: bool = False,
     ) -> Callable[[sa.Connection], list[TransitionResult]]:
         """The transaction of the ``requests`` at ``order`` (key order): their results, in
-        that order; ``batch``: the statement of them all, tried first under a savepoint."""
+        that order; ``batch``: the statement of them all, tried first under a savepoint;
+        ``tried``: their statement ran already (alone), so each goes the locking way."""
 
         def op(conn: sa.Connection) -> list[TransitionResult]:
             if batch is not None and (applied := self._transition_batch(conn, *batch)):
@@ -96,7 +130,10 @@ class SqlTransitions(SqlLeases):
             results = []
             for i in order:
                 ref, request = requests[i]
-                results.append(self._transition_one(conn, ref, request, brief=brief))
+                if tried:
+                    results.append(self._transition(conn, ref, request))
+                else:
+                    results.append(self._transition_one(conn, ref, request, brief=brief))
             return results
 
         return op
@@ -113,7 +150,7 @@ class SqlTransitions(SqlLeases):
         order, so two batches cannot deadlock.
         """
         with conn.begin_nested() as savepoint:
-            applied = len(conn.execute(stmt, params).all())
+            applied = len(conn.execute(stmt, params).scalar_one() or ())
             if applied != len(params["a_k_id"]):
                 savepoint.rollback()
                 return None
