@@ -45,6 +45,7 @@ from celery_exactonce.core.refs import JobRef
 from celery_exactonce.stores import redact_secrets, url_secrets, validate_namespace
 from celery_exactonce.stores.base import Run
 from celery_exactonce.stores.sql import engine as sql_engine
+from celery_exactonce.stores.sql import rows as sql_rows
 from celery_exactonce.stores.sql import schema as sql_schema
 from celery_exactonce.stores.sql import statements_batch as sql_statements_batch
 
@@ -415,6 +416,6 @@ class SqlCore:
 
     def _values(self, job: Job, *, key: bool = True) -> dict[str, Any]:
         retention = self._compaction.retention_of(job.ref, self._retention)
-        return sql_schema.job_values(job, self._namespace, retention, key=key)
+        return sql_rows.job_values(job, self._namespace, retention, key=key)
 
-    _job = staticmethod(sql_schema.job_from_row)
+    _job = staticmethod(sql_rows.job_from_row)
