@@ -264,6 +264,9 @@ def test_postgres_scans_read_their_partial_indexes(pg: SqlStore) -> None:
         f"{p}jobs_ended": lambda: (pg.list_stale(State.SUCCEEDED, 0, 10), pg.purge_expired(10)),
         f"{p}jobs_pending": lambda: (pg.claim_due(10, node="n1"), pg.due_backlog()),
     }
+    counts = _plans(pg, pg.count_by_state)
+    assert len(counts) == 2
+    assert f"{p}jobs_live" in counts[0] and f"{p}jobs_ended" in counts[1], counts
     for index, run in cases.items():
         plans = _plans(pg, run)
         assert plans, index

@@ -49,7 +49,7 @@ from celery_exactonce.core import jobs, refs, times
 from celery_exactonce.core.jobs import Job
 from celery_exactonce.core.refs import JobRef, Space
 from celery_exactonce.core.skipped_slots import SkippedSlots
-from celery_exactonce.core.states import TERMINAL, State
+from celery_exactonce.core.states import LIVE, TERMINAL, State
 from celery_exactonce.core.writes import Transition
 from celery_exactonce.stores.base import DueBacklog
 from celery_exactonce.stores.sql.base import SqlCore
@@ -322,18 +322,23 @@ class SqlScans(SqlCore):
         return op
 
     def _count_by_state_op(self) -> Callable[[sa.Connection], dict[State, int]]:
-        """The transaction of ``count_by_state``: one ``GROUP BY`` on the state index."""
+        """The transaction of ``count_by_state``: a ``GROUP BY`` of the live states and one
+        of the terminal ones, each on its index (PostgreSQL's partial ones)."""
         c = self._t.jobs.c
 
         def op(conn: sa.Connection) -> dict[State, int]:
             counts = dict.fromkeys(State, 0)
-            query = (
-                sa.select(c.state, sa.func.count())
-                .where(c.namespace == self._namespace)
-                .group_by(c.state)
-            )
-            for state, n in conn.execute(query):
-                counts[State(state)] = int(n)
+            for states in (LIVE, TERMINAL):
+                query = (
+                    sa.select(c.state, sa.func.count())
+                    .where(
+                        c.namespace == self._namespace,
+                        c.state.in_([_state(s) for s in sorted(states)]),
+                    )
+                    .group_by(c.state)
+                )
+                for state, n in conn.execute(query):
+                    counts[State(state)] = int(n)
             return counts
 
         return op
