@@ -16,9 +16,8 @@ errors), and:
   builds its own. As a safety net (SQLAlchemy's documented recipe), a forked
   child drops the pool it inherited (``engine.dispose(close=False)``) before
   its first query, so a connection is never used by two processes;
-* **rows**: the store clock, reading a record by its key (locked or not),
-  reading a row under a lock, inserting a row unless its key exists, and the
-  column values of a record.
+* **rows**: the store clock, reading a record by its key (locked or not), a row
+  under a lock, inserting a row unless its key exists (values: ``sql.rows``).
 
 Not here: the operations themselves (:mod:`~celery_exactonce.stores.sql.store` and
 its mixins), what differs per dialect and how the engine is built
