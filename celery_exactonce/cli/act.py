@@ -14,7 +14,7 @@ from celery_exactonce.core.states import State
 from celery_exactonce.reconcile import cancel as cancelling
 from celery_exactonce.reconcile.reconciler import Reconciler
 from celery_exactonce.stores import redact_url
-from celery_exactonce.stores.base import FORMAT_VERSION
+from celery_exactonce.stores.base import format_written
 
 
 @click.command()
@@ -110,7 +110,7 @@ def migrate(ctx: click.Context, as_json: bool) -> None:
         "namespace": s.config.namespace,
         "before": before,
         "after": after,
-        "format": FORMAT_VERSION,
+        "format": format_written(s.store),
     }
     if as_json:
         base.emit_json(data)

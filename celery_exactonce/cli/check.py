@@ -30,7 +30,7 @@ from celery_exactonce.config import ExactOnceConfig, UnknownSettingWarning
 from celery_exactonce.core import exceptions
 from celery_exactonce.reconcile import task as reconcile_task
 from celery_exactonce.stores import open_store, redact_url
-from celery_exactonce.stores.base import FORMAT_VERSION, StateStore
+from celery_exactonce.stores.base import StateStore, format_written
 from celery_exactonce.task.gate import validate_gated_task
 
 OK, WARN, FAIL = "ok", "warn", "FAIL"
@@ -302,15 +302,16 @@ def _schema(store: StateStore) -> str | tuple[str, str]:
             "the store was never set up: a worker or beat sets it up at start, "
             "or run `celery -A APP exactonce migrate`",
         )
-    if version > FORMAT_VERSION:
+    written = format_written(store)
+    if version > written:
         raise exceptions.ConfigurationError(
-            f"the store holds format {version}, newer than this code's {FORMAT_VERSION}: "
+            f"the store holds format {version}, newer than this code's {written}: "
             "upgrade celery-exactonce",
             setting="exactonce_store_url",
         )
-    if version < FORMAT_VERSION:
+    if version < written:
         return WARN, f"format {version}: run `celery -A APP exactonce migrate` to upgrade"
-    return f"format {version} (this code writes {FORMAT_VERSION})"
+    return f"format {version} (this code writes {written})"
 
 
 def _eviction(store: StateStore) -> str:

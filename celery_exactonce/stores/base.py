@@ -43,6 +43,14 @@ from celery_exactonce.core.writes import NewJob, Transition
 #: newer version refuses to start (a rolling deploy never mixes formats).
 FORMAT_VERSION = 1
 
+
+def format_written(store: object) -> int:
+    """The version ``store``'s code writes: its ``format_written`` (the SQL stores' schema
+    version, :data:`celery_exactonce.stores.sql.schema.SCHEMA_VERSION`), else
+    :data:`FORMAT_VERSION` (the Redis key format, the memory store)."""
+    return int(getattr(store, "format_written", FORMAT_VERSION))
+
+
 #: The most records of skipped slots a namespace keeps (:meth:`StateStore.note_skipped`).
 SKIPPED_KEPT = 1000
 

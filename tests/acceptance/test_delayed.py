@@ -139,7 +139,7 @@ def seed(deployment: Deployment, news: Sequence[NewJob]) -> None:
     Redis: ``create_many`` in batches. SQL stores: ``create_many`` runs about three
     statements per job (PostgreSQL here: 45 s for 10,000), so the rows its create
     writes for a non-occurrence job (``job_from_new`` laid out by
-    ``sql_schema.job_values``, one row in the jobs table and nothing else) are
+    ``sql_rows.job_values``, one row in the jobs table and nothing else) are
     inserted in one statement. The caller checks the store reads them back as the
     jobs ``create`` would have made.
     """
@@ -150,11 +150,11 @@ def seed(deployment: Deployment, news: Sequence[NewJob]) -> None:
             results = store.create_many(news[start : start + SEED_BATCH], brief=True)
             assert all(result.created for result in results), "seed: a job existed already"
         return
-    from celery_exactonce.stores.sql import schema as sql_schema
+    from celery_exactonce.stores.sql import rows as sql_rows
 
     now = store.now()
     rows = [
-        sql_schema.job_values(jobs.job_from_new(new, now), store.namespace, store.retention)
+        sql_rows.job_values(jobs.job_from_new(new, now), store.namespace, store.retention)
         for new in news
     ]
     with engine.begin() as conn:

@@ -6,8 +6,10 @@ terminal jobs, written as the package writes them, half of each kind:
 * **beat occurrences** of distinct plain entries, one slot: beat's claim
   (``SCHEDULED``, the entry's watermark advanced), the ``DISPATCHED`` write
   and ``PUBLISHED``;
-* **gated jobs** of ``.delay()``: created ``SCHEDULED``, ``DISPATCHED``, the
-  gate's ``RUNNING`` and the completion's ``SUCCEEDED``.
+* **gated jobs** of ``.delay()``: written ``DISPATCHED`` by the store's
+  ``enqueue`` (the one-write submit; created ``SCHEDULED`` then moved where a
+  store has none), the gate's ``RUNNING`` and the completion's ``SUCCEEDED``,
+  each job's writes alone, as a submit and a worker make them.
 
 and reports the bytes the fill added, per job:
 
@@ -15,10 +17,21 @@ and reports the bytes the fill added, per job:
   writes to it), before and after the fill;
 * **PostgreSQL**: ``pg_total_relation_size`` (table, TOAST and indexes) of the
   fill's own tables (a table prefix of its own), after ``VACUUM ANALYZE``,
-  less the same tables empty;
+  less the same tables empty, with each relation's share;
 * **MariaDB**: ``data_length + index_length`` of those tables after ``ANALYZE
   TABLE`` (InnoDB's page counts, approximate);
 * **SQLite**: the database file's pages in use, after ``VACUUM``.
+
+The SQL fills are vacuumed as autovacuum would vacuum them (:class:`Autovacuum`),
+and never by the daemon itself (it is turned off for the fill's tables on
+PostgreSQL): the tables are vacuumed each time the row versions the fill left
+dead in the jobs table pass ``50 +`` its ``autovacuum_vacuum_scale_factor``
+of its rows (the table's own on PostgreSQL, 5% since schema version 2;
+elsewhere PostgreSQL's default, 20%). A row's dead
+versions leave room that later rows fill, so how often a table is vacuumed
+is part of what a job costs; the same rule each run makes the figure repeat.
+The measure itself follows one last vacuum: a steady state holds that much
+plus, between two vacuums, up to 20% of its rows in dead versions.
 
 Then the **steady state** on Redis (:func:`steady_state`): jobs of
 ``E`` entries every ``P`` seconds with a retention of ``R`` seconds, purged as
@@ -28,6 +41,7 @@ formula of docs/design/scale.md, which it must be within 20% of.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -68,6 +82,8 @@ class Footprint:
     what: str
     sample: dict[str, int]
     """Bytes of one record of each kind, where the store tells (Redis ``MEMORY USAGE``)."""
+    parts: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Bytes the fill added to each relation, where the store tells (PostgreSQL)."""
 
     @property
     def per_job(self) -> float:
@@ -129,16 +145,40 @@ def gated_jobs(count: int, start: int = 0) -> list[NewJob]:
 
 
 def _gated(store: StateStore, batch: Sequence[NewJob]) -> None:
-    for result in store.create_many(batch, brief=True):
-        if not result.created:
-            raise AssertionError(f"a create of the fill did not apply: {result.status}")
-    items = [(new.ref, {"rev": new.rev}) for new in batch]
-    reason = "apply_async enqueued"
-    dispatched = _step(store, items, State.SCHEDULED, State.DISPATCHED, reason)
-    items = [(ref, {"attempt": 0, "new_run_id": new_token()}) for ref, _ in dispatched]
-    running = _step(store, items, State.DISPATCHED, State.RUNNING, "gate")
-    items = [(ref, {"run_id": t.new_run_id}) for ref, t in running]
-    _step(store, items, State.RUNNING, State.SUCCEEDED, "succeeded")
+    enqueue = getattr(store, "enqueue", None)
+    reason = "apply_async"
+    if enqueue is None:
+        for result in store.create_many(batch, brief=True):
+            if not result.created:
+                raise AssertionError(f"a create of the fill did not apply: {result.status}")
+        items = [(new.ref, {"rev": new.rev}) for new in batch]
+        _step(store, items, State.SCHEDULED, State.DISPATCHED, reason)
+    else:
+        for new in batch:
+            to = Transition(
+                State.DISPATCHED,
+                frozenset({State.SCHEDULED}),
+                node=NODE,
+                reason=reason,
+                rev=new.rev,
+            )
+            if not enqueue(new, to).created:
+                raise AssertionError(f"an enqueue of the fill did not apply: {new.ref}")
+    for new in batch:  # a worker: the gate's write, then the completion's
+        ((_, running),) = _step(
+            store,
+            [(new.ref, {"attempt": 0, "new_run_id": new_token()})],
+            State.DISPATCHED,
+            State.RUNNING,
+            "gate",
+        )
+        _step(
+            store,
+            [(new.ref, {"run_id": running.new_run_id})],
+            State.RUNNING,
+            State.SUCCEEDED,
+            "succeeded",
+        )
 
 
 def occurrences(store: StateStore, entries: int, slots: int, last: datetime) -> list[NewJob]:
@@ -244,7 +284,25 @@ def measure_redis(count: int, compaction: Compaction = KEEP) -> Footprint:
             store.close()
 
 
-def _sql_sizes(engine: Any, tables: Sequence[str]) -> int:
+def _pg_parts(conn: Any, tables: Sequence[str]) -> dict[str, int]:
+    """Each of ``tables``' relations (heap, TOAST, every index) and its size."""
+    import sqlalchemy as sa
+
+    query = sa.text(
+        "SELECT c.relname, pg_table_size(c.oid) - pg_relation_size(c.oid, 'fsm')"
+        " - pg_relation_size(c.oid, 'vm') FROM pg_class c WHERE c.relname = :t"
+        " UNION ALL SELECT i.relname, pg_relation_size(i.oid) FROM pg_index x"
+        " JOIN pg_class i ON i.oid = x.indexrelid"
+        " JOIN pg_class c ON c.oid = x.indrelid WHERE c.relname = :t"
+    )
+    out: dict[str, int] = {}
+    for table in tables:
+        out.update((str(name), int(size)) for name, size in conn.execute(query, {"t": table}))
+    return out
+
+
+def _sql_sizes(engine: Any, tables: Sequence[str], parts: dict[str, int] | None = None) -> int:
+    """The bytes ``tables`` hold, vacuumed first; each relation's in ``parts`` (PostgreSQL)."""
     import sqlalchemy as sa
 
     name = engine.dialect.name
@@ -253,6 +311,8 @@ def _sql_sizes(engine: Any, tables: Sequence[str]) -> int:
             auto = conn.execution_options(isolation_level="AUTOCOMMIT")
             for table in tables:
                 auto.execute(sa.text(f"VACUUM ANALYZE {table}"))
+            if parts is not None:
+                parts.update(_pg_parts(auto, tables))
             size = sa.text("SELECT pg_total_relation_size(:t)")
             return sum(int(auto.execute(size, {"t": t}).scalar_one()) for t in tables)
         if name in ("mysql", "mariadb"):
@@ -281,6 +341,50 @@ def _sql_sizes(engine: Any, tables: Sequence[str]) -> int:
         db.close()
 
 
+def _pg_vacuum_scale(engine: Any, table: str) -> float:
+    """``table``'s ``autovacuum_vacuum_scale_factor``: its own, else the server's."""
+    import sqlalchemy as sa
+
+    with engine.connect() as conn:
+        options = conn.execute(
+            sa.text("SELECT reloptions FROM pg_class WHERE relname = :t"), {"t": table}
+        ).scalar_one()
+        for option in options or ():
+            name, _, value = option.partition("=")
+            if name == "autovacuum_vacuum_scale_factor":
+                return float(value)
+        return float(conn.execute(sa.text("SHOW autovacuum_vacuum_scale_factor")).scalar_one())
+
+
+#: Jobs a fill writes between two looks at whether autovacuum would run.
+VACUUM_STEP = 400
+#: Row versions each job of a fill leaves dead in the jobs table: an occurrence is
+#: inserted and updated twice (DISPATCHED, PUBLISHED); a gated job too (RUNNING, SUCCEEDED).
+DEAD_PER_JOB = {"occurrence": 2, "gated": 2}
+
+
+@dataclass
+class Autovacuum:
+    """When autovacuum would vacuum a fill's tables: once the dead row versions pass
+    ``autovacuum_vacuum_threshold`` (50) plus ``scale`` (the jobs table's
+    ``autovacuum_vacuum_scale_factor``) of the rows, counted by the fill itself (the
+    server's own counters lag), so that every run vacuums at the same points."""
+
+    vacuum: Callable[[], object]
+    scale: float = 0.2
+    jobs: int = 0
+    dead: float = 0.0
+    runs: int = 0
+
+    def wrote(self, count: int) -> None:
+        """A chunk of ``count`` jobs (half of each kind) is written: vacuum if due."""
+        self.jobs += count
+        self.dead += count / 2 * sum(DEAD_PER_JOB.values())
+        if self.dead > 50 + self.scale * self.jobs:
+            self.vacuum()
+            self.dead, self.runs = 0.0, self.runs + 1
+
+
 def measure_sql(backend: str, count: int, compaction: Compaction = KEEP) -> Footprint:
     import tempfile
 
@@ -295,15 +399,27 @@ def measure_sql(backend: str, count: int, compaction: Compaction = KEEP) -> Foot
     try:
         store.setup()
         engine = store._engine
-        before = _sql_sizes(engine, tables)
-        # In chunks, each vacuumed after (as autovacuum would): a row's dead versions
-        # (one per update) leave room the next chunk's rows fill, as in a steady state.
-        fill(store, count, chunks=10, between=lambda: _sql_sizes(engine, tables))
-        added = _sql_sizes(engine, tables) - before
+        scale = 0.2
+        if engine.dialect.name == "postgresql":
+            scale = _pg_vacuum_scale(engine, tables[0])
+            import sqlalchemy as sa
+
+            with engine.begin() as conn:
+                for table in tables:
+                    conn.execute(sa.text(f"ALTER TABLE {table} SET (autovacuum_enabled = false)"))
+        before: dict[str, int] = {}
+        total = _sql_sizes(engine, tables, before)
+        autovacuum = Autovacuum(lambda: _sql_sizes(engine, tables), scale)
+        chunks = max(1, count // VACUUM_STEP)
+        fill(store, count, chunks=chunks, between=lambda: autovacuum.wrote(count // chunks))
+        after: dict[str, int] = {}
+        added = _sql_sizes(engine, tables, after) - total
         what = {"postgresql": "table + index", "sqlite": "file pages"}.get(
             engine.dialect.name, "data + index"
         )
-        return Footprint(backend, count, added, what, {})
+        what += f", {autovacuum.runs + 1} vacuums at {scale:g}"
+        parts = {name.removeprefix(prefix): after[name] - before.get(name, 0) for name in after}
+        return Footprint(backend, count, added, what, {}, parts)
     finally:
         _drop(store, prefix)
 
@@ -352,10 +468,18 @@ def table(rows: Sequence[tuple[str, Footprint]]) -> list[str]:
         )
         for kind, size in row.sample.items():
             lines.append(f"{'':<22}one {kind}: MEMORY USAGE {size:,} bytes")
+        for part, size in row.parts.items():
+            lines.append(f"{'':<22}{part:<24}{size:>14,}{size / row.jobs:>11,.0f}")
     lines.append(
         "(full: the default settings; compact: exactonce_terminal_history='none', "
         "exactonce_terminal_payload=False)"
     )
+    if any(row.parts for _, row in rows):
+        lines.append(
+            "(SQL: vacuumed during the fill as autovacuum would at the jobs table's scale "
+            "factor, and once before the measure; between two vacuums a steady state holds "
+            "up to that share of its rows more in dead row versions)"
+        )
     return lines
 
 

@@ -20,6 +20,8 @@ from celery_exactonce.core.states import State
 from celery_exactonce.reconcile.passes import lease_token
 from celery_exactonce.reconcile.reconciler import LEASE_NAME
 from celery_exactonce.stores import redact_url
+from celery_exactonce.stores.base import format_written
+from celery_exactonce.stores.sql.schema import SCHEMA_VERSION
 from tests.cli.cli_app import NIGHTLY
 from tests.cli.conftest import FIRE, Deployment
 
@@ -148,12 +150,14 @@ def test_cancel_reconcile_and_migrate(deployment: Deployment) -> None:
     assert report["ran"] is True and report["errors"] == 0
     assert "pass: " in deployment.run("reconcile").stdout
 
+    written = format_written(deployment.store)  # the SQL schema's 2, the Redis format's 1
+    assert written == (1 if deployment.backend == "redis" else SCHEMA_VERSION)
     assert deployment.json("migrate") == {
         "store": deployment.json("migrate")["store"],
         "namespace": deployment.namespace,
-        "before": 1,
-        "after": 1,
-        "format": 1,
+        "before": written,
+        "after": written,
+        "format": written,
     }
     assert "nothing to do" in deployment.run("migrate").stdout
 
@@ -185,7 +189,7 @@ def test_migrate_sets_up_a_store_that_check_found_never_set_up(tmp_path: Path) -
         unread = fresh.run("status", expect=1)
         assert "never set up" in unread.stderr and "migrate" in unread.stderr
         assert fresh.json("migrate")["before"] is None
-        assert fresh.store.schema_version() == 1
+        assert fresh.store.schema_version() == SCHEMA_VERSION
         schema = next(c for c in fresh.json("check")["checks"] if c["name"] == "schema")
         assert schema["status"] == "ok"
         assert fresh.json("status")["jobs"]["PENDING"] == 0

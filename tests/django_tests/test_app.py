@@ -15,7 +15,7 @@ from celery_exactonce.core import exceptions
 from celery_exactonce.core.refs import JobRef
 from celery_exactonce.core.states import State
 from celery_exactonce.core.writes import NewJob
-from celery_exactonce.stores.base import FORMAT_VERSION
+from celery_exactonce.stores.sql.schema import SCHEMA_VERSION
 
 TABLES = {
     "exactonce_jobs",
@@ -52,7 +52,7 @@ def test_migrate_makes_the_stores_tables_at_its_schema_version(alias: str) -> No
     assert {*TABLES, "exactonce_schema"} <= found
     with connections[alias].cursor() as cursor:
         cursor.execute("SELECT version FROM exactonce_schema WHERE id = 1")
-        assert cursor.fetchone() == (FORMAT_VERSION,)
+        assert cursor.fetchone() == (SCHEMA_VERSION,)
 
 
 def test_the_django_store_runs_no_ddl_and_takes_jobs(alias: str, statements: list[str]) -> None:

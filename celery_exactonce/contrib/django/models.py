@@ -21,7 +21,7 @@ from django.db import models
 from celery_exactonce.contrib.django.tables import prefix, view_name
 from celery_exactonce.core import jobs, times
 from celery_exactonce.dispatch import messages
-from celery_exactonce.stores.sql import schema as sql_schema
+from celery_exactonce.stores.sql import rows as sql_rows
 
 
 class Job(models.Model):  # type: ignore[misc]  # django is untyped here
@@ -63,7 +63,7 @@ class Job(models.Model):  # type: ignore[misc]  # django is untyped here
     def record(self) -> jobs.Job:
         """The record as the store reads it."""
         row = {f.column: getattr(self, f.attname) for f in self._meta.concrete_fields}
-        return sql_schema.job_from_row(cast(Any, _Row(row)))
+        return sql_rows.job_from_row(cast(Any, _Row(row)))
 
     def idempotency_key(self) -> str:
         """The ``idempotency_key`` the job's messages carry."""
@@ -119,7 +119,7 @@ def instant(micros: int | None) -> datetime | None:
 
 
 class _Row:
-    """A model's columns where :func:`sql_schema.job_from_row` reads a database row."""
+    """A model's columns where :func:`sql_rows.job_from_row` reads a database row."""
 
     def __init__(self, mapping: dict[str, Any]) -> None:
         self._mapping = mapping

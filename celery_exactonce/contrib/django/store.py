@@ -36,7 +36,6 @@ from sqlalchemy import exc as sa_exc
 from celery_exactonce.contrib.django.connection import engine_for, require_immediate
 from celery_exactonce.contrib.django.tables import prefix
 from celery_exactonce.core import exceptions, jobs
-from celery_exactonce.stores.base import FORMAT_VERSION
 from celery_exactonce.stores.sql import schema as sql_schema
 from celery_exactonce.stores.sql.store import SqlStore
 
@@ -138,10 +137,10 @@ class DjangoStore(SqlStore):
                 setting="exactonce_store_url",
             )
         sql_schema.refuse_newer(version, self._where)
-        if version < FORMAT_VERSION:
+        if version < sql_schema.SCHEMA_VERSION:
             raise exceptions.SchemaMismatch(
                 f"{self._where} holds schema version {version}; this celery-exactonce writes "
-                f"version {FORMAT_VERSION}: run `python manage.py migrate`"
+                f"version {sql_schema.SCHEMA_VERSION}: run `python manage.py migrate`"
             )
 
     def _attempt(self, fn: Callable[[sa.Connection], _T], *, write: bool, autocommit: bool) -> _T:

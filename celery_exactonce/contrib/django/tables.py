@@ -39,6 +39,13 @@ def drop(apps: Any, schema_editor: Any) -> None:
         sql_schema.build(prefix()).metadata.drop_all(conn)
 
 
+def downgrade_to_1(apps: Any, schema_editor: Any) -> None:
+    """Migration step, backwards: the schema of version 1 (:func:`sql_schema.downgrade_to_1`)."""
+    engine = engine_for(schema_editor.connection.alias)
+    with engine.connect() as conn:
+        sql_schema.downgrade_to_1(conn, sql_schema.build(prefix()))
+
+
 def drop_skipped(apps: Any, schema_editor: Any) -> None:
     """Migration step, backwards: drop the records of skipped slots."""
     engine = engine_for(schema_editor.connection.alias)

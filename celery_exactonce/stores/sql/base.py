@@ -16,9 +16,8 @@ errors), and:
   builds its own. As a safety net (SQLAlchemy's documented recipe), a forked
   child drops the pool it inherited (``engine.dispose(close=False)``) before
   its first query, so a connection is never used by two processes;
-* **rows**: the store clock, reading a record by its key (locked or not),
-  reading a row under a lock, inserting a row unless its key exists, and the
-  column values of a record.
+* **rows**: the store clock, reading a record by its key (locked or not), a row
+  under a lock, inserting a row unless its key exists (values: ``sql.rows``).
 
 Not here: the operations themselves (:mod:`~celery_exactonce.stores.sql.store` and
 its mixins), what differs per dialect and how the engine is built
@@ -45,6 +44,7 @@ from celery_exactonce.core.refs import JobRef
 from celery_exactonce.stores import redact_secrets, url_secrets, validate_namespace
 from celery_exactonce.stores.base import Run
 from celery_exactonce.stores.sql import engine as sql_engine
+from celery_exactonce.stores.sql import rows as sql_rows
 from celery_exactonce.stores.sql import schema as sql_schema
 from celery_exactonce.stores.sql import statements_batch as sql_statements_batch
 
@@ -415,6 +415,6 @@ class SqlCore:
 
     def _values(self, job: Job, *, key: bool = True) -> dict[str, Any]:
         retention = self._compaction.retention_of(job.ref, self._retention)
-        return sql_schema.job_values(job, self._namespace, retention, key=key)
+        return sql_rows.job_values(job, self._namespace, retention, key=key)
 
-    _job = staticmethod(sql_schema.job_from_row)
+    _job = staticmethod(sql_rows.job_from_row)

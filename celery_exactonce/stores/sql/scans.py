@@ -6,20 +6,28 @@ that builds, inside its transaction, each operation over many rows:
 * **watermarks**: the marks of many entries, read in ``IN (...)`` lists of
   :data:`_IN_CHUNK` (below every dialect's bound-parameter limit);
 * **stale jobs**: the records of a state not touched for a while, oldest
-  first, paged by a ``(touched_at, ref)`` cursor spelt so that the index on
-  ``(namespace, state, touched_at)`` bounds the scan (and, for people, those
-  of one task or beat entry);
+  first, paged by a ``(touched_at, ref)`` cursor: one query per key space,
+  each bounded by the index on ``(namespace, state, space, touched_at)``
+  and ordered by it, merged here (and, for people, those of one task or beat
+  entry);
 * **jobs per state**: counted in one ``GROUP BY``;
 * **due jobs, claimed**: ``PENDING`` records whose ``run_at`` has come, moved
   to ``SCHEDULED`` in the same transaction (``SKIP LOCKED``: concurrent
   claimers take different rows);
-* **expired jobs, purged**: records past their ``expires_at``, deleted
-  (``SKIP LOCKED`` too);
+* **expired jobs, purged**: per terminal state and key space, the records
+  that ended more than their retention ago (``touched_at``, on the same
+  index: nothing touches a terminal record again), oldest first, those past
+  their ``expires_at`` deleted (``SKIP LOCKED`` too);
 * **counts**: the records per state and the due backlog, read for gauges
   from the ``(namespace, state, …)`` indexes;
 * **ids by prefix**: per key space, the first ``limit`` ids at or after the
   prefix on the primary key (ids compare by code point on every dialect), of
   which those that start with it.
+
+A query's state is written into its SQL (a constant of the code, never
+input), so that PostgreSQL, planning a statement whatever its parameters,
+knows which of the partial indexes (:func:`~celery_exactonce.stores.sql.schema.job_indexes`)
+holds its rows.
 
 Each ``_…_op`` method checks its arguments and returns the transaction's
 function, as the operation did before running it.
@@ -33,6 +41,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from datetime import datetime
+from typing import Any
 
 import sqlalchemy as sa
 
@@ -40,13 +49,31 @@ from celery_exactonce.core import jobs, refs, times
 from celery_exactonce.core.jobs import Job
 from celery_exactonce.core.refs import JobRef, Space
 from celery_exactonce.core.skipped_slots import SkippedSlots
-from celery_exactonce.core.states import State
+from celery_exactonce.core.states import LIVE, TERMINAL, State
 from celery_exactonce.core.writes import Transition
 from celery_exactonce.stores.base import DueBacklog
 from celery_exactonce.stores.sql.base import SqlCore
 
 #: Identifiers per ``IN (...)`` list: below every dialect's bound-parameter limit.
 _IN_CHUNK = 500
+
+
+def _state(state: State) -> sa.BindParameter[str]:
+    """``state`` written into the statement's SQL (see the module docs)."""
+    return sa.literal(state.value, literal_execute=True)
+
+
+def _past(
+    c: sa.ColumnCollection[str, sa.Column[Any]], space: Space, after: tuple[int, JobRef]
+) -> list[sa.ColumnElement[bool]]:
+    """``(touched_at, space, id) > after`` for the jobs of ``space``, spelt so that
+    ``touched_at >= t`` bounds the index scan."""
+    t, ref = after
+    if space.value > ref.space.value:
+        return [c.touched_at >= t]
+    if space.value < ref.space.value:
+        return [c.touched_at > t]
+    return [c.touched_at >= t, sa.or_(c.touched_at > t, c.id > ref.id)]
 
 
 class SqlScans(SqlCore):
@@ -167,39 +194,35 @@ class SqlScans(SqlCore):
         """
         state = State(state)
         c = self._t.jobs.c
-        # (space, id) orders as str(ref) does: the space is one character, then ':'.
-        past: list[sa.ColumnElement[bool]] = []
-        if after is not None:
-            # (touched_at, space, id) > the cursor, spelt so that the index on
-            # (namespace, state, touched_at) bounds the scan: touched_at >= t.
-            t, ref = times.to_micros(after[0]), after[1]
-            past = [
-                c.touched_at >= t,
-                sa.or_(
-                    c.touched_at > t,
-                    c.space > ref.space.value,
-                    sa.and_(c.space == ref.space.value, c.id > ref.id),
-                ),
-            ]
+        cursor = None if after is None else (times.to_micros(after[0]), after[1])
+        filters: list[sa.ColumnElement[bool]] = []
         if task is not None:
-            past.append(c.task == task)
+            filters.append(c.task == task)
         if entry is not None:
-            past.append(c.entry == entry)
+            filters.append(c.entry == entry)
 
         def op(conn: sa.Connection) -> list[Job]:
             cutoff = self._now(conn) - round(older_than * 1_000_000)
-            rows = conn.execute(
-                sa.select(self._t.jobs)
-                .where(
-                    c.namespace == self._namespace,
-                    c.state == state.value,
-                    c.touched_at <= cutoff,
-                    *past,
+            found: list[Job] = []
+            for space in Space:
+                past = [] if cursor is None else _past(c, space, cursor)
+                rows = conn.execute(
+                    sa.select(self._t.jobs)
+                    .where(
+                        c.namespace == self._namespace,
+                        c.state == _state(state),
+                        c.space == space.value,
+                        c.touched_at <= cutoff,
+                        *past,
+                        *filters,
+                    )
+                    .order_by(c.touched_at, c.id)
+                    .limit(limit)
                 )
-                .order_by(c.touched_at, c.space, c.id)
-                .limit(limit)
-            )
-            return [self._job(row) for row in rows]
+                found.extend(self._job(row) for row in rows)
+            # (space, id) orders as str(ref) does: the space is one character, then ':'.
+            found.sort(key=lambda job: (job.touched_at, job.ref.space.value, job.ref.id))
+            return found[:limit]
 
         return op
 
@@ -219,7 +242,9 @@ class SqlScans(SqlCore):
             query = (
                 sa.select(table)
                 .where(
-                    c.namespace == self._namespace, c.state == State.PENDING.value, c.run_at <= now
+                    c.namespace == self._namespace,
+                    c.state == _state(State.PENDING),
+                    c.run_at <= now,
                 )
                 .order_by(c.run_at, c.space, c.id)
                 .limit(limit)
@@ -250,38 +275,70 @@ class SqlScans(SqlCore):
         return op
 
     def _purge_expired_op(self, limit: int) -> Callable[[sa.Connection], int]:
-        """The transaction of ``purge_expired``."""
+        """The transaction of ``purge_expired``: per terminal state and key space.
+
+        A terminal record's ``expires_at`` is its end (or its slot, if later)
+        plus the retention of its key space (:meth:`Compaction.retention_of`),
+        and its ``touched_at`` is its end. So the records of one state and key
+        space that ended more than that retention ago are found on the index,
+        oldest first, and those past their ``expires_at`` deleted; a record
+        whose slot is later than its end is passed over until its slot's
+        retention is over. A record written with a shorter retention than this
+        process's waits for this one (kept longer, never purged early).
+        """
         table, c = self._t.jobs, self._t.jobs.c
+        kept = self._compaction.occurrence_retention
+        retention = {
+            space: self._retention
+            if kept is None or space is not Space.OCCURRENCE
+            else min(self._retention, kept)
+            for space in Space
+        }
 
         def op(conn: sa.Connection) -> int:
-            now = self._now(conn)
-            expired = (c.namespace == self._namespace, c.expires_at <= now)
-            query = sa.select(c.space, c.id).where(*expired).order_by(c.expires_at).limit(limit)
-            if self._d.locks:
-                query = query.with_for_update(skip_locked=True)
-            keys = [(row.space, row.id) for row in conn.execute(query)]
-            if not keys:
-                return 0
-            result = conn.execute(
-                table.delete().where(*expired, sa.tuple_(c.space, c.id).in_(keys))
-            )
-            return int(result.rowcount)
+            now, purged = self._now(conn), 0
+            for state in sorted(TERMINAL):
+                for space in Space:
+                    if purged >= limit:
+                        return purged
+                    expired = (
+                        c.namespace == self._namespace,
+                        c.state == _state(state),
+                        c.space == space.value,
+                        c.touched_at <= now - int(retention[space] * 1_000_000),
+                        c.expires_at <= now,
+                    )
+                    query = (
+                        sa.select(c.id).where(*expired).order_by(c.touched_at).limit(limit - purged)
+                    )
+                    if self._d.locks:
+                        query = query.with_for_update(skip_locked=True)
+                    ids = list(conn.execute(query).scalars())
+                    if ids:
+                        done = conn.execute(table.delete().where(*expired, c.id.in_(ids)))
+                        purged += int(done.rowcount)
+            return purged
 
         return op
 
     def _count_by_state_op(self) -> Callable[[sa.Connection], dict[State, int]]:
-        """The transaction of ``count_by_state``: one ``GROUP BY`` on the state index."""
+        """The transaction of ``count_by_state``: a ``GROUP BY`` of the live states and one
+        of the terminal ones, each on its index (PostgreSQL's partial ones)."""
         c = self._t.jobs.c
 
         def op(conn: sa.Connection) -> dict[State, int]:
             counts = dict.fromkeys(State, 0)
-            query = (
-                sa.select(c.state, sa.func.count())
-                .where(c.namespace == self._namespace)
-                .group_by(c.state)
-            )
-            for state, n in conn.execute(query):
-                counts[State(state)] = int(n)
+            for states in (LIVE, TERMINAL):
+                query = (
+                    sa.select(c.state, sa.func.count())
+                    .where(
+                        c.namespace == self._namespace,
+                        c.state.in_([_state(s) for s in sorted(states)]),
+                    )
+                    .group_by(c.state)
+                )
+                for state, n in conn.execute(query):
+                    counts[State(state)] = int(n)
             return counts
 
         return op
@@ -295,7 +352,7 @@ class SqlScans(SqlCore):
             count, oldest = conn.execute(
                 sa.select(sa.func.count(), sa.func.min(c.run_at)).where(
                     c.namespace == self._namespace,
-                    c.state == State.PENDING.value,
+                    c.state == _state(State.PENDING),
                     c.run_at <= now,
                 )
             ).one()

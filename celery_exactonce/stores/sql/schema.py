@@ -7,16 +7,22 @@ point on every dialect: ``COLLATE "C"`` on PostgreSQL, a binary *no-pad*
 collation on MySQL/MariaDB (so ``"a"`` and ``"a "`` or ``"A"`` stay different
 jobs, as they are in memory), ``BINARY`` (the default) on SQLite.
 
+The jobs table's indexes (:func:`job_indexes`) depend on the dialect: on
+PostgreSQL each covers only the rows its queries read (partial indexes), so a
+job's row versions cost no index entry they do not need; MySQL/MariaDB have
+no partial index, and SQLite would not use these (a query's ``state = ?``
+does not prove an index's ``state IN (...)`` there), so both keep full ones.
+
 Upgrades run step by step: :data:`UPGRADES` maps a version ``n`` to the
-function that moves a database from ``n`` to ``n + 1``. Only version 1 exists,
-so the map is empty; version 2 adds ``UPGRADES[1]`` (and must tolerate tables
-that :func:`create` already made in their new shape).
+function that moves a database from ``n`` to ``n + 1``, under the lock on the
+schema row. Version 2 (:data:`SCHEMA_VERSION`) changed the jobs table's
+indexes (:func:`_upgrade_1`); each step tolerates tables that :func:`create`
+already made in their new shape, and another process making the same change.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from collections.abc import Callable
 from typing import Any
@@ -24,14 +30,18 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.dialects import mysql, postgresql
 
-from celery_exactonce.core import exceptions, times
-from celery_exactonce.core.jobs import HistoryEntry, Job
-from celery_exactonce.core.payload import encode_payload
-from celery_exactonce.core.refs import JobRef, Space
-from celery_exactonce.core.states import State
-from celery_exactonce.core.writes import NewJob
-from celery_exactonce.stores.base import FORMAT_VERSION
+from celery_exactonce.core import exceptions
+from celery_exactonce.core.states import LIVE, TERMINAL, State
 
+#: The schema version this code writes (the SQL stores'; the Redis key format has its own).
+SCHEMA_VERSION = 2
+#: The jobs table's ``autovacuum_vacuum_scale_factor`` on PostgreSQL (since version 2;
+#: the server's default is 0.2). Every write of a live job leaves a dead row version
+#: (and an entry in each index); the table holds them, and the room they leave once
+#: vacuumed, until autovacuum comes: when they reach that share of its rows. At 0.2 a
+#: terminal job cost about 60 bytes more (docs/design/scale.md).
+JOBS_VACUUM_SCALE = 0.05
+VACUUM_DDL = f"ALTER TABLE %(table)s SET (autovacuum_vacuum_scale_factor = {JOBS_VACUUM_SCALE})"
 #: Attempts at creating the tables when another process creates them at once.
 _CREATE_ATTEMPTS = 5
 
@@ -65,8 +75,57 @@ def _text() -> sa.types.TypeEngine[str]:
     return sa.Text().with_variant(mysql.MEDIUMTEXT(), "mysql", "mariadb")
 
 
-def build(prefix: str, *, mysql_collation: str = "utf8mb4_bin") -> Tables:
-    """The tables of ``prefix`` (validated by the store) in a fresh metadata."""
+def _states(states: frozenset[State]) -> str:
+    """``state IN (...)`` of ``states``: constants of the code, in a partial index's ``WHERE``."""
+    return "state IN ({})".format(", ".join(f"'{s.value}'" for s in sorted(states)))
+
+
+def job_indexes(prefix: str, dialect: str | None) -> list[sa.Index]:
+    """The jobs table's indexes on ``dialect`` (``None``: the portable ones).
+
+    PostgreSQL: ``jobs_live`` and ``jobs_ended``, ``(namespace, state, space,
+    touched_at)`` over the live and the terminal rows (``list_stale``, and
+    ``purge_expired`` per state and key space), and ``jobs_pending``,
+    ``(namespace, run_at)`` over the ``PENDING`` rows (``claim_due``,
+    ``due_backlog``). Every update of a job changes its state, so each writes
+    an entry in every index: a live index empties again once its jobs end,
+    and a terminal job costs one entry, in ``jobs_ended`` (and its key).
+    Elsewhere ``jobs_states`` over every row and ``jobs_due``
+    ``(namespace, state, run_at)``.
+    """
+    ordered = ("namespace", "state", "space", "touched_at")
+    if dialect == "postgresql":
+        return [
+            sa.Index(f"{prefix}jobs_live", *ordered, postgresql_where=sa.text(_states(LIVE))),
+            sa.Index(f"{prefix}jobs_ended", *ordered, postgresql_where=sa.text(_states(TERMINAL))),
+            sa.Index(
+                f"{prefix}jobs_pending",
+                "namespace",
+                "run_at",
+                postgresql_where=sa.text(f"state = '{State.PENDING.value}'"),
+            ),
+        ]
+    return [
+        sa.Index(f"{prefix}jobs_states", *ordered),
+        sa.Index(f"{prefix}jobs_due", "namespace", "state", "run_at"),
+    ]
+
+
+#: The jobs table's indexes of schema version 1, which version 2 dropped (by dialect).
+V1_DROPPED = {
+    "postgresql": ("jobs_stale", "jobs_due", "jobs_expiry"),
+    None: ("jobs_stale", "jobs_expiry"),
+}
+
+
+def build(
+    prefix: str, *, mysql_collation: str = "utf8mb4_bin", dialect: str | None = None
+) -> Tables:
+    """The tables of ``prefix`` (validated by the store) in a fresh metadata.
+
+    ``dialect`` says which indexes the jobs table has (:func:`job_indexes`):
+    what :func:`create` makes. The statements never name an index.
+    """
     md = sa.MetaData()
     opts: dict[str, Any] = {
         "mysql_engine": "InnoDB",
@@ -76,16 +135,9 @@ def build(prefix: str, *, mysql_collation: str = "utf8mb4_bin") -> Tables:
     jobs = sa.Table(
         f"{prefix}jobs",
         md,
-        sa.Column("namespace", _key(64), primary_key=True),
-        sa.Column("space", _key(1), primary_key=True),
-        sa.Column("id", _key(200), primary_key=True),
-        sa.Column("task", sa.String(255), nullable=False),
-        sa.Column("state", _key(16), nullable=False),
-        sa.Column("rev", sa.String(255), nullable=False),
-        sa.Column("attempt", sa.Integer, nullable=False),
-        sa.Column("run_id", sa.String(255)),
-        sa.Column("payload", _text(), nullable=False),
-        sa.Column("entry", sa.String(255)),
+        # The fixed-width columns first, widest first: on PostgreSQL a BIGINT after
+        # text is aligned to 8 bytes, and each gap costs a row up to 7 (since version 2;
+        # a table upgraded from version 1 keeps its order).
         sa.Column("fire_time", sa.BigInteger),
         sa.Column("run_at", sa.BigInteger),
         sa.Column("deadline", sa.BigInteger),
@@ -94,13 +146,21 @@ def build(prefix: str, *, mysql_collation: str = "utf8mb4_bin") -> Tables:
         sa.Column("heartbeat_at", sa.BigInteger),
         sa.Column("terminal_at", sa.BigInteger),
         sa.Column("expires_at", sa.BigInteger),
+        sa.Column("attempt", sa.Integer, nullable=False),
         sa.Column("dispatches", sa.Integer, nullable=False),
+        sa.Column("namespace", _key(64), primary_key=True),
+        sa.Column("space", _key(1), primary_key=True),
+        sa.Column("id", _key(200), primary_key=True),
+        sa.Column("task", sa.String(255), nullable=False),
+        sa.Column("state", _key(16), nullable=False),
+        sa.Column("rev", sa.String(255), nullable=False),
+        sa.Column("run_id", sa.String(255)),
+        sa.Column("payload", _text(), nullable=False),
+        sa.Column("entry", sa.String(255)),
         sa.Column("node", sa.String(255), nullable=False),
         sa.Column("reason", sa.String(500), nullable=False),
         sa.Column("history", _text(), nullable=False),
-        sa.Index(f"{prefix}jobs_stale", "namespace", "state", "touched_at"),
-        sa.Index(f"{prefix}jobs_due", "namespace", "state", "run_at"),
-        sa.Index(f"{prefix}jobs_expiry", "namespace", "expires_at"),
+        *job_indexes(prefix, dialect),
         **opts,
     )
     # PostgreSQL keeps no statistics of a job's namespace and key space. A
@@ -115,6 +175,11 @@ def build(prefix: str, *, mysql_collation: str = "utf8mb4_bin") -> Tables:
             "ALTER TABLE %(table)s ALTER COLUMN namespace SET STATISTICS 0,"
             " ALTER COLUMN space SET STATISTICS 0"
         ).execute_if(dialect="postgresql"),
+    )
+    sa.event.listen(
+        jobs,
+        "after_create",
+        sa.DDL(VACUUM_DDL).execute_if(dialect="postgresql"),  # type: ignore[no-untyped-call]
     )
     watermarks = sa.Table(
         f"{prefix}watermarks",
@@ -181,9 +246,91 @@ def mysql_collation(dialect: sa.Dialect) -> str:
     return "utf8mb4_0900_bin" if version >= (8, 0, 17) else "utf8mb4_bin"
 
 
+def _index_names(conn: sa.Connection, table: str) -> set[str]:
+    return {str(ix["name"]) for ix in sa.inspect(conn).get_indexes(table)}
+
+
+def _upgrade_1(conn: sa.Connection, tables: Tables) -> None:
+    """Version 1 to 2: the jobs table's indexes of :func:`job_indexes`.
+
+    Version 1 indexed every row on ``(namespace, state, touched_at)``,
+    ``(namespace, state, run_at)`` and ``(namespace, expires_at)``. Each index
+    is made where absent and dropped where present, so a table :func:`create`
+    made in the new shape, or one another process changes at the same time
+    (MySQL commits each DDL statement, and with it releases the schema row's
+    lock), ends the same. ``CREATE INDEX`` blocks writes to the table while it
+    reads it (about a second per million jobs).
+    """
+    ddl = ddl_tables(conn, tables.prefix)
+    name = ddl.jobs.name
+    dialect = "postgresql" if conn.dialect.name == "postgresql" else None
+    for index in ddl.jobs.indexes:
+        if index.name not in _index_names(conn, name):
+            _tolerant(conn, sa.schema.CreateIndex(index), name, str(index.name), present=True)
+    for suffix in V1_DROPPED[dialect]:
+        old = f"{tables.prefix}{suffix}"
+        if old in _index_names(conn, name) and old not in {i.name for i in ddl.jobs.indexes}:
+            drop = sa.schema.DropIndex(sa.Index(old, ddl.jobs.c.namespace))
+            _tolerant(conn, drop, name, old, present=False)
+    if dialect == "postgresql":
+        quoted = conn.dialect.identifier_preparer.format_table(ddl.jobs)
+        conn.execute(sa.text(VACUUM_DDL % {"table": quoted}))
+
+
+def _tolerant(
+    conn: sa.Connection,
+    ddl: sa.schema.ExecutableDDLElement,
+    table: str,
+    index: str,
+    *,
+    present: bool,
+) -> None:
+    """Run ``ddl``; its error ignored if ``index`` ends as wanted anyway (another
+    process made the same change first)."""
+    try:
+        conn.execute(ddl)
+    except sa.exc.DBAPIError:
+        if (index in _index_names(conn, table)) != present:
+            raise
+
+
+def v1_indexes(tables: Tables) -> list[sa.Index]:
+    """The jobs table's indexes of schema version 1, on every dialect."""
+    p, jobs = tables.prefix, tables.jobs.c
+    return [
+        sa.Index(f"{p}jobs_stale", jobs.namespace, jobs.state, jobs.touched_at),
+        sa.Index(f"{p}jobs_due", jobs.namespace, jobs.state, jobs.run_at),
+        sa.Index(f"{p}jobs_expiry", jobs.namespace, jobs.expires_at),
+    ]
+
+
+def downgrade_to_1(conn: sa.Connection, tables: Tables) -> None:
+    """Version 2 to 1 (Django's migration backwards): the indexes of version 1, and a
+    compacted payload (``''``) written as version 1 reads it; then the version."""
+    ddl = ddl_tables(conn, tables.prefix)
+    name = ddl.jobs.name
+    for index in v1_indexes(ddl):
+        if index.name not in _index_names(conn, name):
+            _tolerant(conn, sa.schema.CreateIndex(index), name, str(index.name), present=True)
+    for index in job_indexes(tables.prefix, conn.dialect.name):
+        if index.name in _index_names(conn, name) and index.name != f"{tables.prefix}jobs_due":
+            drop = sa.schema.DropIndex(sa.Index(index.name, ddl.jobs.c.namespace))
+            _tolerant(conn, drop, name, str(index.name), present=False)
+    jobs = tables.jobs
+    if conn.dialect.name == "postgresql":
+        quoted = conn.dialect.identifier_preparer.format_table(jobs)
+        conn.execute(sa.text(f"ALTER TABLE {quoted} RESET (autovacuum_vacuum_scale_factor)"))
+    conn.execute(jobs.update().where(jobs.c.payload == "").values(payload=V1_COMPACT_PAYLOAD))
+    conn.execute(tables.schema.update().where(tables.schema.c.id == 1).values(version=1))
+
+
+#: A payload that keeps nothing as version 1 wrote it.
+V1_COMPACT_PAYLOAD = '{"args":[],"kwargs":{},"options":{}}'
+
+
 #: ``UPGRADES[n]`` moves a database from version ``n`` to ``n + 1``, in the
 #: transaction that holds the schema row locked.
-UPGRADES: dict[int, Callable[[sa.Connection, Tables], None]] = {}
+UPGRADES: dict[int, Callable[[sa.Connection, Tables], None]] = {1: _upgrade_1}
 
 
 def stored_version(conn: sa.Connection, tables: Tables, *, lock: bool = False) -> int | None:
@@ -198,11 +345,19 @@ def stored_version(conn: sa.Connection, tables: Tables, *, lock: bool = False) -
 
 
 def refuse_newer(version: int | None, where: str) -> None:
-    if version is not None and version > FORMAT_VERSION:
+    if version is not None and version > SCHEMA_VERSION:
         raise exceptions.SchemaMismatch(
             f"{where} holds schema version {version}; this celery-exactonce writes "
-            f"version {FORMAT_VERSION}: upgrade celery-exactonce (never mix versions)"
+            f"version {SCHEMA_VERSION}: upgrade celery-exactonce (never mix versions)"
         )
+
+
+def ddl_tables(conn: sa.Connection, prefix: str) -> Tables:
+    """The tables of ``prefix`` as :func:`create` makes them on ``conn``'s dialect."""
+    name = conn.dialect.name
+    if name in ("mysql", "mariadb"):
+        return build(prefix, mysql_collation=mysql_collation(conn.dialect), dialect=name)
+    return build(prefix, dialect=name)
 
 
 def create(engine: sa.Engine, tables: Tables, where: str) -> None:
@@ -217,10 +372,7 @@ def create(engine: sa.Engine, tables: Tables, where: str) -> None:
     for attempt in range(_CREATE_ATTEMPTS):
         try:
             with engine.connect() as conn, conn.begin():
-                ddl = tables
-                if conn.dialect.name == "mysql":
-                    ddl = build(tables.prefix, mysql_collation=mysql_collation(conn.dialect))
-                ddl.metadata.create_all(conn, checkfirst=True)
+                ddl_tables(conn, tables.prefix).metadata.create_all(conn, checkfirst=True)
             break
         except sa.exc.DBAPIError:
             if attempt + 1 == _CREATE_ATTEMPTS:
@@ -241,107 +393,9 @@ def _record_version(conn: sa.Connection, tables: Tables, where: str) -> None:
     version = stored_version(conn, tables, lock=True)
     refuse_newer(version, where)
     if version is None:
-        conn.execute(tables.schema.insert().values(id=1, version=FORMAT_VERSION))
+        conn.execute(tables.schema.insert().values(id=1, version=SCHEMA_VERSION))
         return
-    while version < FORMAT_VERSION:
+    while version < SCHEMA_VERSION:
         UPGRADES[version](conn, tables)
         version += 1
         conn.execute(tables.schema.update().where(tables.schema.c.id == 1).values(version=version))
-
-
-# -- rows <-> jobs -------------------------------------------------------------------
-
-
-def job_values(
-    job: Job,
-    namespace: str,
-    retention: float,
-    *,
-    key: bool = True,
-    payload: str | None = None,
-    history: bool = True,
-) -> dict[str, Any]:
-    """The ``jobs`` row of ``job`` (without the primary key unless ``key``).
-
-    ``expires_at`` is set only on terminal records: ``max(fire_time, terminal_at) + retention``.
-    ``payload``: the ``payload`` column's text already encoded (:func:`new_payload`), if it is.
-    Not ``history``: without the ``history`` column (a statement that writes it in pieces).
-    """
-    values: dict[str, Any] = {
-        "task": job.task,
-        "state": job.state.value,
-        "rev": job.rev,
-        "attempt": job.attempt,
-        "run_id": job.run_id,
-        "payload": payload or encode_payload(payload_document(job), context=str(job.ref)),
-        "entry": job.entry,
-        "fire_time": times.to_micros_opt(job.fire_time),
-        "run_at": times.to_micros_opt(job.run_at),
-        "deadline": times.to_micros_opt(job.deadline),
-        "created_at": times.to_micros(job.created_at),
-        "touched_at": times.to_micros(job.touched_at),
-        "heartbeat_at": times.to_micros_opt(job.heartbeat_at),
-        "terminal_at": times.to_micros_opt(job.terminal_at),
-        "expires_at": times.to_micros_opt(job.expires_at(retention)),
-        "dispatches": job.dispatches,
-        "node": job.node,
-        "reason": job.reason,
-    }
-    if history:
-        values["history"] = json.dumps([h.to_json() for h in job.history], separators=(",", ":"))
-    if key:
-        values.update(namespace=namespace, space=job.ref.space.value, id=job.ref.id)
-    return values
-
-
-def job_from_row(row: sa.Row[Any]) -> Job:
-    """Inverse of :func:`job_values`."""
-    m = row._mapping
-    payload = json.loads(m["payload"])
-    return Job(
-        ref=JobRef(Space(m["space"]), m["id"]),
-        task=m["task"],
-        state=State(m["state"]),
-        rev=m["rev"],
-        attempt=int(m["attempt"]),
-        run_id=m["run_id"],
-        args=list(payload["args"]),
-        kwargs=dict(payload["kwargs"]),
-        options=dict(payload["options"]),
-        entry=m["entry"],
-        fire_time=times.from_micros_opt(m["fire_time"]),
-        run_at=times.from_micros_opt(m["run_at"]),
-        deadline=times.from_micros_opt(m["deadline"]),
-        created_at=times.from_micros(m["created_at"]),
-        touched_at=times.from_micros(m["touched_at"]),
-        heartbeat_at=times.from_micros_opt(m["heartbeat_at"]),
-        terminal_at=times.from_micros_opt(m["terminal_at"]),
-        dispatches=int(m["dispatches"]),
-        node=m["node"],
-        reason=m["reason"],
-        history=tuple(HistoryEntry.from_json(h) for h in json.loads(m["history"])),
-        signature=payload.get("signature") or None,
-    )
-
-
-def new_payload(new: NewJob) -> str | None:
-    """The ``payload`` column of the record a create of ``new`` writes, from the texts ``new``
-    encoded when it was built (:attr:`NewJob.payload_json`); ``None`` if it kept none."""
-    texts = new.payload_json
-    if texts is None:
-        return None
-    signed = "" if new.signature is None else f',"signature":{json.dumps(new.signature)}'
-    return f'{{"args":{texts[0]},"kwargs":{texts[1]},"options":{texts[2]}{signed}}}'
-
-
-def payload_document(job: Job) -> dict[str, Any]:
-    """The ``payload`` column's JSON: args, kwargs, options, and the signature if any.
-
-    The signature lives in the document it signs, so one write changes both,
-    and tables of schema version 1 hold it without an upgrade (a reader that
-    does not know the key ignores it).
-    """
-    document = job.payload
-    if job.signature is not None:
-        document["signature"] = job.signature
-    return document

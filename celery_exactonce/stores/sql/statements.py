@@ -43,6 +43,7 @@ from celery_exactonce.core.jobs import HistoryEntry
 from celery_exactonce.core.refs import JobRef
 from celery_exactonce.core.states import TERMINAL, State
 from celery_exactonce.core.writes import Transition
+from celery_exactonce.stores.sql.rows import COMPACT_PAYLOAD
 from celery_exactonce.stores.sql.statements_base import JOB_COLUMNS, entry_parts
 from celery_exactonce.stores.sql.statements_create import CreateStatements
 
@@ -51,8 +52,6 @@ from celery_exactonce.stores.sql.statements_create import CreateStatements
 ENTRY_MARK = '{"from":'
 
 _COMMA, _CLOSE, _EMPTY = "','", "']'", "'[]'"
-#: The payload column of a terminal record that keeps none (``exactonce_terminal_payload``).
-COMPACT_PAYLOAD = '{"args":[],"kwargs":{},"options":{}}'
 """SQL literals of the history's separator and end."""
 
 

@@ -10,7 +10,7 @@ PostgreSQL a data-modifying ``WITH`` first advances an occurrence's watermark
 record exists), and the record is inserted only from the row that did; the
 statement answers what the caller needs to decide (the clock, the epoch,
 whether it inserted, the record or the mark as they were). The record's
-values are those :func:`~celery_exactonce.stores.sql.schema.job_values`
+values are those :func:`~celery_exactonce.stores.sql.rows.job_values`
 writes; its times and its first history entry take the store time in SQL.
 
 Not here: deciding a create, and the locking way for what one statement
@@ -29,7 +29,7 @@ from celery_exactonce.core import jobs, times
 from celery_exactonce.core.jobs import Job
 from celery_exactonce.core.states import State
 from celery_exactonce.core.writes import NewJob, Transition
-from celery_exactonce.stores.sql import schema as sql_schema
+from celery_exactonce.stores.sql import rows as sql_rows
 from celery_exactonce.stores.sql.statements_base import JOB_COLUMNS, StatementCore, history_parts
 
 
@@ -38,7 +38,7 @@ class CreateStatements(StatementCore):
 
     def _create_params(self, namespace: str, new: NewJob, epoch: str | None) -> dict[str, Any]:
         job = jobs.job_from_new(new, times.UNIX_EPOCH)
-        params = self._record_params(namespace, job, sql_schema.new_payload(new))
+        params = self._record_params(namespace, job, sql_rows.new_payload(new))
         if epoch is not None:
             params["epoch"] = epoch
         return params
@@ -52,9 +52,7 @@ class CreateStatements(StatementCore):
         ``h_1``... around them (:meth:`_job_values_sql`). ``payload``: the payload
         column's text, where its request kept it encoded.
         """
-        values = sql_schema.job_values(
-            job, namespace, 1.0, key=False, payload=payload, history=False
-        )
+        values = sql_rows.job_values(job, namespace, 1.0, key=False, payload=payload, history=False)
         params = {f"c_{name}": value for name, value in values.items()}
         params.update(k_ns=namespace, k_space=job.ref.space.value, k_id=job.ref.id)
         for i, piece in enumerate(history_parts(job.history)):
@@ -178,7 +176,7 @@ class CreateStatements(StatementCore):
         MySQL and MariaDB refuse the duplicate key with an error.
         """
         job = jobs.enqueued_job(new, dispatch, times.UNIX_EPOCH)
-        params = self._record_params(namespace, job, sql_schema.new_payload(new))
+        params = self._record_params(namespace, job, sql_rows.new_payload(new))
 
         def build() -> str:
             c = self._col

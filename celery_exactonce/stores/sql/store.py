@@ -172,6 +172,9 @@ class SqlStore(SqlCreates, SqlTransitions, SqlScans, SqlLeases):
         # between concurrent CREATEs) is simply retried.
         self._run_idempotent("setup", lambda: sql_schema.create(self._engine, self._t, self._where))
 
+    #: The schema version this code writes (``stores.base.format_written``).
+    format_written = sql_schema.SCHEMA_VERSION
+
     def schema_version(self) -> int | None:
         def op(conn: sa.Connection) -> int | None:
             return sql_schema.stored_version(conn, self._t)

@@ -9,7 +9,7 @@ from celery_exactonce.core import jobs, times
 from celery_exactonce.core.refs import JobRef
 from celery_exactonce.core.states import State
 from celery_exactonce.core.writes import NewJob
-from celery_exactonce.stores.sql import schema
+from celery_exactonce.stores.sql import rows
 
 
 def _new(**kw: object) -> NewJob:
@@ -19,19 +19,19 @@ def _new(**kw: object) -> NewJob:
 
 def test_the_payload_column_of_a_create_is_its_requests_texts_and_decodes_as_before() -> None:
     for new in (_new(), _new(signature="ab12")):
-        text = schema.new_payload(new)
+        text = rows.new_payload(new)
         assert text is not None and new.payload_json is not None
         assert new.payload_json[1] in text  # the kwargs as encoded when the request was built
         job = jobs.job_from_new(new, times.UNIX_EPOCH)
-        assert json.loads(text) == schema.payload_document(job)
-        assert schema.job_values(job, "ns", 1.0, payload=text)["payload"] == text
+        assert json.loads(text) == rows.payload_document(job)
+        assert rows.job_values(job, "ns", 1.0, payload=text)["payload"] == text
 
 
 def test_a_payload_with_kombu_typed_values_is_encoded_by_the_store() -> None:
-    assert schema.new_payload(_new(kwargs={"d": Decimal("1")})) is None
+    assert rows.new_payload(_new(kwargs={"d": Decimal("1")})) is None
 
 
 def test_a_create_statement_binds_no_history_column_it_writes_in_pieces() -> None:
     job = jobs.job_from_new(_new(), times.UNIX_EPOCH)
-    assert "history" not in schema.job_values(job, "ns", 1.0, history=False)
-    assert json.loads(schema.job_values(job, "ns", 1.0)["history"])[0]["rev"] == job.rev
+    assert "history" not in rows.job_values(job, "ns", 1.0, history=False)
+    assert json.loads(rows.job_values(job, "ns", 1.0)["history"])[0]["rev"] == job.rev

@@ -20,7 +20,7 @@ from celery_exactonce.core.refs import JobRef
 from celery_exactonce.core.states import State
 from celery_exactonce.core.writes import NewJob, Transition
 from celery_exactonce.stores import store_from_url
-from celery_exactonce.stores.base import FORMAT_VERSION, StateStore
+from celery_exactonce.stores.base import StateStore
 from celery_exactonce.stores.sql import schema as sql_schema
 from celery_exactonce.stores.sql.store import SqlStore
 
@@ -141,7 +141,7 @@ def test_older_schema_version_is_upgraded_step_by_step(
     assert steps == [0]
     with store.engine.connect() as conn:
         version = conn.execute(sa.text("SELECT version FROM exactonce_schema")).scalar_one()
-    assert version == FORMAT_VERSION
+    assert version == sql_schema.SCHEMA_VERSION
 
 
 def test_setup_is_idempotent_and_safe_in_parallel(db: Path) -> None:
