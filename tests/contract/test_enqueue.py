@@ -116,7 +116,7 @@ def test_enqueue_runs_meanwhile_once_whether_or_not_the_ref_exists(sql_store: An
     assert len(seen) == 2
     assert first.status is CreateStatus.CREATED
     assert again.status is CreateStatus.EXISTS and again.job == sql_store.get(new.ref)
-    # And it overlaps the statement on PostgreSQL alone (psycopg's pipeline)
+    # And it overlaps the statement on PostgreSQL alone (psycopg 3, in autocommit)
     assert sql_store.enqueue_overlaps is (sql_store.engine.dialect.name == "postgresql")
 
 

@@ -230,10 +230,11 @@ def _driver_statements(store: SqlStore, autocommit: list[bool]) -> list[str]:
     sent: list[str] = []
 
     class Counted(psycopg.Cursor[Any]):
-        def execute(self, query: Any, *args: Any, **kwargs: Any) -> Any:
+        # The generator behind ``execute``, which the store may drive itself
+        def _execute_gen(self, query: Any, *args: Any, **kwargs: Any) -> Any:
             sent.append(str(query).split(None, 1)[0].upper())
             autocommit.append(self.connection.autocommit)
-            return super().execute(query, *args, **kwargs)
+            return super()._execute_gen(query, *args, **kwargs)
 
     def count_on(dbapi_conn: Any, *_: Any) -> None:
         dbapi_conn.cursor_factory = Counted
@@ -302,13 +303,26 @@ def test_a_submit_on_postgresql_sends_its_insert_and_commit_before_meanwhile_run
     dispatch = to(State.DISPATCHED, State.SCHEDULED, rev=new.rev)
     autocommit: list[bool] = []
     sent = _driver_statements(server_store, autocommit)
+    from psycopg import pq
+
+    drivers: list[Any] = []
+    sa.event.listen(server_store.engine, "checkout", lambda driver, *_: drivers.append(driver))
     at_meanwhile: list[list[str]] = []
+    states: list[tuple[Any, Any]] = []
+
+    def meanwhile() -> None:
+        at_meanwhile.append(sent[:])
+        states.append((drivers[-1].pgconn.transaction_status, drivers[-1].pgconn.pipeline_status))
+
     # When a submit's write runs with the message's build
-    result = server_store.enqueue(new, dispatch, meanwhile=lambda: at_meanwhile.append(sent[:]))
+    result = server_store.enqueue(new, dispatch, meanwhile=meanwhile)
     # Then its one statement (the INSERT) had been sent, in autocommit, when the build
     # ran; nothing after it
     assert len(sent) == 1 and at_meanwhile == [sent]
     assert autocommit == [True]
+    # And its answer was still to be read: one message, no pipeline mode (whose exit
+    # would send a second Sync and wait for it)
+    assert states == [(pq.TransactionStatus.ACTIVE, pq.PipelineStatus.OFF)]
     # And the record is written, committed (another connection reads it)
     assert result.created
     job = server_store.get(new.ref)

@@ -210,24 +210,52 @@ def _plan_each_call(dbapi_conn: Any, _record: Any) -> None:
 
 
 @functools.cache
-def pipelines() -> bool:
-    """Whether psycopg 3 is here with the parts of its pipeline :func:`execute` uses.
+def splits() -> bool:
+    """Whether psycopg 3 is here with the part of its cursor :func:`execute` drives itself.
 
-    Its pipeline mode (libpq 14 or later) sends a statement and the ``Sync``
-    that ends its implicit transaction, and reads the answer later.
+    ``Cursor._execute_gen`` is the generator ``Cursor.execute`` runs: it sends
+    the statement (with its ``Sync``: in autocommit, the commit too) and then
+    waits to read the answer. :func:`execute` runs a function at that wait.
     """
     try:
-        from psycopg import Pipeline
+        from psycopg import Cursor
+        from psycopg.waiting import Wait
     except ImportError:  # pragma: no cover - psycopg 3 not installed
         return False
-    parts = ("_enqueue_sync", "_communicate_gen")
-    return Pipeline.is_supported() and all(hasattr(Pipeline, part) for part in parts)
+    return hasattr(Cursor, "_execute_gen") and hasattr(Wait, "R")
 
 
 def overlaps(driver: Any) -> bool:
     """Whether :func:`execute` can run a function while ``driver``'s statement is on the way:
-    a psycopg 3 connection in autocommit, with a pipeline (else the function runs first)."""
-    return hasattr(type(driver), "pipeline") and driver.autocommit is True and pipelines()
+    a psycopg 3 connection in autocommit (else the function runs first)."""
+    return hasattr(type(driver), "pipeline") and driver.autocommit is True and splits()
+
+
+def _at_first_read(gen: Any, meanwhile: Callable[[], None]) -> Any:
+    """Drive psycopg's generator ``gen``, running ``meanwhile`` once, at its first wait to read.
+
+    By then the statement is sent: the server works on it while ``meanwhile``
+    runs. What ``meanwhile`` raises is raised once ``gen`` has read its
+    answer, so the connection is left as ``Cursor.execute`` leaves it.
+    """
+    from psycopg.waiting import Wait
+
+    failed: BaseException | None = None
+    pending: Callable[[], None] | None = meanwhile
+    try:
+        wait = next(gen)
+        while True:
+            if pending is not None and wait == Wait.R:
+                try:
+                    pending()
+                except BaseException as exc:  # raised below, once the answer is read
+                    failed = exc
+                pending = None
+            wait = gen.send((yield wait))
+    except StopIteration as stop:
+        if failed is not None:
+            raise failed from None
+        return stop.value
 
 
 def execute(driver: Any, sql: str, values: Any, meanwhile: Run) -> Any:
@@ -235,17 +263,15 @@ def execute(driver: Any, sql: str, values: Any, meanwhile: Run) -> Any:
 
     ``meanwhile`` runs while the statement's answer is on the way where the
     driver can (:func:`overlaps`: an autocommit statement's commit, too,
-    runs on the server meanwhile), else before the statement is sent. It
-    must not raise.
+    runs on the server meanwhile): one message to the server, as
+    ``Cursor.execute`` sends it, and the answer read after ``meanwhile``.
+    Elsewhere it runs before the statement is sent. It must not raise.
     """
     cursor = driver.cursor()
     try:
         if meanwhile is not None and overlaps(driver):
-            with driver.pipeline() as pipeline:
-                cursor.execute(sql, values)
-                pipeline._enqueue_sync()  # the statement's commit: not waited for here
-                driver.wait(pipeline._communicate_gen())
-                meanwhile()
+            with driver.lock:
+                driver.wait(_at_first_read(cursor._execute_gen(sql, values), meanwhile))
         else:
             if meanwhile is not None:
                 meanwhile()

@@ -235,10 +235,10 @@ class SqlStore(SqlCreates, SqlTransitions, SqlScans, SqlLeases):
     def enqueue_overlaps(self) -> bool:
         """Whether ``enqueue`` runs its ``meanwhile`` while the statement is on the way.
 
-        On PostgreSQL through psycopg 3 (pipeline mode), where the statement
-        runs alone; elsewhere ``meanwhile`` runs before the statement.
+        On PostgreSQL through psycopg 3, where the statement runs alone (in
+        autocommit); elsewhere ``meanwhile`` runs before the statement.
         """
-        return self._postgresql and sql_engine.pipelines() and self._commits_alone()
+        return self._postgresql and sql_engine.splits() and self._commits_alone()
 
     def enqueue(self, new: NewJob, dispatch: Transition, *, meanwhile: Run = None) -> CreateResult:
         """The one-write submit: ``new`` created already ``DISPATCHED``, unless its ref exists.

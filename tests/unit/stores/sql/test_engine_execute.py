@@ -1,0 +1,53 @@
+"""How the SQL store drives psycopg's ``execute`` generator to run work while its answer is out."""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from typing import Any
+
+import pytest
+from psycopg.waiting import Wait
+
+from celery_exactonce.stores.sql import engine as sql_engine
+
+
+def _statement(events: list[str]) -> Generator[Any, Any, str]:
+    """psycopg's shape: wait to write (send), then to read twice, then the answer."""
+    events.append("sent")
+    yield Wait.W
+    yield Wait.R
+    events.append("read")
+    yield Wait.R
+    return "answer"
+
+
+def _drive(gen: Generator[Any, Any, Any]) -> tuple[list[Any], Any]:
+    waits = []
+    try:
+        waits.append(next(gen))
+        while True:
+            waits.append(gen.send(True))
+    except StopIteration as stop:
+        return waits, stop.value
+
+
+def test_meanwhile_runs_once_at_the_first_wait_to_read_and_the_answer_passes_through() -> None:
+    events: list[str] = []
+    waits, answer = _drive(
+        sql_engine._at_first_read(_statement(events), lambda: events.append("meanwhile"))
+    )
+    # The waits are psycopg's own, the work ran once, after the send and before any read
+    assert waits == [Wait.W, Wait.R, Wait.R] and answer == "answer"
+    assert events == ["sent", "meanwhile", "read"]
+
+
+def test_what_meanwhile_raises_is_raised_once_the_answer_is_read() -> None:
+    events: list[str] = []
+
+    def meanwhile() -> None:
+        raise ValueError("build failed")
+
+    with pytest.raises(ValueError, match="build failed"):
+        _drive(sql_engine._at_first_read(_statement(events), meanwhile))
+    # The statement's answer was read all the same: the connection is left idle
+    assert events == ["sent", "read"]
