@@ -329,6 +329,46 @@ def test_a_submit_on_postgresql_sends_its_insert_and_commit_before_meanwhile_run
     assert job is not None and job.state is State.DISPATCHED and job.rev == dispatch.new_rev
 
 
+@pytest.mark.parametrize("server_store", ["mysql"], indirect=True)
+def test_a_submit_on_mysql_is_one_round_trip_its_commit_in_the_insert_message(
+    server_store: SqlStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The store's engine takes several statements a message: ``INSERT …; COMMIT``."""
+    import pymysql
+    from pymysql.constants import COMMAND
+
+    sent: list[str] = []
+    real = pymysql.connections.Connection._execute_command
+
+    def counted(conn: Any, command: int, sql: Any) -> Any:
+        if command == COMMAND.COM_QUERY:
+            sent.append(sql if isinstance(sql, str) else sql.decode())
+        return real(conn, command, sql)
+
+    monkeypatch.setattr(pymysql.connections.Connection, "_execute_command", counted)
+    new = task_job()
+    dispatch = to(State.DISPATCHED, State.SCHEDULED, rev=new.rev)
+    # When a gated submit writes its record
+    assert server_store.enqueue(new, dispatch).created
+    # Then one message went: the INSERT and its COMMIT
+    assert len(sent) == 1
+    assert sent[0].startswith("INSERT") and sent[0].endswith("; COMMIT")
+    # And the record is committed (another connection reads it), the pooled
+    # connection left with no transaction open
+    raw = server_store.engine.raw_connection()
+    try:
+        status = raw.driver_connection.server_status  # type: ignore[union-attr]
+        assert not status & 1  # SERVER_STATUS_IN_TRANS
+    finally:
+        raw.close()
+    other = _store("mysql", Path("."), server_store.namespace)
+    try:
+        job = other.get(new.ref)
+        assert job is not None and job.state is State.DISPATCHED
+    finally:
+        other.close()
+
+
 def test_without_insert_returning_mysql_creates_the_locking_way(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -258,8 +258,11 @@ def _at_first_read(gen: Any, meanwhile: Callable[[], None]) -> Any:
         return stop.value
 
 
-def execute(driver: Any, sql: str, values: Any, meanwhile: Run) -> Any:
+def execute(driver: Any, sql: str, values: Any, meanwhile: Run, *, drain: bool = False) -> Any:
     """Run one statement on a DB-API connection: its rows (``None``: it answers none).
+
+    ``drain``: ``sql`` is more than one statement (:data:`COMMITS`): the
+    answers after the first are read (and their errors raised).
 
     ``meanwhile`` runs while the statement's answer is on the way where the
     driver can (:func:`overlaps`: an autocommit statement's commit, too,
@@ -276,9 +279,31 @@ def execute(driver: Any, sql: str, values: Any, meanwhile: Run) -> Any:
             if meanwhile is not None:
                 meanwhile()
             cursor.execute(sql, values)
-        return cursor.fetchall() if cursor.description is not None else None
+        rows = cursor.fetchall() if cursor.description is not None else None
+        while drain and cursor.nextset():
+            pass
+        return rows
     finally:
         cursor.close()
+
+
+_MULTI_STATEMENTS = 1 << 16  # pymysql.constants.CLIENT.MULTI_STATEMENTS (the protocol's)
+COMMITS = "; COMMIT"
+"""What ends a MySQL statement run alone when its connection takes several statements
+a message (:func:`commits_in_statement`): its commit, in the same round trip."""
+
+
+def commits_in_statement(driver: Any) -> bool:
+    """Whether a statement sent on ``driver`` may carry its ``COMMIT`` (:data:`COMMITS`):
+    a PyMySQL connection with ``CLIENT.MULTI_STATEMENTS`` (:func:`engine_from_url`'s)."""
+    return bool(getattr(driver, "client_flag", 0) & _MULTI_STATEMENTS)
+
+
+def _multi_statements(_dialect: Any, _record: Any, _cargs: Any, cparams: dict[str, Any]) -> None:
+    """A ``do_connect`` listener: PyMySQL connections take several statements a message,
+    so a one-statement write and its ``COMMIT`` are one round trip. Every value is
+    still bound by the driver, escaped; the flags SQLAlchemy asks (``FOUND_ROWS``) stay."""
+    cparams["client_flag"] = int(cparams.get("client_flag", 0)) | _MULTI_STATEMENTS
 
 
 _MYSQL_IN_TRANS = 1  # SERVER_STATUS_IN_TRANS, from the status of the server's last reply
@@ -339,6 +364,8 @@ def engine_from_url(url: str, engine_kwargs: dict[str, Any]) -> sa.Engine:
         engine = sa.create_engine(sa_url, **kwargs)
         if own_reset:
             event.listen(engine, "reset", _reset_mysql)
+        if engine.dialect.name == "mysql" and engine.dialect.driver == "pymysql":
+            event.listen(engine, "do_connect", _multi_statements)
         if engine.dialect.name in ("postgresql", "mysql"):
             event.listen(engine, "checkout", _check_on_checkout(engine.dialect))
         if engine.dialect.name == "postgresql":
