@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -299,34 +300,79 @@ def test_a_submit_on_postgresql_sends_its_insert_and_commit_before_meanwhile_run
     server_store: SqlStore,
 ) -> None:
     """The message is built while the INSERT and its commit are on the way, not before."""
-    new = task_job()
-    dispatch = to(State.DISPATCHED, State.SCHEDULED, rev=new.rev)
-    autocommit: list[bool] = []
-    sent = _driver_statements(server_store, autocommit)
     from psycopg import pq
 
+    new = task_job()
+    dispatch = to(State.DISPATCHED, State.SCHEDULED, rev=new.rev)
     drivers: list[Any] = []
+    server_store.engine.dispose()
     sa.event.listen(server_store.engine, "checkout", lambda driver, *_: drivers.append(driver))
-    at_meanwhile: list[list[str]] = []
-    states: list[tuple[Any, Any]] = []
+    states: list[tuple[Any, bool]] = []
 
     def meanwhile() -> None:
-        at_meanwhile.append(sent[:])
-        states.append((drivers[-1].pgconn.transaction_status, drivers[-1].pgconn.pipeline_status))
+        states.append((drivers[-1].pgconn.transaction_status, drivers[-1].autocommit))
 
     # When a submit's write runs with the message's build
     result = server_store.enqueue(new, dispatch, meanwhile=meanwhile)
-    # Then its one statement (the INSERT) had been sent, in autocommit, when the build
-    # ran; nothing after it
-    assert len(sent) == 1 and at_meanwhile == [sent]
-    assert autocommit == [True]
-    # And its answer was still to be read: one message, no pipeline mode (whose exit
-    # would send a second Sync and wait for it)
-    assert states == [(pq.TransactionStatus.ACTIVE, pq.PipelineStatus.OFF)]
+    # Then the build ran once, the statement sent in autocommit and its answer still
+    # to be read (the server's transaction active)
+    assert states == [(pq.TransactionStatus.ACTIVE, True)]
     # And the record is written, committed (another connection reads it)
     assert result.created
     job = server_store.get(new.ref)
     assert job is not None and job.state is State.DISPATCHED and job.rev == dispatch.new_rev
+
+
+@contextmanager
+def _pooled(store: SqlStore) -> Iterator[Any]:
+    """The psycopg connection of the store's pool (one thread: one), in autocommit while held."""
+    raw = store.engine.raw_connection()
+    driver: Any = raw.driver_connection
+    driver.autocommit = True
+    try:
+        yield driver
+    finally:
+        driver.autocommit = False
+        raw.close()
+
+
+@pytest.mark.parametrize("server_store", ["postgres"], indirect=True)
+def test_a_submit_on_postgresql_keeps_its_inserts_plan_and_nothing_else(
+    server_store: SqlStore,
+) -> None:
+    """The INSERT reads no table for its plan: it keeps one (no planning per submit),
+    while every other statement on the connection is still planned on every run."""
+    from psycopg import errors
+
+    from celery_exactonce.stores.sql import pgwire
+
+    server_store.engine.dispose()  # one connection from now on (one thread): the test reads it
+    # When more jobs are enqueued than PostgreSQL plans before it may keep a plan
+    for _ in range(8):
+        new = task_job()
+        assert server_store.enqueue(new, to(State.DISPATCHED, State.SCHEDULED, rev=new.rev)).created
+    # Then the INSERT ran on a kept (generic) plan, and the connection plans each run anew
+    with _pooled(server_store) as driver:
+        kept = driver.execute("SELECT generic_plans FROM pg_prepared_statements").fetchall()
+        assert len(kept) == 1 and kept[0][0] >= 1
+        assert driver.execute("SHOW plan_cache_mode").fetchone() == ("force_custom_plan",)
+        # And a connection that lost its prepared statements prepares it again
+        driver.execute("DEALLOCATE ALL")
+    new = task_job()
+    assert server_store.enqueue(new, to(State.DISPATCHED, State.SCHEDULED, rev=new.rev)).created
+    assert server_store.get(new.ref) is not None
+    # And one that fails changes nothing: no record, the mode as it was, the connection idle
+    stmt, params = server_store._sql.enqueue(
+        server_store.namespace, task_job(), to(State.DISPATCHED, State.SCHEDULED), returning=True
+    )
+    form = pgwire.kept(str(stmt.compile(dialect=server_store.engine.dialect)))
+    with _pooled(server_store) as driver:
+        bad = pgwire.values_of(driver, form, {**params, "c_attempt": "x"})
+        with pytest.raises(errors.InvalidTextRepresentation):
+            pgwire.run_kept(driver, form, bad, None)
+        assert driver.execute("SHOW plan_cache_mode").fetchone() == ("force_custom_plan",)
+        assert driver.execute("SELECT 1").fetchone() == (1,)
+    assert server_store.get(JobRef.submitted(params["k_id"])) is None
 
 
 @pytest.mark.parametrize("server_store", ["mysql"], indirect=True)

@@ -210,6 +210,7 @@ class SqlCore:
         stmt: sa.TextClause | sa.TextualSelect,
         params: dict[str, Any],
         meanwhile: Run = None,
+        keep: bool = False,
     ) -> Any:
         """Run one write alone, committed, on a DB-API connection: its first row.
 
@@ -221,7 +222,7 @@ class SqlCore:
         ``None``: no row, or (MySQL) its key exists. Errors are wrapped as every
         other (:meth:`_guard`), the connection dropped if it broke. Not retried:
         a statement alone locks at most its one row, so it cannot deadlock; an
-        ``INSERT`` waits on no lock but its key's. ``meanwhile``: see
+        ``INSERT`` waits on no lock but its key's. ``meanwhile``, ``keep``: see
         :func:`~.engine.execute`.
         """
         compiled = self._raw_sql.get(stmt)
@@ -235,7 +236,7 @@ class SqlCore:
             ends = commit and sql_engine.commits_in_statement(driver)  # MySQL: its COMMIT too
             try:
                 text = sql + sql_engine.COMMITS if ends else sql
-                rows = sql_engine.execute(driver, text, values, meanwhile, drain=ends)
+                rows = sql_engine.execute(driver, text, values, meanwhile, drain=ends, keep=keep)
             except self._driver_errors as exc:
                 if sql_engine.error_code(exc) != sql_engine.DUPLICATE_KEY:
                     raise

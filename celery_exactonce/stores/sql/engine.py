@@ -51,6 +51,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from celery_exactonce.core import exceptions
 from celery_exactonce.stores import redact_message, redact_url
 from celery_exactonce.stores.base import Run
+from celery_exactonce.stores.sql import pgwire
 
 _SQLITE_BUSY = 30.0
 """Seconds a SQLite transaction waits for the write lock (``from_url`` default)."""
@@ -207,6 +208,7 @@ def _plan_each_call(dbapi_conn: Any, _record: Any) -> None:
     finally:
         cursor.close()
     dbapi_conn.commit()
+    pgwire.guarded(dbapi_conn)  # a statement whose plan reads no table may keep one
 
 
 @functools.cache
@@ -258,8 +260,14 @@ def _at_first_read(gen: Any, meanwhile: Callable[[], None]) -> Any:
         return stop.value
 
 
-def execute(driver: Any, sql: str, values: Any, meanwhile: Run, *, drain: bool = False) -> Any:
+def execute(
+    driver: Any, sql: str, values: Any, meanwhile: Run, *, drain: bool = False, keep: bool = False
+) -> Any:
     """Run one statement on a DB-API connection: its rows (``None``: it answers none).
+
+    ``keep``: the statement's plan reads no table (an ``INSERT`` of bound
+    values): on the store's PostgreSQL connections it runs with a kept plan
+    (:mod:`~celery_exactonce.stores.sql.pgwire`), ``meanwhile`` while it is on the way.
 
     ``drain``: ``sql`` is more than one statement (:data:`COMMITS`): the
     answers after the first are read (and their errors raised).
@@ -270,6 +278,14 @@ def execute(driver: Any, sql: str, values: Any, meanwhile: Run, *, drain: bool =
     ``Cursor.execute`` sends it, and the answer read after ``meanwhile``.
     Elsewhere it runs before the statement is sent. It must not raise.
     """
+    if keep and pgwire.keeps(driver):
+        try:
+            form = pgwire.kept(sql)
+            params = pgwire.values_of(driver, form, values)
+        except TypeError:  # a value with no text form here: psycopg's way
+            pass
+        else:
+            return pgwire.run_kept(driver, form, params, meanwhile)
     cursor = driver.cursor()
     try:
         if meanwhile is not None and overlaps(driver):

@@ -259,7 +259,7 @@ class SqlStore(SqlCreates, SqlTransitions, SqlScans, SqlLeases):
         if self._commits_alone():  # the statement alone, on the driver
             returning = self._enqueue_returning()
             stmt, params = self._sql.enqueue(self._namespace, new, dispatch, returning=returning)
-            row = self._run_statement("enqueue", stmt, params, meanwhile)
+            row = self._run_statement("enqueue", stmt, params, meanwhile, keep=True)
             if row is not None:  # inserted; without RETURNING, at this process's estimate
                 now = times.from_micros(row[0]) if row else datetime.now(timezone.utc)
                 return CreateResult(CreateStatus.CREATED, self._enqueued(new, dispatch, now))

@@ -1,0 +1,182 @@
+"""A statement whose plan does not depend on its values, run on PostgreSQL with a kept plan.
+
+The store's PostgreSQL connections plan every run of a statement anew
+(``plan_cache_mode = force_custom_plan``, set as each connects: see
+:mod:`~celery_exactonce.stores.sql.engine`): a generic
+plan made while a table was nearly empty would read the whole table for one
+key. An ``INSERT … SELECT`` of bound values reads no table for its plan (its
+``ON CONFLICT`` arbiter is the primary key whatever the statistics), so its
+generic plan is the custom one, without planning it on every run (about
+40-80 µs of the server's time a submit). :func:`run_kept` sends, in one
+message through libpq's pipeline mode:
+
+* ``SET plan_cache_mode = auto``;
+* ``PREPARE`` of the statement, the first time on this connection;
+* its execution, the values bound as parameters (text format);
+* ``SET plan_cache_mode = force_custom_plan``;
+* the ``Sync`` that ends the implicit transaction: in autocommit, the commit.
+
+The four statements are one implicit transaction: if one fails, none took
+effect (the mode is as it was). A prepared statement the connection lost (a
+``DEALLOCATE ALL``) is prepared again, once; nothing was written then.
+
+Only for the store's own engine (connections the guard was installed on),
+statements with ``%(name)s`` parameters bound to ``str``, ``int`` or ``None``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import weakref
+from collections.abc import Callable, Mapping
+from typing import Any
+
+_SET_AUTO = b"SET plan_cache_mode = auto"
+_SET_CUSTOM = b"SET plan_cache_mode = force_custom_plan"
+_UNDEFINED_PREPARED = "26000"  # invalid_sql_statement_name
+_PARAM = re.compile(r"%\((\w+)\)s|%%")
+
+#: The connections that plan each run anew (the guard's), with the statements prepared on each.
+_GUARDED: weakref.WeakKeyDictionary[Any, set[bytes]] = weakref.WeakKeyDictionary()
+
+
+def guarded(driver: Any) -> None:
+    """Record that ``driver`` (a psycopg 3 connection) plans every run anew."""
+    _GUARDED[driver] = set()
+
+
+def keeps(driver: Any) -> bool:
+    """Whether :func:`run_kept` can run a statement on ``driver``: a guarded
+    connection in autocommit, outside any pipeline or transaction."""
+    return (
+        driver in _GUARDED
+        and driver.autocommit is True
+        and getattr(driver, "_pipeline", None) is None
+    )
+
+
+class Kept:
+    """A statement's text for :func:`run_kept`: ``$n`` parameters, and its name."""
+
+    __slots__ = ("keys", "name", "query")
+
+    def __init__(self, sql: str) -> None:
+        keys: list[str] = []
+
+        def number(match: re.Match[str]) -> str:
+            if match.group(1) is None:
+                return "%"
+            if match.group(1) not in keys:
+                keys.append(match.group(1))
+            return f"${keys.index(match.group(1)) + 1}"
+
+        text = _PARAM.sub(number, sql)
+        self.keys = tuple(keys)
+        self.query = text.encode()
+        self.name = f"exactonce_{hashlib.sha256(self.query).hexdigest()[:24]}".encode()
+
+
+_KEPT: dict[str, Kept] = {}
+
+
+def kept(sql: str) -> Kept:
+    """The :class:`Kept` form of ``sql`` (``%(name)s`` parameters), made once."""
+    form = _KEPT.get(sql)
+    if form is None:
+        form = _KEPT[sql] = Kept(sql)
+    return form
+
+
+def _encode(value: Any, encoding: str) -> bytes | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return value.encode(encoding)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value).encode()
+    raise TypeError(f"no text form for a {type(value).__name__} parameter")
+
+
+def _exchange(pgconn: Any, meanwhile: Callable[[], None] | None) -> Any:
+    """psycopg's wait protocol: flush, run ``meanwhile``, read every result up to the Sync."""
+    from psycopg import pq
+    from psycopg.waiting import Ready, Wait
+
+    while pgconn.flush() != 0:
+        if (yield Wait.RW) & Ready.R:
+            pgconn.consume_input()
+    failed: BaseException | None = None
+    if meanwhile is not None:
+        try:
+            meanwhile()
+        except BaseException as exc:  # raised once every result is read
+            failed = exc
+    results = []
+    while True:
+        while pgconn.is_busy():
+            if (yield Wait.R):
+                pgconn.consume_input()
+        result = pgconn.get_result()
+        if result is None:  # the end of one statement's results
+            continue
+        if result.status == pq.ExecStatus.PIPELINE_SYNC:
+            break
+        results.append(result)
+    if failed is not None:
+        raise failed
+    return results
+
+
+def values_of(driver: Any, form: Kept, values: Mapping[str, Any]) -> list[bytes | None]:
+    """``form``'s parameters from ``values``, in text format; ``TypeError``: a value that
+    is not a ``str``, an ``int`` or ``None`` (nothing is sent)."""
+    encoding = driver.info.encoding
+    return [_encode(values[key], encoding) for key in form.keys]
+
+
+def run_kept(driver: Any, form: Kept, params: list[bytes | None], meanwhile: Any) -> Any:
+    """Run ``form`` on ``driver`` (:func:`keeps`) with a kept plan: its rows, as
+    ``Cursor.fetchall`` answers them (``None``: it answers none).
+
+    ``meanwhile`` runs once, while the statement and its commit are on the way.
+    """
+    from psycopg import errors, pq
+    from psycopg.adapt import Transformer
+
+    pgconn = driver.pgconn
+    encoding = driver.info.encoding
+    prepared = _GUARDED[driver]
+    ok = pq.ExecStatus.COMMAND_OK
+    with driver.lock:
+        for again in (False, True):
+            prepare = form.name not in prepared
+            pgconn.enter_pipeline_mode()
+            try:
+                pgconn.send_query_params(_SET_AUTO, None)
+                if prepare:
+                    pgconn.send_prepare(form.name, form.query)
+                pgconn.send_query_prepared(form.name, params)
+                pgconn.send_query_params(_SET_CUSTOM, None)
+                pgconn.pipeline_sync()
+                results = driver.wait(_exchange(pgconn, None if again else meanwhile))
+                pgconn.exit_pipeline_mode()
+            except BaseException:
+                if pgconn.pipeline_status != pq.PipelineStatus.OFF:
+                    driver.close()  # results left unread: the pool must not reuse it
+                raise
+            if prepare and results[1].status == ok:  # prepared, whatever came after
+                prepared.add(form.name)
+            answer = results[2 if prepare else 1]
+            error = next((r for r in results if r.status == pq.ExecStatus.FATAL_ERROR), None)
+            if error is None:
+                break
+            sqlstate = error.error_field(pq.DiagnosticField.SQLSTATE) or b""
+            if again or prepare or sqlstate.decode() != _UNDEFINED_PREPARED:
+                raise errors.error_from_result(error, encoding=encoding)
+            prepared.discard(form.name)  # lost (DEALLOCATE ALL): prepare it again
+    if answer.status == ok:
+        return None
+    loader = Transformer(driver)
+    loader.set_pgresult(answer)
+    return loader.load_rows(0, answer.ntuples, tuple)
