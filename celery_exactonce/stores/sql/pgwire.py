@@ -2,25 +2,25 @@
 
 The store's PostgreSQL connections plan every run of a statement anew
 (``plan_cache_mode = force_custom_plan``, set as each connects: see
-:mod:`~celery_exactonce.stores.sql.engine`): a generic
-plan made while a table was nearly empty would read the whole table for one
-key. An ``INSERT … SELECT`` of bound values reads no table for its plan (its
-``ON CONFLICT`` arbiter is the primary key whatever the statistics), so its
-generic plan is the custom one, without planning it on every run (about
-40-80 µs of the server's time a submit). :func:`run_kept` sends, in one
-message through libpq's pipeline mode:
+:mod:`~celery_exactonce.stores.sql.engine`): a generic plan made while a
+table was nearly empty would read the whole table for one key. An ``INSERT …
+SELECT`` of bound values reads no table for its plan (its ``ON CONFLICT``
+arbiter is the primary key whatever the statistics), so its generic plan is
+the custom one, made once instead of on every run (40-80 µs of the server's
+time a submit). :func:`run_kept` sends, in one message through libpq's
+pipeline mode:
 
-* ``SET plan_cache_mode = auto``;
-* ``PREPARE`` of the statement, the first time on this connection;
+* ``set_config('plan_cache_mode', 'force_generic_plan', true)``: for this
+  implicit transaction only (``SET LOCAL`` would warn outside a ``BEGIN``);
+* ``PREPARE`` of the statement (by name), the first time on this connection;
 * its execution, the values bound as parameters (text format);
-* ``SET plan_cache_mode = force_custom_plan``;
-* the ``Sync`` that ends the implicit transaction: in autocommit, the commit.
+* the ``Sync`` that ends the implicit transaction: in autocommit, the commit,
+  and the mode back to the connection's own, whatever happened.
 
-The four statements are one implicit transaction: if one fails, none took
-effect (the mode is as it was). A prepared statement the connection lost (a
+If one fails, none took effect. A prepared statement the connection lost (a
 ``DEALLOCATE ALL``) is prepared again, once; nothing was written then.
 
-Only for the store's own engine (connections the guard was installed on),
+Only on the store's own engine (connections the guard was set on), for
 statements with ``%(name)s`` parameters bound to ``str``, ``int`` or ``None``.
 """
 
@@ -32,8 +32,8 @@ import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
-_SET_AUTO = b"SET plan_cache_mode = auto"
-_SET_CUSTOM = b"SET plan_cache_mode = force_custom_plan"
+#: The mode for the rest of the implicit transaction (``SET LOCAL`` would warn there).
+_KEEP_PLAN = b"SELECT set_config('plan_cache_mode', 'force_generic_plan', true)"
 _UNDEFINED_PREPARED = "26000"  # invalid_sql_statement_name
 _PARAM = re.compile(r"%\((\w+)\)s|%%")
 
@@ -153,11 +153,10 @@ def run_kept(driver: Any, form: Kept, params: list[bytes | None], meanwhile: Any
             prepare = form.name not in prepared
             pgconn.enter_pipeline_mode()
             try:
-                pgconn.send_query_params(_SET_AUTO, None)
+                pgconn.send_query_params(_KEEP_PLAN, None)
                 if prepare:
                     pgconn.send_prepare(form.name, form.query)
                 pgconn.send_query_prepared(form.name, params)
-                pgconn.send_query_params(_SET_CUSTOM, None)
                 pgconn.pipeline_sync()
                 results = driver.wait(_exchange(pgconn, None if again else meanwhile))
                 pgconn.exit_pipeline_mode()
