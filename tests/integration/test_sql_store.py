@@ -25,6 +25,7 @@ from celery_exactonce.core.jobs import CreateStatus, TransitionStatus
 from celery_exactonce.core.refs import JobRef
 from celery_exactonce.core.states import State
 from celery_exactonce.core.writes import NewJob, Transition
+from celery_exactonce.stores.sql import pgwire
 from celery_exactonce.stores.sql import statements as sql_statements
 from celery_exactonce.stores.sql.store import SqlStore
 from tests import services
@@ -344,8 +345,6 @@ def test_a_submit_on_postgresql_keeps_its_inserts_plan_and_nothing_else(
     while every other statement on the connection is still planned on every run."""
     from psycopg import errors
 
-    from celery_exactonce.stores.sql import pgwire
-
     server_store.engine.dispose()  # one connection from now on (one thread): the test reads it
     # When more jobs are enqueued than PostgreSQL plans before it may keep a plan
     for _ in range(8):
@@ -358,6 +357,13 @@ def test_a_submit_on_postgresql_keeps_its_inserts_plan_and_nothing_else(
         assert driver.execute("SHOW plan_cache_mode").fetchone() == ("force_custom_plan",)
         # And a connection that lost its prepared statements prepares it again
         driver.execute("DEALLOCATE ALL")
+    new = task_job()
+    assert server_store.enqueue(new, to(State.DISPATCHED, State.SCHEDULED, rev=new.rev)).created
+    assert server_store.get(new.ref) is not None
+    # And one that finds it there already, unknown to this process (a server connection
+    # behind a transaction pooler), runs it
+    with _pooled(server_store) as driver:
+        pgwire._PREPARED[driver].clear()
     new = task_job()
     assert server_store.enqueue(new, to(State.DISPATCHED, State.SCHEDULED, rev=new.rev)).created
     assert server_store.get(new.ref) is not None

@@ -208,7 +208,7 @@ def _plan_each_call(dbapi_conn: Any, _record: Any) -> None:
     finally:
         cursor.close()
     dbapi_conn.commit()
-    pgwire.guarded(dbapi_conn)  # a statement whose plan reads no table may keep one
+    pgwire.allow(dbapi_conn)  # a statement whose plan reads no table may keep one
 
 
 @functools.cache

@@ -18,9 +18,11 @@ pipeline mode:
   and the mode back to the connection's own, whatever happened.
 
 If one fails, none took effect. A prepared statement the connection lost (a
-``DEALLOCATE ALL``) is prepared again, once; nothing was written then.
+``DEALLOCATE ALL``, or another server connection behind a transaction
+pooler) is prepared again, and one the server has already (a pooler again)
+is run; nothing was written by the attempt that found out.
 
-Only on the store's own engine (connections the guard was set on), for
+On the connections :func:`allow` names (the store's engine's; Django's), for
 statements with ``%(name)s`` parameters bound to ``str``, ``int`` or ``None``.
 """
 
@@ -35,22 +37,24 @@ from typing import Any
 #: The mode for the rest of the implicit transaction (``SET LOCAL`` would warn there).
 _KEEP_PLAN = b"SELECT set_config('plan_cache_mode', 'force_generic_plan', true)"
 _UNDEFINED_PREPARED = "26000"  # invalid_sql_statement_name
+_DUPLICATE_PREPARED = "42P05"  # duplicate_prepared_statement
 _PARAM = re.compile(r"%\((\w+)\)s|%%")
 
-#: The connections that plan each run anew (the guard's), with the statements prepared on each.
-_GUARDED: weakref.WeakKeyDictionary[Any, set[bytes]] = weakref.WeakKeyDictionary()
+#: The connections statements may be prepared on, with the statements prepared on each.
+_PREPARED: weakref.WeakKeyDictionary[Any, set[bytes]] = weakref.WeakKeyDictionary()
 
 
-def guarded(driver: Any) -> None:
-    """Record that ``driver`` (a psycopg 3 connection) plans every run anew."""
-    _GUARDED[driver] = set()
+def allow(driver: Any) -> None:
+    """Let :func:`run_kept` prepare statements on ``driver`` (a psycopg 3 connection)."""
+    if driver not in _PREPARED:
+        _PREPARED[driver] = set()
 
 
 def keeps(driver: Any) -> bool:
-    """Whether :func:`run_kept` can run a statement on ``driver``: a guarded
-    connection in autocommit, outside any pipeline or transaction."""
+    """Whether :func:`run_kept` can run a statement on ``driver``: one :func:`allow`
+    named, in autocommit, outside any pipeline or transaction."""
     return (
-        driver in _GUARDED
+        driver in _PREPARED
         and driver.autocommit is True
         and getattr(driver, "_pipeline", None) is None
     )
@@ -146,7 +150,7 @@ def run_kept(driver: Any, form: Kept, params: list[bytes | None], meanwhile: Any
 
     pgconn = driver.pgconn
     encoding = driver.info.encoding
-    prepared = _GUARDED[driver]
+    prepared = _PREPARED[driver]
     ok = pq.ExecStatus.COMMAND_OK
     with driver.lock:
         for again in (False, True):
@@ -170,10 +174,15 @@ def run_kept(driver: Any, form: Kept, params: list[bytes | None], meanwhile: Any
             error = next((r for r in results if r.status == pq.ExecStatus.FATAL_ERROR), None)
             if error is None:
                 break
-            sqlstate = error.error_field(pq.DiagnosticField.SQLSTATE) or b""
-            if again or prepare or sqlstate.decode() != _UNDEFINED_PREPARED:
+            sqlstate = (error.error_field(pq.DiagnosticField.SQLSTATE) or b"").decode()
+            if again or sqlstate not in (_UNDEFINED_PREPARED, _DUPLICATE_PREPARED):
                 raise errors.error_from_result(error, encoding=encoding)
-            prepared.discard(form.name)  # lost (DEALLOCATE ALL): prepare it again
+            # Nothing was written. Lost (DEALLOCATE ALL; another server behind a
+            # transaction pooler): prepare it again; there already: run it.
+            if sqlstate == _UNDEFINED_PREPARED:
+                prepared.discard(form.name)
+            else:
+                prepared.add(form.name)
     if answer.status == ok:
         return None
     loader = Transformer(driver)
