@@ -37,7 +37,6 @@ from celery_exactonce.contrib.django.connection import engine_for, require_immed
 from celery_exactonce.contrib.django.tables import prefix
 from celery_exactonce.core import exceptions, jobs
 from celery_exactonce.stores.base import FORMAT_VERSION
-from celery_exactonce.stores.sql import engine as sql_engine
 from celery_exactonce.stores.sql import pgwire
 from celery_exactonce.stores.sql import schema as sql_schema
 from celery_exactonce.stores.sql.store import SqlStore
@@ -188,7 +187,7 @@ class DjangoStore(SqlStore):
         connection.ensure_connection()
         self._borrowed.add(connection)
         driver = connection.connection
-        if self._postgresql and sql_engine.splits():  # psycopg 3: the INSERT may keep a plan
+        if self._postgresql:  # psycopg 3: the INSERT may keep a plan
             pgwire.allow(driver)
         try:
             yield driver, False

@@ -28,6 +28,7 @@ statements with ``%(name)s`` parameters bound to ``str``, ``int`` or ``None``.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 import weakref
@@ -44,9 +45,20 @@ _PARAM = re.compile(r"%\((\w+)\)s|%%")
 _PREPARED: weakref.WeakKeyDictionary[Any, set[bytes]] = weakref.WeakKeyDictionary()
 
 
+@functools.cache
+def supported() -> bool:
+    """Whether psycopg 3 is here, on a libpq with pipeline mode (14 or later)."""
+    try:
+        from psycopg import Pipeline
+    except ImportError:  # pragma: no cover - psycopg 3 not installed
+        return False
+    return bool(Pipeline.is_supported())
+
+
 def allow(driver: Any) -> None:
-    """Let :func:`run_kept` prepare statements on ``driver`` (a psycopg 3 connection)."""
-    if driver not in _PREPARED:
+    """Let :func:`run_kept` prepare statements on ``driver`` if it is a psycopg 3
+    connection on a libpq with pipeline mode (else nothing changes)."""
+    if driver not in _PREPARED and hasattr(driver, "pgconn") and supported():
         _PREPARED[driver] = set()
 
 

@@ -9,6 +9,7 @@ import pytest
 from psycopg.waiting import Wait
 
 from celery_exactonce.stores.sql import engine as sql_engine
+from celery_exactonce.stores.sql import pgwire
 
 
 def _statement(events: list[str]) -> Generator[Any, Any, str]:
@@ -51,3 +52,18 @@ def test_what_meanwhile_raises_is_raised_once_the_answer_is_read() -> None:
         _drive(sql_engine._at_first_read(_statement(events), meanwhile))
     # The statement's answer was read all the same: the connection is left idle
     assert events == ["sent", "read"]
+
+
+def test_a_kept_statement_numbers_its_parameters_once_each_in_order() -> None:
+    form = pgwire.kept("SELECT %(a)s, %(b)s || %(a)s, 'x%%'")
+    assert form.query == b"SELECT $1, $2 || $1, 'x%'" and form.keys == ("a", "b")
+    assert form.name.startswith(b"exactonce_") and pgwire.kept("SELECT %(a)s, %(b)s") is not form
+
+
+def test_only_a_psycopg_3_connection_may_keep_a_plan() -> None:
+    class Other:  # psycopg2, or any other driver: no libpq connection of psycopg 3's
+        autocommit = True
+
+    other = Other()
+    pgwire.allow(other)
+    assert not pgwire.keeps(other)
