@@ -29,10 +29,15 @@ server closed has input waiting on its socket, and only such a one is pinged,
 and replaced if dead, before anything is sent on it. A returned MySQL
 connection is rolled back only when a transaction is open.
 
+:func:`execute` runs one statement alone on a DB-API connection (the hot
+path's writes), with work of the caller's while it is on the way where the
+driver allows.
+
 Not here: running a transaction, its retries and the errors it raises
 (:mod:`~celery_exactonce.stores.sql.base`), the tables
 (:mod:`~celery_exactonce.stores.sql.schema`), the statements
-(:mod:`~celery_exactonce.stores.sql.statements`).
+(:mod:`~celery_exactonce.stores.sql.statements`), a statement run with a
+kept plan on PostgreSQL (:mod:`~celery_exactonce.stores.sql.pgwire`).
 """
 
 from __future__ import annotations
