@@ -698,3 +698,20 @@ def test_postgresql_finds_a_new_namespaces_jobs_by_their_key_after_another_was_a
             old._t.metadata.drop_all(conn)
         old.close()
         new.close()
+
+
+@pytest.mark.parametrize("server_store", ["postgres"], indirect=True)
+def test_a_kept_plan_is_not_used_inside_a_transaction_the_connection_has_open(
+    server_store: SqlStore,
+) -> None:
+    """Its ``Sync`` commits only outside a transaction: a connection in autocommit on which
+    someone sent ``BEGIN`` runs the statement the ordinary way."""
+    server_store.engine.dispose()
+    with _pooled(server_store) as driver:
+        assert pgwire.keeps(driver)
+        driver.execute("BEGIN")
+        try:
+            assert not pgwire.keeps(driver)
+        finally:
+            driver.execute("ROLLBACK")
+        assert pgwire.keeps(driver)

@@ -40,6 +40,7 @@ _KEEP_PLAN = b"SELECT set_config('plan_cache_mode', 'force_generic_plan', true)"
 _UNDEFINED_PREPARED = "26000"  # invalid_sql_statement_name
 _DUPLICATE_PREPARED = "42P05"  # duplicate_prepared_statement
 _PARAM = re.compile(r"%\((\w+)\)s|%%")
+_IDLE = 0  # psycopg.pq.TransactionStatus.IDLE: no transaction open on the connection
 
 #: The connections statements may be prepared on, with the statements prepared on each.
 _PREPARED: weakref.WeakKeyDictionary[Any, set[bytes]] = weakref.WeakKeyDictionary()
@@ -64,11 +65,12 @@ def allow(driver: Any) -> None:
 
 def keeps(driver: Any) -> bool:
     """Whether :func:`run_kept` can run a statement on ``driver``: one :func:`allow`
-    named, in autocommit, outside any pipeline or transaction."""
+    named, in autocommit, outside any pipeline or transaction (its ``Sync`` commits)."""
     return (
         driver in _PREPARED
         and driver.autocommit is True
         and getattr(driver, "_pipeline", None) is None
+        and driver.pgconn.transaction_status == _IDLE
     )
 
 
