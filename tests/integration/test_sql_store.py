@@ -715,3 +715,27 @@ def test_a_kept_plan_is_not_used_inside_a_transaction_the_connection_has_open(
         finally:
             driver.execute("ROLLBACK")
         assert pgwire.keeps(driver)
+
+
+@pytest.mark.parametrize("server_store", ["postgres"], indirect=True)
+def test_what_a_submits_build_raises_leaves_the_record_written_and_the_connection_open(
+    server_store: SqlStore,
+) -> None:
+    """The build runs while the kept-plan INSERT is on the way: its error reaches the caller
+    once the answer is read, the record written, the pooled connection still usable."""
+    server_store.engine.dispose()
+    with _pooled(server_store) as before:
+        pass
+
+    def meanwhile() -> None:
+        raise ValueError("build failed")
+
+    new = task_job()
+    with pytest.raises(ValueError, match="build failed"):
+        server_store.enqueue(
+            new, to(State.DISPATCHED, State.SCHEDULED, rev=new.rev), meanwhile=meanwhile
+        )
+    job = server_store.get(new.ref)
+    assert job is not None and job.state is State.DISPATCHED
+    with _pooled(server_store) as after:
+        assert after is before and not after.closed and pgwire.keeps(after)

@@ -117,7 +117,10 @@ def _encode(value: Any, encoding: str) -> bytes | None:
 
 
 def _exchange(pgconn: Any, meanwhile: Callable[[], None] | None) -> Any:
-    """psycopg's wait protocol: flush, run ``meanwhile``, read every result up to the Sync."""
+    """psycopg's wait protocol: flush, run ``meanwhile``, read every result up to the Sync.
+
+    Answers the results, and what ``meanwhile`` raised (``None``: nothing).
+    """
     from psycopg import pq
     from psycopg.waiting import Ready, Wait
 
@@ -141,9 +144,7 @@ def _exchange(pgconn: Any, meanwhile: Callable[[], None] | None) -> Any:
         if result.status == pq.ExecStatus.PIPELINE_SYNC:
             break
         results.append(result)
-    if failed is not None:
-        raise failed
-    return results
+    return results, failed
 
 
 def values_of(driver: Any, form: Kept, values: Mapping[str, Any]) -> list[bytes | None]:
@@ -176,12 +177,14 @@ def run_kept(driver: Any, form: Kept, params: list[bytes | None], meanwhile: Any
                     pgconn.send_prepare(form.name, form.query)
                 pgconn.send_query_prepared(form.name, params)
                 pgconn.pipeline_sync()
-                results = driver.wait(_exchange(pgconn, None if again else meanwhile))
+                results, failed = driver.wait(_exchange(pgconn, None if again else meanwhile))
                 pgconn.exit_pipeline_mode()
             except BaseException:
                 if pgconn.pipeline_status != pq.PipelineStatus.OFF:
                     driver.close()  # results left unread: the pool must not reuse it
                 raise
+            if failed is not None:  # every result read: the connection is as it was
+                raise failed
             if prepare and results[1].status == ok:  # prepared, whatever came after
                 prepared.add(form.name)
             answer = results[2 if prepare else 1]
