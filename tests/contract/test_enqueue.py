@@ -116,7 +116,7 @@ def test_enqueue_runs_meanwhile_once_whether_or_not_the_ref_exists(sql_store: An
     assert len(seen) == 2
     assert first.status is CreateStatus.CREATED
     assert again.status is CreateStatus.EXISTS and again.job == sql_store.get(new.ref)
-    # And it overlaps the statement on PostgreSQL alone (psycopg's pipeline)
+    # And it overlaps the statement on PostgreSQL alone (psycopg 3, in autocommit)
     assert sql_store.enqueue_overlaps is (sql_store.engine.dialect.name == "postgresql")
 
 
@@ -228,3 +228,36 @@ def test_the_insert_runs_alone_and_a_refused_one_leaves_no_lock_behind(sql_store
             assert raw.driver_connection.autocommit is False
         finally:
             raw.close()
+
+
+def test_on_django_postgresql_the_insert_keeps_a_plan_and_the_connection_its_settings(
+    sql_store: Any,
+) -> None:
+    """On Django's psycopg 3 connection the ``INSERT`` is prepared once and keeps its plan;
+    the connection's cursors and planning mode are Django's as before."""
+    if sql_store.owns_transactions or sql_store.engine.dialect.name != "postgresql":
+        pytest.skip("Django's psycopg connection")
+    import psycopg
+    from django.db import connections
+
+    def plans() -> list[tuple[int, int]]:
+        query = (
+            "SELECT generic_plans, custom_plans FROM pg_prepared_statements"
+            " WHERE name LIKE 'exactonce%'"
+        )
+        return list(connections[sql_store.alias].connection.execute(query).fetchall())
+
+    first = _new("e-kept-first")
+    assert sql_store.enqueue(first, _dispatch(first)).created
+    driver = connections[sql_store.alias].connection
+    mode = driver.execute("SHOW plan_cache_mode").fetchone()
+    ((generic, custom),) = plans()
+    # When more records are enqueued outside any transaction
+    for i in range(3):
+        new = _new(f"e-kept-{i}")
+        assert sql_store.enqueue(new, _dispatch(new)).created
+    # Then the INSERT ran each time on its one generic plan, prepared on Django's connection
+    assert generic >= 1 and plans() == [(generic + 3, custom)]
+    # And the connection is as Django left it: client-side binding, its own mode
+    assert issubclass(driver.cursor_factory, psycopg.ClientCursor)
+    assert driver.execute("SHOW plan_cache_mode").fetchone() == mode

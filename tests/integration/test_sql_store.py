@@ -13,6 +13,7 @@ import re
 import threading
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from celery_exactonce.core.jobs import CreateStatus, TransitionStatus
 from celery_exactonce.core.refs import JobRef
 from celery_exactonce.core.states import State
 from celery_exactonce.core.writes import NewJob, Transition
+from celery_exactonce.stores.sql import pgwire
 from celery_exactonce.stores.sql import statements as sql_statements
 from celery_exactonce.stores.sql.store import SqlStore
 from tests import services
@@ -264,10 +266,11 @@ def _driver_statements(store: SqlStore, autocommit: list[bool]) -> list[str]:
     sent: list[str] = []
 
     class Counted(psycopg.Cursor[Any]):
-        def execute(self, query: Any, *args: Any, **kwargs: Any) -> Any:
+        # The generator behind ``execute``, which the store may drive itself
+        def _execute_gen(self, query: Any, *args: Any, **kwargs: Any) -> Any:
             sent.append(str(query).split(None, 1)[0].upper())
             autocommit.append(self.connection.autocommit)
-            return super().execute(query, *args, **kwargs)
+            return super()._execute_gen(query, *args, **kwargs)
 
     def count_on(dbapi_conn: Any, *_: Any) -> None:
         dbapi_conn.cursor_factory = Counted
@@ -332,21 +335,124 @@ def test_a_submit_on_postgresql_sends_its_insert_and_commit_before_meanwhile_run
     server_store: SqlStore,
 ) -> None:
     """The message is built while the INSERT and its commit are on the way, not before."""
+    from psycopg import pq
+
     new = task_job()
     dispatch = to(State.DISPATCHED, State.SCHEDULED, rev=new.rev)
-    autocommit: list[bool] = []
-    sent = _driver_statements(server_store, autocommit)
-    at_meanwhile: list[list[str]] = []
+    drivers: list[Any] = []
+    server_store.engine.dispose()
+    sa.event.listen(server_store.engine, "checkout", lambda driver, *_: drivers.append(driver))
+    states: list[tuple[Any, bool]] = []
+
+    def meanwhile() -> None:
+        states.append((drivers[-1].pgconn.transaction_status, drivers[-1].autocommit))
+
     # When a submit's write runs with the message's build
-    result = server_store.enqueue(new, dispatch, meanwhile=lambda: at_meanwhile.append(sent[:]))
-    # Then its one statement (the INSERT) had been sent, in autocommit, when the build
-    # ran; nothing after it
-    assert len(sent) == 1 and at_meanwhile == [sent]
-    assert autocommit == [True]
+    result = server_store.enqueue(new, dispatch, meanwhile=meanwhile)
+    # Then the build ran once, the statement sent in autocommit and its answer still
+    # to be read (the server's transaction active)
+    assert states == [(pq.TransactionStatus.ACTIVE, True)]
     # And the record is written, committed (another connection reads it)
     assert result.created
     job = server_store.get(new.ref)
     assert job is not None and job.state is State.DISPATCHED and job.rev == dispatch.new_rev
+
+
+@contextmanager
+def _pooled(store: SqlStore) -> Iterator[Any]:
+    """The psycopg connection of the store's pool (one thread: one), in autocommit while held."""
+    raw = store.engine.raw_connection()
+    driver: Any = raw.driver_connection
+    driver.autocommit = True
+    try:
+        yield driver
+    finally:
+        driver.autocommit = False
+        raw.close()
+
+
+@pytest.mark.parametrize("server_store", ["postgres"], indirect=True)
+def test_a_submit_on_postgresql_keeps_its_inserts_plan_and_nothing_else(
+    server_store: SqlStore,
+) -> None:
+    """The INSERT reads no table for its plan: it keeps one (no planning per submit),
+    while every other statement on the connection is still planned on every run."""
+    from psycopg import errors
+
+    server_store.engine.dispose()  # one connection from now on (one thread): the test reads it
+    # When more jobs are enqueued than PostgreSQL plans before it may keep a plan
+    for _ in range(8):
+        new = task_job()
+        assert server_store.enqueue(new, to(State.DISPATCHED, State.SCHEDULED, rev=new.rev)).created
+    # Then the INSERT ran on a kept (generic) plan, and the connection plans each run anew
+    with _pooled(server_store) as driver:
+        kept = driver.execute("SELECT generic_plans FROM pg_prepared_statements").fetchall()
+        assert len(kept) == 1 and kept[0][0] >= 1
+        assert driver.execute("SHOW plan_cache_mode").fetchone() == ("force_custom_plan",)
+        # And a connection that lost its prepared statements prepares it again
+        driver.execute("DEALLOCATE ALL")
+    new = task_job()
+    assert server_store.enqueue(new, to(State.DISPATCHED, State.SCHEDULED, rev=new.rev)).created
+    assert server_store.get(new.ref) is not None
+    # And one that finds it there already, unknown to this process (a server connection
+    # behind a transaction pooler), runs it
+    with _pooled(server_store) as driver:
+        pgwire._PREPARED[driver].clear()
+    new = task_job()
+    assert server_store.enqueue(new, to(State.DISPATCHED, State.SCHEDULED, rev=new.rev)).created
+    assert server_store.get(new.ref) is not None
+    # And one that fails changes nothing: no record, the mode as it was, the connection idle
+    stmt, params = server_store._sql.enqueue(
+        server_store.namespace, task_job(), to(State.DISPATCHED, State.SCHEDULED), returning=True
+    )
+    form = pgwire.kept(str(stmt.compile(dialect=server_store.engine.dialect)))
+    with _pooled(server_store) as driver:
+        bad = pgwire.values_of(driver, form, {**params, "c_attempt": "x"})
+        with pytest.raises(errors.InvalidTextRepresentation):
+            pgwire.run_kept(driver, form, bad, None)
+        assert driver.execute("SHOW plan_cache_mode").fetchone() == ("force_custom_plan",)
+        assert driver.execute("SELECT 1").fetchone() == (1,)
+    assert server_store.get(JobRef.submitted(params["k_id"])) is None
+
+
+@pytest.mark.parametrize("server_store", ["mysql"], indirect=True)
+def test_a_submit_on_mysql_is_one_round_trip_its_commit_in_the_insert_message(
+    server_store: SqlStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The store's engine takes several statements a message: ``INSERT …; COMMIT``."""
+    import pymysql
+    from pymysql.constants import COMMAND
+
+    sent: list[str] = []
+    real = pymysql.connections.Connection._execute_command
+
+    def counted(conn: Any, command: int, sql: Any) -> Any:
+        if command == COMMAND.COM_QUERY:
+            sent.append(sql if isinstance(sql, str) else sql.decode())
+        return real(conn, command, sql)
+
+    monkeypatch.setattr(pymysql.connections.Connection, "_execute_command", counted)
+    new = task_job()
+    dispatch = to(State.DISPATCHED, State.SCHEDULED, rev=new.rev)
+    # When a gated submit writes its record
+    assert server_store.enqueue(new, dispatch).created
+    # Then one message went: the INSERT and its COMMIT
+    assert len(sent) == 1
+    assert sent[0].startswith("INSERT") and sent[0].endswith("; COMMIT")
+    # And the record is committed (another connection reads it), the pooled
+    # connection left with no transaction open
+    raw = server_store.engine.raw_connection()
+    try:
+        status = raw.driver_connection.server_status  # type: ignore[union-attr]
+        assert not status & 1  # SERVER_STATUS_IN_TRANS
+    finally:
+        raw.close()
+    other = _store("mysql", Path("."), server_store.namespace)
+    try:
+        job = other.get(new.ref)
+        assert job is not None and job.state is State.DISPATCHED
+    finally:
+        other.close()
 
 
 def test_without_insert_returning_mysql_creates_the_locking_way(
@@ -628,3 +734,44 @@ def test_postgresql_finds_a_new_namespaces_jobs_by_their_key_after_another_was_a
             old._t.metadata.drop_all(conn)
         old.close()
         new.close()
+
+
+@pytest.mark.parametrize("server_store", ["postgres"], indirect=True)
+def test_a_kept_plan_is_not_used_inside_a_transaction_the_connection_has_open(
+    server_store: SqlStore,
+) -> None:
+    """Its ``Sync`` commits only outside a transaction: a connection in autocommit on which
+    someone sent ``BEGIN`` runs the statement the ordinary way."""
+    server_store.engine.dispose()
+    with _pooled(server_store) as driver:
+        assert pgwire.keeps(driver)
+        driver.execute("BEGIN")
+        try:
+            assert not pgwire.keeps(driver)
+        finally:
+            driver.execute("ROLLBACK")
+        assert pgwire.keeps(driver)
+
+
+@pytest.mark.parametrize("server_store", ["postgres"], indirect=True)
+def test_what_a_submits_build_raises_leaves_the_record_written_and_the_connection_open(
+    server_store: SqlStore,
+) -> None:
+    """The build runs while the kept-plan INSERT is on the way: its error reaches the caller
+    once the answer is read, the record written, the pooled connection still usable."""
+    server_store.engine.dispose()
+    with _pooled(server_store) as before:
+        pass
+
+    def meanwhile() -> None:
+        raise ValueError("build failed")
+
+    new = task_job()
+    with pytest.raises(ValueError, match="build failed"):
+        server_store.enqueue(
+            new, to(State.DISPATCHED, State.SCHEDULED, rev=new.rev), meanwhile=meanwhile
+        )
+    job = server_store.get(new.ref)
+    assert job is not None and job.state is State.DISPATCHED
+    with _pooled(server_store) as after:
+        assert after is before and not after.closed and pgwire.keeps(after)

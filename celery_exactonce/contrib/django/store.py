@@ -36,6 +36,7 @@ from sqlalchemy import exc as sa_exc
 from celery_exactonce.contrib.django.connection import engine_for, require_immediate
 from celery_exactonce.contrib.django.tables import prefix
 from celery_exactonce.core import exceptions, jobs
+from celery_exactonce.stores.sql import pgwire
 from celery_exactonce.stores.sql import schema as sql_schema
 from celery_exactonce.stores.sql.store import SqlStore
 
@@ -173,7 +174,10 @@ class DjangoStore(SqlStore):
         """Django's DB-API connection of this thread, in its autocommit: nothing to commit.
 
         Its own cursor runs the statement, as Django binds values on it
-        (psycopg: client-side unless the project asks for server-side binding).
+        (psycopg: client-side unless the project asks for server-side binding);
+        on psycopg 3 a statement whose plan reads no table (a submit's
+        ``INSERT``) is prepared once on the connection and keeps its plan
+        (:mod:`~celery_exactonce.stores.sql.pgwire`).
         """
         from django.db import connections
 
@@ -182,6 +186,8 @@ class DjangoStore(SqlStore):
         connection.ensure_connection()
         self._borrowed.add(connection)
         driver = connection.connection
+        if self._postgresql:  # psycopg 3: the INSERT may keep a plan
+            pgwire.allow(driver)
         try:
             yield driver, False
         except self._driver_errors as exc:

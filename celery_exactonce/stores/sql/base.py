@@ -210,22 +210,20 @@ class SqlCore:
         stmt: sa.TextClause | sa.TextualSelect,
         params: dict[str, Any],
         meanwhile: Run = None,
+        keep: bool = False,
     ) -> Any:
         """Run one write alone, committed, on a DB-API connection: its first row.
 
         The hot path's one-statement writes (``enqueue``, the gate's brief
-        transitions): SQLAlchemy's connection, transaction and result objects
-        cost more than the statement's own round trip, so the driver runs it,
-        compiled once. PostgreSQL runs it in autocommit (psycopg switches
-        locally, no round trip), SQLite in the autocommit its connections are
-        in (a lone statement takes the write lock as ``BEGIN IMMEDIATE`` would,
-        waiting as long), MySQL commits it. ``()``: the statement answers no
-        rows (no ``RETURNING``); ``None``: it answered none, or (MySQL) its key
-        exists. Errors are wrapped as every other (:meth:`_guard`), the
-        connection dropped if it broke. Not retried: a statement alone locks at
-        most its one row, so it cannot deadlock (PostgreSQL's ``READ
-        COMMITTED`` has no serialization failure); an ``INSERT`` waits on no
-        lock but its key's. ``meanwhile``: see :func:`~celery_exactonce.stores.sql.engine.execute`.
+        transitions), compiled once: SQLAlchemy's objects cost more than the
+        round trip. PostgreSQL runs it in autocommit, SQLite in the autocommit
+        its connections are in, MySQL commits it (in the same message where it
+        can: :func:`~.engine.commits_in_statement`). ``()``: no ``RETURNING``;
+        ``None``: no row, or (MySQL) its key exists. Errors are wrapped as every
+        other (:meth:`_guard`), the connection dropped if it broke. Not retried:
+        a statement alone locks at most its one row, so it cannot deadlock; an
+        ``INSERT`` waits on no lock but its key's. ``meanwhile``, ``keep``: see
+        :func:`~.engine.execute`.
         """
         compiled = self._raw_sql.get(stmt)
         if compiled is None:
@@ -235,15 +233,17 @@ class SqlCore:
         sql, keys = compiled
         values = params if keys is None else tuple(params[key] for key in keys)
         with self._guard(op), self._statement_connection() as (driver, commit):
+            ends = commit and sql_engine.commits_in_statement(driver)  # MySQL: its COMMIT too
             try:
-                rows = sql_engine.execute(driver, sql, values, meanwhile)
+                text = sql + sql_engine.COMMITS if ends else sql
+                rows = sql_engine.execute(driver, text, values, meanwhile, drain=ends, keep=keep)
             except self._driver_errors as exc:
                 if sql_engine.error_code(exc) != sql_engine.DUPLICATE_KEY:
                     raise
                 rows = []  # MySQL: the key exists (its transaction is rolled back below)
             if commit and rows == []:  # MySQL's duplicate key: its transaction is let go
                 driver.rollback()
-            elif commit:
+            elif commit and not ends:
                 driver.commit()
             return () if rows is None else (rows[0] if rows else None)
 

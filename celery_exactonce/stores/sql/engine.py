@@ -29,10 +29,15 @@ server closed has input waiting on its socket, and only such a one is pinged,
 and replaced if dead, before anything is sent on it. A returned MySQL
 connection is rolled back only when a transaction is open.
 
+:func:`execute` runs one statement alone on a DB-API connection (the hot
+path's writes), with work of the caller's while it is on the way where the
+driver allows.
+
 Not here: running a transaction, its retries and the errors it raises
 (:mod:`~celery_exactonce.stores.sql.base`), the tables
 (:mod:`~celery_exactonce.stores.sql.schema`), the statements
-(:mod:`~celery_exactonce.stores.sql.statements`).
+(:mod:`~celery_exactonce.stores.sql.statements`), a statement run with a
+kept plan on PostgreSQL (:mod:`~celery_exactonce.stores.sql.pgwire`).
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from celery_exactonce.core import exceptions
 from celery_exactonce.stores import redact_message, redact_url
 from celery_exactonce.stores.base import Run
+from celery_exactonce.stores.sql import pgwire
 
 _SQLITE_BUSY = 30.0
 """Seconds a SQLite transaction waits for the write lock (``from_url`` default)."""
@@ -207,52 +213,118 @@ def _plan_each_call(dbapi_conn: Any, _record: Any) -> None:
     finally:
         cursor.close()
     dbapi_conn.commit()
+    pgwire.allow(dbapi_conn)  # a statement whose plan reads no table may keep one
 
 
 @functools.cache
-def pipelines() -> bool:
-    """Whether psycopg 3 is here with the parts of its pipeline :func:`execute` uses.
+def splits() -> bool:
+    """Whether psycopg 3 is here with the part of its cursor :func:`execute` drives itself.
 
-    Its pipeline mode (libpq 14 or later) sends a statement and the ``Sync``
-    that ends its implicit transaction, and reads the answer later.
+    ``Cursor._execute_gen`` is the generator ``Cursor.execute`` runs: it sends
+    the statement (with its ``Sync``: in autocommit, the commit too) and then
+    waits to read the answer. :func:`execute` runs a function at that wait.
     """
     try:
-        from psycopg import Pipeline
+        from psycopg import Cursor
+        from psycopg.waiting import Wait
     except ImportError:  # pragma: no cover - psycopg 3 not installed
         return False
-    parts = ("_enqueue_sync", "_communicate_gen")
-    return Pipeline.is_supported() and all(hasattr(Pipeline, part) for part in parts)
+    return hasattr(Cursor, "_execute_gen") and hasattr(Wait, "R")
 
 
 def overlaps(driver: Any) -> bool:
     """Whether :func:`execute` can run a function while ``driver``'s statement is on the way:
-    a psycopg 3 connection in autocommit, with a pipeline (else the function runs first)."""
-    return hasattr(type(driver), "pipeline") and driver.autocommit is True and pipelines()
+    a psycopg 3 connection in autocommit (else the function runs first)."""
+    return hasattr(type(driver), "pipeline") and driver.autocommit is True and splits()
 
 
-def execute(driver: Any, sql: str, values: Any, meanwhile: Run) -> Any:
+def _at_first_read(gen: Any, meanwhile: Callable[[], None]) -> Any:
+    """Drive psycopg's generator ``gen``, running ``meanwhile`` once, at its first wait to read.
+
+    By then the statement is sent: the server works on it while ``meanwhile``
+    runs. What ``meanwhile`` raises is raised once ``gen`` has read its
+    answer, so the connection is left as ``Cursor.execute`` leaves it.
+    """
+    from psycopg.waiting import Wait
+
+    failed: BaseException | None = None
+    pending: Callable[[], None] | None = meanwhile
+    try:
+        wait = next(gen)
+        while True:
+            if pending is not None and wait == Wait.R:
+                try:
+                    pending()
+                except BaseException as exc:  # raised below, once the answer is read
+                    failed = exc
+                pending = None
+            wait = gen.send((yield wait))
+    except StopIteration as stop:
+        if failed is not None:
+            raise failed from None
+        return stop.value
+
+
+def execute(
+    driver: Any, sql: str, values: Any, meanwhile: Run, *, drain: bool = False, keep: bool = False
+) -> Any:
     """Run one statement on a DB-API connection: its rows (``None``: it answers none).
+
+    ``keep``: the statement's plan reads no table (an ``INSERT`` of bound
+    values): on the store's PostgreSQL connections it runs with a kept plan
+    (:mod:`~celery_exactonce.stores.sql.pgwire`), ``meanwhile`` while it is on the way.
+
+    ``drain``: ``sql`` is more than one statement (:data:`COMMITS`): the
+    answers after the first are read (and their errors raised).
 
     ``meanwhile`` runs while the statement's answer is on the way where the
     driver can (:func:`overlaps`: an autocommit statement's commit, too,
-    runs on the server meanwhile), else before the statement is sent. It
-    must not raise.
+    runs on the server meanwhile): one message to the server, as
+    ``Cursor.execute`` sends it, and the answer read after ``meanwhile``.
+    Elsewhere it runs before the statement is sent. It must not raise.
     """
+    if keep and pgwire.keeps(driver):
+        try:
+            form = pgwire.kept(sql)
+            params = pgwire.values_of(driver, form, values)
+        except TypeError:  # a value with no text form here: psycopg's way
+            pass
+        else:
+            return pgwire.run_kept(driver, form, params, meanwhile)
     cursor = driver.cursor()
     try:
         if meanwhile is not None and overlaps(driver):
-            with driver.pipeline() as pipeline:
-                cursor.execute(sql, values)
-                pipeline._enqueue_sync()  # the statement's commit: not waited for here
-                driver.wait(pipeline._communicate_gen())
-                meanwhile()
+            with driver.lock:
+                driver.wait(_at_first_read(cursor._execute_gen(sql, values), meanwhile))
         else:
             if meanwhile is not None:
                 meanwhile()
             cursor.execute(sql, values)
-        return cursor.fetchall() if cursor.description is not None else None
+        rows = cursor.fetchall() if cursor.description is not None else None
+        while drain and cursor.nextset():
+            pass
+        return rows
     finally:
         cursor.close()
+
+
+_MULTI_STATEMENTS = 1 << 16  # pymysql.constants.CLIENT.MULTI_STATEMENTS (the protocol's)
+COMMITS = "; COMMIT"
+"""What ends a MySQL statement run alone when its connection takes several statements
+a message (:func:`commits_in_statement`): its commit, in the same round trip."""
+
+
+def commits_in_statement(driver: Any) -> bool:
+    """Whether a statement sent on ``driver`` may carry its ``COMMIT`` (:data:`COMMITS`):
+    a PyMySQL connection with ``CLIENT.MULTI_STATEMENTS`` (:func:`engine_from_url`'s)."""
+    return bool(getattr(driver, "client_flag", 0) & _MULTI_STATEMENTS)
+
+
+def _multi_statements(_dialect: Any, _record: Any, _cargs: Any, cparams: dict[str, Any]) -> None:
+    """A ``do_connect`` listener: PyMySQL connections take several statements a message,
+    so a one-statement write and its ``COMMIT`` are one round trip. Every value is
+    still bound by the driver, escaped; the flags SQLAlchemy asks (``FOUND_ROWS``) stay."""
+    cparams["client_flag"] = int(cparams.get("client_flag", 0)) | _MULTI_STATEMENTS
 
 
 _MYSQL_IN_TRANS = 1  # SERVER_STATUS_IN_TRANS, from the status of the server's last reply
@@ -313,6 +385,8 @@ def engine_from_url(url: str, engine_kwargs: dict[str, Any]) -> sa.Engine:
         engine = sa.create_engine(sa_url, **kwargs)
         if own_reset:
             event.listen(engine, "reset", _reset_mysql)
+        if engine.dialect.name == "mysql" and engine.dialect.driver == "pymysql":
+            event.listen(engine, "do_connect", _multi_statements)
         if engine.dialect.name in ("postgresql", "mysql"):
             event.listen(engine, "checkout", _check_on_checkout(engine.dialect))
         if engine.dialect.name == "postgresql":

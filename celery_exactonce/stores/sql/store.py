@@ -237,10 +237,10 @@ class SqlStore(SqlCreates, SqlTransitions, SqlScans, SqlLeases):
     def enqueue_overlaps(self) -> bool:
         """Whether ``enqueue`` runs its ``meanwhile`` while the statement is on the way.
 
-        On PostgreSQL through psycopg 3 (pipeline mode), where the statement
-        runs alone; elsewhere ``meanwhile`` runs before the statement.
+        On PostgreSQL through psycopg 3, where the statement runs alone (in
+        autocommit); elsewhere ``meanwhile`` runs before the statement.
         """
-        return self._postgresql and sql_engine.pipelines() and self._commits_alone()
+        return self._postgresql and sql_engine.splits() and self._commits_alone()
 
     def enqueue(self, new: NewJob, dispatch: Transition, *, meanwhile: Run = None) -> CreateResult:
         """The one-write submit: ``new`` created already ``DISPATCHED``, unless its ref exists.
@@ -261,7 +261,7 @@ class SqlStore(SqlCreates, SqlTransitions, SqlScans, SqlLeases):
         if self._commits_alone():  # the statement alone, on the driver
             returning = self._enqueue_returning()
             stmt, params = self._sql.enqueue(self._namespace, new, dispatch, returning=returning)
-            row = self._run_statement("enqueue", stmt, params, meanwhile)
+            row = self._run_statement("enqueue", stmt, params, meanwhile, keep=True)
             if row is not None:  # inserted; without RETURNING, at this process's estimate
                 now = times.from_micros(row[0]) if row else datetime.now(timezone.utc)
                 return CreateResult(CreateStatus.CREATED, self._enqueued(new, dispatch, now))

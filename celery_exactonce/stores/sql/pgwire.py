@@ -1,0 +1,207 @@
+"""A statement whose plan does not depend on its values, run on PostgreSQL with a kept plan.
+
+The store's PostgreSQL connections plan every run of a statement anew
+(``plan_cache_mode = force_custom_plan``, set as each connects: see
+:mod:`~celery_exactonce.stores.sql.engine`): a generic plan made while a
+table was nearly empty would read the whole table for one key. An ``INSERT …
+SELECT`` of bound values reads no table for its plan (its ``ON CONFLICT``
+arbiter is the primary key whatever the statistics), so its generic plan is
+the custom one, made once instead of on every run (40-80 µs of the server's
+time a submit). :func:`run_kept` sends, in one message through libpq's
+pipeline mode:
+
+* ``set_config('plan_cache_mode', 'force_generic_plan', true)``: for this
+  implicit transaction only (``SET LOCAL`` would warn outside a ``BEGIN``);
+* ``PREPARE`` of the statement (by name), the first time on this connection;
+* its execution, the values bound as parameters (text format);
+* the ``Sync`` that ends the implicit transaction: in autocommit, the commit,
+  and the mode back to the connection's own, whatever happened.
+
+If one fails, none took effect. A prepared statement the connection lost (a
+``DEALLOCATE ALL``, or another server connection behind a transaction
+pooler) is prepared again, and one the server has already (a pooler again)
+is run; nothing was written by the attempt that found out.
+
+On the connections :func:`allow` names (the store's engine's; Django's), for
+statements with ``%(name)s`` parameters bound to ``str``, ``int`` or ``None``.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import re
+import weakref
+from collections.abc import Callable, Mapping
+from typing import Any
+
+#: The mode for the rest of the implicit transaction (``SET LOCAL`` would warn there).
+_KEEP_PLAN = b"SELECT set_config('plan_cache_mode', 'force_generic_plan', true)"
+_UNDEFINED_PREPARED = "26000"  # invalid_sql_statement_name
+_DUPLICATE_PREPARED = "42P05"  # duplicate_prepared_statement
+_PARAM = re.compile(r"%\((\w+)\)s|%%")
+_IDLE = 0  # psycopg.pq.TransactionStatus.IDLE: no transaction open on the connection
+
+#: The connections statements may be prepared on, with the statements prepared on each.
+_PREPARED: weakref.WeakKeyDictionary[Any, set[bytes]] = weakref.WeakKeyDictionary()
+
+
+@functools.cache
+def supported() -> bool:
+    """Whether psycopg 3 is here, on a libpq with pipeline mode (14 or later)."""
+    try:
+        from psycopg import Pipeline
+    except ImportError:  # pragma: no cover - psycopg 3 not installed
+        return False
+    return bool(Pipeline.is_supported())
+
+
+def allow(driver: Any) -> None:
+    """Let :func:`run_kept` prepare statements on ``driver`` if it is a psycopg 3
+    connection on a libpq with pipeline mode (else nothing changes)."""
+    if driver not in _PREPARED and hasattr(driver, "pgconn") and supported():
+        _PREPARED[driver] = set()
+
+
+def keeps(driver: Any) -> bool:
+    """Whether :func:`run_kept` can run a statement on ``driver``: one :func:`allow`
+    named, in autocommit, outside any pipeline or transaction (its ``Sync`` commits)."""
+    return (
+        driver in _PREPARED
+        and driver.autocommit is True
+        and getattr(driver, "_pipeline", None) is None
+        and driver.pgconn.transaction_status == _IDLE
+    )
+
+
+class Kept:
+    """A statement's text for :func:`run_kept`: ``$n`` parameters, and its name."""
+
+    __slots__ = ("keys", "name", "query")
+
+    def __init__(self, sql: str) -> None:
+        keys: list[str] = []
+
+        def number(match: re.Match[str]) -> str:
+            if match.group(1) is None:
+                return "%"
+            if match.group(1) not in keys:
+                keys.append(match.group(1))
+            return f"${keys.index(match.group(1)) + 1}"
+
+        text = _PARAM.sub(number, sql)
+        self.keys = tuple(keys)
+        self.query = text.encode()
+        self.name = f"exactonce_{hashlib.sha256(self.query).hexdigest()[:24]}".encode()
+
+
+_KEPT: dict[str, Kept] = {}
+
+
+def kept(sql: str) -> Kept:
+    """The :class:`Kept` form of ``sql`` (``%(name)s`` parameters), made once."""
+    form = _KEPT.get(sql)
+    if form is None:
+        form = _KEPT[sql] = Kept(sql)
+    return form
+
+
+def _encode(value: Any, encoding: str) -> bytes | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return value.encode(encoding)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value).encode()
+    raise TypeError(f"no text form for a {type(value).__name__} parameter")
+
+
+def _exchange(pgconn: Any, meanwhile: Callable[[], None] | None) -> Any:
+    """psycopg's wait protocol: flush, run ``meanwhile``, read every result up to the Sync.
+
+    Answers the results, and what ``meanwhile`` raised (``None``: nothing).
+    """
+    from psycopg import pq
+    from psycopg.waiting import Ready, Wait
+
+    while pgconn.flush() != 0:
+        if (yield Wait.RW) & Ready.R:
+            pgconn.consume_input()
+    failed: BaseException | None = None
+    if meanwhile is not None:
+        try:
+            meanwhile()
+        except BaseException as exc:  # raised once every result is read
+            failed = exc
+    results = []
+    while True:
+        while pgconn.is_busy():
+            if (yield Wait.R):
+                pgconn.consume_input()
+        result = pgconn.get_result()
+        if result is None:  # the end of one statement's results
+            continue
+        if result.status == pq.ExecStatus.PIPELINE_SYNC:
+            break
+        results.append(result)
+    return results, failed
+
+
+def values_of(driver: Any, form: Kept, values: Mapping[str, Any]) -> list[bytes | None]:
+    """``form``'s parameters from ``values``, in text format; ``TypeError``: a value that
+    is not a ``str``, an ``int`` or ``None`` (nothing is sent)."""
+    encoding = driver.info.encoding
+    return [_encode(values[key], encoding) for key in form.keys]
+
+
+def run_kept(driver: Any, form: Kept, params: list[bytes | None], meanwhile: Any) -> Any:
+    """Run ``form`` on ``driver`` (:func:`keeps`) with a kept plan: its rows, as
+    ``Cursor.fetchall`` answers them (``None``: it answers none).
+
+    ``meanwhile`` runs once, while the statement and its commit are on the way.
+    """
+    from psycopg import errors, pq
+    from psycopg.adapt import Transformer
+
+    pgconn = driver.pgconn
+    encoding = driver.info.encoding
+    prepared = _PREPARED[driver]
+    ok = pq.ExecStatus.COMMAND_OK
+    with driver.lock:
+        for again in (False, True):
+            prepare = form.name not in prepared
+            pgconn.enter_pipeline_mode()
+            try:
+                pgconn.send_query_params(_KEEP_PLAN, None)
+                if prepare:
+                    pgconn.send_prepare(form.name, form.query)
+                pgconn.send_query_prepared(form.name, params)
+                pgconn.pipeline_sync()
+                results, failed = driver.wait(_exchange(pgconn, None if again else meanwhile))
+                pgconn.exit_pipeline_mode()
+            except BaseException:
+                if pgconn.pipeline_status != pq.PipelineStatus.OFF:
+                    driver.close()  # results left unread: the pool must not reuse it
+                raise
+            if failed is not None:  # every result read: the connection is as it was
+                raise failed
+            if prepare and results[1].status == ok:  # prepared, whatever came after
+                prepared.add(form.name)
+            answer = results[2 if prepare else 1]
+            error = next((r for r in results if r.status == pq.ExecStatus.FATAL_ERROR), None)
+            if error is None:
+                break
+            sqlstate = (error.error_field(pq.DiagnosticField.SQLSTATE) or b"").decode()
+            if again or sqlstate not in (_UNDEFINED_PREPARED, _DUPLICATE_PREPARED):
+                raise errors.error_from_result(error, encoding=encoding)
+            # Nothing was written. Lost (DEALLOCATE ALL; another server behind a
+            # transaction pooler): prepare it again; there already: run it.
+            if sqlstate == _UNDEFINED_PREPARED:
+                prepared.discard(form.name)
+            else:
+                prepared.add(form.name)
+    if answer.status == ok:
+        return None
+    loader = Transformer(driver)
+    loader.set_pgresult(answer)
+    return loader.load_rows(0, answer.ntuples, tuple)
