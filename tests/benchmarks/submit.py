@@ -17,6 +17,12 @@ round's messages are counted on the broker (then purged), so a round that
 submitted less fails; one unmeasured call per task first opens the
 connections. Queues and the store namespace (the SQLite file) are removed
 afterwards.
+
+:func:`write_floor` measures, in the same run, what one store write costs on
+the store's own server and driver: a one-row ``INSERT`` and its commit in a
+scratch table (on the Redis store: one round trip). Against plain's time per
+call it says how near the physics a gated submit could come if it cost
+plain's work plus that write and nothing else.
 """
 
 from __future__ import annotations
@@ -39,6 +45,10 @@ from tests import services
 from tests.benchmarks.beat import BROKER_DB
 from tests.benchmarks.rounds import Rounds, alternate
 from tests.support.backends import DJANGO_BACKENDS, SHARED_BACKENDS, store_url
+
+#: Writes a floor measure times, in each of its batches (the median batch counts).
+FLOOR_WRITES = 500
+FLOOR_BATCHES = 3
 
 #: Stores a gated app can run on (the in-process memory store is no deployment), and the
 #: ``django://`` store on PostgreSQL.
@@ -182,3 +192,67 @@ def measure(store: str, broker: str, count: int, rounds: int) -> Rounds:
             lambda: _timed(bench, bench.plain, count, f"submit plain, {where}"),
             lambda: _timed(bench, bench.gated, count, f"submit gated, {where}"),
         )
+
+
+def write_floor(store: str, writes: int = FLOOR_WRITES) -> float:
+    """Seconds one write and its commit take on ``store``'s server, by its driver (median batch).
+
+    SQL: a one-row ``INSERT`` into a scratch table, in autocommit, on a
+    connection of the store's own engine (its settings and listeners); the
+    ``django://`` store on PostgreSQL measures PostgreSQL. Redis: one round
+    trip (``PING``) on the store's server. The table goes afterwards.
+    """
+    if store == "redis":
+        import redis
+
+        client = redis.Redis.from_url(services.REDIS_URL)
+        try:
+            return _batches(writes, lambda i: client.ping())
+        finally:
+            client.close()
+    from celery_exactonce.stores import store_from_url
+
+    tmp = tempfile.mkdtemp(prefix="exactonce-floor-")
+    url = store_url("postgres" if store == "django-postgres" else store, tmp)
+    table = f"exactonce_floor_{uuid.uuid4().hex[:12]}"
+    sql_store = store_from_url(url, namespace="floor")  # its engine, never set up
+    raw = sql_store.engine.raw_connection()  # type: ignore[attr-defined]
+    try:
+        driver = raw.driver_connection
+        marker = "?" if store == "sqlite" else "%s"
+        cursor = driver.cursor()  # type: ignore[union-attr]
+        cursor.execute(f"CREATE TABLE {table} (id VARCHAR(64) PRIMARY KEY, v VARCHAR(64))")
+        driver.commit()  # type: ignore[union-attr]
+        _autocommit(driver)
+        run = uuid.uuid4().hex
+        insert = f"INSERT INTO {table} (id, v) VALUES ({marker}, {marker})"
+        try:
+            return _batches(writes, lambda i: cursor.execute(insert, (f"{run}-{i}", "x")))
+        finally:
+            cursor.execute(f"DROP TABLE {table}")
+            cursor.close()
+    finally:
+        raw.close()
+        sql_store.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _autocommit(driver: Any) -> None:
+    """Each statement its own transaction, committed by the server as it answers."""
+    if callable(getattr(driver, "autocommit", None)):  # PyMySQL
+        driver.autocommit(True)
+    elif hasattr(driver, "isolation_level") and not hasattr(driver, "pgconn"):  # sqlite3
+        driver.isolation_level = None
+    else:  # psycopg
+        driver.autocommit = True
+
+
+def _batches(writes: int, write: Callable[[int], Any]) -> float:
+    """Seconds per call of ``write``: the median of :data:`FLOOR_BATCHES` timed batches."""
+    per_write = []
+    for batch in range(FLOOR_BATCHES):
+        start = time.perf_counter()
+        for i in range(writes):
+            write(batch * writes + i)
+        per_write.append((time.perf_counter() - start) / writes)
+    return sorted(per_write)[len(per_write) // 2]
