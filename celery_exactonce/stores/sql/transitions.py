@@ -57,18 +57,20 @@ class SqlTransitions(SqlLeases):
 
         A brief batch of transitions one statement can apply, on PostgreSQL
         where a statement alone commits at once (the store's own connections;
-        Django's in its autocommit, outside any ``atomic`` block), first runs
-        alone (:meth:`_applied_alone`): each row it changed is applied, and only the
-        others are decided, one row at a time in key order, in a transaction
-        of their own (the statement's row locks went with its commit). Else
-        the batch is one transaction (:meth:`_transition_many_op`), a batch of
-        one shape tried first as one statement under a savepoint.
+        for one transition, Django's in its autocommit, outside any ``atomic``
+        block), first runs alone (:meth:`_applied_alone`): each row it changed
+        is applied, and only the others are decided, one row at a time in key
+        order, in a transaction of their own (the statement's row locks went
+        with its commit). Else the batch is one transaction
+        (:meth:`_transition_many_op`), a batch of one shape tried first as one
+        statement under a savepoint.
         """
         order = sorted(range(len(requests)), key=lambda i: str(requests[i][0]))
         fast = brief and all(self._fast_transition(t) for _, t in requests)
         results: dict[int, TransitionResult] = {}
         rest, batch, tried = order, None, False
-        if fast and self._autocommit and self._commits_alone():
+        alone = self.owns_transactions or len(requests) == 1  # Django: the gate's writes
+        if fast and self._autocommit and alone and self._commits_alone():
             applied = self._applied_alone(requests, order)
             if applied is not None:
                 results = dict.fromkeys(applied, TransitionResult(TransitionStatus.APPLIED))
