@@ -261,3 +261,43 @@ def test_on_django_postgresql_the_insert_keeps_a_plan_and_the_connection_its_set
     # And the connection is as Django left it: client-side binding, its own mode
     assert issubclass(driver.cursor_factory, psycopg.ClientCursor)
     assert driver.execute("SHOW plan_cache_mode").fetchone() == mode
+
+
+def test_on_django_postgresql_the_gate_and_the_completion_keep_their_plans(
+    sql_store: Any,
+) -> None:
+    """The run's two brief writes, alone in Django's autocommit, keep a plan by the key."""
+    if sql_store.owns_transactions or sql_store.engine.dialect.name != "postgresql":
+        pytest.skip("Django's psycopg connection")
+    from django.db import connections
+
+    def generic_plans() -> int:
+        query = "SELECT sum(generic_plans) FROM pg_prepared_statements WHERE name LIKE 'exactonce%'"
+        return int(connections[sql_store.alias].connection.execute(query).fetchone()[0] or 0)
+
+    def run(job_id: str) -> None:
+        new = _new(job_id)
+        assert sql_store.enqueue(new, _dispatch(new)).created
+        run_id = f"run-{job_id}"
+        gate = Transition(
+            State.RUNNING,
+            frozenset({State.DISPATCHED}),
+            node="worker",
+            reason="gate",
+            attempt=0,
+            new_run_id=run_id,
+        )
+        done = Transition(
+            State.SUCCEEDED, frozenset({State.RUNNING}), node="worker", reason="ok", run_id=run_id
+        )
+        for request in (gate, done):
+            (result,) = sql_store.transition_many([(new.ref, request)], brief=True)
+            assert result.applied
+
+    run("e-gate-first")
+    before = generic_plans()
+    # When another job is submitted, passes the gate and ends
+    run("e-gate-second")
+    # Then its INSERT, its gate's CAS and its completion each ran on a kept generic plan
+    assert generic_plans() == before + 3
+    assert sql_store.get(JobRef.submitted("e-gate-second")).state is State.SUCCEEDED

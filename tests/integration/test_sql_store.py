@@ -240,7 +240,7 @@ def test_a_heartbeat_reads_the_clock_once(store: SqlStore) -> None:
     assert job is not None and job.touched_at == job.heartbeat_at
 
 
-def _statements(store: SqlStore) -> list[str]:
+def _statements(store: SqlStore, monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The first word of every statement the store sends from now on.
 
     On psycopg they are counted on the driver's cursors (:func:`_driver_statements`),
@@ -248,7 +248,7 @@ def _statements(store: SqlStore) -> list[str]:
     SQLAlchemy's events.
     """
     if store.engine.dialect.driver == "psycopg":
-        return _driver_statements(store, [])
+        return _driver_statements(store, [], monkeypatch)
     sent: list[str] = []
 
     def record(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
@@ -258,9 +258,12 @@ def _statements(store: SqlStore) -> list[str]:
     return sent
 
 
-def _driver_statements(store: SqlStore, autocommit: list[bool]) -> list[str]:
-    """psycopg: the first word of every statement sent from now on; ``autocommit``: whether
-    each ran outside a transaction (no ``BEGIN`` or ``COMMIT`` sent around it)."""
+def _driver_statements(
+    store: SqlStore, autocommit: list[bool], monkeypatch: pytest.MonkeyPatch
+) -> list[str]:
+    """psycopg: the first word of every statement sent from now on (on a cursor; after
+    ``KEPT``: :mod:`~celery_exactonce.stores.sql.pgwire`'s); ``autocommit``: whether each ran
+    outside a transaction (no ``BEGIN`` or ``COMMIT`` sent around it)."""
     import psycopg
 
     sent: list[str] = []
@@ -275,16 +278,26 @@ def _driver_statements(store: SqlStore, autocommit: list[bool]) -> list[str]:
     def count_on(dbapi_conn: Any, *_: Any) -> None:
         dbapi_conn.cursor_factory = Counted
 
+    real = pgwire.run_kept
+
+    def run_kept(driver: Any, form: pgwire.Kept, *args: Any) -> Any:  # no cursor: its message
+        sent.append("KEPT " + form.query.decode().split(None, 1)[0].upper())
+        autocommit.append(driver.autocommit)
+        return real(driver, form, *args)
+
     store.engine.dispose()  # every connection from now on is checked out, and counted
     sa.event.listen(store.engine, "checkout", count_on)
+    monkeypatch.setattr(pgwire, "run_kept", run_kept)
     return sent
 
 
-def test_each_write_of_a_submit_and_a_gate_is_one_statement(server_store: SqlStore) -> None:
+def test_each_write_of_a_submit_and_a_gate_is_one_statement(
+    server_store: SqlStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # The brief create (beat, a submit), the brief CAS (DISPATCHED, the gate, the
     # completion), and on PostgreSQL the create and CAS that answer with the record:
     # one statement each, the clock read inside it, no ping.
-    sent = _statements(server_store)
+    sent = _statements(server_store, monkeypatch)
     new, other = task_job(), task_job()
     dispatched = to(State.DISPATCHED, State.SCHEDULED)
     writes = {
@@ -306,21 +319,22 @@ def test_each_write_of_a_submit_and_a_gate_is_one_statement(server_store: SqlSto
 
 @pytest.mark.parametrize("server_store", ["postgres"], indirect=True)
 def test_the_gate_and_the_completion_are_one_round_trip_each_on_postgresql(
-    server_store: SqlStore,
+    server_store: SqlStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A run's two writes: each its statement alone, in autocommit (no BEGIN, no COMMIT)."""
     new = task_job()
     assert server_store.create(new).created
     autocommit: list[bool] = []
-    sent = _driver_statements(server_store, autocommit)
+    sent = _driver_statements(server_store, autocommit, monkeypatch)
     # When the gate's CAS and the completion run, brief (as the worker sends them)
     gate = to(State.RUNNING, State.SCHEDULED, State.DISPATCHED, attempt=0, new_run_id="run-1")
     (entered,) = server_store.transition_many([(new.ref, gate)], brief=True)
     done = to(State.SUCCEEDED, State.RUNNING, run_id="run-1")
     (finished,) = server_store.transition_many([(new.ref, done)], brief=True)
-    # Then each applied in one UPDATE sent in autocommit, and the record is as written
+    # Then each applied in one UPDATE sent in autocommit on a kept plan, and the record
+    # is as written
     assert entered.applied and finished.applied
-    assert (sent, autocommit) == (["WITH", "WITH"], [True, True])
+    assert (sent, autocommit) == (["KEPT WITH", "KEPT WITH"], [True, True])
     job = server_store.get(new.ref)
     assert job is not None and job.state is State.SUCCEEDED and job.run_id == "run-1"
     # And a refused one (the run no longer owns the job) answers the record, decided

@@ -44,6 +44,7 @@ from celery_exactonce.core.refs import JobRef
 from celery_exactonce.stores import redact_secrets, url_secrets, validate_namespace
 from celery_exactonce.stores.base import Run
 from celery_exactonce.stores.sql import engine as sql_engine
+from celery_exactonce.stores.sql import pgwire
 from celery_exactonce.stores.sql import rows as sql_rows
 from celery_exactonce.stores.sql import schema as sql_schema
 from celery_exactonce.stores.sql import statements_batch as sql_statements_batch
@@ -210,7 +211,7 @@ class SqlCore:
         stmt: sa.TextClause | sa.TextualSelect,
         params: dict[str, Any],
         meanwhile: Run = None,
-        keep: bool = False,
+        keep: pgwire.Settings | None = None,
     ) -> Any:
         """Run one write alone, committed, on a DB-API connection: its first row.
 
@@ -221,9 +222,8 @@ class SqlCore:
         can: :func:`~.engine.commits_in_statement`). ``()``: no ``RETURNING``;
         ``None``: no row, or (MySQL) its key exists. Errors are wrapped as every
         other (:meth:`_guard`), the connection dropped if it broke. Not retried:
-        a statement alone locks at most its one row, so it cannot deadlock; an
-        ``INSERT`` waits on no lock but its key's. ``meanwhile``, ``keep``: see
-        :func:`~.engine.execute`.
+        a statement alone locks at most its one row, so it cannot deadlock; an ``INSERT``
+        waits on no lock but its key's. ``meanwhile``, ``keep``: :func:`~.engine.execute`.
         """
         compiled = self._raw_sql.get(stmt)
         if compiled is None:

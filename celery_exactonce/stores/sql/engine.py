@@ -266,12 +266,20 @@ def _at_first_read(gen: Any, meanwhile: Callable[[], None]) -> Any:
 
 
 def execute(
-    driver: Any, sql: str, values: Any, meanwhile: Run, *, drain: bool = False, keep: bool = False
+    driver: Any,
+    sql: str,
+    values: Any,
+    meanwhile: Run,
+    *,
+    drain: bool = False,
+    keep: pgwire.Settings | None = None,
 ) -> Any:
     """Run one statement on a DB-API connection: its rows (``None``: it answers none).
 
-    ``keep``: the statement's plan reads no table (an ``INSERT`` of bound
-    values): on the store's PostgreSQL connections it runs with a kept plan
+    ``keep``: the statement's generic plan is its custom one (an ``INSERT``
+    of bound values, :data:`~.pgwire.AS_IS`; a one-row ``UPDATE`` by its key,
+    :data:`~.pgwire.BY_KEY`, under those settings): on the store's PostgreSQL
+    connections it runs with a kept plan
     (:mod:`~celery_exactonce.stores.sql.pgwire`), ``meanwhile`` while it is on the way.
 
     ``drain``: ``sql`` is more than one statement (:data:`COMMITS`): the
@@ -283,9 +291,9 @@ def execute(
     ``Cursor.execute`` sends it, and the answer read after ``meanwhile``.
     Elsewhere it runs before the statement is sent. It must not raise.
     """
-    if keep and pgwire.keeps(driver):
+    if keep is not None and pgwire.keeps(driver):
         try:
-            form = pgwire.kept(sql)
+            form = pgwire.kept(sql, keep)
             params = pgwire.values_of(driver, form, values)
         except TypeError:  # a value with no text form here: psycopg's way
             pass

@@ -11,7 +11,8 @@ time a submit). :func:`run_kept` sends, in one message through libpq's
 pipeline mode:
 
 * ``set_config('plan_cache_mode', 'force_generic_plan', true)``: for this
-  implicit transaction only (``SET LOCAL`` would warn outside a ``BEGIN``);
+  implicit transaction only (``SET LOCAL`` would warn outside a ``BEGIN``),
+  with the statement's own settings (:data:`BY_KEY`) the same way;
 * ``PREPARE`` of the statement (by name), the first time on this connection;
 * its execution, the values bound as parameters (text format);
 * the ``Sync`` that ends the implicit transaction: in autocommit, the commit,
@@ -21,6 +22,15 @@ If one fails, none took effect. A prepared statement the connection lost (a
 ``DEALLOCATE ALL``, or another server connection behind a transaction
 pooler) is prepared again, and one the server has already (a pooler again)
 is run; nothing was written by the attempt that found out.
+
+A statement that reads a table is kept only if its generic plan is its
+custom one whatever the statistics: the brief one-row ``UPDATE`` of the gate
+(:data:`BY_KEY`). Its conditions other than the key name no index (a guard
+on the state is wrapped in ``IS TRUE``, and every other index of the jobs
+table is partial, its predicate unproven for a parameter), so with
+``enable_seqscan`` off, whatever the table held when the plan was made, the
+primary key is the one way to its row; an ``ANALYZE`` that invalidates the
+plan replans it in the same message, under the same settings.
 
 On the connections :func:`allow` names (the store's engine's; Django's), for
 statements with ``%(name)s`` parameters bound to ``str``, ``int`` or ``None``.
@@ -35,8 +45,14 @@ import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
-#: The mode for the rest of the implicit transaction (``SET LOCAL`` would warn there).
-_KEEP_PLAN = b"SELECT set_config('plan_cache_mode', 'force_generic_plan', true)"
+Settings = tuple[tuple[str, str], ...]
+"""Settings a kept statement runs (and is planned) under, as ``(name, value)`` pairs."""
+
+#: A statement whose plan reads no table (an ``INSERT`` of bound values): no setting.
+AS_IS: Settings = ()
+#: A statement that finds its one row by its key: no plan but by an index.
+BY_KEY: Settings = (("enable_seqscan", "off"),)
+_SETTING = re.compile(r"\w+")
 _UNDEFINED_PREPARED = "26000"  # invalid_sql_statement_name
 _DUPLICATE_PREPARED = "42P05"  # duplicate_prepared_statement
 _PARAM = re.compile(r"%\((\w+)\)s|%%")
@@ -77,9 +93,9 @@ def keeps(driver: Any) -> bool:
 class Kept:
     """A statement's text for :func:`run_kept`: ``$n`` parameters, and its name."""
 
-    __slots__ = ("keys", "name", "query")
+    __slots__ = ("keys", "name", "query", "setup")
 
-    def __init__(self, sql: str) -> None:
+    def __init__(self, sql: str, settings: Settings = AS_IS) -> None:
         keys: list[str] = []
 
         def number(match: re.Match[str]) -> str:
@@ -92,17 +108,26 @@ class Kept:
         text = _PARAM.sub(number, sql)
         self.keys = tuple(keys)
         self.query = text.encode()
-        self.name = f"exactonce_{hashlib.sha256(self.query).hexdigest()[:24]}".encode()
+        # For the rest of the implicit transaction (``SET LOCAL`` would warn there).
+        configs = [("plan_cache_mode", "force_generic_plan"), *settings]
+        if not all(_SETTING.fullmatch(part) for pair in configs for part in pair):
+            raise ValueError(f"not a setting: {settings!r}")
+        self.setup = (
+            "SELECT " + ", ".join(f"set_config('{n}', '{v}', true)" for n, v in configs)
+        ).encode()
+        # The plan is made under the settings: another set, another statement.
+        digest = hashlib.sha256(self.setup + b"\0" + self.query).hexdigest()[:24]
+        self.name = f"exactonce_{digest}".encode()
 
 
-_KEPT: dict[str, Kept] = {}
+_KEPT: dict[tuple[str, Settings], Kept] = {}
 
 
-def kept(sql: str) -> Kept:
-    """The :class:`Kept` form of ``sql`` (``%(name)s`` parameters), made once."""
-    form = _KEPT.get(sql)
+def kept(sql: str, settings: Settings = AS_IS) -> Kept:
+    """The :class:`Kept` form of ``sql`` (``%(name)s`` parameters) under ``settings``, made once."""
+    form = _KEPT.get((sql, settings))
     if form is None:
-        form = _KEPT[sql] = Kept(sql)
+        form = _KEPT[sql, settings] = Kept(sql, settings)
     return form
 
 
@@ -172,7 +197,7 @@ def run_kept(driver: Any, form: Kept, params: list[bytes | None], meanwhile: Any
             prepare = form.name not in prepared
             pgconn.enter_pipeline_mode()
             try:
-                pgconn.send_query_params(_KEEP_PLAN, None)
+                pgconn.send_query_params(form.setup, None)
                 if prepare:
                     pgconn.send_prepare(form.name, form.query)
                 pgconn.send_query_prepared(form.name, params)

@@ -74,6 +74,7 @@ from celery_exactonce.core.states import State
 from celery_exactonce.core.writes import NewJob, Transition
 from celery_exactonce.stores.base import DueBacklog, Run
 from celery_exactonce.stores.sql import engine as sql_engine
+from celery_exactonce.stores.sql import pgwire
 from celery_exactonce.stores.sql import schema as sql_schema
 from celery_exactonce.stores.sql.base import Slow
 from celery_exactonce.stores.sql.creates import SqlCreates
@@ -261,7 +262,7 @@ class SqlStore(SqlCreates, SqlTransitions, SqlScans, SqlLeases):
         if self._commits_alone():  # the statement alone, on the driver
             returning = self._enqueue_returning()
             stmt, params = self._sql.enqueue(self._namespace, new, dispatch, returning=returning)
-            row = self._run_statement("enqueue", stmt, params, meanwhile, keep=True)
+            row = self._run_statement("enqueue", stmt, params, meanwhile, keep=pgwire.AS_IS)
             if row is not None:  # inserted; without RETURNING, at this process's estimate
                 now = times.from_micros(row[0]) if row else datetime.now(timezone.utc)
                 return CreateResult(CreateStatus.CREATED, self._enqueued(new, dispatch, now))

@@ -42,6 +42,7 @@ from celery_exactonce.core.refs import JobRef
 from celery_exactonce.core.states import TERMINAL
 from celery_exactonce.core.writes import Transition
 from celery_exactonce.stores.sql import engine as sql_engine
+from celery_exactonce.stores.sql import pgwire
 from celery_exactonce.stores.sql.base import Rerun
 from celery_exactonce.stores.sql.leases import SqlLeases
 
@@ -54,19 +55,22 @@ class SqlTransitions(SqlLeases):
     ) -> list[TransitionResult]:
         """``transition_many`` of a batch that is not empty.
 
-        A brief batch of transitions one statement can apply, where the store
-        owns its transactions on PostgreSQL, first runs alone
-        (:meth:`_applied_alone`): each row it changed is applied, and only the
-        others are decided, one row at a time in key order, in a transaction
-        of their own (the statement's row locks went with its commit). Else
-        the batch is one transaction (:meth:`_transition_many_op`), a batch of
-        one shape tried first as one statement under a savepoint.
+        A brief batch of transitions one statement can apply, on PostgreSQL
+        where a statement alone commits at once (the store's own connections;
+        for one transition, Django's in its autocommit, outside any ``atomic``
+        block), first runs alone (:meth:`_applied_alone`): each row it changed
+        is applied, and only the others are decided, one row at a time in key
+        order, in a transaction of their own (the statement's row locks went
+        with its commit). Else the batch is one transaction
+        (:meth:`_transition_many_op`), a batch of one shape tried first as one
+        statement under a savepoint.
         """
         order = sorted(range(len(requests)), key=lambda i: str(requests[i][0]))
         fast = brief and all(self._fast_transition(t) for _, t in requests)
         results: dict[int, TransitionResult] = {}
         rest, batch, tried = order, None, False
-        if fast and self._autocommit and self.owns_transactions:
+        alone = self.owns_transactions or len(requests) == 1  # Django: the gate's writes
+        if fast and self._autocommit and alone and self._commits_alone():
             applied = self._applied_alone(requests, order)
             if applied is not None:
                 results = dict.fromkeys(applied, TransitionResult(TransitionStatus.APPLIED))
@@ -85,7 +89,8 @@ class SqlTransitions(SqlLeases):
 
         The statement runs alone in autocommit on the driver
         (:meth:`~celery_exactonce.stores.sql.base.SqlCore._run_statement`, one
-        round trip): the one-row ``UPDATE`` for one request, else the batch's
+        round trip): the one-row ``UPDATE`` for one request (on PostgreSQL on a
+        kept plan, by its key: :data:`~.pgwire.BY_KEY`), else the batch's
         (``None``: the batch is not one statement, nothing ran). A statement that failed
         with an error after which it may be rerun (a deadlock: a lease's
         ``EXISTS`` locks a second row, which a lock-ordered transaction may
@@ -100,8 +105,9 @@ class SqlTransitions(SqlLeases):
             if batch is None:
                 return None
             stmt, params = batch
+        keep = pgwire.BY_KEY if len(order) == 1 else None  # one row: its key's plan, kept
         try:
-            row = self._run_statement("transition_many", stmt, params)
+            row = self._run_statement("transition_many", stmt, params, keep=keep)
         except exceptions.StoreUnavailable as exc:
             cause = exc.__cause__
             if sql_engine.error_code(getattr(cause, "orig", None) or cause) in self._d.retry:

@@ -60,6 +60,22 @@ def test_a_kept_statement_numbers_its_parameters_once_each_in_order() -> None:
     assert form.name.startswith(b"exactonce_") and pgwire.kept("SELECT %(a)s, %(b)s") is not form
 
 
+def test_a_statement_kept_under_its_settings_is_another_prepared_statement() -> None:
+    sql = "UPDATE t SET a = %(a)s WHERE k = %(k)s"
+    plain, by_key = pgwire.kept(sql), pgwire.kept(sql, pgwire.BY_KEY)
+    # The settings are set with the mode, for the statement's implicit transaction alone
+    assert by_key.setup == (
+        b"SELECT set_config('plan_cache_mode', 'force_generic_plan', true),"
+        b" set_config('enable_seqscan', 'off', true)"
+    )
+    assert plain.setup == b"SELECT set_config('plan_cache_mode', 'force_generic_plan', true)"
+    # A plan made under other settings is another statement's, by its name
+    assert by_key.query == plain.query and by_key.name != plain.name
+    assert pgwire.kept(sql, pgwire.BY_KEY) is by_key
+    with pytest.raises(ValueError, match="not a setting"):
+        pgwire.Kept(sql, (("enable_seqscan", "off', true); DROP TABLE t; --"),))
+
+
 def test_only_a_psycopg_3_connection_may_keep_a_plan() -> None:
     class Other:  # psycopg2, or any other driver: no libpq connection of psycopg 3's
         autocommit = True
