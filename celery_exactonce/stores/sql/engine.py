@@ -31,7 +31,8 @@ connection is rolled back only when a transaction is open.
 
 :func:`execute` runs one statement alone on a DB-API connection (the hot
 path's writes), with work of the caller's while it is on the way where the
-driver allows.
+driver allows (psycopg 3 in autocommit; PyMySQL, by
+:mod:`~celery_exactonce.stores.sql.mysqlwire`).
 
 Not here: running a transaction, its retries and the errors it raises
 (:mod:`~celery_exactonce.stores.sql.base`), the tables
@@ -56,7 +57,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from celery_exactonce.core import exceptions
 from celery_exactonce.stores import redact_message, redact_url
 from celery_exactonce.stores.base import Run
-from celery_exactonce.stores.sql import pgwire
+from celery_exactonce.stores.sql import mysqlwire, pgwire
 
 _SQLITE_BUSY = 30.0
 """Seconds a SQLite transaction waits for the write lock (``from_url`` default)."""
@@ -234,7 +235,10 @@ def splits() -> bool:
 
 def overlaps(driver: Any) -> bool:
     """Whether :func:`execute` can run a function while ``driver``'s statement is on the way:
-    a psycopg 3 connection in autocommit (else the function runs first)."""
+    a psycopg 3 connection in autocommit, or a PyMySQL one
+    (:mod:`~celery_exactonce.stores.sql.mysqlwire`); else the function runs first."""
+    if mysqlwire.overlaps(driver):
+        return True
     return hasattr(type(driver), "pipeline") and driver.autocommit is True and splits()
 
 
@@ -286,8 +290,8 @@ def execute(
     answers after the first are read (and their errors raised).
 
     ``meanwhile`` runs while the statement's answer is on the way where the
-    driver can (:func:`overlaps`: an autocommit statement's commit, too,
-    runs on the server meanwhile): one message to the server, as
+    driver can (:func:`overlaps`: an autocommit statement's commit, or the
+    ``COMMIT`` sent with it, too, runs on the server meanwhile): one message to the server, as
     ``Cursor.execute`` sends it, and the answer read after ``meanwhile``.
     Elsewhere it runs before the statement is sent. It must not raise.
     """
@@ -301,7 +305,9 @@ def execute(
             return pgwire.run_kept(driver, form, params, meanwhile)
     cursor = driver.cursor()
     try:
-        if meanwhile is not None and overlaps(driver):
+        if meanwhile is not None and mysqlwire.overlaps(driver):
+            mysqlwire.execute_meanwhile(cursor, sql, values, meanwhile)
+        elif meanwhile is not None and overlaps(driver):
             with driver.lock:
                 driver.wait(_at_first_read(cursor._execute_gen(sql, values), meanwhile))
         else:
