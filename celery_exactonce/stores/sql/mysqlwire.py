@@ -51,9 +51,16 @@ def execute_meanwhile(cursor: Any, sql: str, values: Any, meanwhile: Callable[[]
     ``meanwhile`` runs after the query packet is written and before a byte of
     the answer is read; what it raises is raised once the answer is read
     (the connection left as ``execute`` leaves it). If the query cannot be
-    sent, ``meanwhile`` does not run; the error is ``execute``'s.
+    sent, ``meanwhile`` does not run; the error is ``execute``'s. On a
+    connection with answers of an earlier message still unread (which
+    ``execute`` reads first), ``meanwhile`` runs before the statement.
     """
     driver = cursor.connection
+    if getattr(getattr(driver, "_result", None), "has_next", False):
+        # PyMySQL would first read the answers an earlier message left: not this one's
+        meanwhile()
+        cursor.execute(sql, values)
+        return
     read = getattr(driver, _READ)
     failed: list[BaseException] = []
 

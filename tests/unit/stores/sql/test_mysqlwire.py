@@ -79,6 +79,22 @@ def test_a_refused_statement_raises_its_error_and_leaves_the_connection_as_it_wa
     assert "_read_query_result" not in vars(wire)
 
 
+def test_on_a_connection_with_answers_left_unread_meanwhile_runs_first() -> None:
+    """PyMySQL reads an earlier message's answers before it sends: those are not this one's."""
+
+    class Left:
+        has_next = True
+
+    events: list[str] = []
+    wire = _Wire(events)
+    wire._result = Left()
+    mysqlwire.execute_meanwhile(
+        _Cursor(wire), "SELECT %s", (1,), lambda: events.append("meanwhile")
+    )
+    assert events == ["meanwhile", "sent b'SELECT 1'", "read"]
+    assert "_read_query_result" not in vars(wire)
+
+
 def test_only_a_pymysql_connection_is_driven() -> None:
     class Other:  # mysqlclient, psycopg 2, sqlite3: meanwhile runs before the statement
         autocommit = False
