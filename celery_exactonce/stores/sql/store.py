@@ -74,7 +74,7 @@ from celery_exactonce.core.states import State
 from celery_exactonce.core.writes import NewJob, Transition
 from celery_exactonce.stores.base import DueBacklog, Run
 from celery_exactonce.stores.sql import engine as sql_engine
-from celery_exactonce.stores.sql import mysqlwire, pgwire
+from celery_exactonce.stores.sql import pgwire
 from celery_exactonce.stores.sql import schema as sql_schema
 from celery_exactonce.stores.sql.base import Slow
 from celery_exactonce.stores.sql.creates import SqlCreates
@@ -245,8 +245,8 @@ class SqlStore(SqlCreates, SqlTransitions, SqlScans, SqlLeases):
         """
         dialect = self._engine.dialect
         if dialect.name == "mysql" and dialect.driver == "pymysql":
-            return mysqlwire.splits() and self._commits_alone()
-        return self._postgresql and sql_engine.splits() and self._commits_alone()
+            return sql_engine.pymysql_splits() and self._commits_alone()
+        return self._postgresql and pgwire.splits() and self._commits_alone()
 
     def enqueue(self, new: NewJob, dispatch: Transition, *, meanwhile: Run = None) -> CreateResult:
         """The one-write submit: ``new`` created already ``DISPATCHED``, unless its ref exists.

@@ -1,4 +1,5 @@
-"""How the SQL store runs work of the caller's while a PyMySQL statement's answer is out."""
+"""How the SQL store runs work of the caller's while a PyMySQL statement's answer is out
+(:func:`~celery_exactonce.stores.sql.engine.execute`)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ import pytest
 from pymysql.connections import Connection
 
 from celery_exactonce.stores.sql import engine as sql_engine
-from celery_exactonce.stores.sql import mysqlwire
 
 
 class _Wire(Connection):  # type: ignore[misc]
@@ -31,7 +31,7 @@ class _Wire(Connection):  # type: ignore[misc]
 
 
 class _Cursor:
-    """The part of PyMySQL's cursor :func:`mysqlwire.execute_meanwhile` drives: ``execute``."""
+    """The part of PyMySQL's cursor :func:`sql_engine._pymysql_meanwhile` drives: ``execute``."""
 
     def __init__(self, connection: _Wire) -> None:
         self.connection = connection
@@ -44,8 +44,8 @@ class _Cursor:
 def test_meanwhile_runs_once_after_the_query_is_sent_and_before_its_answer_is_read() -> None:
     events: list[str] = []
     wire = _Wire(events)
-    assert mysqlwire.overlaps(wire) and sql_engine.overlaps(wire)
-    mysqlwire.execute_meanwhile(
+    assert sql_engine._pymysql_overlaps(wire) and sql_engine.overlaps(wire)
+    sql_engine._pymysql_meanwhile(
         _Cursor(wire), "INSERT INTO t VALUES (%s)", ("a'b",), lambda: events.append("meanwhile")
     )
     # Sent bound and escaped, then the caller's work, then the answer read
@@ -64,7 +64,7 @@ def test_what_meanwhile_raises_is_raised_once_the_answer_is_read() -> None:
 
     wire = _Wire(events)
     with pytest.raises(ValueError, match="build failed"):
-        mysqlwire.execute_meanwhile(_Cursor(wire), "SELECT %s", (1,), meanwhile)
+        sql_engine._pymysql_meanwhile(_Cursor(wire), "SELECT %s", (1,), meanwhile)
     assert events == ["sent b'SELECT 1'", "read"] and "_read_query_result" not in vars(wire)
 
 
@@ -72,7 +72,7 @@ def test_a_refused_statement_raises_its_error_and_leaves_the_connection_as_it_wa
     events: list[str] = []
     wire = _Wire(events, fail=RuntimeError("1062 duplicate"))
     with pytest.raises(RuntimeError, match="1062"):
-        mysqlwire.execute_meanwhile(
+        sql_engine._pymysql_meanwhile(
             _Cursor(wire), "SELECT %s", (1,), lambda: events.append("meanwhile")
         )
     assert events == ["sent b'SELECT 1'", "meanwhile", "read"]
@@ -88,7 +88,7 @@ def test_on_a_connection_with_answers_left_unread_meanwhile_runs_first() -> None
     events: list[str] = []
     wire = _Wire(events)
     wire._result = Left()
-    mysqlwire.execute_meanwhile(
+    sql_engine._pymysql_meanwhile(
         _Cursor(wire), "SELECT %s", (1,), lambda: events.append("meanwhile")
     )
     assert events == ["meanwhile", "sent b'SELECT 1'", "read"]
@@ -99,4 +99,4 @@ def test_only_a_pymysql_connection_is_driven() -> None:
     class Other:  # mysqlclient, psycopg 2, sqlite3: meanwhile runs before the statement
         autocommit = False
 
-    assert not mysqlwire.overlaps(Other()) and not sql_engine.overlaps(Other())
+    assert not sql_engine._pymysql_overlaps(Other()) and not sql_engine.overlaps(Other())
