@@ -116,8 +116,13 @@ def test_enqueue_runs_meanwhile_once_whether_or_not_the_ref_exists(sql_store: An
     assert len(seen) == 2
     assert first.status is CreateStatus.CREATED
     assert again.status is CreateStatus.EXISTS and again.job == sql_store.get(new.ref)
-    # And it overlaps the statement on PostgreSQL alone (psycopg 3, in autocommit)
-    assert sql_store.enqueue_overlaps is (sql_store.engine.dialect.name == "postgresql")
+    # And it overlaps the statement on PostgreSQL (psycopg 3, in autocommit) and on
+    # MySQL/MariaDB (PyMySQL), not on SQLite
+    dialect = sql_store.engine.dialect
+    overlapping = dialect.name == "postgresql" or (
+        dialect.name == "mysql" and dialect.driver == "pymysql"
+    )
+    assert sql_store.enqueue_overlaps is overlapping
 
 
 def test_enqueue_of_a_ref_that_exists_answers_its_record_unchanged(sql_store: Any) -> None:
@@ -301,3 +306,41 @@ def test_on_django_postgresql_the_gate_and_the_completion_keep_their_plans(
     # Then its INSERT, its gate's CAS and its completion each ran on a kept generic plan
     assert generic_plans() == before + 3
     assert sql_store.get(JobRef.submitted("e-gate-second")).state is State.SUCCEEDED
+
+
+def test_on_mysql_the_work_meanwhile_runs_after_the_insert_is_sent_before_its_answer(
+    sql_store: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PyMySQL: the ``INSERT`` and its ``COMMIT`` go in one message, the caller's work runs
+    while they are on the server, and the answers are read after it; a duplicate key is
+    refused as before, its transaction let go."""
+    if sql_store.engine.dialect.name != "mysql":
+        pytest.skip("PyMySQL's wire")
+    from pymysql.connections import Connection
+
+    events: list[str] = []
+    send, read = Connection._execute_command, Connection._read_query_result
+
+    def sent(self: Any, command: int, sql: Any) -> Any:
+        text = sql if isinstance(sql, str) else sql.decode()
+        if "INSERT" in text:
+            events.append("sent" + (" with its COMMIT" if text.endswith("; COMMIT") else ""))
+        return send(self, command, sql)
+
+    def answered(self: Any, *args: Any, **kwargs: Any) -> Any:
+        events.append("read")
+        return read(self, *args, **kwargs)
+
+    monkeypatch.setattr(Connection, "_execute_command", sent)
+    monkeypatch.setattr(Connection, "_read_query_result", answered)
+    new = _new("e-wire")
+    dispatch = _dispatch(new)
+    # When a record is enqueued, then enqueued again (its key exists)
+    first = sql_store.enqueue(new, dispatch, meanwhile=lambda: events.append("meanwhile"))
+    assert first.created and sql_store.enqueue_overlaps is True
+    assert events[:4] == ["sent with its COMMIT", "meanwhile", "read", "read"]
+    del events[:]
+    again = sql_store.enqueue(new, dispatch, meanwhile=lambda: events.append("meanwhile"))
+    # Then the work ran once while each was out; the second is answered with the record
+    assert events[:3] == ["sent with its COMMIT", "meanwhile", "read"]
+    assert again.status is CreateStatus.EXISTS and again.job == sql_store.get(new.ref)

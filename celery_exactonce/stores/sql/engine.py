@@ -31,7 +31,7 @@ connection is rolled back only when a transaction is open.
 
 :func:`execute` runs one statement alone on a DB-API connection (the hot
 path's writes), with work of the caller's while it is on the way where the
-driver allows.
+driver allows (psycopg 3 in autocommit; PyMySQL).
 
 Not here: running a transaction, its retries and the errors it raises
 (:mod:`~celery_exactonce.stores.sql.base`), the tables
@@ -216,53 +216,63 @@ def _plan_each_call(dbapi_conn: Any, _record: Any) -> None:
     pgwire.allow(dbapi_conn)  # a statement whose plan reads no table may keep one
 
 
-@functools.cache
-def splits() -> bool:
-    """Whether psycopg 3 is here with the part of its cursor :func:`execute` drives itself.
-
-    ``Cursor._execute_gen`` is the generator ``Cursor.execute`` runs: it sends
-    the statement (with its ``Sync``: in autocommit, the commit too) and then
-    waits to read the answer. :func:`execute` runs a function at that wait.
-    """
-    try:
-        from psycopg import Cursor
-        from psycopg.waiting import Wait
-    except ImportError:  # pragma: no cover - psycopg 3 not installed
-        return False
-    return hasattr(Cursor, "_execute_gen") and hasattr(Wait, "R")
-
-
 def overlaps(driver: Any) -> bool:
     """Whether :func:`execute` can run a function while ``driver``'s statement is on the way:
-    a psycopg 3 connection in autocommit (else the function runs first)."""
-    return hasattr(type(driver), "pipeline") and driver.autocommit is True and splits()
+    psycopg 3 in autocommit, or PyMySQL (:func:`pymysql_splits`); else it runs first."""
+    if _pymysql_overlaps(driver):
+        return True
+    return hasattr(type(driver), "pipeline") and driver.autocommit is True and pgwire.splits()
 
 
-def _at_first_read(gen: Any, meanwhile: Callable[[], None]) -> Any:
-    """Drive psycopg's generator ``gen``, running ``meanwhile`` once, at its first wait to read.
+_READ = "_read_query_result"  # PyMySQL's, called once a query is written
 
-    By then the statement is sent: the server works on it while ``meanwhile``
-    runs. What ``meanwhile`` raises is raised once ``gen`` has read its
-    answer, so the connection is left as ``Cursor.execute`` leaves it.
-    """
-    from psycopg.waiting import Wait
 
-    failed: BaseException | None = None
-    pending: Callable[[], None] | None = meanwhile
+@functools.cache
+def pymysql_splits() -> bool:
+    """Whether PyMySQL is here and ``Cursor.execute`` reads the answer by the connection's
+    ``_read_query_result`` (once the query is written): :func:`execute` wraps it for one call."""
     try:
-        wait = next(gen)
-        while True:
-            if pending is not None and wait == Wait.R:
-                try:
-                    pending()
-                except BaseException as exc:  # raised below, once the answer is read
-                    failed = exc
-                pending = None
-            wait = gen.send((yield wait))
-    except StopIteration as stop:
-        if failed is not None:
-            raise failed from None
-        return stop.value
+        from pymysql.connections import Connection  # type: ignore[import-untyped]
+    except ImportError:  # pragma: no cover - PyMySQL not installed
+        return False
+    return callable(getattr(Connection, _READ, None))
+
+
+def _pymysql_overlaps(driver: Any) -> bool:
+    if not pymysql_splits():
+        return False
+    from pymysql.connections import Connection
+
+    return isinstance(driver, Connection) and _READ not in vars(driver)
+
+
+def _pymysql_meanwhile(cursor: Any, sql: str, values: Any, meanwhile: Callable[[], None]) -> None:
+    """``cursor.execute``, ``meanwhile`` run once the query is sent, before its answer is read.
+
+    What it raises is raised once the answer is read; it does not run if the query cannot be
+    sent, and runs first on a connection with an earlier message's answers unread."""
+    driver = cursor.connection
+    if getattr(getattr(driver, "_result", None), "has_next", False):
+        meanwhile()
+        cursor.execute(sql, values)
+        return
+    read, failed = getattr(driver, _READ), []
+
+    def read_after(*args: Any, **kwargs: Any) -> Any:
+        vars(driver).pop(_READ, None)  # once: a later answer (the COMMIT's) is read as ever
+        try:
+            meanwhile()
+        except BaseException as exc:  # raised below, once the answer is read
+            failed.append(exc)
+        return read(*args, **kwargs)
+
+    setattr(driver, _READ, read_after)
+    try:
+        cursor.execute(sql, values)
+    finally:
+        vars(driver).pop(_READ, None)
+    if failed:
+        raise failed[0]
 
 
 def execute(
@@ -286,8 +296,8 @@ def execute(
     answers after the first are read (and their errors raised).
 
     ``meanwhile`` runs while the statement's answer is on the way where the
-    driver can (:func:`overlaps`: an autocommit statement's commit, too,
-    runs on the server meanwhile): one message to the server, as
+    driver can (:func:`overlaps`: an autocommit statement's commit, or the
+    ``COMMIT`` sent with it, too, runs on the server meanwhile): one message to the server, as
     ``Cursor.execute`` sends it, and the answer read after ``meanwhile``.
     Elsewhere it runs before the statement is sent. It must not raise.
     """
@@ -301,9 +311,11 @@ def execute(
             return pgwire.run_kept(driver, form, params, meanwhile)
     cursor = driver.cursor()
     try:
-        if meanwhile is not None and overlaps(driver):
+        if meanwhile is not None and _pymysql_overlaps(driver):
+            _pymysql_meanwhile(cursor, sql, values, meanwhile)
+        elif meanwhile is not None and overlaps(driver):
             with driver.lock:
-                driver.wait(_at_first_read(cursor._execute_gen(sql, values), meanwhile))
+                driver.wait(pgwire.at_first_read(cursor._execute_gen(sql, values), meanwhile))
         else:
             if meanwhile is not None:
                 meanwhile()

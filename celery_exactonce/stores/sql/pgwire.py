@@ -34,6 +34,10 @@ plan replans it in the same message, under the same settings.
 
 On the connections :func:`allow` names (the store's engine's; Django's), for
 statements with ``%(name)s`` parameters bound to ``str``, ``int`` or ``None``.
+
+Elsewhere a statement goes as psycopg's ``execute`` sends it, work of the
+caller's run at its first wait to read (:func:`at_first_read`, where
+:func:`splits`).
 """
 
 from __future__ import annotations
@@ -230,3 +234,46 @@ def run_kept(driver: Any, form: Kept, params: list[bytes | None], meanwhile: Any
     loader = Transformer(driver)
     loader.set_pgresult(answer)
     return loader.load_rows(0, answer.ntuples, tuple)
+
+
+@functools.cache
+def splits() -> bool:
+    """Whether psycopg 3 is here with the part of its cursor :func:`~.engine.execute` drives itself.
+
+    ``Cursor._execute_gen`` is the generator ``Cursor.execute`` runs: it sends
+    the statement (with its ``Sync``: in autocommit, the commit too) and then
+    waits to read the answer. :func:`~.engine.execute` runs a function at that wait.
+    """
+    try:
+        from psycopg import Cursor
+        from psycopg.waiting import Wait
+    except ImportError:  # pragma: no cover - psycopg 3 not installed
+        return False
+    return hasattr(Cursor, "_execute_gen") and hasattr(Wait, "R")
+
+
+def at_first_read(gen: Any, meanwhile: Callable[[], None]) -> Any:
+    """Drive psycopg's generator ``gen``, running ``meanwhile`` once, at its first wait to read.
+
+    By then the statement is sent: the server works on it while ``meanwhile``
+    runs. What ``meanwhile`` raises is raised once ``gen`` has read its
+    answer, so the connection is left as ``Cursor.execute`` leaves it.
+    """
+    from psycopg.waiting import Wait
+
+    failed: BaseException | None = None
+    pending: Callable[[], None] | None = meanwhile
+    try:
+        wait = next(gen)
+        while True:
+            if pending is not None and wait == Wait.R:
+                try:
+                    pending()
+                except BaseException as exc:  # raised below, once the answer is read
+                    failed = exc
+                pending = None
+            wait = gen.send((yield wait))
+    except StopIteration as stop:
+        if failed is not None:
+            raise failed from None
+        return stop.value

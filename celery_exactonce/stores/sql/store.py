@@ -239,9 +239,14 @@ class SqlStore(SqlCreates, SqlTransitions, SqlScans, SqlLeases):
         """Whether ``enqueue`` runs its ``meanwhile`` while the statement is on the way.
 
         On PostgreSQL through psycopg 3, where the statement runs alone (in
-        autocommit); elsewhere ``meanwhile`` runs before the statement.
+        autocommit), and on MySQL/MariaDB through PyMySQL
+        (:mod:`~celery_exactonce.stores.sql.mysqlwire`); elsewhere
+        ``meanwhile`` runs before the statement.
         """
-        return self._postgresql and sql_engine.splits() and self._commits_alone()
+        dialect = self._engine.dialect
+        if dialect.name == "mysql" and dialect.driver == "pymysql":
+            return sql_engine.pymysql_splits() and self._commits_alone()
+        return self._postgresql and pgwire.splits() and self._commits_alone()
 
     def enqueue(self, new: NewJob, dispatch: Transition, *, meanwhile: Run = None) -> CreateResult:
         """The one-write submit: ``new`` created already ``DISPATCHED``, unless its ref exists.

@@ -8,7 +8,6 @@ from typing import Any
 import pytest
 from psycopg.waiting import Wait
 
-from celery_exactonce.stores.sql import engine as sql_engine
 from celery_exactonce.stores.sql import pgwire
 
 
@@ -35,7 +34,7 @@ def _drive(gen: Generator[Any, Any, Any]) -> tuple[list[Any], Any]:
 def test_meanwhile_runs_once_at_the_first_wait_to_read_and_the_answer_passes_through() -> None:
     events: list[str] = []
     waits, answer = _drive(
-        sql_engine._at_first_read(_statement(events), lambda: events.append("meanwhile"))
+        pgwire.at_first_read(_statement(events), lambda: events.append("meanwhile"))
     )
     # The waits are psycopg's own, the work ran once, after the send and before any read
     assert waits == [Wait.W, Wait.R, Wait.R] and answer == "answer"
@@ -49,7 +48,7 @@ def test_what_meanwhile_raises_is_raised_once_the_answer_is_read() -> None:
         raise ValueError("build failed")
 
     with pytest.raises(ValueError, match="build failed"):
-        _drive(sql_engine._at_first_read(_statement(events), meanwhile))
+        _drive(pgwire.at_first_read(_statement(events), meanwhile))
     # The statement's answer was read all the same: the connection is left idle
     assert events == ["sent", "read"]
 
