@@ -37,12 +37,23 @@ end
 -- `at` is stored as a decimal string: cjson would round a 16-digit number.
 -- Below the cap the entry is appended to the text as it is (no decode): every
 -- entry has exactly one "rev" key, and a quote inside a string is escaped, so
--- counting '"rev":' counts the entries.
+-- counting '"rev":' counts the entries. They are counted by a plain find, up to
+-- the cap (a gsub would copy the whole history on every write).
+local function history_entries(raw)
+  local count, from = 0, 1
+  while count < HISTORY_LIMIT do
+    local _, last = string.find(raw, '"rev":', from, true)
+    if not last then break end
+    count, from = count + 1, last + 1
+  end
+  return count
+end
+
 local function history_append(raw, src, dst, at, node, reason, rev, action)
   local entry = cjson.encode({['from'] = src or cjson.null, to = dst, at = us(at),
                               node = node, reason = reason, rev = rev, action = action})
   if not raw then return '[' .. entry .. ']' end
-  local _, count = string.gsub(raw, '"rev":', '')
+  local count = history_entries(raw)
   if count == 0 then return '[' .. entry .. ']' end
   if count < HISTORY_LIMIT then
     return string.sub(raw, 1, -2) .. ',' .. entry .. ']'
