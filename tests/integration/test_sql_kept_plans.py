@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -29,25 +28,12 @@ from celery_exactonce.stores.sql import pgwire
 from celery_exactonce.stores.sql.store import SqlStore
 from tests import services
 from tests.support.backends import store_url
-from tests.support.helpers import task_job, to
+from tests.support.helpers import pooled_driver, task_job, to
 
 FILL = 20_000
 PAIRS = 20
 _STATES = ("PENDING", "SCHEDULED", "DISPATCHED", "RUNNING", "SUCCEEDED", "FAILED", "CANCELLED")
 _COMPACT = jobs.Compaction(history="none", payload=False)
-
-
-@contextmanager
-def _driver(store: SqlStore) -> Iterator[Any]:
-    """The store's one pooled psycopg connection (one thread), in autocommit while held."""
-    raw = store.engine.raw_connection()
-    driver: Any = raw.driver_connection
-    driver.autocommit = True
-    try:
-        yield driver
-    finally:
-        driver.autocommit = False
-        raw.close()
 
 
 @pytest.fixture
@@ -122,7 +108,7 @@ def _counters(store: SqlStore, prefix: str, tmp_path: Path) -> dict[str, int]:
     as the server counts them once the store's connection has reported its own."""
     import psycopg
 
-    with _driver(store) as driver:  # its counts reach the server before this answers
+    with pooled_driver(store) as driver:  # its counts reach the server before this answers
         driver.execute("SELECT pg_stat_force_next_flush()")
         driver.execute("SELECT 1")
     with psycopg.connect(store_url("postgres", str(tmp_path)), autocommit=True) as conn:
@@ -152,7 +138,7 @@ def _fill(store: SqlStore, prefix: str, seed: JobRef) -> None:
         "state": f"(ARRAY{list(_STATES)!r})[mod(g, {len(_STATES)}) + 1]",
     }
     select = ", ".join(values.get(name, f"s.{name}") for name in columns)
-    with _driver(store) as driver:
+    with pooled_driver(store) as driver:
         driver.execute(
             f"INSERT INTO {prefix}jobs ({', '.join(columns)}) SELECT {select}"
             f" FROM {prefix}jobs s, generate_series(1, {FILL}) g"
@@ -168,7 +154,7 @@ def _explained(store: SqlStore, ref: JobRef, request: Transition, runs: int) -> 
 
     stmt, params = store._sql.transition(store.namespace, ref, request, brief=True)
     form = pgwire.kept(store._raw_sql[stmt][0], pgwire.BY_KEY)
-    with _driver(store) as driver:
+    with pooled_driver(store) as driver:
         plans = driver.execute(
             "SELECT generic_plans, custom_plans FROM pg_prepared_statements WHERE name = %s",
             [form.name.decode()],
@@ -204,7 +190,7 @@ def test_the_gate_and_the_completion_keep_a_plan_by_the_key_made_on_empty_tables
         assert store.acquire_lease(lease.name, lease.token, 600.0)
     try:
         # Given empty tables, vacuumed and analyzed: statistics of no rows at all
-        with _driver(store) as driver:
+        with pooled_driver(store) as driver:
             driver.execute(f"DELETE FROM {prefix}jobs")
             for table in (f"{prefix}jobs", f"{prefix}leases"):
                 # no ANALYZE but the test's (it would make the plans again, filled)
@@ -222,7 +208,7 @@ def test_the_gate_and_the_completion_keep_a_plan_by_the_key_made_on_empty_tables
             assert f"{prefix}jobs_pkey" in plan and "Seq Scan" not in plan, plan
             assert not leased or f"{prefix}leases_pkey" in plan, plan
         # And once the filled tables are analyzed (the plans made again), still by the key
-        with _driver(store) as driver:
+        with pooled_driver(store) as driver:
             driver.execute(f"ANALYZE {prefix}jobs")
             driver.execute(f"ANALYZE {prefix}leases")
         _runs_by_key(store, prefix, tmp_path, lease)

@@ -13,7 +13,6 @@ import re
 import threading
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -31,7 +30,7 @@ from celery_exactonce.stores.sql import statements as sql_statements
 from celery_exactonce.stores.sql.store import SqlStore
 from tests import services
 from tests.support.backends import store_url
-from tests.support.helpers import occurrence, poll, task_job, to
+from tests.support.helpers import occurrence, poll, pooled_driver, task_job, to
 
 SERVERS = ("postgres", "mysql")
 
@@ -372,19 +371,6 @@ def test_a_submit_on_postgresql_sends_its_insert_and_commit_before_meanwhile_run
     assert job is not None and job.state is State.DISPATCHED and job.rev == dispatch.new_rev
 
 
-@contextmanager
-def _pooled(store: SqlStore) -> Iterator[Any]:
-    """The psycopg connection of the store's pool (one thread: one), in autocommit while held."""
-    raw = store.engine.raw_connection()
-    driver: Any = raw.driver_connection
-    driver.autocommit = True
-    try:
-        yield driver
-    finally:
-        driver.autocommit = False
-        raw.close()
-
-
 @pytest.mark.parametrize("server_store", ["postgres"], indirect=True)
 def test_a_submit_on_postgresql_keeps_its_inserts_plan_and_nothing_else(
     server_store: SqlStore,
@@ -399,7 +385,7 @@ def test_a_submit_on_postgresql_keeps_its_inserts_plan_and_nothing_else(
         new = task_job()
         assert server_store.enqueue(new, to(State.DISPATCHED, State.SCHEDULED, rev=new.rev)).created
     # Then the INSERT ran on a kept (generic) plan, and the connection plans each run anew
-    with _pooled(server_store) as driver:
+    with pooled_driver(server_store) as driver:
         kept = driver.execute("SELECT generic_plans FROM pg_prepared_statements").fetchall()
         assert len(kept) == 1 and kept[0][0] >= 1
         assert driver.execute("SHOW plan_cache_mode").fetchone() == ("force_custom_plan",)
@@ -410,7 +396,7 @@ def test_a_submit_on_postgresql_keeps_its_inserts_plan_and_nothing_else(
     assert server_store.get(new.ref) is not None
     # And one that finds it there already, unknown to this process (a server connection
     # behind a transaction pooler), runs it
-    with _pooled(server_store) as driver:
+    with pooled_driver(server_store) as driver:
         pgwire._PREPARED[driver].clear()
     new = task_job()
     assert server_store.enqueue(new, to(State.DISPATCHED, State.SCHEDULED, rev=new.rev)).created
@@ -420,7 +406,7 @@ def test_a_submit_on_postgresql_keeps_its_inserts_plan_and_nothing_else(
         server_store.namespace, task_job(), to(State.DISPATCHED, State.SCHEDULED), returning=True
     )
     form = pgwire.kept(str(stmt.compile(dialect=server_store.engine.dialect)))
-    with _pooled(server_store) as driver:
+    with pooled_driver(server_store) as driver:
         bad = pgwire.values_of(driver, form, {**params, "c_attempt": "x"})
         with pytest.raises(errors.InvalidTextRepresentation):
             pgwire.run_kept(driver, form, bad, None)
@@ -757,7 +743,7 @@ def test_a_kept_plan_is_not_used_inside_a_transaction_the_connection_has_open(
     """Its ``Sync`` commits only outside a transaction: a connection in autocommit on which
     someone sent ``BEGIN`` runs the statement the ordinary way."""
     server_store.engine.dispose()
-    with _pooled(server_store) as driver:
+    with pooled_driver(server_store) as driver:
         assert pgwire.keeps(driver)
         driver.execute("BEGIN")
         try:
@@ -774,7 +760,7 @@ def test_what_a_submits_build_raises_leaves_the_record_written_and_the_connectio
     """The build runs while the kept-plan INSERT is on the way: its error reaches the caller
     once the answer is read, the record written, the pooled connection still usable."""
     server_store.engine.dispose()
-    with _pooled(server_store) as before:
+    with pooled_driver(server_store) as before:
         pass
 
     def meanwhile() -> None:
@@ -787,5 +773,5 @@ def test_what_a_submits_build_raises_leaves_the_record_written_and_the_connectio
         )
     job = server_store.get(new.ref)
     assert job is not None and job.state is State.DISPATCHED
-    with _pooled(server_store) as after:
+    with pooled_driver(server_store) as after:
         assert after is before and not after.closed and pgwire.keeps(after)

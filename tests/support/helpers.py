@@ -6,7 +6,8 @@ import dataclasses
 import json
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import datetime
 from typing import Any, TypeVar
 
@@ -138,3 +139,16 @@ def tamper(store: StateStore, ref: JobRef, field: str, value: Any) -> None:
             else:
                 payload[field] = value
             conn.execute(sa.update(table).where(where).values(payload=json.dumps(payload)))
+
+
+@contextmanager
+def pooled_driver(store: Any) -> Iterator[Any]:
+    """The DB-API connection of a SQL store's pool (one thread: one), in autocommit while held."""
+    raw = store.engine.raw_connection()
+    driver: Any = raw.driver_connection
+    driver.autocommit = True
+    try:
+        yield driver
+    finally:
+        driver.autocommit = False
+        raw.close()
