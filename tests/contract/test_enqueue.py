@@ -26,7 +26,14 @@ from tests.support.backends import DJANGO_BACKENDS
 
 #: The SQL stores, the Django ones among them: the others have no such write.
 SQL_BACKENDS = ("postgres", "mysql", "sqlite", *DJANGO_BACKENDS)
-pytestmark = pytest.mark.parametrize("backend", SQL_BACKENDS, indirect=True)
+
+
+def _on(*backends: str) -> pytest.MarkDecorator:
+    """A test run on ``backends``, the store's own fixture made for each."""
+    return pytest.mark.parametrize("backend", backends, indirect=True)
+
+
+ON_EVERY_SQL_STORE = _on(*SQL_BACKENDS)
 
 
 @pytest.fixture
@@ -59,6 +66,7 @@ def _dispatch(new: NewJob) -> Transition:
     )
 
 
+@ON_EVERY_SQL_STORE
 def test_enqueue_writes_the_record_a_create_and_its_dispatch_write(sql_store: Any) -> None:
     new = _new()
     dispatch = _dispatch(new)
@@ -100,6 +108,7 @@ def test_enqueue_writes_the_record_a_create_and_its_dispatch_write(sql_store: An
     assert sql_store.transition(new.ref, gate).applied
 
 
+@ON_EVERY_SQL_STORE
 def test_enqueue_runs_meanwhile_once_whether_or_not_the_ref_exists(sql_store: Any) -> None:
     # Given the caller's message build, run while the write is on the way (or first)
     seen: list[State | None] = []
@@ -125,6 +134,7 @@ def test_enqueue_runs_meanwhile_once_whether_or_not_the_ref_exists(sql_store: An
     assert sql_store.enqueue_overlaps is overlapping
 
 
+@ON_EVERY_SQL_STORE
 def test_enqueue_of_a_ref_that_exists_answers_its_record_unchanged(sql_store: Any) -> None:
     new = _new("e2")
     dispatch = _dispatch(new)
@@ -148,6 +158,7 @@ def test_enqueue_of_a_ref_that_exists_answers_its_record_unchanged(sql_store: An
     assert sql_store.get(plain.ref) == created
 
 
+@ON_EVERY_SQL_STORE
 def test_enqueue_takes_a_scheduled_job_and_its_dispatch_only(sql_store: Any) -> None:
     pending = NewJob(
         JobRef.submitted("e4"),
@@ -167,12 +178,11 @@ def test_enqueue_takes_a_scheduled_job_and_its_dispatch_only(sql_store: Any) -> 
     assert sql_store.get(new.ref) is None and sql_store.get(pending.ref) is None
 
 
+@_on("mysql")
 def test_enqueue_without_insert_returning_writes_the_record_and_answers_exists(
     sql_store: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """MySQL has no ``INSERT … RETURNING``: the insert alone, the duplicate key its refusal."""
-    if sql_store.engine.dialect.name != "mysql":
-        pytest.skip("the MySQL dialect's way")
     monkeypatch.setattr(sql_store, "_insert_returning", lambda: False)
     new = _new("e6")
     dispatch = _dispatch(new)
@@ -190,6 +200,7 @@ _LOCK_WAIT = {  # a second writer waits this long (about 2 s) for a lock before 
 }
 
 
+@_on("postgres", "mysql", "sqlite")
 def test_the_insert_runs_alone_and_a_refused_one_leaves_no_lock_behind(sql_store: Any) -> None:
     """The one statement commits at once; a duplicate key (MySQL: an error) lets its row go.
 
@@ -197,8 +208,6 @@ def test_the_insert_runs_alone_and_a_refused_one_leaves_no_lock_behind(sql_store
     transaction ends; the statement's transaction is rolled back before its
     connection goes back to the pool, where it would hold the lock unseen.
     """
-    if not sql_store.owns_transactions:
-        pytest.skip("the Django stores run it on Django's connection, in its autocommit")
     new = _new("e7")
     dispatch = _dispatch(new)
     assert sql_store.enqueue(new, dispatch).created
@@ -235,13 +244,12 @@ def test_the_insert_runs_alone_and_a_refused_one_leaves_no_lock_behind(sql_store
             raw.close()
 
 
+@_on("django-postgres")
 def test_on_django_postgresql_the_insert_keeps_a_plan_and_the_connection_its_settings(
     sql_store: Any,
 ) -> None:
     """On Django's psycopg 3 connection the ``INSERT`` is prepared once and keeps its plan;
     the connection's cursors and planning mode are Django's as before."""
-    if sql_store.owns_transactions or sql_store.engine.dialect.name != "postgresql":
-        pytest.skip("Django's psycopg connection")
     import psycopg
     from django.db import connections
 
@@ -268,12 +276,11 @@ def test_on_django_postgresql_the_insert_keeps_a_plan_and_the_connection_its_set
     assert driver.execute("SHOW plan_cache_mode").fetchone() == mode
 
 
+@_on("django-postgres")
 def test_on_django_postgresql_the_gate_and_the_completion_keep_their_plans(
     sql_store: Any,
 ) -> None:
     """The run's two brief writes, alone in Django's autocommit, keep a plan by the key."""
-    if sql_store.owns_transactions or sql_store.engine.dialect.name != "postgresql":
-        pytest.skip("Django's psycopg connection")
     from django.db import connections
 
     def generic_plans() -> int:
@@ -308,14 +315,13 @@ def test_on_django_postgresql_the_gate_and_the_completion_keep_their_plans(
     assert sql_store.get(JobRef.submitted("e-gate-second")).state is State.SUCCEEDED
 
 
+@_on("mysql")
 def test_on_mysql_the_work_meanwhile_runs_after_the_insert_is_sent_before_its_answer(
     sql_store: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """PyMySQL: the ``INSERT`` and its ``COMMIT`` go in one message, the caller's work runs
     while they are on the server, and the answers are read after it; a duplicate key is
     refused as before, its transaction let go."""
-    if sql_store.engine.dialect.name != "mysql":
-        pytest.skip("PyMySQL's wire")
     from pymysql.connections import Connection
 
     events: list[str] = []
