@@ -1,20 +1,25 @@
 """Capturing a Celery message without sending it: as the Redis commands kombu would run, or
 as the producer's ``publish`` calls (:class:`Prepared`), made once the store's answer is in.
 
-For the one-step submit: :meth:`~celery_exactonce.dispatch.publisher.CeleryPublisher.capture`
-runs Celery's ``send_task`` on a :class:`CaptureChannel`, which collects
-kombu's final Redis commands (the ``LPUSH`` to the routed queue...) instead
-of sending them; the store then runs them in one script with the record
-write. Only kombu's plain Redis transport, in a kombu whose publish batches
-route a message into commands (5.7's ``PublishBatch``), can be captured
-(:func:`redis_broker`). Not here: when to capture, and the general publish
+:meth:`~celery_exactonce.dispatch.publisher.CeleryPublisher.capture` runs
+Celery's ``send_task`` on a :class:`CaptureChannel`, which collects kombu's
+final Redis commands (the ``LPUSH`` to the routed queue...) instead of
+sending them. For the one-step submit the store runs them in one script with
+the record write; for the one-write submit they are built while the store's
+write is on the way and sent as they are once it answered (:func:`push`).
+Only kombu's plain Redis transport, in a kombu whose publish batches route a
+message into commands (5.7's ``PublishBatch``), can be captured
+(:func:`redis_broker`); on any other, the producer's ``publish`` calls are kept
+(:class:`KeptProducer`). Not here: when to capture, and the general publish
 (:mod:`~celery_exactonce.dispatch.publisher`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import os
+import threading
+from collections.abc import Callable, Mapping
 from typing import Any
 
 #: kombu's Redis commands of a publish that an atomic enqueue runs (``PublishBatch.add``).
@@ -32,16 +37,114 @@ class Captured:
     #: kombu's Redis commands for it, ``(name, key, value)``, in order, each key
     #: with the broker's ``global_keyprefix`` as kombu's client would send it.
     commands: tuple[tuple[str, str, Any], ...]
+    #: A client of the broker's Redis that sends :attr:`commands` as they are (:func:`push`).
+    client: Any = None
 
 
 @dataclasses.dataclass
 class Capturing:
-    """A capturing channel, its producer, and the broker's database and key prefix."""
+    """A capturing channel, its producer, the broker's database and key prefix, and a
+    client of the broker's Redis that adds no prefix."""
 
     channel: CaptureChannel
     producer: Any
     db: int
     prefix: str
+    client: Any
+
+
+#: Where the broker must be for a capture: on the store's server (what the store's
+#: ``shares_server`` says of a host, port and socket: its database, or ``None``), or anywhere.
+Where = Callable[[Mapping[str, Any]], int | None] | None
+
+
+class Captures:
+    """The capturing channels of one app in this process, for captures made anywhere or on
+    the store's server.
+
+    Kept in free lists (:meth:`give` gives one back), each on a connection of
+    its own used to declare queues and look bindings up, never to publish:
+    acquiring a producer from the pool and binding it anew would cost a good
+    share of a publish. There are as many as calls were ever capturing at
+    once, which send nothing and so hardly ever wait. Whether the broker can
+    be captured is decided once per process and kind, but for a broker that
+    is down (not this time).
+    """
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self._lock = threading.Lock()
+        self._pid = os.getpid()
+        #: Per kind (``True``: on the store's server), the free channels and whether the
+        #: broker can be captured (absent: not known yet).
+        self._free: dict[bool, list[Capturing]] = {True: [], False: []}
+        self._possible: dict[bool, bool] = {}
+
+    def __len__(self) -> int:
+        """The capturing channels this process keeps, free."""
+        with self._lock:
+            return sum(len(free) for free in self._free.values())
+
+    def possible(self, *, shared: bool) -> bool:
+        """Whether :meth:`take` may answer one, for a broker on the store's server (``shared``)
+        or anywhere: ``False`` once this process found it cannot."""
+        return self._pid != os.getpid() or self._possible.get(shared) is not False
+
+    def take(self, where: Where) -> Capturing | None:
+        """A capturing channel for a broker ``where`` says suits, or ``None``: not capturable."""
+        kind = where is not None
+        with self._lock:
+            if self._pid != os.getpid():  # a forked child: its parent's connections are not its own
+                self._free, self._possible = {True: [], False: []}, {}
+                self._pid = os.getpid()
+            if self._possible.get(kind) is False:
+                return None
+            if self._free[kind]:
+                return self._free[kind].pop()
+        connection = self.app.connection_for_write()
+        try:
+            target = self._open(connection, where)
+        except Exception:  # it connects: a broker that is down is left to the general path
+            connection.release()  # this time
+            return None
+        if target is None:
+            connection.release()
+            self._possible[kind] = False
+        return target
+
+    def _open(self, connection: Any, where: Where) -> Capturing | None:
+        place = {"host": connection.hostname, "port": connection.port, "path": None}
+        if connection.transport.driver_type != "redis" or (where and where(place) is None):
+            return None
+        real = connection.default_channel
+        broker = redis_broker(real)
+        if broker is None or (where and where(real.pool.connection_kwargs) is None):
+            return None
+        import redis
+
+        capture = CaptureChannel(real)
+        producer = self.app.amqp.Producer(capture)
+        producer.maybe_declare = declared_once(producer)
+        return Capturing(capture, producer, *broker, redis.Redis(connection_pool=real.pool))
+
+    def give(self, target: Capturing, where: Where) -> None:
+        """Give back a channel :meth:`take` answered for ``where``."""
+        with self._lock:
+            if self._pid == os.getpid():
+                self._free[where is not None].append(target)
+
+
+def push(captured: Captured) -> None:
+    """Send ``captured``'s commands to the broker's Redis: one alone, several as kombu's own
+    publish sends them (one ``MULTI``/``EXEC``)."""
+    if len(captured.commands) == 1:
+        ((name, key, value),) = captured.commands
+        captured.client.execute_command(name.upper(), key, value)
+        return
+    with captured.client.pipeline() as pipe:
+        for name, key, value in captured.commands:
+            pipe.execute_command(name.upper(), key, value)
+        pipe.execute()
 
 
 def redis_broker(channel: Any) -> tuple[int, str] | None:

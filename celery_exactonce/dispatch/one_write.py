@@ -63,8 +63,9 @@ class _Build:
     """Builds a job's message, as the store's ``meanwhile``; keeps it, or why it failed.
 
     All of it runs while the write's answer is on the way: the record the
-    write will make (this process's estimate), taking the publisher's
-    producer (held in ``held`` until the publish is done), and ``send_task``.
+    write will make (this process's estimate), and ``send_task``, captured
+    or on a producer of the publisher's (held in ``held`` until the publish
+    is done).
     """
 
     def __init__(
@@ -85,10 +86,9 @@ class _Build:
 
     def __call__(self) -> None:
         self.job = job = jobs.enqueued_job(self._new, self._request, _now())
-        try:
-            self._held.enter_context(self._publisher.batch(buffered=False))  # one message
+        try:  # a producer it takes is held until the publish is done
             headers = messages.message_headers(job, self._namespace)
-            self.built = self._publisher.prepare(job, headers, self._call)
+            self.built = self._publisher.prepare(job, headers, self._call, self._held)
         except PublishFailed as exc:
             self.built = exc
         except Exception as exc:  # no producer to build it on: nothing was sent
@@ -163,7 +163,7 @@ class OneWrite:
     ) -> _Build | None:
         """What builds the message while the store writes, where both can (else ``None``)."""
         store, publisher = self._parts.store, self._parts.publisher
-        if not hasattr(publisher, "prepare") or not hasattr(publisher, "batch"):
+        if not hasattr(publisher, "prepare"):
             return None
         if getattr(store, "enqueue_overlaps", False) is not True:
             return None

@@ -23,13 +23,12 @@ from celery_exactonce.core.payload import decode_payload
 from celery_exactonce.dispatch import messages
 from celery_exactonce.dispatch.capture import (
     PUSH_COMMANDS,
-    CaptureChannel,
     Captured,
-    Capturing,
+    Captures,
     KeptProducer,
     Prepared,
-    declared_once,
-    redis_broker,
+    Where,
+    push,
 )
 from celery_exactonce.dispatch.messages import CALL_OPTIONS, INTERNAL_OPTIONS, check_options
 from celery_exactonce.observe import metrics
@@ -114,10 +113,7 @@ class CeleryPublisher:
         self.app = app
         self.timeout = timeout
         self._local = threading.local()
-        self._capture_lock = threading.Lock()
-        self._captures: list[Capturing] = []
-        self._capture_pid = os.getpid()
-        self._capturable: bool | None = None
+        self._captures = Captures(app)
 
     @contextlib.contextmanager
     def batch(self, *, buffered: bool = True) -> Iterator[None]:
@@ -192,26 +188,22 @@ class CeleryPublisher:
     def capturable(self) -> bool:
         """Whether :meth:`capture` may build a message here: ``False`` once this process
         found the broker is not a Redis it can capture for (decided at the first capture)."""
-        return self._capturable is not False or self._capture_pid != os.getpid()
+        return self._captures.possible(shared=True)
 
     def capture(
-        self,
-        job: Job,
-        headers: Mapping[str, Any],
-        extra: Mapping[str, Any],
-        shares_server: Callable[[Mapping[str, Any]], int | None],
+        self, job: Job, headers: Mapping[str, Any], extra: Mapping[str, Any], where: Where
     ) -> Captured | None:
         """Build ``job``'s message as Celery and kombu would publish it, and send nothing.
 
-        For a Redis broker that ``shares_server`` says is the store's own server
-        (the store's database, or ``None``): Celery's ``send_task`` runs on a
+        For a Redis broker that ``where`` (the store's ``shares_server``, or
+        ``None``: anywhere) says suits: Celery's ``send_task`` runs on a
         producer whose channel collects kombu's final Redis commands (``LPUSH``
         of the encoded message to its routed, prioritised queue, and whatever
         else kombu's Redis transport would run for it) instead of sending them,
         so routing, priorities, encoding and headers are kombu's own.
         Queues and exchanges are declared as a publish declares them.
 
-        ``None`` when the broker is not a plain Redis on that server (another
+        ``None`` when the broker is not a plain Redis there (another
         transport, Sentinel, another host or a unix socket), when kombu's
         Redis transport cannot hand its commands over (before kombu 5.7), or
         when the message could not be built: the caller takes the general
@@ -219,7 +211,7 @@ class CeleryPublisher:
         :class:`PublishFailed` (permanent) as :meth:`message_options`.
         """
         options = self.message_options(job, headers, extra)
-        target = self._capture_target(shares_server)
+        target = self._captures.take(where)
         if target is None:
             return None
         try:
@@ -227,66 +219,20 @@ class CeleryPublisher:
         except Exception as exc:
             metrics.event(
                 "enqueue_skipped",
-                f"message of {job.ref} not built for an atomic enqueue ({exc}): general path",
+                f"message of {job.ref} not built by capture ({exc}): general path",
                 level=logging.DEBUG,
                 job_id=job.ref.id,
             )
             return None
         finally:
             commands, target.channel.commands = target.channel.commands, []
-            self._release(target)
+            self._captures.give(target, where)
         if not commands or any(
             len(args) != 2 or name not in PUSH_COMMANDS for name, *args in commands
         ):
             return None
         pushed = tuple((name, target.prefix + str(key), value) for name, key, value in commands)
-        return Captured(sent, target.db, pushed)
-
-    def _capture_target(
-        self, shares_server: Callable[[Mapping[str, Any]], int | None]
-    ) -> Capturing | None:
-        """A capturing channel and producer for this call, or ``None``: not capturable.
-
-        Kept in a free list for the process (:meth:`_release` gives one back),
-        each on a connection of its own used to declare queues and look
-        bindings up, never to publish: acquiring a producer from the pool and
-        binding it anew would cost a good share of a publish. There are as
-        many as calls were ever capturing at once, which send nothing and
-        so hardly ever wait. Whether the broker is capturable is decided once
-        per process, but for a broker that is down (the general path, this time).
-        """
-        pid = os.getpid()
-        with self._capture_lock:
-            if self._capture_pid != pid:  # a forked child: its parent's connections are not its own
-                self._captures, self._capture_pid, self._capturable = [], pid, None
-            if self._capturable is False:
-                return None
-            if self._captures:
-                return self._captures.pop()
-        connection = self.app.connection_for_write()
-        where = {"host": connection.hostname, "port": connection.port, "path": None}
-        target: Capturing | None = None
-        if connection.transport.driver_type == "redis" and shares_server(where) is not None:
-            try:  # connects: a broker that is down is left to the general path, this time
-                real = connection.default_channel
-            except Exception:
-                connection.release()
-                return None
-            broker = redis_broker(real)
-            if broker is not None and shares_server(real.pool.connection_kwargs) is not None:
-                capture = CaptureChannel(real)
-                producer = self.app.amqp.Producer(capture)
-                producer.maybe_declare = declared_once(producer)
-                target = Capturing(capture, producer, *broker)
-        if target is None:
-            connection.release()
-            self._capturable = False
-        return target
-
-    def _release(self, target: Capturing) -> None:
-        with self._capture_lock:
-            if self._capture_pid == os.getpid():
-                self._captures.append(target)
+        return Captured(sent, target.db, pushed, target.client)
 
     def _options(
         self, job: Job, headers: Mapping[str, Any], extra: Mapping[str, Any]
@@ -306,15 +252,31 @@ class CeleryPublisher:
             options.setdefault("timeout", self.timeout)
         return options
 
-    def prepare(self, job: Job, headers: Mapping[str, Any], extra: Mapping[str, Any]) -> Prepared:
-        """Build ``job``'s message as :meth:`__call__` would, inside :meth:`batch`; send nothing.
+    def prepare(
+        self,
+        job: Job,
+        headers: Mapping[str, Any],
+        extra: Mapping[str, Any],
+        held: contextlib.ExitStack | None = None,
+    ) -> Prepared:
+        """Build ``job``'s message as :meth:`__call__` would; send nothing.
 
-        ``send_task`` runs on the batch's producer with its ``publish`` calls kept
-        (:class:`KeptProducer`): all but the sending (routing, the message, its
-        signals, the result) is done here; :attr:`Prepared.send` makes the calls
-        (but declaring what is declared already). :class:`PublishFailed` (definite)
-        as :meth:`__call__`.
+        On a plain Redis broker the message is captured (:meth:`capture`):
+        :attr:`Prepared.send` sends kombu's commands as they are, on a
+        connection of the capture's. Elsewhere ``send_task`` runs on a batch's
+        producer (:meth:`batch`: the caller's, or one entered in ``held``,
+        open until the message is sent) with its ``publish`` calls kept
+        (:class:`KeptProducer`): all but the sending (routing, the message,
+        its signals, the result) is done here; :attr:`Prepared.send` makes the
+        calls (but declaring what is declared already).
+        :class:`PublishFailed` (definite) as :meth:`__call__`.
         """
+        if self._captures.possible(shared=False):
+            captured = self.capture(job, headers, extra, None)
+            if captured is not None:
+                return Prepared(captured.sent, (), lambda: self._push(captured))
+        if held is not None and getattr(self._local, "producer", None) is None:
+            held.enter_context(self.batch(buffered=False))  # one message, sent at once
         options = self.message_options(job, headers, extra)
         kept = KeptProducer(self._connected())
         try:
@@ -328,6 +290,14 @@ class CeleryPublisher:
             return sent
 
         return Prepared(sent, tuple(kept.calls), lambda: self._publish_on(send))
+
+    def _push(self, captured: Captured) -> Any:
+        """Send a message :meth:`prepare` captured; ``send_task``'s result."""
+        try:
+            push(captured)
+        except Exception as exc:
+            raise PublishFailed(str(exc), definite=connection_refused(exc)) from exc
+        return captured.sent
 
     def _connected(self) -> Any:
         """The batch's producer, its connection checked (kombu's retries off) before its first

@@ -1,14 +1,17 @@
-"""A message prepared on RabbitMQ (publisher confirms on): built, then sent only when asked.
+"""A message prepared, built then sent only when asked, on RabbitMQ (publisher confirms on)
+and on Redis (kombu's commands captured, then sent as they are).
 
-``CeleryPublisher.prepare`` is what the one-write submit builds while the Redis
-store's script is on the way. On the shared RabbitMQ, in a queue of the
-test's own: preparing sends nothing, sending publishes exactly the message
-the plain publish sends, and a queue declared already on the connection is
-not declared (nor bound) again.
+``CeleryPublisher.prepare`` is what the one-write submit builds while the
+store's write is on the way. On the shared RabbitMQ and Redis, in a queue of
+the test's own: preparing sends nothing, sending publishes exactly the
+message the plain publish sends, and a queue declared already on the
+connection is not declared (nor bound) again. On Redis, a send whose connect
+is refused is a definite failure.
 """
 
 from __future__ import annotations
 
+import socket
 import uuid
 from collections.abc import Iterator
 from datetime import datetime, timezone
@@ -16,6 +19,7 @@ from typing import Any
 
 import kombu.messaging
 import pytest
+import redis
 from celery import Celery
 from kombu.exceptions import ChannelError
 
@@ -25,25 +29,37 @@ from celery_exactonce.core.refs import JobRef
 from celery_exactonce.core.states import State
 from celery_exactonce.core.writes import NewJob, Transition
 from celery_exactonce.dispatch import messages
+from celery_exactonce.dispatch.capture import Captured
 from celery_exactonce.dispatch.publisher import CeleryPublisher, PublishFailed
 from tests import services
 
+#: Per broker: its service, its URL and its transport options.
+BROKERS = {
+    "rabbitmq": ("rabbitmq", services.AMQP_URL, {"confirm_publish": True}),
+    "redis": ("redis", services.REDIS_URL, {}),
+    "redis-prefixed": ("redis", services.REDIS_URL, {"global_keyprefix": "pfx:"}),
+}
 
-@pytest.fixture
-def app() -> Iterator[Celery]:
-    services.need("rabbitmq")
+
+@pytest.fixture(params=sorted(BROKERS))
+def app(request: pytest.FixtureRequest) -> Iterator[Celery]:
+    service, url, options = BROKERS[request.param]
+    services.need(service)
     queue = f"prepare-{uuid.uuid4().hex[:12]}"
-    app = Celery("prepare", broker=services.AMQP_URL, set_as_current=False)
+    app = Celery("prepare", broker=url, set_as_current=False)
     app.conf.update(
         task_default_queue=queue,
-        broker_transport_options={"confirm_publish": True},
+        broker_transport_options=options,
         broker_connection_retry=False,
     )
     try:
         yield app
     finally:
-        with app.connection_for_write() as conn:
-            conn.default_channel.queue_delete(queue)
+        if service == "redis":
+            services.delete_redis_keys(url, f"*{queue}*")
+        else:
+            with app.connection_for_write() as conn:
+                conn.default_channel.queue_delete(queue)
         app.close()
 
 
@@ -79,8 +95,13 @@ def test_a_prepared_message_is_sent_only_when_asked_and_as_the_plain_publish_sen
 ) -> None:
     publisher = CeleryPublisher(app, timeout=10.0)
     first, second = _job("p1"), _job("p2")
-    with publisher.batch():
-        publisher(first, messages.message_headers(first, "ns"), {})  # the plain way
+    with publisher.batch(buffered=False):  # the plain way, sent at once
+        publisher(first, messages.message_headers(first, "ns"), {})
+        if _captured(app):  # a capture's own connection declares the queue at its first message
+            warm = _job("p0")
+            publisher.prepare(warm, messages.message_headers(warm, "ns"), {}).send()
+        plain = [m for m in _waiting(app) if m.headers["id"] == "p1"]
+        assert len(plain) == 1
         declares: list[Any] = []
         declare = kombu.messaging.maybe_declare
 
@@ -91,10 +112,9 @@ def test_a_prepared_message_is_sent_only_when_asked_and_as_the_plain_publish_sen
         monkeypatch.setattr(kombu.messaging, "maybe_declare", counted)
         prepared = publisher.prepare(second, messages.message_headers(second, "ns"), {})
         assert prepared.sent.id == "p2"
-        plain = _waiting(app)
-        assert [m.headers["id"] for m in plain] == ["p1"]  # preparing sent nothing
+        assert _waiting(app) == []  # preparing sent nothing
         assert prepared.send() is prepared.sent
-    # The queue was declared by the first publish on this connection: not again
+    # The queue was declared on the connection already: not again
     assert declares == []
     (sent,) = _waiting(app)
     # The same message but for the job's own fields
@@ -103,6 +123,24 @@ def test_a_prepared_message_is_sent_only_when_asked_and_as_the_plain_publish_sen
     assert sent.headers["id"] == "p2" and sent.headers["exactonce_job_id"] == "p2"
     assert sent.properties["delivery_mode"] == plain[0].properties["delivery_mode"]
     assert sent.delivery_info["routing_key"] == plain[0].delivery_info["routing_key"]
+
+
+def _captured(app: Celery) -> bool:
+    return str(app.conf.broker_url).startswith("redis")
+
+
+def test_a_captured_message_whose_connect_is_refused_fails_definitely() -> None:
+    # Given a message captured for a Redis broker whose address no longer answers
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    client = redis.Redis(port=port, socket_connect_timeout=5)
+    captured = Captured("result", 0, (("lpush", "q", b"message"),), client)
+    publisher = CeleryPublisher(Celery("refused", set_as_current=False))
+    # When it is sent, the refused connect is a definite failure: nothing can have landed
+    with pytest.raises(PublishFailed) as failed:
+        publisher._push(captured)
+    assert failed.value.definite and not failed.value.permanent
 
 
 def test_a_message_that_cannot_be_built_fails_when_prepared_and_sends_nothing(

@@ -66,7 +66,15 @@ class PreparingBroker(Broker):
             if not self.depth:
                 self.events.append("producer given back")
 
-    def prepare(self, job: Job, headers: Mapping[str, Any], extra: Mapping[str, Any]) -> Prepared:
+    def prepare(
+        self,
+        job: Job,
+        headers: Mapping[str, Any],
+        extra: Mapping[str, Any],
+        held: contextlib.ExitStack,
+    ) -> Prepared:
+        """On a producer of its own, held until the message is sent (Celery's kept path)."""
+        held.enter_context(self.batch(buffered=False))
         if self.build_fault is not None:
             raise self.build_fault
         self.events.append("built")
