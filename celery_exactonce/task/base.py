@@ -59,7 +59,7 @@ from celery_exactonce.dispatch import messages
 from celery_exactonce.observe import metrics
 from celery_exactonce.runtime import Runtime, runtime_for
 from celery_exactonce.stores import settle
-from celery_exactonce.task import call_options, completions, eager, later, requeues, submit
+from celery_exactonce.task import call_options, eager, later, requeues, submit
 from celery_exactonce.task.gate import Delivery, raw_republish, record_revoke, validate_gated_task
 from celery_exactonce.task.heartbeats import heartbeats
 
@@ -355,7 +355,7 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
         )
         # The record is wanted only for the idempotency key of a message without one:
         # otherwise the gate's CAS is brief (no record sent back and decoded).
-        job = completions.enter(delivery, args, kwargs, brief=bool(key))
+        job = delivery.enter(args, kwargs, brief=bool(key))
         run_id = delivery.run_id  # fresh for this delivery (another if it took its own run over)
         if not key and job is not None:
             key = messages.job_idempotency_key(job, runtime.store.namespace)
@@ -373,22 +373,22 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
         except Ignore:
             if run.replaced_by is not None:
                 replaced = f"replaced by {run.replaced_by}"
-                completions.finish(delivery, State.SUCCEEDED, replaced)
+                delivery.finish(State.SUCCEEDED, replaced)
             else:
-                completions.finish(delivery, State.CANCELLED, "the body raised Ignore")
+                delivery.finish(State.CANCELLED, "the body raised Ignore")
             raise
         except Reject as exc:
             if exc.requeue and self.acks_late and not request.is_eager:
                 # (acked at once, a message cannot go back; nor can an eager run)
                 again = functools.partial(self._retry_next_attempt, run, None, None, {})
                 requeues.requeue(self, run.ref, run.attempt, delivery, exc, again)
-            completions.finish(delivery, State.FAILED, f"rejected: {exc.reason}")
+            delivery.finish(State.FAILED, f"rejected: {exc.reason}")
             raise
         except BaseException as exc:
-            completions.finish(delivery, State.FAILED, f"{type(exc).__name__}: {exc}")
+            delivery.finish(State.FAILED, f"{type(exc).__name__}: {exc}")
             raise
         else:
-            completions.finish(delivery, State.SUCCEEDED, "body returned")
+            delivery.finish(State.SUCCEEDED, "body returned")
             return result
         finally:
             heartbeats.stop(beat)

@@ -231,12 +231,6 @@ def test_a_terminal_record_expires_from_its_slot_or_its_end(store: SqlStore) -> 
         assert expected is not None and stored == times.to_micros(expected)
 
 
-def test_a_worker_defers_completions_on_a_server_store_not_on_sqlite(store: SqlStore) -> None:
-    # A write to PostgreSQL or MySQL/MariaDB waits for its commit's flush: a worker writes a
-    # run's completion off its hot path there (celery_exactonce.task.completions)
-    assert store.defers_completions is (store.engine.dialect.name != "sqlite")
-
-
 def test_a_heartbeat_reads_the_clock_once(store: SqlStore) -> None:
     new = task_job(state=State.RUNNING)
     store.create(new)

@@ -235,13 +235,6 @@ class SqlStore(SqlCreates, SqlTransitions, SqlScans, SqlLeases):
         return self._run("create_many", self._create_many_op(news, epoch, brief))
 
     @property
-    def defers_completions(self) -> bool:
-        """Whether a worker writes a run's completion off its hot path
-        (:mod:`~celery_exactonce.task.completions`): on PostgreSQL and MySQL/MariaDB
-        through the store's own engine, where a write waits for its commit's disk flush."""
-        return self.owns_transactions and self._engine.dialect.name in ("postgresql", "mysql")
-
-    @property
     def enqueue_overlaps(self) -> bool:
         """Whether ``enqueue`` runs its ``meanwhile`` while the statement is on the way.
 
