@@ -33,7 +33,6 @@ import dataclasses
 from typing import Any
 
 import redis.exceptions as rexc
-from redis.connection import HiredisRespSerializer
 
 from celery_exactonce.core import exceptions
 from celery_exactonce.core.jobs import CreateResult, CreateStatus
@@ -42,14 +41,9 @@ from celery_exactonce.core.writes import NewJob, Transition
 from celery_exactonce.stores import redact_secrets
 from celery_exactonce.stores.base import Run
 from celery_exactonce.stores.redis.base import RedisCore
+from celery_exactonce.stores.redis.client import packed
 from celery_exactonce.stores.redis.cluster import ClusterClient
 from celery_exactonce.stores.redis.codec import as_text, decode_job, history_entry, record_fields
-
-_hiredis: Any
-try:
-    import hiredis as _hiredis
-except ImportError:  # pragma: no cover - redis[hiredis] is the dependency
-    _hiredis = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,9 +91,7 @@ class RedisEnqueue(RedisCore):
         script = self._scripts["enqueue"]
         conn = pool.get_connection()
         try:
-            conn.send_packed_command(
-                _packed(conn, ("EVALSHA", script.sha, len(keys), *keys, *args))
-            )
+            conn.send_packed_command(packed(conn, ("EVALSHA", script.sha, len(keys), *keys, *args)))
             meanwhile()
             return client.parse_response(conn, "EVALSHA")
         except rexc.NoScriptError:  # a restarted or flushed server: the call did not run
@@ -157,15 +149,3 @@ class RedisEnqueue(RedisCore):
         if status == "exists":
             return CreateResult(CreateStatus.EXISTS, decode_job(reply[1]))
         return CreateResult(CreateStatus.CREATED, None)
-
-
-def _packed(conn: Any, command: tuple[Any, ...]) -> Any:
-    """``command`` packed as ``conn`` packs it: with hiredis, ``hiredis.pack_command`` at once.
-
-    What redis-py's hiredis packer does for a command of text and integers,
-    without its per-argument pass over them (a submit's command has ~30).
-    """
-    packer = getattr(conn, "_command_packer", None)
-    if _hiredis is not None and type(packer) is HiredisRespSerializer:
-        return [_hiredis.pack_command(command)]
-    return conn.pack_command(*command)
