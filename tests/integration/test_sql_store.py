@@ -9,6 +9,7 @@ history the statement cannot extend, a MySQL without ``INSERT … RETURNING``).
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import threading
 import uuid
@@ -340,6 +341,45 @@ def test_the_gate_and_the_completion_are_one_round_trip_each_on_postgresql(
     # the locking way
     (late,) = server_store.transition_many([(new.ref, done)], brief=True)
     assert late.status is TransitionStatus.CONFLICT
+    assert late.job is not None and late.job.state is State.SUCCEEDED
+
+
+@pytest.mark.parametrize("server_store", ["postgres"], indirect=True)
+def test_writes_of_different_shapes_go_together_in_one_message_on_postgresql(
+    server_store: SqlStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One run's outcome and the next run's gate: one message, one commit, each its key's
+    kept plan; one that changed nothing is decided the locking way."""
+    first, second, third = task_job(), task_job(), task_job()
+    for new in (first, second, third):
+        assert server_store.create(new).created
+    gate = to(State.RUNNING, State.SCHEDULED, State.DISPATCHED, attempt=0, new_run_id="run-1")
+    assert server_store.transition_many([(first.ref, gate)], brief=True)[0].applied
+    messages: list[list[str]] = []
+    real = pgwire.run_kept_many
+
+    def counted(driver: Any, items: Any, *args: Any) -> Any:
+        messages.append([form.query.decode().split(None, 1)[0].upper() for form, _ in items])
+        return real(driver, items, *args)
+
+    monkeypatch.setattr(pgwire, "run_kept_many", counted)
+    done = to(State.SUCCEEDED, State.RUNNING, run_id="run-1")
+    next_gate = dataclasses.replace(gate, new_run_id="run-2")
+    # When the first run's outcome and the second's gate are written together
+    ended, entered = server_store.transition_many(
+        [(first.ref, done), (second.ref, next_gate)], brief=True
+    )
+    # Then both applied, in one message of two kept statements
+    assert ended.applied and entered.applied
+    assert messages == [["WITH", "WITH"]]
+    assert server_store.get(first.ref).state is State.SUCCEEDED  # type: ignore[union-attr]
+    assert server_store.get(second.ref).state is State.RUNNING  # type: ignore[union-attr]
+    # And with one refused (the outcome again): the other applied, the refused one
+    # answers the record as it is
+    late, third_entered = server_store.transition_many(
+        [(first.ref, done), (third.ref, next_gate)], brief=True
+    )
+    assert third_entered.applied and late.status is TransitionStatus.CONFLICT
     assert late.job is not None and late.job.state is State.SUCCEEDED
 
 

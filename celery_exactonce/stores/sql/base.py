@@ -1,27 +1,23 @@
 """What every operation of the SQL store stands on: its state, its transactions, its rows.
 
 :class:`SqlCore` is the base of :class:`~celery_exactonce.stores.sql.store.SqlStore`
-and of the mixins that do its work. It holds what the constructor checks and
-builds (the dialect, the tables, the statements, the redacted place named in
-errors), and:
+and of its mixins. It holds what the constructor checks and builds (the dialect,
+the tables, the statements, the redacted place named in errors), and:
 
 * **transactions**: :meth:`SqlCore._run` runs one operation as one database
   transaction, retried as a whole, bounded and with jittered backoff, after a
-  deadlock, a serialization failure, a lock-wait timeout or SQLite's
-  "database is locked" (such a transaction was rolled back, so running it
-  again is safe), or after the operation raised :class:`Rerun`;
+  deadlock, a serialization failure, a lock-wait timeout or SQLite's "database is
+  locked" (rolled back: running it again is safe), or after :class:`Rerun`;
   :meth:`SqlCore._guard` turns driver errors into ``StoreUnavailable``
   (retrying later may help) or ``StoreError``, secrets blanked;
-* **fork safety**: a store must not be shared across ``fork()``; each process
-  builds its own. As a safety net (SQLAlchemy's documented recipe), a forked
-  child drops the pool it inherited (``engine.dispose(close=False)``) before
-  its first query, so a connection is never used by two processes;
+* **fork safety**: a store must not be shared across ``fork()``; each process builds
+  its own. As a safety net (SQLAlchemy's recipe), a forked child drops the pool it
+  inherited (``engine.dispose(close=False)``) before its first query;
 * **rows**: the store clock, reading a record by its key (locked or not), a row
   under a lock, inserting a row unless its key exists (values: ``sql.rows``).
 
-Not here: the operations themselves (:mod:`~celery_exactonce.stores.sql.store` and
-its mixins), what differs per dialect and how the engine is built
-(:mod:`~celery_exactonce.stores.sql.engine`).
+Not here: the operations (:mod:`~celery_exactonce.stores.sql.store` and its mixins),
+the dialects and the engine (:mod:`~celery_exactonce.stores.sql.engine`).
 """
 
 from __future__ import annotations
@@ -225,12 +221,7 @@ class SqlCore:
         a statement alone locks at most its one row, so it cannot deadlock; an ``INSERT``
         waits on no lock but its key's. ``meanwhile``, ``keep``: :func:`~.engine.execute`.
         """
-        compiled = self._raw_sql.get(stmt)
-        if compiled is None:
-            done = stmt.compile(dialect=self._engine.dialect)
-            keys = tuple(done.positiontup or ()) if done.positional else None
-            compiled = self._raw_sql[stmt] = (str(done), keys)
-        sql, keys = compiled
+        sql, keys = self._compiled(stmt)
         values = params if keys is None else tuple(params[key] for key in keys)
         with self._guard(op), self._statement_connection() as (driver, commit):
             ends = commit and sql_engine.commits_in_statement(driver)  # MySQL: its COMMIT too
@@ -246,6 +237,15 @@ class SqlCore:
             elif commit and not ends:
                 driver.commit()
             return () if rows is None else (rows[0] if rows else None)
+
+    def _compiled(self, stmt: Any) -> tuple[str, tuple[str, ...] | None]:
+        """``stmt``'s text for the driver and (a positional driver) its parameters' order."""
+        compiled = self._raw_sql.get(stmt)
+        if compiled is None:
+            done = stmt.compile(dialect=self._engine.dialect)
+            keys = tuple(done.positiontup or ()) if done.positional else None
+            compiled = self._raw_sql[stmt] = (str(done), keys)
+        return compiled
 
     def _commits_alone(self) -> bool:
         """Whether a statement run by :meth:`_run_statement` commits at once (here: always)."""

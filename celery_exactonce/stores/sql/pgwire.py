@@ -46,7 +46,7 @@ import functools
 import hashlib
 import re
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 Settings = tuple[tuple[str, str], ...]
@@ -189,24 +189,33 @@ def run_kept(driver: Any, form: Kept, params: list[bytes | None], meanwhile: Any
 
     ``meanwhile`` runs once, while the statement and its commit are on the way.
     """
+    (rows,) = run_kept_many(driver, [(form, params)], meanwhile)
+    return rows
+
+
+def run_kept_many(
+    driver: Any, items: Sequence[tuple[Kept, list[bytes | None]]], meanwhile: Any = None
+) -> list[Any]:
+    """Run every ``(form, params)`` of ``items`` on ``driver`` (:func:`keeps`), each with a
+    kept plan, in one message and one implicit transaction: each one's rows, in order.
+
+    The settings are the first form's (every form must share them). One ``Sync``
+    ends them all: in autocommit, one commit. If one fails, none took effect.
+    ``meanwhile`` runs once, while the statements and their commit are on the way.
+    """
     from psycopg import errors, pq
-    from psycopg.adapt import Transformer
 
     pgconn = driver.pgconn
     encoding = driver.info.encoding
     prepared = _PREPARED[driver]
     ok = pq.ExecStatus.COMMAND_OK
     with driver.lock:
-        for again in (False, True):
-            prepare = form.name not in prepared
+        for attempt in range(len(items) + 1):  # each retry finds one more form lost, or there
+            preparing = [form.name not in prepared for form, _ in items]
             pgconn.enter_pipeline_mode()
             try:
-                pgconn.send_query_params(form.setup, None)
-                if prepare:
-                    pgconn.send_prepare(form.name, form.query)
-                pgconn.send_query_prepared(form.name, params)
-                pgconn.pipeline_sync()
-                results, failed = driver.wait(_exchange(pgconn, None if again else meanwhile))
+                _send(pgconn, items, preparing)
+                results, failed = driver.wait(_exchange(pgconn, meanwhile if not attempt else None))
                 pgconn.exit_pipeline_mode()
             except BaseException:
                 if pgconn.pipeline_status != pq.PipelineStatus.OFF:
@@ -214,26 +223,62 @@ def run_kept(driver: Any, form: Kept, params: list[bytes | None], meanwhile: Any
                 raise
             if failed is not None:  # every result read: the connection is as it was
                 raise failed
-            if prepare and results[1].status == ok:  # prepared, whatever came after
-                prepared.add(form.name)
-            answer = results[2 if prepare else 1]
-            error = next((r for r in results if r.status == pq.ExecStatus.FATAL_ERROR), None)
-            if error is None:
+            # Each result after the settings': a form's PREPARE (if sent), then its run.
+            answers, steps = [], []
+            for (form, _), prepare in zip(items, preparing, strict=True):
+                if prepare:
+                    steps.append((form, True))
+                steps.append((form, False))
+            for (form, prepares), result in zip(steps, results[1:], strict=True):
+                if prepares and result.status == ok:  # prepared, whatever came after
+                    prepared.add(form.name)
+                elif not prepares:
+                    answers.append(result)
+            failure = next(
+                (i for i, r in enumerate(results) if r.status == pq.ExecStatus.FATAL_ERROR), None
+            )
+            if failure is None:
                 break
+            error = results[failure]
             sqlstate = (error.error_field(pq.DiagnosticField.SQLSTATE) or b"").decode()
-            if again or sqlstate not in (_UNDEFINED_PREPARED, _DUPLICATE_PREPARED):
+            if failure == 0 or attempt == len(items):
                 raise errors.error_from_result(error, encoding=encoding)
-            # Nothing was written. Lost (DEALLOCATE ALL; another server behind a
-            # transaction pooler): prepare it again; there already: run it.
-            if sqlstate == _UNDEFINED_PREPARED:
+            form, prepares = steps[failure - 1]
+            # Nothing was written. A form there already (a pooler's other connection):
+            # run it; one lost (DEALLOCATE ALL; a pooler again): prepare it again.
+            if prepares and sqlstate == _DUPLICATE_PREPARED:
+                prepared.add(form.name)
+            elif not prepares and sqlstate == _UNDEFINED_PREPARED:
                 prepared.discard(form.name)
             else:
-                prepared.add(form.name)
-    if answer.status == ok:
-        return None
+                raise errors.error_from_result(error, encoding=encoding)
+    return _rows(driver, answers)
+
+
+def _send(pgconn: Any, items: Sequence[tuple[Kept, list[bytes | None]]], prepare: Any) -> None:
+    """Queue the settings, each form's ``PREPARE`` (where ``prepare`` says) and run, a ``Sync``."""
+    pgconn.send_query_params(items[0][0].setup, None)
+    for (form, params), prepares in zip(items, prepare, strict=True):
+        if prepares:
+            pgconn.send_prepare(form.name, form.query)
+        pgconn.send_query_prepared(form.name, params)
+    pgconn.pipeline_sync()
+
+
+def _rows(driver: Any, answers: list[Any]) -> list[Any]:
+    """Each answer's rows, as ``Cursor.fetchall`` answers them (``None``: it answers none)."""
+    from psycopg import pq
+    from psycopg.adapt import Transformer
+
     loader = Transformer(driver)
-    loader.set_pgresult(answer)
-    return loader.load_rows(0, answer.ntuples, tuple)
+    rows: list[Any] = []
+    for answer in answers:
+        if answer.status == pq.ExecStatus.COMMAND_OK:
+            rows.append(None)
+            continue
+        loader.set_pgresult(answer)
+        rows.append(loader.load_rows(0, answer.ntuples, tuple))
+    return rows
 
 
 @functools.cache

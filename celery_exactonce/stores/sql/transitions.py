@@ -46,6 +46,10 @@ from celery_exactonce.stores.sql import pgwire
 from celery_exactonce.stores.sql.base import Rerun
 from celery_exactonce.stores.sql.leases import SqlLeases
 
+#: Transitions of different shapes run together at most (:meth:`SqlTransitions._applied_together`):
+#: a worker's gate and the outcome of its run before, say.
+TOGETHER = 8
+
 
 class SqlTransitions(SqlLeases):
     """Transitions and notes, inside their transaction."""
@@ -97,25 +101,52 @@ class SqlTransitions(SqlLeases):
         hold) changed nothing: none applied, and the caller's transaction,
         which reruns, decides them all.
         """
-        if len(order) == 1:
-            ref, request = requests[order[0]]
-            stmt, params = self._sql.transition(self._namespace, ref, request, brief=True)
-        else:
+        batch = None
+        if len(order) > 1:
             batch = self._sql.transition_batch(self._namespace, [requests[i] for i in order])
-            if batch is None:
-                return None
-            stmt, params = batch
-        keep = pgwire.BY_KEY if len(order) == 1 else None  # one row: its key's plan, kept
         try:
+            if len(order) > 1 and batch is None:
+                return self._applied_together(requests, order)
+            if batch is None:
+                ref, request = requests[order[0]]
+                stmt, params = self._sql.transition(self._namespace, ref, request, brief=True)
+            else:
+                stmt, params = batch
+            keep = pgwire.BY_KEY if batch is None else None  # one row: its key's plan, kept
             row = self._run_statement("transition_many", stmt, params, keep=keep)
         except exceptions.StoreUnavailable as exc:
             cause = exc.__cause__
             if sql_engine.error_code(getattr(cause, "orig", None) or cause) in self._d.retry:
                 return set()
             raise
-        if len(order) == 1:
+        if batch is None:
             return set() if row is None else {order[0]}
         return {order[i - 1] for i in row[0] or ()}
+
+    def _applied_together(
+        self, requests: Sequence[tuple[JobRef, Transition]], order: Sequence[int]
+    ) -> set[int] | None:
+        """Which of ``requests`` (brief, fast; of shapes no one statement takes) their
+        one-row ``UPDATE`` s applied, run together: on PostgreSQL, each on its key's kept
+        plan, in one message and one commit (:func:`~.pgwire.run_kept_many`). ``None``:
+        not here (another database, more than :data:`TOGETHER`, a value with no text
+        form), nothing ran."""
+        if not self._postgresql or len(order) > TOGETHER:
+            return None
+        with self._guard("transition_many"), self._statement_connection() as (driver, _):
+            if not pgwire.keeps(driver):
+                return None
+            forms = []
+            for i in order:
+                ref, request = requests[i]
+                stmt, params = self._sql.transition(self._namespace, ref, request, brief=True)
+                form = pgwire.kept(self._compiled(stmt)[0], pgwire.BY_KEY)
+                try:
+                    forms.append((form, pgwire.values_of(driver, form, params)))
+                except TypeError:
+                    return None
+            rows = pgwire.run_kept_many(driver, forms)
+        return {i for i, answer in zip(order, rows, strict=True) if answer}
 
     def _transition_many_op(
         self,
