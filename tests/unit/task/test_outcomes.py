@@ -175,7 +175,7 @@ def test_a_process_that_exits_writes_what_it_carries(worker: World) -> None:
     assert worker.state(job) is State.SUCCEEDED
 
 
-def test_a_joint_write_without_answer_writes_the_outcome_and_the_gate_goes_on(
+def test_scenario_41_a_joint_write_without_answer_writes_the_outcome_and_the_gate_goes_on(
     worker: World,
 ) -> None:
     first, second = worker.dispatched(), worker.dispatched()
