@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,16 +19,16 @@ from celery import Celery
 
 from celery_exactonce import StoreUnavailable, runtime
 from celery_exactonce.core.jobs import Job
-from celery_exactonce.core.refs import JobRef
 from celery_exactonce.core.states import State
-from celery_exactonce.core.writes import NewJob, Transition
-from celery_exactonce.dispatch.messages import GATED_OPTION, message_headers
+from celery_exactonce.core.writes import Transition
+from celery_exactonce.dispatch.messages import message_headers
 from celery_exactonce.observe import metrics
 from celery_exactonce.task import outcomes
 from celery_exactonce.task.base import ExactOnceTask
 from celery_exactonce.task.heartbeats import heartbeats
 from celery_exactonce.testing import InMemoryStore
 from tests.support.deliveries import deliver_to
+from tests.unit.task.test_gate import dispatched
 
 NAMESPACE = "outcomes-unit"
 #: Bound on every wait of these tests.
@@ -60,21 +59,7 @@ class World:
     bodies: list[str] = field(default_factory=list)
 
     def dispatched(self) -> Job:
-        new = NewJob(
-            JobRef.submitted(uuid.uuid4().hex),
-            "t.body",
-            State.SCHEDULED,
-            node="n",
-            args=[1],
-            options={GATED_OPTION: True},
-        )
-        assert self.store.create(new).job is not None
-        moved = self.store.transition(
-            new.ref,
-            Transition(State.DISPATCHED, frozenset({State.SCHEDULED}), node="n", reason="t"),
-        )
-        assert moved.job is not None
-        return moved.job
+        return dispatched(self)  # type: ignore[arg-type]  # (its world: a store and an app)
 
     def deliver(self, job: Job) -> str:
         task = self.app.tasks["t.body"]
