@@ -75,12 +75,17 @@ class HiredisPacker:
         return self._redis_py.pack(*args)  # type: ignore[no-any-return]
 
 
+_PACKER = HiredisPacker()
+
+
 def packed(conn: Any, command: tuple[Any, ...]) -> Any:
-    """``command`` packed as ``conn`` packs it: where it packs with hiredis, by hiredis at once."""
-    if _hiredis is not None and isinstance(
-        getattr(conn, "_command_packer", None), (HiredisRespSerializer, HiredisPacker)
+    """``command`` packed as ``conn`` packs it: where redis-py's hiredis packer would, as
+    :class:`HiredisPacker` packs it (a client the store did not build, say)."""
+    if (
+        _hiredis is not None
+        and type(getattr(conn, "_command_packer", None)) is HiredisRespSerializer
     ):
-        return [_hiredis.pack_command(command)]
+        return _PACKER.pack(*command)
     return conn.pack_command(*command)
 
 

@@ -46,8 +46,7 @@ from celery_exactonce.stores.sql import pgwire
 from celery_exactonce.stores.sql.base import Rerun
 from celery_exactonce.stores.sql.leases import SqlLeases
 
-#: Transitions of different shapes run together at most (:meth:`SqlTransitions._applied_together`):
-#: a worker's gate and the outcome of its run before, say.
+#: Transitions of different shapes run together at most (:meth:`SqlTransitions._applied_together`).
 TOGETHER = 8
 
 
