@@ -388,7 +388,7 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
             delivery.finish(State.FAILED, f"{type(exc).__name__}: {exc}")
             raise
         else:
-            delivery.finish(State.SUCCEEDED, "body returned")
+            delivery.finish(State.SUCCEEDED, "body returned", carry=True)
             return result
         finally:
             heartbeats.stop(beat)

@@ -7,14 +7,14 @@ result is stored and no callback fires. A message from elsewhere (no headers,
 no record) is adopted: its job is created ``RUNNING``. A store error never
 lets the body run: the gate retries for ``exactonce_gate_timeout``, then
 sends the delivery back, carrying the run ids it may have written. After the
-body, :meth:`Delivery.finish` writes the outcome on the run id.
+body, :meth:`Delivery.finish` writes the outcome on the run id (in a worker,
+with the thread's next gate write: :mod:`~celery_exactonce.task.outcomes`).
 
 Not here: what wraps the body (``ExactOnceTask.__call__``), the heartbeats.
 """
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import dataclasses
 import logging
@@ -33,7 +33,7 @@ from celery_exactonce.dispatch import messages
 from celery_exactonce.observe import metrics
 from celery_exactonce.policy import check_timeouts, task_policy, task_timeouts
 from celery_exactonce.runtime import Runtime, config_for, runtime_for
-from celery_exactonce.stores import settle
+from celery_exactonce.task import outcomes
 
 #: Set (to the attempt) while the gate sends a delivery back unchanged: the
 #: task's ``apply_async`` then publishes it as plain Celery would.
@@ -94,8 +94,8 @@ class Delivery:
             try:
                 if write is None:
                     job = runtime.store.get(ref)
-                else:  # brief goes through transition_many: the store contract's brief CAS
-                    (result,) = runtime.store.transition_many([(ref, write)], brief=brief)
+                else:  # brief goes through transition_many (with this thread's last outcome)
+                    result = outcomes.cas(runtime, ref, write, brief)
                     if result.applied and (brief or result.job is not None):
                         return result.job
                     job = result.job
@@ -292,66 +292,21 @@ class Delivery:
         requeue: BaseException = Reject(exc, requeue=True)
         return requeue
 
-    def finish(self, state: State, reason: str) -> None:
-        """Write the run's outcome (``RUNNING →`` ``state``) on its run id; a late one is noted."""
-        runtime, ref, run_id = self.runtime, self.ref, self.run_id
+    def finish(self, state: State, reason: str, *, carry: bool = False) -> None:
+        """Write the run's outcome (``RUNNING →`` ``state``) on its run id, or (``carry``: a
+        body's return, in a worker) carry it to this thread's next gate write
+        (:mod:`~celery_exactonce.task.outcomes`). Any other outcome is in the record before
+        Celery stores the result: a reader who saw a failure's result reads its record's end."""
         request = Transition(
             state,
             frozenset({State.RUNNING}),
-            node=runtime.node,
+            node=self.runtime.node,
             reason=reason,
-            run_id=run_id,
+            run_id=self.run_id,
         )
-        delay = runtime.config.retry_delay_store
-        error: BaseException | None = None
-        for _ in range(3):
-            # Brief: an applied completion needs no record back; a refused one carries it.
-            result = settle.transition(runtime.store, ref, request, brief=True)
-            if result.error is not None and not result.applied:
-                error = result.error
-                time.sleep(delay)
-                continue
-            if result.applied:
-                metrics.event(
-                    "completed",
-                    "job %s ended %s",
-                    ref,
-                    state,
-                    level=logging.DEBUG,
-                    labels={"state": state.value},
-                )
-                return
-            # The run no longer owns the job (the reconciler timed it out, a
-            # revoke cancelled it): the outcome is late and changes nothing,
-            # but the record says it (a note, never a change of state).
-            current = result.job.state if result.job else "no record"
-            metrics.event(
-                "late_outcome",
-                f"late outcome {state} of {ref} ignored: the job is {current}",
-                level=logging.WARNING,
-                job_id=ref.id,
-                state=str(state),
-            )
-            if result.job is not None:
-                self._note_late(state, reason)
-            return
-        metrics.event(
-            "completion_write_failed",
-            f"could not record {state} for {ref}; the reconciler will resolve it",
-            level=logging.ERROR,
-            labels={"state": str(state)},
-            sentry=True,
-            job_id=ref.id,
-            task=self.task.name,
-            key=self.headers.get(messages.HEADER_KEY),
-            exc_info=error,
-        )
-
-    def _note_late(self, state: State, reason: str) -> None:
-        runtime, ref, run_id = self.runtime, self.ref, self.run_id
-        note = f"late outcome of run {run_id}: {state} ({reason}); not applied"
-        with contextlib.suppress(exceptions.StoreError):  # the warning above stands
-            runtime.store.annotate(ref, node=runtime.node, reason=note, op_id=refs.new_token())
+        key = self.headers.get(messages.HEADER_KEY)
+        outcome = outcomes.Outcome(self.runtime, self.ref, request, self.task.name, key)
+        outcomes.finish(outcome, carry=carry and not self.task.request.is_eager)
 
 
 def validate_gated_task(task: Task) -> None:

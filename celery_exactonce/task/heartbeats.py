@@ -3,7 +3,9 @@
 A gated run registers when its body starts (:meth:`Heartbeats.start`) and
 leaves when it ends; the thread writes each run's heartbeat every
 ``exactonce_heartbeat_interval``, so the reconciler can tell a long body from
-a vanished worker. Not here: the gate itself (:mod:`~celery_exactonce.task.gate`).
+a vanished worker. It also runs a call at a time asked (:meth:`Heartbeats.call_at`:
+the outcomes a worker carries that no gate took, :mod:`~celery_exactonce.task.outcomes`).
+Not here: the gate itself (:mod:`~celery_exactonce.task.gate`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import math
 import os
 import threading
 import time
+from collections.abc import Callable
 
 from celery_exactonce.core import exceptions
 from celery_exactonce.core.refs import JobRef
@@ -50,19 +53,36 @@ class Heartbeats:
         self._pid: int | None = None
         #: When the waiting thread wakes by itself (monotonic); -inf while it is not waiting.
         self._wakes_at = -math.inf
+        #: What the thread runs once, each when (:meth:`call_at`).
+        self._calls: dict[Callable[[], None], float] = {}
 
     def start(self, runtime: Runtime, ref: JobRef, run_id: str) -> int:
         """Touch ``ref`` under ``run_id`` every interval from now on; the token to stop it."""
         due = time.monotonic() + runtime.config.heartbeat_interval
         with self._lock:
-            if self._pid != os.getpid():  # first run here, or a forked child: no thread yet
-                self._pid, self._runs, self._wakes_at = os.getpid(), {}, -math.inf
-                threading.Thread(target=self._loop, name="exactonce-heartbeat", daemon=True).start()
+            self._started()
             token = next(self._tokens)
             self._runs[token] = _Beating(runtime, ref, run_id, due)
             if due < self._wakes_at:
                 self._lock.notify()
         return token
+
+    def call_at(self, when: float, call: Callable[[], None]) -> None:
+        """Have the thread run ``call`` once at ``when`` (monotonic), or at the earlier time
+        it was asked to run it already."""
+        with self._lock:
+            self._started()
+            at = min(when, self._calls.get(call, when))
+            self._calls[call] = at
+            if at < self._wakes_at:
+                self._lock.notify()
+
+    def _started(self) -> None:
+        """The thread, started (under the lock) in this process: the first use here, or a
+        forked child's."""
+        if self._pid != os.getpid():
+            self._pid, self._runs, self._calls, self._wakes_at = os.getpid(), {}, {}, -math.inf
+            threading.Thread(target=self._loop, name="exactonce-heartbeat", daemon=True).start()
 
     def stop(self, token: int) -> None:
         with self._lock:
@@ -73,17 +93,35 @@ class Heartbeats:
             with self._lock:
                 now = time.monotonic()
                 due = [(token, run) for token, run in self._runs.items() if run.due <= now]
-                if not due:
+                calls = [call for call, at in self._calls.items() if at <= now]
+                for call in calls:
+                    del self._calls[call]
+                if not due and not calls:
                     nearest = min((run.due for run in self._runs.values()), default=now + 60.0)
+                    nearest = min(nearest, *self._calls.values()) if self._calls else nearest
                     self._wakes_at = nearest
                     self._lock.wait(timeout=nearest - now)
                     self._wakes_at = -math.inf  # not waiting: it looks at every run before it does
                     continue
                 for _, run in due:
                     run.due = now + run.runtime.config.heartbeat_interval
+            for call in calls:
+                self._run_call(call)
             for token, run in due:
                 if not self._beat(run):
                     self.stop(token)
+
+    @staticmethod
+    def _run_call(call: Callable[[], None]) -> None:
+        try:
+            call()
+        except Exception as exc:  # logged: the thread goes on beating
+            metrics.event(
+                "heartbeat_failed",
+                f"the heartbeat thread's call failed: {exc}",
+                level=logging.WARNING,
+                exc_info=exc,
+            )
 
     @staticmethod
     def _beat(run: _Beating) -> bool:
