@@ -89,6 +89,12 @@ class Model(Dispatchers, Workers, Reconcilers, Base):
                 )
         elif self.kinds[i] == "D" and phase[0] not in ("done", "start", "sweep"):
             yield f"{who} crashes", self.fault(self.put(s, i, self.home)), None
+        elif self.kinds[i] == "W" and phase[0] == "carried":  # acked: its outcome is lost
+            yield (
+                f"{who} crashes with its outcome unwritten",
+                self.fault(self.put(s, i, IDLE)),
+                None,
+            )
 
     def _broker(self, s: St) -> Iterator[Step]:
         actors, queue = s.actors, s.queue

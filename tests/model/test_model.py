@@ -62,7 +62,8 @@ SHOWS = {
         "->TIMEOUT",
     ],
     "dispatched_write_read_back": ["retry CAS RUNNING", "applied, then the store timed out"],
-    "outcome_checks_run_id": ["re-run CAS RUNNING", "W2 gate", "W1 CAS RUNNING"],
+    # (W1's write on its old run: its retry, or its outcome, whichever the search meets first)
+    "outcome_checks_run_id": ["re-run CAS RUNNING", "W2 gate", "CAS RUNNING run3->"],
 }
 
 

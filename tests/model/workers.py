@@ -8,16 +8,19 @@ run_id; with no record, the adoption of a message without our headers
 (create-if-absent ``RUNNING``), never of one with them; anything else is
 acked unrun. A gate write that cannot be read back sends the delivery back:
 a copy carrying as tickets every run id it may have written. The body (S1
-counts its starts per attempt), then the outcome on the run_id, or one
-Celery retry: ``RUNNING → DISPATCHED`` (attempt + 1, then its publish) or,
-for delayed jobs, ``RUNNING → PENDING`` (a countdown). S4: an outcome or a
-retry applies only for the run that holds ``RUNNING``.
+counts its starts per attempt), then the outcome on the run_id (carried: the
+message acked first, the outcome written in a later step, or lost if the
+worker crashes in between), or one Celery retry: ``RUNNING → DISPATCHED``
+(attempt + 1, then its publish) or, for delayed jobs, ``RUNNING → PENDING``
+(a countdown). S4: an outcome or a retry applies only for the run that holds
+``RUNNING``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
+from ._table import State
 from .base import ACK, IDLE, Base
 from .world import D, Msg, P, Phase, R, Rec, S, St, Step, show, show_msg
 
@@ -51,6 +54,8 @@ class Workers(Base):
             yield label, self.put(t, i, ("after", run, att)), bad
         elif kind == "after":
             yield from self._after(s, i, phase[1])
+        elif kind == "carried":
+            yield from self._outcome(s, i, phase[1], phase[2], acks=False)
 
     def _gate(self, s: St, i: int, runs: tuple[int, ...], msg: Msg) -> Iterator[Step]:
         rec, who = s.rec, self.who(i)
@@ -102,7 +107,9 @@ class Workers(Base):
             s, i, what, True, new, body, ("gate", mine), unreach=("sendback", mine)
         )
 
-    def _after(self, s: St, i: int, run: int) -> Iterator[Step]:
+    def _holds(self, s: St, i: int, run: int) -> tuple[bool, str | None]:
+        """Whether run ``run`` of worker ``i`` may write over the record; what S4 says if it
+        may without holding it."""
         rec = s.rec
         holds = (
             rec is not None
@@ -112,19 +119,27 @@ class Workers(Base):
         stolen = None
         if holds and rec is not None and rec[3] != run:
             stolen = f"S4: {self.who(i)} (run{run}) writes over a run it does not hold"
+        return holds, stolen
+
+    def _outcome(self, s: St, i: int, run: int, outcome: State, *, acks: bool) -> Iterator[Step]:
+        """The outcome's CAS on the run_id, as the record is now (``acks``: and the ack)."""
+        holds, stolen = self._holds(s, i, run)
         rev, t = self.fresh(s)
+        now = s.rec[2] if s.rec is not None else 0
+        what = f"CAS RUNNING run{run}->{outcome.value}" + (", ack" if acks else "")
+        yield from self.write(t, i, what, holds, (outcome, rev, now, 0), ACK, ACK, bad=stolen)
+
+    def _after(self, s: St, i: int, run: int) -> Iterator[Step]:
+        rec = s.rec
+        holds, stolen = self._holds(s, i, run)
         now = rec[2] if rec is not None else 0
-        for outcome in self.scenario.outcomes:
-            yield from self.write(
-                t,
-                i,
-                f"CAS RUNNING run{run}->{outcome.value}, ack",
-                holds,
-                (outcome, rev, now, 0),
-                ACK,
-                ACK,
-                bad=stolen,
-            )
+        for outcome in self.scenario.outcomes:  # (each a branch of the search)
+            if self.scenario.carried:  # acked as the task returns; the outcome written later
+                label = f"{self.who(i)} acks; carries its outcome {outcome.value}"
+                yield label, self.put(s, i, ("carried", run, outcome), None), None
+            else:
+                yield from self._outcome(s, i, run, outcome, acks=True)
+        rev, t = self.fresh(s)
         if s.retries >= self.bounds.retries or rec is None:
             return
         t = t._replace(retries=t.retries + 1)

@@ -116,6 +116,11 @@ class Scenario:
     liveness: bool = False
     """L is checked: no crash, no publish failure, and the reconciler lists a
     job only once no other step can move it (its timeouts are then accurate)."""
+    carried: bool = True
+    """A worker acks a delivery as its task returns and writes the outcome in a
+    later step (carried to its thread's next gate write, or written by its
+    heartbeat thread); a crash in between loses the outcome. ``False``: the
+    outcome is written, then the delivery acked, in one step."""
     one_write: bool = True
     """The caller's submit (``enqueue``) writes the record ``DISPATCHED`` and its
     message in one script (the Redis store), which proves the message left;
