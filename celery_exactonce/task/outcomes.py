@@ -155,8 +155,8 @@ class Carried:
         self._lock = threading.Lock()
         self._pid = os.getpid()
         self._slots: dict[int, tuple[Outcome, float]] = {}
-        #: Set in a ``celery worker`` process and its pool's children (their signals):
-        #: only there are outcomes carried.
+        #: Set in a ``celery worker`` process (its signal), and so in its pool's forked
+        #: children: only there are outcomes carried.
         self.enabled = False
 
     def carry(self, outcome: Outcome) -> None:
@@ -218,10 +218,10 @@ def _exiting(**_: Any) -> None:
     CARRIED.flush(every=True)
 
 
-# ``celeryd_init``: sent by ``celery worker`` alone (not by a worker a test builds in its
-# own process); ``worker_process_init``: in each child of its prefork pool.
+# ``celeryd_init`` is sent by ``celery worker`` alone, before its pool starts (a prefork
+# child inherits the flag): not by a worker a test builds in its own process, whose solo
+# pool sends ``worker_process_init`` all the same.
 signals.celeryd_init.connect(_in_worker, weak=False)
-signals.worker_process_init.connect(_in_worker, weak=False)
 signals.worker_process_shutdown.connect(_exiting, weak=False)
 signals.worker_shutdown.connect(_exiting, weak=False)
 atexit.register(_exiting)

@@ -219,17 +219,16 @@ def test_in_a_worker_a_failure_is_written_at_once_before_celery_stores_its_resul
     assert worker.bodies == [first.ref.id, failing.ref.id]
 
 
-def test_only_celery_worker_and_its_pool_children_carry_not_a_worker_built_in_a_test() -> None:
+def test_only_celery_worker_carries_not_a_worker_built_in_a_test() -> None:
     assert not outcomes.CARRIED.enabled
     try:
-        # A WorkController built in this process (a test's worker) sends worker_init
+        # A WorkController built in this process (a test's worker) sends worker_init, and
+        # its solo pool worker_process_init: neither turns carrying on
         signals.worker_init.send(sender=None)
-        assert not outcomes.CARRIED.enabled
-        # ``celery worker`` sends celeryd_init; each prefork child worker_process_init
-        signals.celeryd_init.send(sender="w@host", instance=None, conf=None, options={})
-        assert outcomes.CARRIED.enabled
-        outcomes.CARRIED.enabled = False
         signals.worker_process_init.send(sender=None)
+        assert not outcomes.CARRIED.enabled
+        # ``celery worker`` sends celeryd_init before its pool forks (the children inherit)
+        signals.celeryd_init.send(sender="w@host", instance=None, conf=None, options={})
         assert outcomes.CARRIED.enabled
     finally:
         outcomes.CARRIED.enabled = False
