@@ -12,11 +12,14 @@ skipped by the run itself, the reason printed, where they do not answer; under
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from tests import services
 
@@ -80,3 +83,16 @@ def test_every_suite_runs_small() -> None:
     if services.required():
         skipped = [line for line in out.splitlines() if "skipped" in line]
         assert not skipped, skipped
+
+
+def test_a_run_takes_some_suites_by_name_and_names_an_unknown_one() -> None:
+    from tests.benchmarks.__main__ import SUITES, _suites
+
+    # Some suites, in any order, run in the order of the full run; "all" is every one
+    assert _suites("footprint, submit,e2e") == ("submit", "e2e", "footprint")
+    assert _suites("all") == SUITES
+    # An unknown name is refused, named, with the choices
+    for bad, named in (("submit,bogus", "bogus"), (",", "','")):
+        with pytest.raises(argparse.ArgumentTypeError, match=named) as refused:
+            _suites(bad)
+        assert "footprint" in str(refused.value)
