@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import json
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, Set
 from datetime import datetime, timedelta, timezone
 from typing import Any
 from zoneinfo import ZoneInfo
@@ -174,7 +174,7 @@ def test_two_beats_run_edited_rows_once_through_a_sigkill(
     assert_one_offs_ran_once(ledger, start, enabled, cut_off)
     assert_rows_followed_the_edits(ledger, names, start)
     # ... and every row counts what ran of it
-    assert_each_row_counts_its_runs(deployment, ledger, names, kills)
+    assert_each_row_counts_its_runs(deployment, ledger, names, kills, one_offs)
 
 
 def given_twenty_rows(start: datetime) -> dict[str, int]:
@@ -252,15 +252,22 @@ def assert_rows_followed_the_edits(
 
 
 def assert_each_row_counts_its_runs(
-    deployment: Deployment, ledger: Ledger, names: Mapping[str, int], kills: Mapping[str, datetime]
+    deployment: Deployment,
+    ledger: Ledger,
+    names: Mapping[str, int],
+    kills: Mapping[str, datetime],
+    one_offs: Set[b.Occurrence],
 ) -> None:
     """``total_run_count`` is the row's runs in the ledger, plus its claims the SIGKILL
-    cut off unpublished (counted when found claimed; they never run)."""
+    cut off unpublished (counted when found claimed; they never run). ``one_offs``: the
+    one-off slots, which fall between whole seconds (the kill may cut one off too)."""
     from django_celery_beat.models import PeriodicTask
 
     def counted() -> dict[int, tuple[int, int]]:
         # Read again each time: the reconciler may replay a cut-off claim meanwhile
-        cut_off = Counter(names[name] for name, _ in _unpublished(deployment, names, kills))
+        cut_off = Counter(
+            names[name] for name, _ in _unpublished(deployment, names, kills, one_offs)
+        )
         runs = runs_by_row(ledger, names)
         return {
             row.pk: (row.total_run_count, runs[row.pk] + cut_off[row.pk])
@@ -279,10 +286,14 @@ def assert_each_row_counts_its_runs(
 
 
 def _unpublished(
-    deployment: Deployment, names: Mapping[str, int], kills: Mapping[str, datetime]
-) -> set[tuple[str, datetime]]:
-    """Claims a SIGKILL cut off before their publish, of any row."""
-    candidates = set()
+    deployment: Deployment,
+    names: Mapping[str, int],
+    kills: Mapping[str, datetime],
+    one_offs: Set[b.Occurrence],
+) -> set[b.Occurrence]:
+    """Claims a SIGKILL cut off before their publish, of any row: its slots on whole
+    seconds in the tick before the kill, and the one-offs'."""
+    candidates = set(one_offs)
     for killed in kills.values():
         second = killed.replace(microsecond=0)
         for back in range(int(b.TICK_SPAN.total_seconds()) + 2):
@@ -355,7 +366,7 @@ def test_scenario_74_two_beats_continue_a_renamed_row_after_its_old_names_claims
     assert len(anchored) >= 4, anchored
     assert all((f - anchor).total_seconds() % 3 == 0 for f in anchored), anchored
     # ... and the row counts what ran of it, under both names
-    assert_each_row_counts_its_runs(deployment, ledger, names, {})
+    assert_each_row_counts_its_runs(deployment, ledger, names, {}, set())
 
 
 # -- the control ---------------------------------------------------------------------------
