@@ -4,15 +4,17 @@
 or ``CANCELLED``) on its run id, retried, and notes a late one (the run no
 longer owns the job) without changing the state.
 
-In a worker started by ``celery worker``, a body's return is *carried*
-(:func:`finish`): the task returns at once, and its ``SUCCEEDED`` goes with
-the next write of the gate on the same thread, in the same store call
-(:func:`cas`): one round trip for both, and on PostgreSQL one commit. A busy
-worker so writes once per run, not twice. Every other outcome (``FAILED``,
-``CANCELLED``, a replaced run) is written at once, before Celery stores the
-result.
-An outcome no gate took within :data:`CARRY_FOR` (an idle worker) is written
-by the process's heartbeat thread, and a process that exits normally writes
+In a worker started by ``celery worker``, a busy thread's body's return is
+*carried* (:func:`finish`): the task returns at once, and its ``SUCCEEDED``
+goes with the next write of the gate on the same thread, in the same store
+call (:func:`cas`): one round trip for both, and on PostgreSQL one commit. A
+busy worker so writes once per run, not twice. A thread is busy when its last
+gate write came within :data:`CARRY_FOR` of the run before it: an idle one
+writes at once (carried, its outcome would only wait for the heartbeat
+thread). Every other outcome (``FAILED``, ``CANCELLED``, a replaced run) is
+written at once, before Celery stores the result. An outcome no gate took
+within :data:`CARRY_FOR` (the worker went idle) is written by the process's
+heartbeat thread, and a process that exits normally writes
 the ones it carries first (``worker_process_shutdown``, ``worker_shutdown``,
 ``atexit``). Before a run's body starts, the outcome of the run before it on
 its thread is written: the gate took it, or :func:`cas` wrote it first.
@@ -149,34 +151,60 @@ def cas(runtime: Runtime, ref: JobRef, write_: Transition, brief: bool) -> Trans
 
 
 class Carried:
-    """The outcomes this process carries, one per thread at most, each until its due time."""
+    """The outcomes this process carries, one per thread at most, each until its due time;
+    and, per thread, whether it is busy (its last gate write came within :data:`CARRY_FOR`
+    of the run before it: only then is an outcome carried)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._pid = os.getpid()
         self._slots: dict[int, tuple[Outcome, float]] = {}
+        #: When each thread's last run ended (monotonic), until its next gate write.
+        self._ended: dict[int, float] = {}
+        #: The threads whose last gate write came within CARRY_FOR of the run before.
+        self._busy: set[int] = set()
         #: Set in a ``celery worker`` process (its signal), and so in its pool's forked
         #: children: only there are outcomes carried.
         self.enabled = False
 
-    def carry(self, outcome: Outcome) -> None:
-        """Keep ``outcome`` for this thread's next gate write (one carried before: written)."""
-        due = time.monotonic() + CARRY_FOR
+    def _here(self) -> None:
+        """(Under the lock.) A forked child's first call: its parent's state is not its own."""
+        if self._pid != os.getpid():
+            self._pid, self._slots, self._ended, self._busy = os.getpid(), {}, {}, set()
+
+    def finish(self, outcome: Outcome, *, carry: bool) -> None:
+        """Carry ``outcome`` if ``carry`` and this thread is busy (one carried before it is
+        written), else write it now; note when the thread's run ended either way."""
+        thread = threading.get_ident()
+        before = None
         with self._lock:
-            if self._pid != os.getpid():  # a forked child: its parent's outcomes are not its own
-                self._pid, self._slots = os.getpid(), {}
-            before = self._slots.pop(threading.get_ident(), None)
-            self._slots[threading.get_ident()] = (outcome, due)
-        heartbeats.call_at(due, self.flush)
+            self._here()
+            carry = carry and thread in self._busy
+            if carry:
+                due = time.monotonic() + CARRY_FOR
+                before = self._slots.pop(thread, None)
+                self._slots[thread] = (outcome, due)
+        if carry:
+            heartbeats.call_at(due, self.flush)
+        else:
+            write(outcome)
         if before is not None:
             write(before[0])
+        with self._lock:
+            self._ended[thread] = time.monotonic()
 
     def take(self, runtime: Runtime) -> Outcome | None:
-        """This thread's carried outcome, if it is one of ``runtime``'s (another's: written)."""
+        """This thread's carried outcome, if it is one of ``runtime``'s (another's: written);
+        the thread is busy if this gate write comes within :data:`CARRY_FOR` of its last run."""
+        thread = threading.get_ident()
         with self._lock:
-            if self._pid != os.getpid() or not self._slots:
-                return None
-            slot = self._slots.pop(threading.get_ident(), None)
+            self._here()
+            ended = self._ended.pop(thread, None)
+            if ended is not None and time.monotonic() - ended < CARRY_FOR:
+                self._busy.add(thread)
+            elif ended is not None:
+                self._busy.discard(thread)
+            slot = self._slots.pop(thread, None) if self._slots else None
         if slot is None or slot[0].runtime is runtime:
             return None if slot is None else slot[0]
         write(slot[0])
@@ -202,10 +230,10 @@ CARRIED = Carried()
 
 
 def finish(outcome: Outcome, *, carry: bool) -> None:
-    """Write ``outcome`` now, or (``carry``, in a ``celery worker`` process) carry it to the
-    thread's next gate write."""
-    if carry and CARRIED.enabled:
-        CARRIED.carry(outcome)
+    """Write ``outcome`` now, or (``carry``, in a busy thread of a ``celery worker``
+    process) carry it to the thread's next gate write."""
+    if CARRIED.enabled:
+        CARRIED.finish(outcome, carry=carry)
     else:
         write(outcome)
 

@@ -1,6 +1,7 @@
 """A run's outcome carried to its thread's next gate write, in a worker process.
 
-In a worker the task returns with its outcome not yet written: the next gate
+In a worker's busy thread (its last gate write came within ``CARRY_FOR`` of the
+run before) the task returns with its outcome not yet written: the next gate
 write of the same thread takes it, in the same store call; an outcome no gate
 takes is written by the heartbeat thread within ``CARRY_FOR``; a process
 that exits writes what it carries. Any other outcome than a body's return, and
@@ -99,11 +100,15 @@ def _world(in_worker: bool) -> Iterator[World]:
             task.exactonce_gate_timeout = 0.05
     metrics.COUNTERS.reset()
     outcomes.CARRIED.enabled = in_worker
+    if in_worker:  # this thread ran a gated task just before (its next one's gate says so)
+        outcomes.CARRIED._busy.add(threading.get_ident())
     try:
         yield world
     finally:
         outcomes.CARRIED.enabled = False
         outcomes.CARRIED.flush(every=True)
+        outcomes.CARRIED._busy.clear()
+        outcomes.CARRIED._ended.clear()
         runtime.reset(app)
 
 
@@ -203,6 +208,28 @@ def test_outside_a_worker_the_outcome_is_written_at_once(outside: World) -> None
     assert outside.deliver(job) == "ran"
     assert outside.state(job) is State.SUCCEEDED
     assert outside.store.calls[-1] == ([State.SUCCEEDED], threading.current_thread().name)
+
+
+def test_only_a_busy_thread_carries_one_whose_last_run_ended_within_carry_for(
+    worker: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(outcomes, "CARRY_FOR", 0.05)
+    outcomes.CARRIED._busy.clear()
+    first, second, third, fourth = (worker.dispatched() for _ in range(4))
+    # A thread's first run (no run before it) is written at once
+    assert worker.deliver(first) == "ran"
+    assert worker.state(first) is State.SUCCEEDED
+    # The next, its gate within CARRY_FOR of the first's end, is carried
+    assert worker.deliver(second) == "ran"
+    assert worker.state(second) is State.RUNNING
+    assert worker.deliver(third) == "ran"
+    assert worker.state(second) is State.SUCCEEDED  # (with the third's gate write)
+    # A run whose gate comes later than CARRY_FOR after the last one's end is not
+    _until("the heartbeat thread wrote the third", lambda: worker.state(third) is State.SUCCEEDED)
+    ended = time.monotonic()
+    _until("CARRY_FOR went by", lambda: time.monotonic() - ended > outcomes.CARRY_FOR)
+    assert worker.deliver(fourth) == "ran"
+    assert worker.state(fourth) is State.SUCCEEDED
 
 
 def test_in_a_worker_a_failure_is_written_at_once_before_celery_stores_its_result(
