@@ -189,6 +189,7 @@ def test_each_module_of_the_model_is_short_and_says_what_it_holds() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # ~9 minutes on two busy cores, more when the chaos tests share them
 def test_the_design_passes_with_wider_bounds() -> None:
     """The full matrix (``tox -e model``): each scenario passes and each variant fails, wider."""
     assert cli.main(["--full", "--jobs", "2"]) == 0
