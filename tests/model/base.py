@@ -72,7 +72,7 @@ class Base:
         actors = tuple((first[k], None) for k in self.kinds)
         queue: tuple[Msg, ...] = ((0, (), False),) if self.scenario.start == "foreign" else ()
         attempts = self.bounds.retries + self.bounds.passes + 2
-        return St(None, actors, queue, (0,) * attempts, 0, 0, 0, 0, 0, None, 1)
+        return St(None, actors, queue, (0,) * attempts, 0, 0, 0, 0, 0, None, 1, 0, 0)
 
     # --- helpers: each returns a new state ------------------------------------------
 
@@ -88,7 +88,7 @@ class Base:
     @staticmethod
     def fresh(s: St) -> tuple[int, St]:
         """A fresh id, and ``s`` past it."""
-        return s[10], _new(St, (*s[:10], s[10] + 1))
+        return s[10], _new(St, (*s[:10], s[10] + 1, *s[11:]))
 
     @staticmethod
     def fault(s: St) -> St:
@@ -131,6 +131,8 @@ class Base:
         way); ``message``: queued in the same atomic step; ``bad``: the property
         the write breaks if it applies; ``edges``: recorded instead of the write's.
         """
+        if s.lock and s.lock != i + 1:
+            return  # a worker's transaction holds the record's row: the write waits for it
         who = f"{self.who(i)} {what}"
         if not ok:
             yield f"{who}: refused", self.put(s, i, no), None
@@ -143,6 +145,8 @@ class Base:
             bad = bad or f"S2: terminal {old[0].value} changed to {new[0].value}"
         elif old is None and s.ended is not None:
             bad = bad or f"S2: the job ended {s.ended.value}, was lost, and is now {new[0].value}"
+        if new[0].terminal:
+            bad = bad or self.ended_problem(new[0], s.effects)
         applied = s._replace(rec=new, ended=new[0] if new[0].terminal else s.ended)
         if message is not None:
             applied = self.enqueue(applied, message)
@@ -167,6 +171,17 @@ class Base:
             bad,
         )
         yield f"{who}: store error, not applied", self.fault(self.put(s, i, check)), None
+
+    def ended_problem(self, state: State, effects: int) -> str | None:
+        """E2 or E3 if an atomic job ends ``state`` with its effects committed ``effects``
+        times (``None``: not atomic, or fine)."""
+        if not self.scenario.atomic:
+            return None
+        if (state is State.SUCCEEDED) != (effects == 1) or effects > 1:
+            return f"E2: the job ends {state.value} with its effects committed {effects} time(s)"
+        if state is State.TIMEOUT:
+            return "E3: the job times out, its effects never committed"
+        return None
 
     def redispatch(
         self,

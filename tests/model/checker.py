@@ -25,6 +25,10 @@ _IDS: dict[str, tuple[tuple[int, str], ...]] = {
     "sendback": ((1, "ids"),),
     "body": ((1, "id"),),
     "after": ((1, "id"),),
+    "begin": ((1, "id"),),
+    "tx": ((1, "id"),),
+    "commit": ((1, "id"),),
+    "committed": ((1, "id"),),
     "listed": ((2, "id"),),
     "check": ((1, "key"), (2, "phase"), (3, "phase"), (4, "phase")),
 }
@@ -46,7 +50,7 @@ def canonical(s: St) -> St:
     queue = s.queue
     if any(m[1] for m in queue):
         queue = tuple(sorted(_msg(m, ids) for m in queue))
-    return St(rec, tuple(actors), queue, *s[3:10], len(ids))
+    return St(rec, tuple(actors), queue, *s[3:10], len(ids), *s[11:])
 
 
 def _phase(p: Phase, ids: dict[int, int]) -> Phase:

@@ -1,8 +1,8 @@
 """The model of one job's life: every step any actor, the broker or the store can take.
 
 What it holds: :class:`Model`, which puts the actors together
-(:mod:`.dispatchers`, :mod:`.workers`, :mod:`.reconcilers`, on :mod:`.base`)
-and adds what belongs to no one actor: crashes, deliveries, the broker's
+(:mod:`.dispatchers`, :mod:`.workers` and :mod:`.atomic`, :mod:`.reconcilers`,
+on :mod:`.base`) and adds what belongs to no one actor: crashes, deliveries, the broker's
 duplicates and the store's losses. Two alike actors in one place move once
 (the first stands for both), and an idle worker receives only if no worker
 before it is idle.
@@ -12,14 +12,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from .atomic import Atomic
 from .base import IDLE, Base
 from .dispatchers import Dispatchers
 from .reconcilers import Reconcilers
-from .workers import Workers
 from .world import D, Msg, P, Phase, R, S, St, Step, show_msg
 
 
-class Model(Dispatchers, Workers, Reconcilers, Base):
+class Model(Dispatchers, Atomic, Reconcilers, Base):
     """The steps of one job's life under ``rules``, in ``scenario``, within ``bounds``."""
 
     @property
@@ -73,8 +73,9 @@ class Model(Dispatchers, Workers, Reconcilers, Base):
         if self.scenario.liveness or not self.faults_left(s):
             return
         who = self.who(i)
-        if msg is not None:
-            requeued = self.enqueue(self.put(s, i, IDLE, None), msg)
+        if msg is not None:  # (its transaction, if it had one, rolled back)
+            free = s._replace(lock=0) if s.lock == i + 1 else s
+            requeued = self.enqueue(self.put(free, i, IDLE, None), msg)
             yield (
                 f"{who} crashes; its unacked {show_msg(msg)} is redelivered",
                 self.fault(requeued),

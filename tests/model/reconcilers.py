@@ -8,7 +8,8 @@ accurate). It acts later, with a CAS on the rev it listed:
 * ``SCHEDULED``: replayed through the dispatch path; for delayed jobs also
   ``FAILED`` (replays exhausted) or ``CANCELLED`` (past the deadline);
 * ``DISPATCHED``: ``TIMEOUT``; opted in, redispatched (``DISPATCHED →
-  DISPATCHED``, then the publish of the record it wrote);
+  DISPATCHED``, then the publish of the record it wrote); an atomic job is
+  always redispatched, never timed out;
 * ``RUNNING``: ``TIMEOUT``; opted in, re-run (``RUNNING → DISPATCHED``, the
   next attempt, then its publish).
 
@@ -60,6 +61,10 @@ class Reconcilers(Base):
                         IDLE,
                         IDLE,
                     )
+            return
+        if state is D and self.scenario.atomic:  # nothing of a run can have committed
+            label = "redispatch CAS DISPATCHED->DISPATCHED"
+            yield from self.redispatch(t, i, label, ok, new_rev, now, att, IDLE)
             return
         lost = None
         if self.scenario.liveness and s.starts[now] == 0:

@@ -147,6 +147,14 @@ RERUN = Setting(
     (Bounds(passes=2), Bounds(faults=1, passes=2, reconcilers=2)),
 )
 
+#: An atomic job on a SQL store (the record written, then published): safety with
+#: every fault, the effects checked (E1-E3) in place of S1.
+ATOMIC = Setting(
+    Scenario(start="enqueue", outcomes=(OK, F), one_write=False, atomic=True),
+    Bounds(retries=0),
+    (Bounds(faults=3, passes=2, reconcilers=2, retries=0),),
+)
+
 
 def _variant(setting: Setting, breaks: str | None, summary: str, drop: str = "") -> Variant:
     rules = dataclasses.replace(Rules(), **{drop: False}) if drop else Rules()
@@ -243,6 +251,23 @@ VARIANTS: dict[str, Variant] = {
         "the reconciler re-runs a job whose body still runs; the old run's "
         "outcome, on the state alone, lands on the new attempt's run",
         "outcome_checks_run_id",
+    ),
+    "atomic": _variant(ATOMIC, None, "an atomic job: gate, effects and outcome in one commit"),
+    "atomic_running_in_transaction": _variant(
+        ATOMIC,
+        "E3",
+        "the gate commits RUNNING before the body: the reconciler times out the "
+        "RUNNING job (as it must one whose worker died mid-body, rolling the effects "
+        "back, since the gate refuses the redelivery), and the effects never commit",
+        "atomic_running_in_transaction",
+    ),
+    "atomic_outcome_with_effects": _variant(
+        ATOMIC,
+        "E2",
+        "the effects commit with RUNNING and the outcome is written after them: the "
+        "reconciler times out a RUNNING job whose effects committed (a crash in "
+        "between leaves one)",
+        "atomic_outcome_with_effects",
     ),
 }
 

@@ -64,6 +64,8 @@ SHOWS = {
     "dispatched_write_read_back": ["retry CAS RUNNING", "applied, then the store timed out"],
     # (W1's write on its old run: its retry, or its outcome, whichever the search meets first)
     "outcome_checks_run_id": ["re-run CAS RUNNING", "W2 gate", "CAS RUNNING run3->"],
+    "atomic_running_in_transaction": ["gate CAS DISPATCHED->RUNNING run2 (committed)", "->TIMEOUT"],
+    "atomic_outcome_with_effects": ["BODY STARTS", "commits the effects", "->TIMEOUT"],
 }
 
 

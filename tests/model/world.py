@@ -39,6 +39,8 @@ class St(NamedTuple):
     losses: int  # store losses so far: also the store's epoch (0: its first life)
     ended: State | None  # the last terminal state written, kept across a loss
     next_id: int  # the next fresh rev or run id
+    lock: int  # the worker holding the record's row lock, plus one (0: none); atomic only
+    effects: int  # the body's effects committed so far; atomic only
 
 
 Step = tuple[str, St, str | None]  # (label, next state, the property it breaks)
@@ -87,6 +89,13 @@ class Rules:
     outcome_checks_run_id: bool = True
     """A worker's outcome and retry are conditional on its run_id, not on the
     state ``RUNNING`` alone."""
+    atomic_running_in_transaction: bool = True
+    """An atomic job's gate CAS ``→ RUNNING`` is written inside the body's
+    transaction (others see the job as it was until the commit), instead of
+    being committed before the body."""
+    atomic_outcome_with_effects: bool = True
+    """An atomic job's outcome is written in the transaction of the body's effects,
+    instead of in a write of its own after they commit."""
 
 
 #: The scenarios: who acts (``D`` dispatcher, ``W`` worker, ``U`` the caller).
@@ -127,6 +136,15 @@ class Scenario:
     ``False``: it writes the record, then publishes (the SQL stores; the Redis
     store with another broker, which builds the message meanwhile but sends
     it only after the write's answer: the same steps here)."""
+    atomic: bool = False
+    """The workers run the job atomically: the gate, the body's effects on the
+    store's database and the outcome commit in one transaction, which holds
+    the record's row lock (another writer waits for it); a crash or a body's
+    error rolls it all back. E1: the effects commit at most once; E2: a job
+    ends ``SUCCEEDED`` exactly when they did (a failed body's end, ``FAILED``,
+    and a cancel, without them); E3: the job never times out (nothing of a
+    run that did not commit can have committed, so the reconciler
+    redispatches it instead)."""
 
 
 @dataclasses.dataclass(frozen=True)
