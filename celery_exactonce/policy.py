@@ -52,6 +52,8 @@ def task_policy(task: Any) -> dict[str, Any]:
     for name, attribute in _FLAG_ATTRIBUTES:
         if getattr(task, attribute, None):
             policy[name] = True
+    if getattr(task, "exactonce_atomic", False):  # nothing of a run that did not commit can
+        policy["redispatch"] = True  # have committed: a stale DISPATCHED job runs again
     return policy
 
 

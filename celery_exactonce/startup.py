@@ -35,6 +35,7 @@ from celery_exactonce import config, runtime
 from celery_exactonce.core import exceptions
 from celery_exactonce.observe import gauges, metrics
 from celery_exactonce.reconcile import task as reconcile_task
+from celery_exactonce.task import atomic
 from celery_exactonce.task.base import ExactOnceTask
 from celery_exactonce.task.gate import validate_gated_task
 
@@ -171,7 +172,10 @@ def check_worker(app: Any) -> None:
     check_retention(app, settings)
     for task in tasks:
         validate_gated_task(task)
-    runtime.runtime_for(app)  # opens the store: schema, Redis eviction policy, reachability
+    store = runtime.runtime_for(app).store  # opened: schema, Redis eviction, reachability
+    for task in tasks:
+        if getattr(task, "exactonce_atomic", False):
+            atomic.check_store(task, store)
 
 
 def check_beat(app: Any) -> runtime.Runtime:

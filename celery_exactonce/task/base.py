@@ -59,7 +59,7 @@ from celery_exactonce.dispatch import messages
 from celery_exactonce.observe import metrics
 from celery_exactonce.runtime import Runtime, runtime_for
 from celery_exactonce.stores import settle
-from celery_exactonce.task import call_options, eager, later, requeues, submit
+from celery_exactonce.task import atomic, call_options, eager, ends, later, requeues, submit
 from celery_exactonce.task.gate import Delivery, raw_republish, record_revoke, validate_gated_task
 from celery_exactonce.task.heartbeats import heartbeats
 
@@ -96,6 +96,9 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
     exactonce_redispatch: bool = False
     #: Opt in to re-running a ``RUNNING`` job whose worker vanished (at-least-once).
     exactonce_rerun: bool = False
+    #: Run the gate, the body and its end in one transaction of the store's database,
+    #: which the body writes to (``django://``): :mod:`~celery_exactonce.task.atomic`.
+    exactonce_atomic: bool = False
 
     # -- submission ----------------------------------------------------------------
 
@@ -354,8 +357,10 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
             self, runtime, ref, attempt, refs.new_token(), headers, request.delivery_info or {}
         )
         # The record is wanted only for the idempotency key of a message without one:
-        # otherwise the gate's CAS is brief (no record sent back and decoded).
-        job = delivery.enter(args, kwargs, brief=bool(key))
+        # otherwise the gate's CAS is brief (no record sent back and decoded). An atomic
+        # run (of one of our messages) passes it in the body's transaction.
+        atomic_run = self.exactonce_atomic and bool(key) and not request.is_eager
+        job = None if atomic_run else delivery.enter(args, kwargs, brief=bool(key))
         run_id = delivery.run_id  # fresh for this delivery (another if it took its own run over)
         if not key and job is not None:
             key = messages.job_idempotency_key(job, runtime.store.namespace)
@@ -363,35 +368,21 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
         requeues.show_redelivered(request, headers)
         run = _Run(ref, run_id, attempt, headers)
         token = _current.set(run)
-        beat = heartbeats.start(runtime, ref, run_id)
+        beat = None if atomic_run else heartbeats.start(runtime, ref, run_id)
         try:
-            result = later.run_body(self.run, run.later, args, kwargs)
-        except Retry as exc:
-            if request.is_eager:  # Celery runs the retry itself, once this run has ended
-                self._retry_eagerly(run, exc)
-            raise  # in a worker, the retry already made this the next attempt of the job
-        except Ignore:
-            if run.replaced_by is not None:
-                replaced = f"replaced by {run.replaced_by}"
-                delivery.finish(State.SUCCEEDED, replaced)
-            else:
-                delivery.finish(State.CANCELLED, "the body raised Ignore")
-            raise
-        except Reject as exc:
-            if exc.requeue and self.acks_late and not request.is_eager:
-                # (acked at once, a message cannot go back; nor can an eager run)
-                again = functools.partial(self._retry_next_attempt, run, None, None, {})
-                requeues.requeue(self, run.ref, run.attempt, delivery, exc, again)
-            delivery.finish(State.FAILED, f"rejected: {exc.reason}")
-            raise
-        except BaseException as exc:
-            delivery.finish(State.FAILED, f"{type(exc).__name__}: {exc}")
-            raise
-        else:
-            delivery.finish(State.SUCCEEDED, "body returned", carry=True)
-            return result
+            if not atomic_run:
+                how = (later.run_body, self.run, run.later)
+                result = ends.run(self, delivery, run, (args, kwargs), *how)
+                delivery.finish(State.SUCCEEDED, "body returned", carry=True)
+                return result
+            try:  # (its end, when it returns, committed with its effects)
+                atomically = (atomic.run_body, self, delivery, run)
+                return ends.run(self, delivery, run, (args, kwargs), *atomically)
+            except atomic.NotRun as exc:  # nothing of it committed, nothing to write
+                raise exc.raised from None
         finally:
-            heartbeats.stop(beat)
+            if beat is not None:
+                heartbeats.stop(beat)
             _current.reset(token)
 
 

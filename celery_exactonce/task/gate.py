@@ -101,7 +101,7 @@ class Delivery:
                     job = result.job
                 if job is None:
                     if adoption_lost or messages.HEADER_JOB_ID in headers:
-                        self._refuse(None)
+                        self.refuse(None)
                     adopted = self._adopt(args, kwargs)
                     if adopted is not None:
                         return adopted
@@ -111,7 +111,7 @@ class Delivery:
                     return job  # our own write applied; its answer was lost
                 write = self._next_write(job, tickets, gate)
                 if write is None:
-                    self._refuse(job)
+                    self.refuse(job)
             except exceptions.StoreError as exc:
                 write = None  # what did the store keep? read it back before writing again
                 now = time.monotonic()
@@ -190,7 +190,7 @@ class Delivery:
             return result.job
         return None
 
-    def _refuse(self, job: Job | None) -> NoReturn:
+    def refuse(self, job: Job | None) -> NoReturn:
         """Ack the delivery unrun (``Ignore``: no result, no callback), counted and logged.
 
         A redelivery refused is the gate doing its work (debug). A first
@@ -318,6 +318,12 @@ def validate_gated_task(task: Task) -> None:
     """
     if getattr(task, "_exactonce_validated", False):
         return
+    if task.reject_on_worker_lost and getattr(task, "exactonce_atomic", False):
+        raise exceptions.ConfigurationError(
+            f"{task.name}: reject_on_worker_lost is refused with exactonce_atomic: a lost "
+            "worker's transaction rolled back, and the reconciler runs the job again",
+            setting="reject_on_worker_lost",
+        )
     if task.reject_on_worker_lost and not task.exactonce_rerun:
         raise exceptions.ConfigurationError(
             f"{task.name}: reject_on_worker_lost re-queues a message whose body may have run; "

@@ -238,6 +238,14 @@ def finish(outcome: Outcome, *, carry: bool) -> None:
         write(outcome)
 
 
+def write_carried(runtime: Runtime) -> None:
+    """Write this thread's carried outcome now, if it has one (before a transaction that
+    must not take it along: the atomic gate's)."""
+    carried = CARRIED.take(runtime)
+    if carried is not None:
+        write(carried)
+
+
 def _in_worker(**_: Any) -> None:
     CARRIED.enabled = True
 
