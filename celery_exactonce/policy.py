@@ -53,7 +53,7 @@ def task_policy(task: Any) -> dict[str, Any]:
         if getattr(task, attribute, None):
             policy[name] = True
     if getattr(task, "exactonce_atomic", False):  # nothing of a run that did not commit can
-        policy["redispatch"] = True  # have committed: a stale DISPATCHED job runs again
+        policy["atomic"] = policy["redispatch"] = True  # have committed: it runs again
     return policy
 
 
@@ -99,6 +99,8 @@ class Timeouts:
     running_timeout: float
     redispatch: bool
     rerun: bool
+    #: The task's runs commit their effects with their end (``exactonce_atomic``).
+    atomic: bool = False
 
     @classmethod
     def of(cls, config: ExactOnceConfig, task: Any, job: Job | None = None) -> Timeouts:
@@ -123,6 +125,7 @@ class Timeouts:
             running_timeout=pick("running_timeout", config.running_timeout),
             redispatch=bool(given.get("redispatch")),
             rerun=bool(given.get("rerun")),
+            atomic=given.get("atomic") is True,
         )
 
 

@@ -235,13 +235,16 @@ class Reconciler(LeasedPasses):
             if run.timeouts_ok and age >= limits.dispatch_timeout:
                 self._time_out(run, job, "unconfirmed", limits.dispatch_timeout)
             return
-        if run.timeouts_ok and age >= limits.dispatch_deadline:
+        redispatches = count_actions(job, Action.REDISPATCH)
+        # An atomic job's runs that did not commit left nothing behind: it is redispatched
+        # past dispatch_deadline too, until its redispatches run out.
+        trying = limits.atomic and redispatches < MAX_REDISPATCHES
+        if run.timeouts_ok and age >= limits.dispatch_deadline and not trying:
             reason = f"not run within dispatch_deadline ({limits.dispatch_deadline:g} s)"
             self._time_out(run, job, reason, limits.dispatch_deadline)
             return
         if not limits.redispatch or run.report.redispatched >= REDISPATCH_BUDGET:
             return
-        redispatches = count_actions(job, Action.REDISPATCH)
         backoff = limits.dispatch_timeout * 2 ** min(redispatches, 16)
         if redispatches >= MAX_REDISPATCHES or age < backoff:
             return

@@ -20,9 +20,9 @@ from celery_exactonce.core.states import State
 from celery_exactonce.dispatch.messages import replacement_job_id
 from tests.acceptance.apps import django_atomic
 from tests.acceptance.apps.ledger_app import make_app
-from tests.acceptance.django_project import DJANGO_APP, DjangoDatabase
+from tests.acceptance.django_project import DJANGO_APP, DjangoBeat, DjangoDatabase
 from tests.acceptance.harness import Deployment, Ledger, WorkerProcess, holds, poll
-from tests.acceptance.test_reconcile import FAST
+from tests.acceptance.test_reconcile import FAST, RECONCILER_ONLY
 
 
 @pytest.fixture
@@ -88,3 +88,60 @@ def test_scenario_76_retry_requeue_and_replace_inside_the_bodys_atomic_move_the_
     assert project.record(replacement).state is State.SUCCEEDED
     holds(lambda: ledger.count(task="gated_record", task_id="a-atomic_replace") == 1, 1.0)
     assert not User.objects.filter(username__startswith="a-").exists()  # every block rolled back
+
+
+#: Atomic charges submitted, and pool children SIGKILLed in the middle of one.
+CHARGES, KILLS = 30, 4
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.acceptance_matrix(brokers=("redis",), stores=("redis",))
+def test_scenario_77_atomic_charges_commit_once_though_workers_die_mid_body(
+    project: Deployment, ledger: Ledger, gate: None
+) -> None:
+    """Each charge's row is there exactly once, its job ``SUCCEEDED``, after kills mid-body.
+
+    A pool child is SIGKILLed while a body runs: its transaction rolls back
+    (the row it created goes, the job is still ``DISPATCHED``), Celery acks
+    the lost message, and the reconciler (on a beat) redispatches the job,
+    the default for an atomic task; the next run commits the row and the end
+    together. The ledger (another file, outside the transaction) shows the
+    killed runs' starts.
+    """
+    from django.contrib.auth.models import User
+
+    beat = DjangoBeat(
+        {**project.env, **RECONCILER_ONLY, "EXACTONCE_ACC_BEAT_EVERY": "0"},
+        project.tmp_path,
+        "beat-reconciler",
+        scheduler="exactonce",
+    )
+    project.beats.append(beat)
+    beat.start().wait_ready()
+    app = make_app(
+        {**project.env, "EXACTONCE_ACC_STORE_URL": "django://acceptance"}, set_as_current=False
+    )
+    django_atomic.register(app, str(project.ledger_path))
+    for n in range(CHARGES):
+        app.tasks[django_atomic.CHARGE].apply_async((f"o{n}", 0.5), task_id=f"charge-{n}")
+    worker = project.workers[0]
+    killed: set[int] = set()
+    while len(killed) < KILLS:  # each time a body in a child not killed yet
+
+        def in_a_live_child() -> str | None:
+            rows = [r for r in ledger.running() if r.pid not in killed and worker.owns(r.pid)]
+            return rows[0].task_id if rows else None
+
+        killed.add(worker.kill_child_in_body(ledger, poll(in_a_live_child, timeout=60)))
+
+    def settled() -> bool:
+        return all(project.job(f"charge-{n}").state.terminal for n in range(CHARGES))
+
+    poll(settled, timeout=150)
+    for n in range(CHARGES):
+        job = project.record(f"charge-{n}")
+        assert job.state is State.SUCCEEDED, (n, job.reason)
+        assert User.objects.filter(username__startswith=f"charge-o{n}-").count() == 1, n
+    starts = ledger.count(task=django_atomic.CHARGE, phase="start")
+    assert starts >= CHARGES + KILLS  # the killed runs started, and ran again
+    assert ledger.count(task=django_atomic.CHARGE, phase="end") >= CHARGES

@@ -240,4 +240,4 @@ def test_atomic_is_refused_with_reject_on_worker_lost_even_with_rerun() -> None:
 def test_an_atomic_task_s_jobs_are_redispatched_by_the_reconciler() -> None:
     app = Celery("atomic-policy", set_as_current=False)
     task = app.task(base=ExactOnceTask, shared=False, name="t.c", exactonce_atomic=True)(_nothing)
-    assert task_policy(task) == {"redispatch": True}
+    assert task_policy(task) == {"atomic": True, "redispatch": True}

@@ -15,6 +15,8 @@ The block rolls back: the user is never there. A later attempt only records its 
 
 from __future__ import annotations
 
+import time
+import uuid
 from typing import Any
 
 from celery import Celery, Task
@@ -24,6 +26,10 @@ from tests.acceptance.apps import ledger
 
 #: The tasks :func:`register` adds.
 TASKS = ("atomic_retry", "atomic_requeue", "atomic_replace")
+#: The atomic task it adds too (``exactonce_atomic``): ``atomic_charge(order, seconds)``
+#: records its start, creates a ``User`` named ``charge-<order>-…``, sleeps ``seconds``
+#: (the window a kill falls in), and records its end.
+CHARGE = "atomic_charge"
 
 
 def register(app: Celery, ledger_path: str) -> None:
@@ -57,3 +63,29 @@ def register(app: Celery, ledger_path: str) -> None:
 
     for name in TASKS:
         app.task(bind=True, shared=False, base=ExactOnceTask, name=name, acks_late=True)(body)
+
+    def charge(self: Task, order: str, seconds: float) -> None:
+        from django.contrib.auth.models import User
+
+        def note(phase: str) -> None:
+            attempt = int(self.request.retries or 0)
+            args = [order, seconds]
+            ledger.append(
+                ledger_path,
+                task=CHARGE,
+                task_id=self.request.id,
+                attempt=attempt,
+                phase=phase,
+                args=args,
+                kwargs={},
+                meta=None,
+            )
+
+        note("start")  # (the ledger is another file: written whether the run commits or not)
+        User.objects.create(username=f"charge-{order}-{uuid.uuid4().hex[:8]}")
+        time.sleep(seconds)
+        note("end")
+
+    app.task(bind=True, shared=False, base=ExactOnceTask, name=CHARGE, exactonce_atomic=True)(
+        charge
+    )
