@@ -12,7 +12,6 @@ tests/acceptance/test_django_atomic.py.)
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,14 +20,14 @@ import pytest
 from celery import Celery
 from celery.exceptions import Reject
 
-from celery_exactonce import ExactOnceTask, runtime
+from celery_exactonce import ExactOnceTask
 from celery_exactonce.core.exceptions import StoreUnavailable
 from celery_exactonce.core.refs import JobRef
 from celery_exactonce.core.states import State
 from celery_exactonce.dispatch.messages import HEADER_ATTEMPT, replacement_job_id
 from celery_exactonce.stores.base import StateStore
-from tests.support.deliveries import deliver_to
-from tests.support.publishing import publishing
+from tests.support.deliveries import deliver_to, django_store_app
+from tests.support.publishing import recording
 
 
 @dataclass
@@ -52,12 +51,8 @@ class World:
 
 @pytest.fixture
 def world(alias: str) -> Iterator[World]:
-    app = Celery("atomic-future", broker="memory://", set_as_current=False)
-    namespace = f"atomic-{uuid.uuid4().hex[:8]}"  # the store's rows outlive Django's flush
-    app.conf.update(exactonce_store_url=f"django://{alias}", exactonce_namespace=namespace)
-    rt = runtime.runtime_for(app)
-    rt.store.setup()
-    world = World(app, alias, rt.store)
+    app, store = django_store_app("atomic-future", alias)
+    world = World(app, alias, store)
 
     def body(self: Any, n: int) -> None:
         from django.contrib.auth.models import User
@@ -78,10 +73,7 @@ def world(alias: str) -> Iterator[World]:
     app.task(base=ExactOnceTask, shared=False, bind=True, name="t.body", acks_late=True)(body)
     app.task(base=ExactOnceTask, shared=False, bind=True, name="t.after")(body)
 
-    def capture(sender: Any = None, headers: Any = None, **_kw: Any) -> None:
-        world.sent.append((headers["id"], dict(headers)))
-
-    with publishing(app, capture):
+    with recording(app, world.sent):
         yield world
         world.store.drop_namespace()  # type: ignore[attr-defined]
 

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from celery import Celery
 
-from celery_exactonce import ExactOnceTask, runtime
+from celery_exactonce import ExactOnceTask
 from celery_exactonce.core.exceptions import ConfigurationError
 from celery_exactonce.core.refs import JobRef
 from celery_exactonce.core.states import State
@@ -26,8 +26,8 @@ from celery_exactonce.stores.base import StateStore
 from celery_exactonce.stores.memory import InMemoryStore
 from celery_exactonce.task import atomic
 from celery_exactonce.task.gate import validate_gated_task
-from tests.support.deliveries import deliver_to
-from tests.support.publishing import publishing
+from tests.support.deliveries import deliver_to, django_store_app
+from tests.support.publishing import recording
 
 #: How long a test waits for a thread to reach a point (polled), at most.
 DEADLINE = 20.0
@@ -72,12 +72,8 @@ def rows(task_id: str) -> int:
 
 @pytest.fixture
 def world(alias: str) -> Iterator[World]:
-    app = Celery("atomic-gate", broker="memory://", set_as_current=False)
-    namespace = f"gate-{uuid.uuid4().hex[:8]}"  # the store's rows outlive Django's flush
-    app.conf.update(exactonce_store_url=f"django://{alias}", exactonce_namespace=namespace)
-    rt = runtime.runtime_for(app)
-    rt.store.setup()
-    world = World(app, alias, rt.store)
+    app, store = django_store_app("atomic-gate", alias)
+    world = World(app, alias, store)
 
     def body(self: Any, n: int) -> str:
         from django.contrib.auth.models import User
@@ -102,10 +98,7 @@ def world(alias: str) -> Iterator[World]:
     )
     app.task(base=ExactOnceTask, shared=False, name="t.child")(_child)
 
-    def capture(sender: Any = None, headers: Any = None, **_kw: Any) -> None:
-        world.sent.append((headers["id"], dict(headers)))
-
-    with publishing(app, capture):
+    with recording(app, world.sent):
         yield world
         world.store.drop_namespace()  # type: ignore[attr-defined]
 

@@ -2,11 +2,26 @@
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
+from celery import Celery
 from celery.exceptions import Ignore, Reject, Retry
 
+from celery_exactonce import runtime
+from celery_exactonce.stores.base import StateStore
 from celery_exactonce.task.base import ExactOnceTask
+
+
+def django_store_app(name: str, alias: str) -> tuple[Celery, StateStore]:
+    """An app on a memory broker and the ``django://`` store of ``alias``, set up, in a
+    namespace of its own (the store's rows outlive Django's flush)."""
+    app = Celery(name, broker="memory://", set_as_current=False)
+    namespace = f"{name}-{uuid.uuid4().hex[:8]}"
+    app.conf.update(exactonce_store_url=f"django://{alias}", exactonce_namespace=namespace)
+    store = runtime.runtime_for(app).store
+    store.setup()
+    return app, store
 
 
 def deliver_to(

@@ -25,3 +25,14 @@ def publishing(app: Celery, capture: Callable[..., Any]) -> Iterator[None]:
     finally:
         signals.before_task_publish.disconnect(capture)
         runtime.reset(app)
+
+
+@contextlib.contextmanager
+def recording(app: Celery, sent: list[tuple[str, dict[str, Any]]]) -> Iterator[None]:
+    """:func:`publishing`, each message's task id and headers appended to ``sent``."""
+
+    def capture(sender: Any = None, headers: Any = None, **_kw: Any) -> None:
+        sent.append((headers["id"], dict(headers)))
+
+    with publishing(app, capture):
+        yield
