@@ -44,7 +44,8 @@ class World:
     app: Celery
     alias: str
     store: StateStore
-    #: What the body does after writing its row: "return", "raise", "die", "child", "wait".
+    #: What the body does after writing its row: "return", "raise", "die", "child", "retry",
+    #: "wait".
     action: str = "return"
     sent: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
     inside: threading.Event = field(default_factory=threading.Event)
@@ -112,6 +113,8 @@ def world(alias: str) -> Iterator[World]:
             app.tasks["t.child"].delay(n)
             if world.action == "child then raise":
                 raise ValueError("after the child")
+        if world.action == "retry" and not self.request.retries:
+            raise self.retry(countdown=0, max_retries=3)
         if world.action == "wait":
             world.inside.set()
             assert world.release.wait(DEADLINE)
@@ -162,6 +165,21 @@ def test_scenario_77_a_run_that_dies_mid_body_leaves_the_job_to_run_once_again(
     assert world.deliver() == "ignored"
     assert rows("died") == 1
     assert world.job("died").state is State.SUCCEEDED
+
+
+def test_a_retry_rolls_the_run_back_and_its_next_attempt_commits_once(world: World) -> None:
+    """``self.retry()`` in an atomic body: the first attempt's row goes, the next attempt's
+    stays, once; the retry's message is published once its write committed."""
+    world.action = "retry"
+    world.app.tasks["t.charge"].apply_async((1,), task_id="again")
+    assert world.deliver(0) == "sent_back"  # (Celery's Retry)
+    assert rows("again") == 0
+    job = world.job("again")
+    assert (job.state, job.attempt) == (State.DISPATCHED, 1)
+    assert [h["retries"] for _, h in world.sent] == [0, 1]
+    assert world.deliver(1) == "ran"
+    assert rows("again") == 1
+    assert world.job("again").state is State.SUCCEEDED
 
 
 @pytest.mark.parametrize("action", ["child", "child then raise"])
