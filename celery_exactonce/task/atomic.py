@@ -80,9 +80,10 @@ def run_body(
     the transaction (a retry's next attempt, a replacement), made once it has
     rolled back, after the gate's ``RUNNING`` is committed; the caller then
     writes the run's end for the body's exception as for any gated run.
-    Raises ``Ignore`` for a delivery the job does not wait for, and for a run
-    whose transaction did not commit (``Reject(requeue=True)`` with
-    ``acks_late``: the message goes back).
+    Raises :class:`NotRun` (nothing to write) for a delivery the job does not
+    wait for (``Ignore``), for a run whose transaction did not commit
+    (``Ignore``; ``Reject(requeue=True)`` with ``acks_late``: the message goes
+    back), and for a worker going down (what stopped it).
     """
     runtime = delivery.runtime
     outcomes.write_carried(runtime)  # this thread's last outcome: not in this transaction
