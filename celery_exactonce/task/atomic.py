@@ -37,9 +37,8 @@ from celery.exceptions import Ignore, Reject
 
 from celery_exactonce.core import exceptions
 from celery_exactonce.core.states import State
-from celery_exactonce.core.writes import Transition
 from celery_exactonce.observe import metrics
-from celery_exactonce.task import outcomes
+from celery_exactonce.task import later, outcomes
 from celery_exactonce.task.gate import Delivery
 
 #: The history reason of an atomic run's end, committed with its effects.
@@ -103,8 +102,7 @@ def run_body(
             except (Ignore, Reject) as refused:  # the job moved on meanwhile
                 raise NotRun(refused) from exc
             run.run_id = delivery.run_id  # (another, if the gate had to send itself back)
-            while run.later:
-                run.later.pop(0)()
+            later.make(run.later)
             raise
         if stage == "gate" and not isinstance(exc, exceptions.StoreError):
             raise NotRun(exc) from None  # Ignore: not this delivery's to run
@@ -122,17 +120,7 @@ def _enter(delivery: Delivery) -> None:
     It waits for the row lock of a transaction that holds the job (another
     delivery's), then applies only if that one did not commit.
     """
-    runtime = delivery.runtime
-    gate = Transition(
-        State.RUNNING,
-        frozenset({State.SCHEDULED, State.DISPATCHED}),
-        node=runtime.node,
-        reason="gate (atomic)",
-        attempt=delivery.attempt,
-        task=delivery.task.name,
-        new_run_id=delivery.run_id,
-    )
-    result = runtime.store.transition(delivery.ref, gate)
+    result = delivery.runtime.store.transition(delivery.ref, delivery.gate_write("gate (atomic)"))
     if not result.applied:
         delivery.refuse(result.job)
 

@@ -371,13 +371,13 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
         beat = None if atomic_run else heartbeats.start(runtime, ref, run_id)
         try:
             if not atomic_run:
-                how = (later.run_body, self.run, run.later)
-                result = ends.run(self, delivery, run, (args, kwargs), *how)
+                body = functools.partial(later.run_body, self.run, run.later, args, kwargs)
+                result = ends.run(self, delivery, run, body)
                 delivery.finish(State.SUCCEEDED, "body returned", carry=True)
                 return result
             try:  # (its end, when it returns, committed with its effects)
-                atomically = (atomic.run_body, self, delivery, run)
-                return ends.run(self, delivery, run, (args, kwargs), *atomically)
+                body = functools.partial(atomic.run_body, self, delivery, run, args, kwargs)
+                return ends.run(self, delivery, run, body)
             except atomic.NotRun as exc:  # nothing of it committed, nothing to write
                 raise exc.raised from None
         finally:

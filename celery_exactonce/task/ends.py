@@ -17,7 +17,7 @@ the job's future (``ExactOnceTask``'s retry and replacement).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from celery.exceptions import Ignore, Reject, Retry
@@ -27,22 +27,15 @@ from celery_exactonce.task import atomic, requeues
 from celery_exactonce.task.gate import Delivery
 
 
-def run(
-    task: Any,
-    delivery: Delivery,
-    gated: Any,
-    call: tuple[Sequence[Any], Mapping[str, Any]],
-    body: Callable[..., Any],
-    *how: Any,
-) -> Any:
-    """``body(*how, *call)``, the run ``gated`` of ``delivery``; its exception written first.
+def run(task: Any, delivery: Delivery, gated: Any, body: Callable[[], Any]) -> Any:
+    """``body()``, the run ``gated`` of ``delivery``; its exception written first.
 
     An :class:`~celery_exactonce.task.atomic.NotRun` (nothing of an atomic run
     committed) writes nothing.
     """
     request = task.request
     try:
-        return body(*how, *call)
+        return body()
     except Retry as exc:
         if request.is_eager:  # Celery runs the retry itself, once this run has ended
             task._retry_eagerly(gated, exc)

@@ -73,18 +73,10 @@ class Delivery:
         leaves this delivery trying, another ``exactonce_gate_timeout``, under
         a fresh run id (its old ones tickets), then ``Reject(requeue=True)``.
         """
-        runtime, ref, attempt, run_id = self.runtime, self.ref, self.attempt, self.run_id
+        runtime, ref, run_id = self.runtime, self.ref, self.run_id
         headers = self.headers
         tickets = frozenset(str(t) for t in headers.get(messages.HEADER_GATE_RUNS) or ())
-        gate = Transition(
-            State.RUNNING,
-            frozenset({State.SCHEDULED, State.DISPATCHED}),
-            node=runtime.node,
-            reason="gate",
-            attempt=attempt,
-            task=self.task.name,
-            new_run_id=run_id,
-        )
+        gate = self.gate_write("gate")
         deadline = time.monotonic() + self.task.exactonce_gate_timeout
         give_up: float | None = None  # past the deadline: until when to keep trying
         delay = runtime.config.retry_delay_store
@@ -139,6 +131,19 @@ class Delivery:
                     gate = dataclasses.replace(gate, new_run_id=run_id, new_rev=refs.new_token())
                 time.sleep(delay)
                 delay = min(delay * 2, 10.0)
+
+    def gate_write(self, reason: str) -> Transition:
+        """The gate's CAS ``SCHEDULED/DISPATCHED → RUNNING`` on the message's attempt, under
+        this delivery's run id."""
+        return Transition(
+            State.RUNNING,
+            frozenset({State.SCHEDULED, State.DISPATCHED}),
+            node=self.runtime.node,
+            reason=reason,
+            attempt=self.attempt,
+            task=self.task.name,
+            new_run_id=self.run_id,
+        )
 
     def _next_write(self, job: Job, tickets: frozenset[str], gate: Transition) -> Transition | None:
         """The write that would let this delivery run ``job`` as read, or ``None``: not ours."""

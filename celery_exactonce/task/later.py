@@ -54,8 +54,14 @@ def run_body(
     try:
         return body(*args, **kwargs)
     finally:
-        while later:
-            later.pop(0)()
+        make(later)
+
+
+def make(later: list[Callable[[], object]]) -> None:
+    """Make the writes left in ``later``, in order, emptying it; one that fails raises,
+    and the ones after it are not made."""
+    while later:
+        later.pop(0)()
 
 
 def as_celery_retry(write: Callable[[], object]) -> Callable[[], None]:
