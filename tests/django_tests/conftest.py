@@ -43,14 +43,27 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         services.need("mysql")
 
 
+#: MariaDB (``REPEATABLE READ``), for the tests that take it beside :data:`ALIASES`.
+MYSQL = pytest.param(
+    "mysql",
+    marks=[pytest.mark.django_db(databases=["mysql"], transaction=True), pytest.mark.mysql],
+    id="mysql",
+)
+
+
+def routed(alias: str) -> Iterator[str]:
+    """``alias``, every model routed to it while the test runs (an ``alias`` fixture's body)."""
+    routing.ALIAS = alias
+    try:
+        yield alias
+    finally:
+        routing.ALIAS = "default"
+
+
 @pytest.fixture(params=ALIASES)
 def alias(request: pytest.FixtureRequest) -> Iterator[str]:
     """The database of this test, every model routed to it."""
-    routing.ALIAS = request.param
-    try:
-        yield request.param
-    finally:
-        routing.ALIAS = "default"
+    yield from routed(request.param)
 
 
 @pytest.fixture(autouse=True)

@@ -8,7 +8,6 @@ effect is one row of Django's ``User`` table per run that committed.
 from __future__ import annotations
 
 import threading
-import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -26,9 +25,9 @@ from celery_exactonce.stores.base import StateStore
 from celery_exactonce.stores.memory import InMemoryStore
 from celery_exactonce.task import atomic
 from celery_exactonce.task.gate import validate_gated_task
-from tests.django_tests import routing
-from tests.django_tests.conftest import ALIASES
+from tests.django_tests.conftest import ALIASES, MYSQL, routed
 from tests.support.deliveries import deliver_to, django_store_app
+from tests.support.helpers import poll
 from tests.support.publishing import recording
 
 #: How long a test waits for a thread to reach a point (polled), at most.
@@ -59,26 +58,10 @@ class World:
         return deliver_to(self.app.tasks[headers["task"]], task_id, headers)
 
 
-@pytest.fixture(
-    params=[
-        *ALIASES,
-        pytest.param(
-            "mysql",
-            marks=[
-                pytest.mark.django_db(databases=["mysql"], transaction=True),
-                pytest.mark.mysql,
-            ],
-            id="mysql",
-        ),
-    ]
-)
+@pytest.fixture(params=[*ALIASES, MYSQL])
 def alias(request: pytest.FixtureRequest) -> Iterator[str]:
     """The database of this test (SQLite, PostgreSQL, MariaDB), every model routed to it."""
-    routing.ALIAS = request.param
-    try:
-        yield request.param
-    finally:
-        routing.ALIAS = "default"
+    yield from routed(request.param)
 
 
 def _child(n: int) -> int:
@@ -243,11 +226,9 @@ def test_scenario_77_a_duplicate_waits_on_the_row_lock_and_does_not_run_again(
     world.action = "return"  # (were the second to run the body, it would not wait)
     second = threading.Thread(target=deliver, args=("second",))
     second.start()
-    deadline = time.monotonic() + DEADLINE
-    while not _waiting_on_a_lock(world.alias):  # the second's gate, on the first's row lock
-        assert time.monotonic() < deadline, "the second delivery never waited on the row lock"
-        assert second.is_alive(), verdicts
-        time.sleep(0.02)
+    # The second's gate waits on the first's row lock (or, wrongly, it got through).
+    poll(lambda: _waiting_on_a_lock(world.alias) or not second.is_alive(), timeout=DEADLINE)
+    assert second.is_alive(), verdicts
     world.release.set()
     first.join(DEADLINE)
     second.join(DEADLINE)
