@@ -50,7 +50,7 @@ keys and arguments (:mod:`~celery_exactonce.stores.redis.batches`).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from importlib import resources
 from typing import Any, TypeVar
 
@@ -70,6 +70,7 @@ from celery_exactonce.stores.redis.client import (
 from celery_exactonce.stores.redis.cluster import ClusterClient
 from celery_exactonce.stores.redis.errors import REROUTE, NotReplicated, store_error
 from celery_exactonce.stores.redis.keys import RedisKeys, key_base
+from celery_exactonce.stores.redis.lane import Lane
 from celery_exactonce.stores.shards import shard_base
 
 __all__ = ["COUNTED", "SCRIPT_BATCH", "NotReplicated", "RedisCore"]
@@ -168,6 +169,8 @@ class RedisCore(RedisKeys):
         self._db, self._where, self._secrets = describe(client)
         header = _lua_header() + _lua("common")
         self._scripts = {name: client.register_script(header + _lua(name)) for name in _SCRIPTS}
+        #: This thread's kept connection for single script calls, where the client suits.
+        self._lane = Lane(client) if Lane.suits(client) else None
 
     @classmethod
     def from_url(
@@ -218,12 +221,15 @@ class RedisCore(RedisKeys):
         """
         if name in self._counted:
             return self._run_many(name, [(keys, args)])[0]
-        script, execute = self._scripts[name], self._client.execute_command
+        script = self._scripts[name]
+        execute: Callable[..., Any] = (
+            self._client.execute_command if self._lane is None else self._lane.call
+        )
         try:
-            return execute("EVALSHA", script.sha, len(keys), *keys, *args)  # type: ignore[no-untyped-call]
+            return execute("EVALSHA", script.sha, len(keys), *keys, *args)
         except rexc.NoScriptError:  # a restarted or flushed server: the call did not run
             script.sha = self._client.script_load(script.script)
-            return execute("EVALSHA", script.sha, len(keys), *keys, *args)  # type: ignore[no-untyped-call]
+            return execute("EVALSHA", script.sha, len(keys), *keys, *args)
 
     def _run_batched(
         self,

@@ -30,6 +30,7 @@ whether a broker's connection reaches the store's server
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import redis.exceptions as rexc
@@ -44,6 +45,7 @@ from celery_exactonce.stores.redis.base import RedisCore
 from celery_exactonce.stores.redis.client import packed
 from celery_exactonce.stores.redis.cluster import ClusterClient
 from celery_exactonce.stores.redis.codec import as_text, decode_job, history_entry, record_fields
+from celery_exactonce.stores.redis.lane import Lane
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,22 +90,36 @@ class RedisEnqueue(RedisCore):
         if self._counted or isinstance(client, ClusterClient) or pool is None or shared:
             meanwhile()
             return self._run("enqueue", keys, args)
-        script = self._scripts["enqueue"]
-        conn = pool.get_connection()
+        command = ("EVALSHA", self._scripts["enqueue"].sha, len(keys), *keys, *args)
         try:
-            conn.send_packed_command(packed(conn, ("EVALSHA", script.sha, len(keys), *keys, *args)))
-            meanwhile()
-            return client.parse_response(conn, "EVALSHA")
+            if self._lane is not None:  # this thread's kept connection
+                return self._lane_meanwhile(self._lane, command, meanwhile)
+            conn = pool.get_connection()
+            try:
+                conn.send_packed_command(packed(conn, command))
+                meanwhile()
+                return client.parse_response(conn, "EVALSHA")
+            except rexc.ResponseError:  # answered: the connection is sound
+                raise
+            except BaseException:
+                conn.disconnect()
+                raise
+            finally:
+                pool.release(conn)
         except rexc.NoScriptError:  # a restarted or flushed server: the call did not run
             pass
-        except rexc.ResponseError:  # answered: the connection is sound
-            raise
-        except BaseException:
-            conn.disconnect()
-            raise
-        finally:
-            pool.release(conn)
         return self._run("enqueue", keys, args)  # loads the script, runs the call again
+
+    @staticmethod
+    def _lane_meanwhile(lane: Lane, command: tuple[Any, ...], meanwhile: Callable[[], None]) -> Any:
+        """``command`` sent on ``lane``, ``meanwhile`` run, then its answer read."""
+        conn = lane.send(command)
+        try:
+            meanwhile()
+        except BaseException:
+            lane.drop()  # the answer is left unread on it
+            raise
+        return lane.read(conn, "EVALSHA")
 
     def _enqueue_call(
         self, new: NewJob, dispatch: Transition, push: Push | None
