@@ -1,9 +1,13 @@
 """The atomic gate: a gated body's effects and its outcome commit in one transaction.
 
 A task with ``exactonce_atomic = True`` whose store is the database its body
-writes to (``django://ALIAS``) runs each delivery inside one transaction on
-that database: the gate's CAS ``SCHEDULED/DISPATCHED → RUNNING``, the body,
-and ``RUNNING → SUCCEEDED``, then the commit. The job's row, updated by the
+writes to runs each delivery inside one transaction on that database: the
+gate's CAS ``SCHEDULED/DISPATCHED → RUNNING``, the body, and ``RUNNING →
+SUCCEEDED``, then the commit. The body writes in that transaction through
+``self.request.exactonce.connection`` (:class:`AtomicRun`): on a
+``django://ALIAS`` store, Django's connection of the alias, which the ORM
+uses anyway; on a ``postgresql://``, ``mysql://`` or ``sqlite://`` store, a
+SQLAlchemy connection of the store's engine. The job's row, updated by the
 gate, stays locked until then: a second delivery's gate waits for it, and
 finds the job ended. Nobody else sees the job ``RUNNING``; the body's rows
 and the job's end appear together, or neither does:
@@ -29,6 +33,7 @@ body (``ExactOnceTask.__call__``), the transactional submit
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -45,6 +50,16 @@ from celery_exactonce.task.gate import Delivery
 COMMITTED = "body returned (committed with its effects)"
 
 
+@dataclasses.dataclass(frozen=True)
+class AtomicRun:
+    """``self.request.exactonce`` in the body of an atomic run."""
+
+    #: The connection of the run's transaction: Django's connection of the store's
+    #: alias (``django://``), or a SQLAlchemy ``Connection`` of the SQL store's engine.
+    #: What the body writes through it commits with the job's end, or not at all.
+    connection: Any
+
+
 class NotRun(Exception):
     """Nothing of this delivery's run committed, and nothing is to be written for it:
     the worker raises :attr:`raised` (``Ignore``, ``Reject``, or what stopped the
@@ -58,14 +73,15 @@ class NotRun(Exception):
 def check_store(task: Any, store: Any) -> None:
     """Refuse ``exactonce_atomic`` where the body's writes cannot share the job's transaction.
 
-    Only a store that runs in the body's own database and lets a transaction
-    span the gate, the body and the outcome (``django://``: its ``transaction``)
+    Only a store in a database the body can write to, whose ``transaction``
+    spans the gate, the body and the outcome (a SQL or ``django://`` store),
     can. Raises :class:`~celery_exactonce.core.exceptions.ConfigurationError`.
     """
     if getattr(store, "transaction", None) is None:
         raise exceptions.ConfigurationError(
             f"{task.name}: exactonce_atomic needs the job store in the database the body "
-            f"writes to, a django:// store (exactonce_store_url names {type(store).__name__})",
+            f"writes to, a SQL or django:// store (exactonce_store_url names "
+            f"{type(store).__name__})",
             setting="exactonce_store_url",
         )
 
@@ -88,7 +104,8 @@ def run_body(
     outcomes.write_carried(runtime)  # this thread's last outcome: not in this transaction
     stage = "gate"
     try:
-        with runtime.store.transaction():  # type: ignore[attr-defined]
+        with runtime.store.transaction() as connection:  # type: ignore[attr-defined]
+            task.request.exactonce = AtomicRun(connection)
             _enter(delivery)
             stage = "body"
             result = task.run(*args, **kwargs)

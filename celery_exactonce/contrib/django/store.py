@@ -196,14 +196,16 @@ class DjangoStore(SqlStore):
                 None, None, exc, dialect.loaded_dbapi.Error, connection_invalidated=False
             ) from exc
 
-    def transaction(self) -> contextlib.AbstractContextManager[Any]:
-        """A transaction on this thread's connection of the alias (``transaction.atomic``):
-        every operation of this store made inside it is part of it, as are the caller's
-        own queries (the atomic gate: :mod:`~celery_exactonce.task.atomic`)."""
-        from django.db import transaction
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[Any]:
+        """A transaction on this thread's connection of the alias (``transaction.atomic``),
+        which it yields (Django's): every operation of this store made inside it is part
+        of it, as are the caller's own queries (the atomic gate:
+        :mod:`~celery_exactonce.task.atomic`)."""
+        from django.db import connections, transaction
 
-        block: contextlib.AbstractContextManager[Any] = transaction.atomic(using=self.alias)
-        return block
+        with transaction.atomic(using=self.alias):
+            yield connections[self.alias]
 
     def after_commit(self) -> Callable[[Callable[[], None]], None] | None:
         """Inside a caller's transaction on this alias: how to run a function once it commits.

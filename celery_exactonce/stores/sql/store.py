@@ -39,7 +39,9 @@ made of, one module each:
 * :mod:`~celery_exactonce.stores.sql.transitions`: transitions and notes;
 * :mod:`~celery_exactonce.stores.sql.leases`: leases;
 * :mod:`~celery_exactonce.stores.sql.scans`: watermarks, stale jobs, claims of
-  due jobs, purges of expired ones, counts for gauges.
+  due jobs, purges of expired ones, counts for gauges;
+* :mod:`~celery_exactonce.stores.sql.shared`: a transaction the caller holds
+  open across operations, and its own queries (the atomic gate).
 
 Beside them: :mod:`~celery_exactonce.stores.sql.engine` (what differs per
 dialect, the engine :meth:`SqlStore.from_url` builds, its pool checks),
@@ -80,12 +82,13 @@ from celery_exactonce.stores.sql.base import Slow
 from celery_exactonce.stores.sql.creates import SqlCreates
 from celery_exactonce.stores.sql.leases import SqlLeases
 from celery_exactonce.stores.sql.scans import SqlScans
+from celery_exactonce.stores.sql.shared import SqlShared
 from celery_exactonce.stores.sql.transitions import SqlTransitions
 
 __all__ = ["SqlStore"]
 
 
-class SqlStore(SqlCreates, SqlTransitions, SqlScans, SqlLeases):
+class SqlStore(SqlShared, SqlCreates, SqlTransitions, SqlScans, SqlLeases):
     """A :class:`~celery_exactonce.stores.base.StateStore` in a SQL database.
 
     Parameters

@@ -1,0 +1,112 @@
+"""A transaction a caller holds open across operations of the SQL store, and its own queries.
+
+:meth:`SqlShared.transaction` opens a transaction on a connection of the
+store's engine and hands that connection (SQLAlchemy's) to the caller: until
+the block ends, every operation of the store made on this thread runs in it,
+each under a savepoint of its own (its conflicts rerun as always, its
+failures rolled back to the savepoint), and a statement that would commit
+alone takes that way too. The block commits on its way out; an exception
+rolls everything back, the store's writes and the caller's together.
+:meth:`SqlShared.after_commit` runs a function once that commit is made
+(a child job's publish), never after a rollback.
+
+It is what the atomic gate (:mod:`~celery_exactonce.task.atomic`) runs a
+body in, on a ``postgresql://``, ``mysql://`` or ``sqlite://`` store whose
+database the body writes to through ``self.request.exactonce.connection``.
+The Django store has its own, on Django's connection
+(:class:`~celery_exactonce.contrib.django.store.DjangoStore`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import sqlalchemy as sa
+
+from celery_exactonce.core import exceptions
+from celery_exactonce.stores.sql.base import SqlCore
+
+_T = TypeVar("_T")
+
+logger = logging.getLogger("celery_exactonce")
+
+
+class _Open:
+    """The transaction open on this thread: its connection, and what runs once it commits."""
+
+    def __init__(self, conn: sa.Connection) -> None:
+        self.conn = conn
+        self.after: list[Callable[[], None]] = []
+
+
+class SqlShared(SqlCore):
+    """The SQL store's :meth:`transaction` and :meth:`after_commit` (see the module docs)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._shared = threading.local()
+
+    def _open(self) -> _Open | None:
+        open_: _Open | None = getattr(self._shared, "open", None)
+        return open_
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[sa.Connection]:
+        """One transaction on a connection of the store's engine, for this thread's
+        operations of the store and the caller's own queries on the connection it yields.
+
+        Committed when the block ends (``StoreError``, or ``StoreUnavailable``, if
+        the commit fails: whether it was made is then unknown); rolled back if it
+        raises. Not nested: a second one on the same thread is refused.
+        """
+        if self._open() is not None:
+            raise exceptions.StoreError(f"{self._where}: a transaction is open on this thread")
+        with self._guard("transaction"):
+            self._check_usable()
+            conn = self._engine.connect()
+        try:
+            with self._guard("transaction"):
+                begun = conn.begin()
+            open_ = self._shared.open = _Open(conn)
+            try:
+                yield conn
+            except BaseException:
+                self._shared.open = None
+                with contextlib.suppress(Exception):  # a broken connection: the server rolls back
+                    begun.rollback()
+                raise
+            self._shared.open = None
+            with self._guard("commit"):
+                begun.commit()
+        finally:
+            self._shared.open = None
+            conn.close()
+        for fn in open_.after:
+            try:
+                fn()
+            except Exception:  # as Django's robust on_commit: the commit stands
+                logger.exception("%s: a function run after a commit failed", self._where)
+
+    def after_commit(self) -> Callable[[Callable[[], None]], None] | None:
+        """Inside :meth:`transaction` on this thread: how to run a function once it commits.
+
+        ``None`` outside one (an operation commits at once).
+        """
+        open_ = self._open()
+        return None if open_ is None else open_.after.append
+
+    def _attempt(self, fn: Callable[[sa.Connection], _T], *, write: bool, autocommit: bool) -> _T:
+        """Inside :meth:`transaction`: ``fn`` under a savepoint of it; else its own transaction."""
+        open_ = self._open()
+        if open_ is None:
+            return super()._attempt(fn, write=write, autocommit=autocommit)
+        with open_.conn.begin_nested():
+            return fn(open_.conn)
+
+    def _commits_alone(self) -> bool:
+        """A statement run alone commits at once: not inside :meth:`transaction`."""
+        return self._open() is None and super()._commits_alone()
