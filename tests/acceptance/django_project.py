@@ -16,6 +16,7 @@ import uuid
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -53,9 +54,8 @@ class DjangoDatabase:
     def __init__(self, kind: str, tmp_path: Path) -> None:
         self.kind = kind
         self.name = f"acc_{uuid.uuid4().hex[:10]}"
-        self.spec = (
-            f"sqlite:{tmp_path / 'django.sqlite3'}" if kind == "sqlite" else f"postgres:{self.name}"
-        )
+        where = tmp_path / "django.sqlite3" if kind == "sqlite" else self.name
+        self.spec = f"{kind}:{where}"
 
     #: The PostgreSQL role of :meth:`env` with ``ddl=False``: rows, and no ``CREATE``.
     NO_DDL_ROLE = "exactonce_acc_no_ddl"
@@ -78,6 +78,8 @@ class DjangoDatabase:
     def create(self) -> None:
         if self.kind == "postgres":
             self._postgres(f'CREATE DATABASE "{self.name}"')
+        elif self.kind == "mysql":
+            self._mysql(f"CREATE DATABASE `{self.name}`")
         subprocess.run(
             [sys.executable, "-m", "django", "migrate", "--noinput", "-v", "0"],
             env=process_env(**self.env()),
@@ -104,6 +106,8 @@ class DjangoDatabase:
             del connections.settings[self.ALIAS]
         if self.kind == "postgres":
             self._postgres(f'DROP DATABASE IF EXISTS "{self.name}" WITH (FORCE)')
+        elif self.kind == "mysql":
+            self._mysql(f"DROP DATABASE IF EXISTS `{self.name}`")
 
     def _grant_rows_only(self) -> None:
         """:data:`NO_DDL_ROLE` may use this database's rows (PostgreSQL 15+: no CREATE)."""
@@ -123,6 +127,23 @@ class DjangoDatabase:
             conn.execute(f'GRANT USAGE, SELECT ON ALL SEQUENCES IN SCHEMA public TO "{role}"')
 
     @staticmethod
+    def _mysql(statement: str) -> None:
+        import pymysql
+
+        parts = urlsplit(services.MYSQL_URL)
+        conn = pymysql.connect(
+            host=parts.hostname or "127.0.0.1",
+            port=parts.port or 3306,
+            user=parts.username or "root",
+            password=parts.password or "",
+        )
+        try:
+            with conn.cursor() as cursor:
+                cursor.execute(statement)
+        finally:
+            conn.close()
+
+    @staticmethod
     def _postgres(statement: str) -> None:
         import psycopg
 
@@ -134,8 +155,8 @@ class DjangoDatabase:
 def django_database(
     request: pytest.FixtureRequest, tmp_path: Path, django_db_blocker: Any
 ) -> Iterator[DjangoDatabase]:
-    if request.param == "postgres":
-        services.need("postgres")
+    if request.param != "sqlite":
+        services.need(request.param)
     database = DjangoDatabase(request.param, tmp_path)
     with django_db_blocker.unblock():
         database.create()

@@ -96,6 +96,15 @@ CHARGES, KILLS = 30, 4
 
 @pytest.mark.timeout(240)
 @pytest.mark.acceptance_matrix(brokers=("redis",), stores=("redis",))
+@pytest.mark.parametrize(
+    "django_database",
+    [
+        "postgres",
+        pytest.param("sqlite", marks=pytest.mark.slow),
+        pytest.param("mysql", marks=pytest.mark.slow),
+    ],
+    indirect=True,
+)
 def test_scenario_77_atomic_charges_commit_once_though_workers_die_mid_body(
     project: Deployment, ledger: Ledger, gate: None
 ) -> None:

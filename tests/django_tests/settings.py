@@ -7,7 +7,7 @@ a test picks (:mod:`tests.django_tests.routing`); and ``mysql`` (MariaDB at
 
 As ``DJANGO_SETTINGS_MODULE`` of a ``celery beat`` or ``worker`` a test starts:
 one database, ``default``, which ``EXACTONCE_TEST_DJANGO_DB`` names
-(``sqlite:PATH`` or ``postgres:NAME``).
+(``sqlite:PATH``, ``postgres:NAME`` or ``mysql:NAME``).
 """
 
 from __future__ import annotations
@@ -92,11 +92,14 @@ def sqlite(path: str, *, immediate: bool = True) -> dict[str, Any]:
 
 
 def one_database(spec: str) -> dict[str, Any]:
-    """``sqlite:PATH`` (``sqlite-deferred:PATH``: without ``IMMEDIATE``), or
-    ``postgres:NAME[:USER]``, as the one database of a process."""
+    """``sqlite:PATH`` (``sqlite-deferred:PATH``: without ``IMMEDIATE``),
+    ``postgres:NAME[:USER]`` or ``mysql:NAME``, as the one database of a process."""
     kind, _, where = spec.partition(":")
     if kind in ("sqlite", "sqlite-deferred"):
         return sqlite(where, immediate=kind == "sqlite")
+    if kind == "mysql":
+        _mysql_driver()
+        return {**mysql(isolation_level="repeatable read"), "NAME": where}
     name, _, user = where.partition(":")
     database = postgres(name or None)
     if user:
@@ -109,6 +112,17 @@ def one_database(spec: str) -> dict[str, Any]:
 STORE_SQLITE = "EXACTONCE_TEST_DJANGO_STORE_SQLITE"
 
 
+def _mysql_driver() -> bool:
+    """Whether Django's MySQL backend has a driver: mysqlclient, or PyMySQL standing in."""
+    if importlib.util.find_spec("MySQLdb") is None:
+        if importlib.util.find_spec("pymysql") is None:
+            return False
+        import pymysql
+
+        pymysql.install_as_MySQLdb()
+    return True
+
+
 def _mysql_if_installed() -> dict[str, Any]:
     """``mysql``: Django's MySQL backend on mysqlclient where it is installed, else PyMySQL.
 
@@ -116,12 +130,8 @@ def _mysql_if_installed() -> dict[str, Any]:
     mysqlclient as Django's ``MySQLdb``, so the tests that name this database
     run on a machine that cannot build mysqlclient, as CI's fresh install is.
     """
-    if importlib.util.find_spec("MySQLdb") is None:
-        if importlib.util.find_spec("pymysql") is None:
-            return {}
-        import pymysql
-
-        pymysql.install_as_MySQLdb()
+    if not _mysql_driver():
+        return {}
     # Django reads MySQL at READ COMMITTED unless told: this one is told otherwise.
     database = mysql(isolation_level="repeatable read")
     database["TEST"] = {"NAME": f"test_exactonce_{uuid.uuid4().hex[:8]}", "DEPENDENCIES": []}
