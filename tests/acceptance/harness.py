@@ -469,6 +469,18 @@ class WorkerProcess(CeleryProcess):
         poll(lambda: not _pid_alive(pid), timeout=10)
         return pid
 
+    def kill_children_in_bodies(self, ledger: Ledger, count: int, timeout: float = 60.0) -> None:
+        """SIGKILL ``count`` pool children of this worker, each in the middle of a body
+        (:meth:`kill_child_in_body`), each a child not killed before (a fresh one)."""
+        killed: set[int] = set()
+        while len(killed) < count:
+
+            def in_a_live_child() -> str | None:
+                rows = [r for r in ledger.running() if r.pid not in killed and self.owns(r.pid)]
+                return rows[0].task_id if rows else None
+
+            killed.add(self.kill_child_in_body(ledger, poll(in_a_live_child, timeout=timeout)))
+
 
 def _pid_alive(pid: int) -> bool:
     """Alive and not a zombie (a killed pool child stays a zombie until its parent reaps it)."""
@@ -714,6 +726,7 @@ class Deployment:
         wait: bool = True,
         timeout: float = READY_TIMEOUT,
         extra_args: Iterable[str] = (),
+        app_module: str = APP_MODULE,
     ) -> WorkerProcess:
         """Start a worker on the deployment's queue; by default wait until it is ready."""
         if gate_available():
@@ -727,6 +740,7 @@ class Deployment:
             concurrency=concurrency,
             name=f"acc{index}-{self.uid}",
             extra_args=extra_args,
+            app_module=app_module,
         )
         self.workers.append(worker)
         worker.start()

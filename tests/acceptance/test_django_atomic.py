@@ -133,15 +133,7 @@ def test_scenario_77_atomic_charges_commit_once_though_workers_die_mid_body(
     django_atomic.register(app, str(project.ledger_path))
     for n in range(CHARGES):
         app.tasks[django_atomic.CHARGE].apply_async((f"o{n}", 0.5), task_id=f"charge-{n}")
-    worker = project.workers[0]
-    killed: set[int] = set()
-    while len(killed) < KILLS:  # each time a body in a child not killed yet
-
-        def in_a_live_child() -> str | None:
-            rows = [r for r in ledger.running() if r.pid not in killed and worker.owns(r.pid)]
-            return rows[0].task_id if rows else None
-
-        killed.add(worker.kill_child_in_body(ledger, poll(in_a_live_child, timeout=60)))
+    project.workers[0].kill_children_in_bodies(ledger, KILLS)
 
     def settled() -> bool:
         return all(project.job(f"charge-{n}").state.terminal for n in range(CHARGES))

@@ -32,6 +32,21 @@ TASKS = ("atomic_retry", "atomic_requeue", "atomic_replace")
 CHARGE = "atomic_charge"
 
 
+def note(ledger_path: str, task: Task, phase: str, args: list[Any]) -> None:
+    """A row of ``task``'s current run in the ledger (another file than the database: it
+    is written whether the run's transaction commits or not)."""
+    ledger.append(
+        ledger_path,
+        task=task.name,
+        task_id=task.request.id,
+        attempt=int(task.request.retries or 0),
+        phase=phase,
+        args=args,
+        kwargs={},
+        meta=None,
+    )
+
+
 def register(app: Celery, ledger_path: str) -> None:
     """Add :data:`TASKS` (``ExactOnceTask``) to ``app``, recording to ``ledger_path``."""
     from celery_exactonce import ExactOnceTask
@@ -67,24 +82,10 @@ def register(app: Celery, ledger_path: str) -> None:
     def charge(self: Task, order: str, seconds: float) -> None:
         from django.contrib.auth.models import User
 
-        def note(phase: str) -> None:
-            attempt = int(self.request.retries or 0)
-            args = [order, seconds]
-            ledger.append(
-                ledger_path,
-                task=CHARGE,
-                task_id=self.request.id,
-                attempt=attempt,
-                phase=phase,
-                args=args,
-                kwargs={},
-                meta=None,
-            )
-
-        note("start")  # (the ledger is another file: written whether the run commits or not)
+        note(ledger_path, self, "start", [order, seconds])  # (written, committed or not)
         User.objects.create(username=f"charge-{order}-{uuid.uuid4().hex[:8]}")
         time.sleep(seconds)
-        note("end")
+        note(ledger_path, self, "end", [order, seconds])
 
     app.task(bind=True, shared=False, base=ExactOnceTask, name=CHARGE, exactonce_atomic=True)(
         charge
