@@ -135,11 +135,14 @@ def _enter(delivery: Delivery) -> None:
     """The gate's CAS, inside the transaction: ``Ignore`` unless it applied.
 
     It waits for the row lock of a transaction that holds the job (another
-    delivery's), then applies only if that one did not commit.
+    delivery's), then applies only if that one did not commit. Brief: the
+    record is read only for a delivery it refuses.
     """
-    result = delivery.runtime.store.transition(delivery.ref, delivery.gate_write("gate (atomic)"))
+    store, ref = delivery.runtime.store, delivery.ref
+    write = delivery.gate_write("gate (atomic)")
+    result = store.transition_many([(ref, write)], brief=True)[0]
     if not result.applied:
-        delivery.refuse(result.job)
+        delivery.refuse(result.job if result.job is not None else store.get(ref))
 
 
 def _committed(delivery: Delivery) -> bool:

@@ -22,7 +22,8 @@ Suites (``--suite all``, the default, runs every one; ``--suite submit,e2e`` tho
   store on PostgreSQL among them) and broker, no-op tasks through a real
   worker per store, and groups of 100 signatures, each from alternating plain
   and gated rounds of one run (``submit.py``, ``e2e.py``, ``group.py``,
-  ``rounds.py``).
+  ``rounds.py``); and, in ``e2e``, an atomic task (``exactonce_atomic``)
+  against the same gated task on a SQL store (``--atomic-stores``).
 
 The run ends with a summary: every ratio against plain Celery it measured
 (``submit``, ``e2e``, ``beat`` on each store), beside its target
@@ -223,6 +224,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--e2e-stores", default="redis,postgres,mysql,sqlite", help="stores (e2e suite)"
     )
+    parser.add_argument(
+        "--atomic-stores",
+        default="postgres",
+        help="SQL stores of the e2e suite's atomic against gated rounds ('' for none)",
+    )
     parser.add_argument("--beat-stores", default="redis,postgres", help="stores (beat suite)")
     parser.add_argument(
         "--suite",
@@ -360,33 +366,47 @@ def e2e_figures(args: argparse.Namespace) -> int:
     from tests.benchmarks import e2e
 
     rows: list[tuple[str, Rounds]] = []
+    atomic_rows: list[tuple[str, Rounds]] = []
     status = 0
-    for store in args.e2e_stores.split(","):
+    runs = [(store, False) for store in args.e2e_stores.split(",") if store]
+    runs += [(store, True) for store in args.atomic_stores.split(",") if store]
+    for store, atomic in runs:
         service = submit.service_of(store)
         if service and not services.answers(service):
             print(f"e2e: {store} store skipped, {services.SERVICE_URLS[service]} does not answer")
             status = 1
             continue
-        figures = e2e.run(args.e2e_tasks, args.rounds, store)
-        rows.append((f"prefork, queued first, {store}", figures))
+        figures = e2e.run(args.e2e_tasks, args.rounds, store, atomic=atomic)
+        name = summary.store_name(store)
+        if atomic:
+            atomic_rows.append((f"atomic against gated, {store}", figures))
+            what = f"atomic no-op end to end against gated, {name} store"
+            target = summary.ATOMIC_TARGETS.get(store)
+        else:
+            rows.append((f"prefork, queued first, {store}", figures))
+            what = f"no-op end to end, prefork -c {e2e.CONCURRENCY}, {name} store"
+            target = summary.E2E_TARGETS.get(store)
         summary.add(
             summary.Row(
-                f"no-op end to end, prefork -c {e2e.CONCURRENCY}, "
-                f"{summary.store_name(store)} store",
+                what,
                 f"{figures.plain_rate:,.0f} tasks/s",
                 f"{figures.ours_rate:,.0f} tasks/s",
                 figures.ratio,
-                summary.E2E_TARGETS.get(store),
+                target,
             )
         )
-    if not rows:
+    if not rows and not atomic_rows:
         return 1
     print(
         f"\nno-op tasks through one prefork worker (-c {e2e.CONCURRENCY}), "
         f"{args.e2e_tasks:,} queued a round, {args.rounds} pairs of rounds, "
         "per store, on a Redis broker\n"
     )
-    print("\n".join(table("worker, store", "tasks", rows)))
+    if rows:
+        print("\n".join(table("worker, store", "tasks", rows)))
+    if atomic_rows:  # ("plain" is the gated task here, "ours" the atomic one)
+        print("\nthe same, an exactonce_atomic task (ours) against the gated one (as plain)\n")
+        print("\n".join(table("worker, store", "tasks", atomic_rows)))
     return status
 
 

@@ -157,7 +157,7 @@ class E2E:
         """Every body ran once, nothing is left on the queue, every gated job SUCCEEDED."""
         done, waiting = int(self.counter.get(key) or 0), self._waiting(queue)
         succeeded = None
-        if task == e2e_app.GATED:
+        if task in (e2e_app.GATED, e2e_app.ATOMIC):
             self.gated_runs += count
             store = runtime.runtime_for(self.app).store
             # A body counts itself before its completion write: the last ones may still
@@ -191,14 +191,18 @@ def deployment(store: str = "redis") -> Iterator[E2E]:
             shutil.rmtree(workdir, ignore_errors=True)
 
 
-def run(count: int = 3000, rounds: int = 3, store: str = "redis") -> Rounds:
-    """``rounds`` pairs of ``count`` plain and ``count`` gated tasks through the worker."""
+def run(
+    count: int = 3000, rounds: int = 3, store: str = "redis", *, atomic: bool = False
+) -> Rounds:
+    """``rounds`` pairs of ``count`` plain and ``count`` gated tasks through the worker.
+
+    ``atomic``: the gated task's rounds (as "plain") against the atomic task's
+    (as "ours"), on a SQL store.
+    """
+    first, second = (e2e_app.GATED, e2e_app.ATOMIC) if atomic else (e2e_app.PLAIN, e2e_app.GATED)
     with deployment(store) as e2e:
-        for task in (e2e_app.PLAIN, e2e_app.GATED):
+        for task in (first, second):
             e2e.round(task, min(WARM_UP, count))
         return alternate(
-            rounds,
-            count,
-            lambda: e2e.round(e2e_app.PLAIN, count),
-            lambda: e2e.round(e2e_app.GATED, count),
+            rounds, count, lambda: e2e.round(first, count), lambda: e2e.round(second, count)
         )

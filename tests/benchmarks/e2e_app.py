@@ -4,9 +4,11 @@
 the benchmark process builds the same app with :func:`make_app` to send. Its
 two tasks have the same body, ``INCR`` of the key they are given in the
 counter database (one round trip), so the benchmark counts the bodies that
-ran the same way for both: :data:`PLAIN` is a plain Celery task, :data:`GATED`
-an ``ExactOnceTask``. Every other setting is Celery's default (acks on
-receipt, a prefetch of 4 per process).
+ran the same way for all: :data:`PLAIN` is a plain Celery task, :data:`GATED`
+an ``ExactOnceTask``, and :data:`ATOMIC` an ``ExactOnceTask`` with
+``exactonce_atomic`` (on a SQL store: its gate, body and end in one
+transaction; its body writes nothing to that database). Every other setting
+is Celery's default (acks on receipt, a prefetch of 4 per process).
 
 ``EXACTONCE_BENCH_BROKER_URL``    broker
 ``EXACTONCE_BENCH_REDIS_PREFIX``  Redis ``global_keyprefix`` (unique per run)
@@ -27,6 +29,11 @@ from celery_exactonce import ExactOnceTask
 
 PLAIN = "bench.e2e.plain"
 GATED = "bench.e2e.gated"
+ATOMIC = "bench.e2e.atomic"
+
+
+#: The stores an atomic task runs on (a worker refuses one on another).
+ATOMIC_SCHEMES = ("postgresql", "mysql", "sqlite", "django")
 
 
 def make_app(env: Mapping[str, str] = os.environ, *, set_as_current: bool = True) -> Celery:
@@ -51,6 +58,8 @@ def make_app(env: Mapping[str, str] = os.environ, *, set_as_current: bool = True
 
     app.task(name=PLAIN, shared=False)(count)
     app.task(name=GATED, base=ExactOnceTask, shared=False)(count)
+    if (env.get("EXACTONCE_BENCH_STORE_URL") or "").split(":")[0] in ATOMIC_SCHEMES:
+        app.task(name=ATOMIC, base=ExactOnceTask, shared=False, exactonce_atomic=True)(count)
     return app
 
 

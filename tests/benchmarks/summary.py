@@ -29,6 +29,8 @@ SUBMIT_TARGETS = {
 }
 #: Floors of the rate ratios of the e2e suite, by store.
 E2E_TARGETS = {"redis": 0.85, "postgres": 0.65}
+#: Floors of the atomic task's rate against the gated one's, e2e, by store: at least as fast.
+ATOMIC_TARGETS = {"postgres": 1.0}
 #: Ceilings of the time ratios of the beat suite, by store.
 BEAT_TARGETS = {"redis": 1.1, "postgres": 2.5}
 

@@ -31,13 +31,13 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import sqlalchemy as sa
-from sqlalchemy import exc as sa_exc
 
 from celery_exactonce.contrib.django.connection import engine_for, require_immediate
 from celery_exactonce.contrib.django.tables import prefix
 from celery_exactonce.core import exceptions, jobs
 from celery_exactonce.stores.sql import pgwire
 from celery_exactonce.stores.sql import schema as sql_schema
+from celery_exactonce.stores.sql.shared import driver_error
 from celery_exactonce.stores.sql.store import SqlStore
 
 _T = TypeVar("_T")
@@ -158,8 +158,27 @@ class DjangoStore(SqlStore):
             if not connection.in_atomic_block and connection.get_autocommit():
                 with self._engine.connect() as conn:
                     return fn(conn)
-        with transaction.atomic(using=self.alias), self._engine.connect() as conn:
+        # In the gate's own transaction a savepoint would only cost round trips: an
+        # operation that fails fails the run, which rolls back whole.
+        own = self._in_own_transaction()
+        with (
+            transaction.atomic(using=self.alias, savepoint=not own),
+            self._engine.connect() as conn,
+        ):
             return fn(conn)
+
+    def _in_own_transaction(self) -> bool:
+        """Inside :meth:`transaction`, and in no savepoint the caller opened in it."""
+        if not getattr(self._shared, "own", False):
+            return False
+        from django.db import connections
+
+        return not connections[self.alias].savepoint_ids
+
+    def _on_driver(self) -> bool:
+        """A one-statement write runs on Django's driver connection in its autocommit, or
+        in :meth:`transaction` (it commits with it)."""
+        return self._commits_alone() or self._in_own_transaction()
 
     def _commits_alone(self) -> bool:
         """Whether a statement run alone commits at once: in Django's autocommit, outside
@@ -191,10 +210,7 @@ class DjangoStore(SqlStore):
         try:
             yield driver, False
         except self._driver_errors as exc:
-            dialect = self._engine.dialect
-            raise sa_exc.DBAPIError.instance(
-                None, None, exc, dialect.loaded_dbapi.Error, connection_invalidated=False
-            ) from exc
+            raise driver_error(self._engine, exc) from exc
 
     @contextlib.contextmanager
     def transaction(self) -> Iterator[Any]:
@@ -205,7 +221,11 @@ class DjangoStore(SqlStore):
         from django.db import connections, transaction
 
         with transaction.atomic(using=self.alias):
-            yield connections[self.alias]
+            self._shared.own = True
+            try:
+                yield connections[self.alias]
+            finally:
+                self._shared.own = False
 
     def after_commit(self) -> Callable[[Callable[[], None]], None] | None:
         """Inside a caller's transaction on this alias: how to run a function once it commits.

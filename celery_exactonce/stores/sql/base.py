@@ -247,10 +247,6 @@ class SqlCore:
             compiled = self._raw_sql[stmt] = (str(done), keys)
         return compiled
 
-    def _commits_alone(self) -> bool:
-        """Whether a statement run by :meth:`_run_statement` commits at once (here: always)."""
-        return True
-
     @contextlib.contextmanager
     def _statement_connection(self) -> Iterator[tuple[Any, bool]]:
         """A pooled DB-API connection for :meth:`_run_statement`, and whether to commit.

@@ -32,10 +32,11 @@ from celery_exactonce.core.jobs import CreateResult, CreateStatus
 from celery_exactonce.core.refs import Space
 from celery_exactonce.core.writes import NewJob
 from celery_exactonce.stores.sql import engine as sql_engine
-from celery_exactonce.stores.sql.base import Slow, SqlCore
+from celery_exactonce.stores.sql.base import Slow
+from celery_exactonce.stores.sql.shared import SqlShared
 
 
-class SqlClaims(SqlCore):
+class SqlClaims(SqlShared):
     """A batch of claims decided with few statements (see the module docs)."""
 
     def _create_batch(

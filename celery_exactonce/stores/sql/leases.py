@@ -24,10 +24,11 @@ import sqlalchemy as sa
 
 from celery_exactonce.core import times
 from celery_exactonce.core.writes import Lease
-from celery_exactonce.stores.sql.base import Rerun, SqlCore
+from celery_exactonce.stores.sql.base import Rerun
+from celery_exactonce.stores.sql.shared import SqlShared
 
 
-class SqlLeases(SqlCore):
+class SqlLeases(SqlShared):
     """Leases, inside their transaction."""
 
     def _acquire_lease_op(

@@ -52,7 +52,7 @@ from celery_exactonce.core.skipped_slots import SkippedSlots
 from celery_exactonce.core.states import LIVE, TERMINAL, State
 from celery_exactonce.core.writes import Transition
 from celery_exactonce.stores.base import DueBacklog
-from celery_exactonce.stores.sql.base import SqlCore
+from celery_exactonce.stores.sql.shared import SqlShared
 
 #: Identifiers per ``IN (...)`` list: below every dialect's bound-parameter limit.
 _IN_CHUNK = 500
@@ -76,7 +76,7 @@ def _past(
     return [c.touched_at >= t, sa.or_(c.touched_at > t, c.id > ref.id)]
 
 
-class SqlScans(SqlCore):
+class SqlScans(SqlShared):
     """Watermarks, stale, due and expired jobs, inside their transaction."""
 
     def _note_skipped_op(self, skipped: Sequence[SkippedSlots]) -> Callable[[sa.Connection], None]:

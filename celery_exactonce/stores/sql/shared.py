@@ -2,11 +2,12 @@
 
 :meth:`SqlShared.transaction` opens a transaction on a connection of the
 store's engine and hands that connection (SQLAlchemy's) to the caller: until
-the block ends, every operation of the store made on this thread runs in it,
-each under a savepoint of its own (its conflicts rerun as always, its
-failures rolled back to the savepoint), and a statement that would commit
-alone takes that way too. The block commits on its way out; an exception
-rolls everything back, the store's writes and the caller's together.
+the block ends, every operation of the store made on this thread runs in it
+(a one-statement write on its driver connection, as one that commits alone
+runs on a pooled one), with no savepoint of its own: an operation that fails
+fails the transaction, which the caller then rolls back whole. The block
+commits on its way out; an exception rolls everything back, the store's
+writes and the caller's together.
 :meth:`SqlShared.after_commit` runs a function once that commit is made
 (a child job's publish), never after a rollback.
 
@@ -26,6 +27,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import sqlalchemy as sa
+from sqlalchemy import exc as sa_exc
 
 from celery_exactonce.core import exceptions
 from celery_exactonce.stores.sql.base import SqlCore
@@ -43,8 +45,17 @@ class _Open:
         self.after: list[Callable[[], None]] = []
 
 
+def driver_error(engine: sa.Engine, exc: BaseException) -> BaseException:
+    """``exc``, a driver's error on a connection the store did not take from its pool, as
+    SQLAlchemy raises it (to raise ``from exc``): the connection is not the store's to drop."""
+    error = engine.dialect.loaded_dbapi.Error
+    return sa_exc.DBAPIError.instance(None, None, exc, error, connection_invalidated=False)
+
+
 class SqlShared(SqlCore):
-    """The SQL store's :meth:`transaction` and :meth:`after_commit` (see the module docs)."""
+    """The SQL store's :meth:`transaction` and :meth:`after_commit` (see the module docs),
+    and whether a one-statement write commits alone (:meth:`_commits_alone`) or runs on
+    a driver at all (:meth:`_on_driver`)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -100,13 +111,32 @@ class SqlShared(SqlCore):
         return None if open_ is None else open_.after.append
 
     def _attempt(self, fn: Callable[[sa.Connection], _T], *, write: bool, autocommit: bool) -> _T:
-        """Inside :meth:`transaction`: ``fn`` under a savepoint of it; else its own transaction."""
+        """Inside :meth:`transaction`: ``fn`` in it; else in a transaction of its own."""
         open_ = self._open()
         if open_ is None:
             return super()._attempt(fn, write=write, autocommit=autocommit)
-        with open_.conn.begin_nested():
-            return fn(open_.conn)
+        return fn(open_.conn)
 
     def _commits_alone(self) -> bool:
-        """A statement run alone commits at once: not inside :meth:`transaction`."""
-        return self._open() is None and super()._commits_alone()
+        """Whether a statement run by :meth:`_run_statement` commits at once: not inside
+        :meth:`transaction`."""
+        return self._open() is None
+
+    def _on_driver(self) -> bool:
+        """Whether a one-statement write may run by :meth:`_run_statement`: one that
+        commits alone, or one in :meth:`transaction` (it commits with it)."""
+        return True
+
+    @contextlib.contextmanager
+    def _statement_connection(self) -> Iterator[tuple[Any, bool]]:
+        """Inside :meth:`transaction`: its driver connection, nothing to commit; else a
+        pooled one (:meth:`SqlCore._statement_connection`)."""
+        open_ = self._open()
+        if open_ is None:
+            with super()._statement_connection() as pooled:
+                yield pooled
+            return
+        try:
+            yield open_.conn.connection.driver_connection, False
+        except self._driver_errors as exc:
+            raise driver_error(self._engine, exc) from exc

@@ -82,13 +82,12 @@ from celery_exactonce.stores.sql.base import Slow
 from celery_exactonce.stores.sql.creates import SqlCreates
 from celery_exactonce.stores.sql.leases import SqlLeases
 from celery_exactonce.stores.sql.scans import SqlScans
-from celery_exactonce.stores.sql.shared import SqlShared
 from celery_exactonce.stores.sql.transitions import SqlTransitions
 
 __all__ = ["SqlStore"]
 
 
-class SqlStore(SqlShared, SqlCreates, SqlTransitions, SqlScans, SqlLeases):
+class SqlStore(SqlCreates, SqlTransitions, SqlScans, SqlLeases):
     """A :class:`~celery_exactonce.stores.base.StateStore` in a SQL database.
 
     Parameters

@@ -73,7 +73,7 @@ class SqlTransitions(SqlLeases):
         results: dict[int, TransitionResult] = {}
         rest, batch, tried = order, None, False
         alone = self.owns_transactions or len(requests) == 1  # Django: the gate's writes
-        if fast and self._autocommit and alone and self._commits_alone():
+        if fast and self._autocommit and alone and self._on_driver():
             applied = self._applied_alone(requests, order)
             if applied is not None:
                 results = dict.fromkeys(applied, TransitionResult(TransitionStatus.APPLIED))
