@@ -1,4 +1,4 @@
-"""The connection each thread keeps for the Redis store's script calls (``stores/redis/lane.py``).
+"""The connection each thread keeps for the Redis store's script calls (``client.Lane``).
 
 On a server of the test's own, so that its connection counts are the store's alone.
 """
@@ -21,7 +21,7 @@ from celery_exactonce.core import exceptions
 from celery_exactonce.core.refs import JobRef
 from celery_exactonce.core.states import State
 from celery_exactonce.core.writes import NewJob, Transition
-from celery_exactonce.stores.redis.lane import Lane
+from celery_exactonce.stores.redis.client import Lane
 from celery_exactonce.stores.redis.store import RedisStore
 from tests.integration.redis_server import RedisServer, redis_server
 from tests.support.helpers import poll

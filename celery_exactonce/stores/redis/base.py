@@ -61,6 +61,7 @@ from celery_exactonce.core import exceptions, jobs
 from celery_exactonce.core.states import TERMINAL, State
 from celery_exactonce.stores import redact_secrets, redact_url, url_secrets, validate_namespace
 from celery_exactonce.stores.redis.client import (
+    Lane,
     address,
     client_from_url,
     describe,
@@ -70,7 +71,6 @@ from celery_exactonce.stores.redis.client import (
 from celery_exactonce.stores.redis.cluster import ClusterClient
 from celery_exactonce.stores.redis.errors import REROUTE, NotReplicated, store_error
 from celery_exactonce.stores.redis.keys import RedisKeys, key_base
-from celery_exactonce.stores.redis.lane import Lane
 from celery_exactonce.stores.shards import shard_base
 
 __all__ = ["COUNTED", "SCRIPT_BATCH", "NotReplicated", "RedisCore"]

@@ -42,10 +42,9 @@ from celery_exactonce.core.writes import NewJob, Transition
 from celery_exactonce.stores import redact_secrets
 from celery_exactonce.stores.base import Run
 from celery_exactonce.stores.redis.base import RedisCore
-from celery_exactonce.stores.redis.client import packed
+from celery_exactonce.stores.redis.client import Lane, packed
 from celery_exactonce.stores.redis.cluster import ClusterClient
 from celery_exactonce.stores.redis.codec import as_text, decode_job, history_entry, record_fields
-from celery_exactonce.stores.redis.lane import Lane
 
 
 @dataclasses.dataclass(frozen=True)

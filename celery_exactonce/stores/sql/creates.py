@@ -6,7 +6,7 @@ that decides a create inside its transaction. A create goes one of two ways:
 * **one statement** (PostgreSQL, any job; MariaDB ≥ 10.5 with
   ``INSERT … RETURNING``, jobs that are not occurrences):
   :meth:`SqlCreates._create_fast` runs the ``INSERT … SELECT`` of
-  :mod:`~celery_exactonce.stores.sql.statements_create`, which checks the
+  :mod:`~celery_exactonce.stores.sql.statements_base`, which checks the
   epoch (and, on PostgreSQL, advances an occurrence's watermark in the same
   statement).
   What one statement cannot decide (a record a competing create committed
@@ -27,7 +27,7 @@ transaction, the batch runs again the locking way.
 Not here: which transaction a create runs in (autocommit or not, one create
 or a batch: :mod:`~celery_exactonce.stores.sql.store`), running and retrying it
 (:mod:`~celery_exactonce.stores.sql.base`), the statements' SQL
-(:mod:`~celery_exactonce.stores.sql.statements_create`), a batch's decided
+(:mod:`~celery_exactonce.stores.sql.statements_base`), a batch's decided
 claims and its one statement (:mod:`~celery_exactonce.stores.sql.claims`).
 """
 

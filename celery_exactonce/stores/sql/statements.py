@@ -20,10 +20,9 @@ It is made of, one module each:
 
 * :mod:`~celery_exactonce.stores.sql.statements_base`: the SQL spelt per
   dialect (names, clock, typed parameters, a record's key, the history entry
-  cut for SQL to complete) and the texts built once per shape;
-* :mod:`~celery_exactonce.stores.sql.statements_create`: the create, an
-  ``INSERT … SELECT`` checking the epoch (on PostgreSQL advancing an
-  occurrence's watermark in the same statement).
+  cut for SQL to complete) and the texts built once per shape; and the
+  create, an ``INSERT … SELECT`` checking the epoch (on PostgreSQL advancing
+  an occurrence's watermark in the same statement).
 
 Not here: deciding what a statement that changed nothing means (the locking
 way: :mod:`~celery_exactonce.stores.sql.transitions`,
@@ -44,8 +43,11 @@ from celery_exactonce.core.refs import JobRef
 from celery_exactonce.core.states import TERMINAL, State
 from celery_exactonce.core.writes import Transition
 from celery_exactonce.stores.sql.rows import COMPACT_PAYLOAD
-from celery_exactonce.stores.sql.statements_base import JOB_COLUMNS, entry_parts
-from celery_exactonce.stores.sql.statements_create import CreateStatements
+from celery_exactonce.stores.sql.statements_base import (
+    JOB_COLUMNS,
+    CreateStatements,
+    entry_parts,
+)
 
 #: How every history entry starts (``HistoryEntry.to_json`` puts ``from`` first,
 #: and a string value never holds an unescaped quote): counting it counts entries.

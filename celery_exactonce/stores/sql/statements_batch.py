@@ -4,7 +4,7 @@
 
 **Claims.** A brief batch of beat's claims (``create_many`` of occurrences,
 each of its own entry) is one statement, :meth:`BatchStatements.create_batch`:
-the one-statement create of :mod:`~celery_exactonce.stores.sql.statements_create`
+the one-statement create of :mod:`~celery_exactonce.stores.sql.statements_base`
 for every row at once, its per-row values bound as arrays and read through
 ``unnest(...) WITH ORDINALITY``. It checks the epoch once, reads each row's
 record and watermark as the statement found them, advances each mark that

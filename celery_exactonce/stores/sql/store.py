@@ -47,8 +47,7 @@ Beside them: :mod:`~celery_exactonce.stores.sql.engine` (what differs per
 dialect, the engine :meth:`SqlStore.from_url` builds, its pool checks),
 :mod:`~celery_exactonce.stores.sql.schema` (the tables) and
 :mod:`~celery_exactonce.stores.sql.statements` (the one-statement writes, on
-:mod:`~celery_exactonce.stores.sql.statements_base` and
-:mod:`~celery_exactonce.stores.sql.statements_create`).
+:mod:`~celery_exactonce.stores.sql.statements_base`).
 
 Not here: anything done inside a transaction. The operations themselves stay
 here, not in those classes, so that whatever wraps a store class's operations
