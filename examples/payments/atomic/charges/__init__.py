@@ -1,0 +1,1 @@
+"""The atomic payments example: orders, their charges, and the task that charges them."""
