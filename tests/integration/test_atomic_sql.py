@@ -9,10 +9,8 @@ The store's own transaction (``SqlStore.transaction``) is tested first.
 
 from __future__ import annotations
 
-import threading
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,20 +18,17 @@ import pytest
 import sqlalchemy as sa
 from celery import Celery
 
-from celery_exactonce import ExactOnceTask, runtime
+from celery_exactonce import runtime
 from celery_exactonce.core import exceptions
 from celery_exactonce.core.refs import JobRef
-from celery_exactonce.core.states import State
 from celery_exactonce.stores.sql.store import SqlStore
-from celery_exactonce.task import atomic
 from tests import services
+from tests.support import atomic_runs
+from tests.support.atomic_runs import LOCK_WAITS, World
 from tests.support.backends import store_url
-from tests.support.deliveries import deliver_to
-from tests.support.helpers import poll, task_job
+from tests.support.helpers import task_job
 from tests.support.publishing import recording
 
-#: How long a test waits for a thread to reach a point (polled), at most.
-DEADLINE = 20.0
 #: The app's own table the bodies write to.
 CHARGES = sa.Table(
     "atomic_sql_charges",
@@ -43,10 +38,6 @@ CHARGES = sa.Table(
 )
 
 
-class Died(BaseException):
-    """What a worker's death mid-body looks like from inside it (nothing after it runs)."""
-
-
 @pytest.fixture(params=["postgres", "mysql", "sqlite"])
 def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     if request.param != "sqlite":
@@ -54,31 +45,14 @@ def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     return store_url(request.param, str(tmp_path))
 
 
-@dataclass
-class World:
-    app: Celery
-    store: SqlStore
-    #: What the body does after writing its row: "return", "raise", "die", "child", "wait".
-    action: str = "return"
-    sent: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
-    inside: threading.Event = field(default_factory=threading.Event)
-    release: threading.Event = field(default_factory=threading.Event)
-
-    def job(self, job_id: str) -> Any:
-        return self.store.get(JobRef.submitted(job_id))
-
-    def deliver(self, index: int = 0) -> str:
-        task_id, headers = self.sent[index]
-        return deliver_to(self.app.tasks[headers["task"]], task_id, headers)
-
-    def rows(self, task_id: str) -> int:
-        with self.store.engine.connect() as conn:
-            query = sa.select(sa.func.count()).where(CHARGES.c.task_id == task_id)
-            return int(conn.execute(query).scalar_one())
+def _store(world: World) -> SqlStore:
+    assert isinstance(world.store, SqlStore)
+    return world.store
 
 
-def _child(n: int) -> int:
-    return n
+def _write_row(task: Any) -> None:
+    connection = task.request.exactonce.connection  # the run's transaction (SQLAlchemy)
+    connection.execute(CHARGES.insert().values(id=uuid.uuid4().hex, task_id=task.request.id))
 
 
 @pytest.fixture
@@ -89,29 +63,14 @@ def world(url: str) -> Iterator[World]:
     assert isinstance(store, SqlStore)
     store.setup()
     CHARGES.create(store.engine, checkfirst=True)
-    world = World(app, store)
 
-    def charge(self: Any, n: int) -> str:
-        connection = self.request.exactonce.connection
-        connection.execute(CHARGES.insert().values(id=uuid.uuid4().hex, task_id=self.request.id))
-        if world.action == "raise":
-            raise ValueError("the charge was declined")
-        if world.action == "die":
-            world.action = "return"  # the next run, after the restart, gets through
-            raise Died()
-        if world.action in ("child", "child then raise"):
-            app.tasks["t.child"].delay(n)
-            if world.action == "child then raise":
-                raise ValueError("after the child")
-        if world.action == "wait":
-            world.inside.set()
-            assert world.release.wait(DEADLINE)
-        return "charged"
+    def rows(task_id: str) -> int:
+        with store.engine.connect() as conn:
+            query = sa.select(sa.func.count()).where(CHARGES.c.task_id == task_id)
+            return int(conn.execute(query).scalar_one())
 
-    app.task(base=ExactOnceTask, shared=False, bind=True, name="t.charge", exactonce_atomic=True)(
-        charge
-    )
-    app.task(base=ExactOnceTask, shared=False, name="t.child")(_child)
+    world = World(app, store, rows)
+    atomic_runs.register(world, _write_row)
     with recording(app, world.sent):
         try:
             yield world
@@ -125,7 +84,7 @@ def world(url: str) -> Iterator[World]:
 
 
 def test_operations_inside_the_transaction_commit_with_the_caller_s_rows(world: World) -> None:
-    store, ran = world.store, []
+    store, ran = _store(world), []
     with store.transaction() as conn:
         assert store.create(task_job("inside")).created
         conn.execute(CHARGES.insert().values(id="r1", task_id="inside"))
@@ -141,7 +100,7 @@ def test_operations_inside_the_transaction_commit_with_the_caller_s_rows(world: 
 def test_a_transaction_that_raises_takes_the_store_s_writes_back_with_the_caller_s(
     world: World,
 ) -> None:
-    store, ran = world.store, []
+    store, ran = _store(world), []
     with pytest.raises(RuntimeError), store.transaction() as conn:
         assert store.create(task_job("undone")).created
         conn.execute(CHARGES.insert().values(id="r2", task_id="undone"))
@@ -153,115 +112,55 @@ def test_a_transaction_that_raises_takes_the_store_s_writes_back_with_the_caller
 
 
 def test_a_transaction_is_not_nested_on_one_thread(world: World) -> None:
-    with world.store.transaction():
-        nested = world.store.transaction()
+    with _store(world).transaction():
+        nested = _store(world).transaction()
         with pytest.raises(exceptions.StoreError, match="open"):
             nested.__enter__()
 
 
-# -- the atomic gate --------------------------------------------------------------------
+# -- the atomic gate, the body writing through self.request.exactonce.connection ----------
 
 
 def test_an_atomic_run_commits_its_rows_and_its_end_together(world: World) -> None:
-    world.app.tasks["t.charge"].apply_async((1,), task_id="ok")
-    assert world.deliver() == "ran"
-    assert world.rows("ok") == 1
-    job = world.job("ok")
-    assert (job.state, job.reason) == (State.SUCCEEDED, atomic.COMMITTED)
-    assert world.deliver() == "ignored"  # a duplicate of it: the job has ended
-    assert world.rows("ok") == 1
+    atomic_runs.commits_with_its_end(world)
 
 
 def test_a_body_that_raises_rolls_its_rows_back_and_ends_failed(world: World) -> None:
-    world.action = "raise"
-    world.app.tasks["t.charge"].apply_async((1,), task_id="no")
-    with pytest.raises(ValueError, match="declined"):
-        world.deliver()
-    assert world.rows("no") == 0
-    job = world.job("no")
-    assert job.state is State.FAILED
-    assert "the charge was declined" in job.reason
+    atomic_runs.rolls_back_and_fails(world)
 
 
 def test_scenario_77_a_run_that_dies_mid_body_leaves_the_job_to_run_once_again(
     world: World,
 ) -> None:
-    world.action = "die"
-    world.app.tasks["t.charge"].apply_async((1,), task_id="died")
-    with pytest.raises(Died):
-        world.deliver()
-    assert world.rows("died") == 0
-    assert world.job("died").state is State.DISPATCHED  # never seen RUNNING by anyone
-    assert world.deliver() == "ran"  # the redelivery (or the reconciler's redispatch)
-    assert world.deliver() == "ignored"
-    assert world.rows("died") == 1
-    assert world.job("died").state is State.SUCCEEDED
+    atomic_runs.dies_and_runs_once_again(world)
 
 
 @pytest.mark.parametrize("action", ["child", "child then raise"])
 def test_scenario_78_a_child_exists_and_is_published_iff_its_parent_committed(
     world: World, action: str
 ) -> None:
-    world.action = action
-    world.app.tasks["t.charge"].apply_async((7,), task_id="parent")
-    if action == "child":
-        assert world.deliver() == "ran"
-    else:
-        with pytest.raises(ValueError, match="after the child"):
-            world.deliver()
-    children = [i for i, h in world.sent if h["task"] == "t.child"]
-    committed = action == "child"
-    assert len(children) == (1 if committed else 0)
-    if committed:
-        assert world.job(children[0]).state is State.DISPATCHED
-    else:  # nor is there a record of one: it was written in the rolled-back transaction
-        with world.store.engine.connect() as conn:
-            jobs = world.store._t.jobs
+    atomic_runs.child_iff_committed(world, action)
+    if action == "child then raise":  # nor is there a record of one: it was rolled back
+        store = _store(world)
+        with store.engine.connect() as conn:
+            jobs = store._t.jobs
             query = sa.select(sa.func.count()).where(
-                jobs.c.namespace == world.store.namespace, jobs.c.task == "t.child"
+                jobs.c.namespace == store.namespace, jobs.c.task == "t.child"
             )
             assert conn.execute(query).scalar_one() == 0
-    assert world.rows("parent") == (1 if committed else 0)
-
-
-#: How a test sees a statement waiting for a row lock, per database.
-LOCK_WAITS = {
-    "postgresql": "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
-    "AND datname = current_database()",
-    "mysql": "SELECT count(*) FROM information_schema.processlist "
-    "WHERE state = 'Updating' AND info LIKE 'UPDATE exactonce_jobs %'",
-}
-
-
-def _waiting_on_a_lock(store: SqlStore) -> bool:
-    with store.engine.connect() as conn:
-        query = LOCK_WAITS[store.engine.dialect.name]
-        return int(conn.execute(sa.text(query)).scalar_one()) > 0
 
 
 def test_scenario_77_a_duplicate_waits_on_the_row_lock_and_does_not_run_again(
     world: World,
 ) -> None:
     """The second delivery's gate waits for the first's transaction, then finds the job ended."""
-    if world.store.engine.dialect.name not in LOCK_WAITS:
+    store = _store(world)
+    dialect = store.engine.dialect.name
+    if dialect not in LOCK_WAITS:
         pytest.skip("a row lock (SQLite's writer lock is the whole file)")
-    world.action = "wait"
-    world.app.tasks["t.charge"].apply_async((1,), task_id="dup")
-    verdicts: dict[str, str] = {}
 
-    def deliver(name: str) -> None:
-        verdicts[name] = world.deliver()
+    def waiting() -> bool:
+        with store.engine.connect() as conn:
+            return int(conn.execute(sa.text(LOCK_WAITS[dialect])).scalar_one()) > 0
 
-    first = threading.Thread(target=deliver, args=("first",))
-    first.start()
-    assert world.inside.wait(DEADLINE)
-    world.action = "return"  # (were the second to run the body, it would not wait)
-    second = threading.Thread(target=deliver, args=("second",))
-    second.start()
-    poll(lambda: _waiting_on_a_lock(world.store) or not second.is_alive(), timeout=DEADLINE)
-    assert second.is_alive(), verdicts
-    world.release.set()
-    first.join(DEADLINE)
-    second.join(DEADLINE)
-    assert verdicts == {"first": "ran", "second": "ignored"}
-    assert world.rows("dup") == 1
+    atomic_runs.duplicate_waits_on_the_row_lock(world, waiting)
