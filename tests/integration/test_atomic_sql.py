@@ -21,6 +21,7 @@ from celery import Celery
 from celery_exactonce import runtime
 from celery_exactonce.core import exceptions
 from celery_exactonce.core.refs import JobRef
+from celery_exactonce.observe import metrics
 from celery_exactonce.stores.sql.store import SqlStore
 from tests import services
 from tests.support import atomic_runs
@@ -109,6 +110,24 @@ def test_a_transaction_that_raises_takes_the_store_s_writes_back_with_the_caller
     assert store.get(JobRef.submitted("undone")) is None
     assert world.rows("undone") == 0
     assert ran == []  # never after a rollback
+
+
+def test_a_function_that_fails_after_the_commit_leaves_the_commit_and_is_reported(
+    world: World,
+) -> None:
+    store, ran = _store(world), []
+
+    def fails() -> None:
+        raise RuntimeError("the publish failed")
+
+    before = metrics.COUNTERS.get("after_commit_failed")
+    with store.transaction() as conn:
+        conn.execute(CHARGES.insert().values(id="r3", task_id="kept"))
+        store.after_commit()(fails)  # type: ignore[misc]
+        store.after_commit()(lambda: ran.append("next"))  # type: ignore[misc]
+    assert world.rows("kept") == 1
+    assert ran == ["next"]  # the others still run
+    assert metrics.COUNTERS.get("after_commit_failed") == before + 1
 
 
 def test_a_transaction_is_not_nested_on_one_thread(world: World) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import multiprocessing
+import socket
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -90,13 +91,34 @@ def test_a_thread_that_ends_gives_its_connection_back(store: RedisStore) -> None
     assert pool._created_connections == created
 
 
+def test_a_connection_the_server_closed_is_connected_again_before_the_next_call(
+    server: RedisServer, store: RedisStore
+) -> None:
+    """As the pool checks a connection it hands out: a server restart, or a client
+    killed while idle, costs the next call nothing."""
+    assert store.create(_new("j1")).created
+    kept = store._lane._local.kept  # type: ignore[union-attr]
+    server.client().client_kill_filter(_type="normal", skipme=True)  # the store's connection
+    assert store.create(_new("j2")).created
+    assert store._lane._local.kept is kept  # type: ignore[union-attr]
+    assert len(_pool(store)._in_use_connections) == 1
+
+
 def test_a_connection_lost_under_a_call_is_dropped_and_the_next_call_reconnects(
     server: RedisServer, store: RedisStore
 ) -> None:
-    assert store.create(_new("j1")).created
-    server.client().client_kill_filter(_type="normal", skipme=True)  # the store's connection
+    new = _new("j1")
+    request = Transition(
+        State.DISPATCHED, frozenset({State.SCHEDULED}), node="n", reason="x", rev=new.rev
+    )
+    assert store.create(_new("j0")).created
+    kept = store._lane._local.kept  # type: ignore[union-attr]
+
+    def lost() -> None:  # while the script's answer is on the way, the link goes
+        kept.conn._sock.shutdown(socket.SHUT_RDWR)
+
     with pytest.raises(exceptions.StoreError):  # its answer lost: the outcome is unknown
-        store.create(_new("j2"))
+        store.enqueue(new, request, meanwhile=lost)
     pool = _pool(store)
     assert not pool._in_use_connections  # disconnected and given back
     assert store.create(_new("j3")).created

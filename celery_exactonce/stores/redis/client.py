@@ -220,6 +220,20 @@ class _Kept:
         self._given_back()
 
 
+def _fresh(conn: Any) -> None:
+    """Make ``conn`` ready to send, as the pool makes a connection it hands out: one the
+    server closed (it restarted, or dropped an idle client), or with an answer left on
+    it, is connected again. One ``poll`` of the socket."""
+    if conn._sock is None:
+        return  # (connected as it sends)
+    try:
+        stale = conn.can_read()
+    except (rexc.ConnectionError, rexc.TimeoutError, OSError):
+        stale = True
+    if stale:
+        conn.disconnect()
+
+
 class Lane:
     """Runs one command at a time on this thread's kept connection of ``client``'s pool.
 
@@ -234,12 +248,16 @@ class Lane:
     A kept connection is given back to the pool when its thread ends (or dropped
     when the process forked: the pool then starts afresh by itself), and
     disconnected and given back after any error but an answer (a ``ResponseError``
-    leaves the connection sound). Only for a plain client on redis-py's own
-    :class:`~redis.ConnectionPool` with real threads: not a cluster, not Sentinel
-    (whose pool follows a failover per connection taken), not a client that
-    retries by itself, not under an eventlet or gevent patch, where threads are
-    green and a connection per green thread would stay out of the pool for as long
-    as the thread lives; everything else takes redis-py's way.
+    leaves the connection sound). Before each command its socket is polled, as
+    the pool polls one it hands out: one the server closed (a restart) is
+    connected again, so that the command is sent on a live connection.
+
+    Only for a plain client on redis-py's own :class:`~redis.ConnectionPool`
+    with real threads: not a cluster, not Sentinel (whose pool follows a
+    failover per connection taken), not a client that retries by itself, not
+    under an eventlet or gevent patch, where threads are green and a
+    connection per green thread would stay out of the pool for as long as the
+    thread lives; everything else takes redis-py's way.
     """
 
     def __init__(self, client: redis.Redis) -> None:
@@ -269,6 +287,7 @@ class Lane:
             kept = self._local.kept = _Kept(self._pool)
         conn = kept.conn
         try:
+            _fresh(conn)
             conn.send_packed_command(packed(conn, command))
         except BaseException:
             self.drop()

@@ -30,11 +30,10 @@ import sqlalchemy as sa
 from sqlalchemy import exc as sa_exc
 
 from celery_exactonce.core import exceptions
+from celery_exactonce.observe import metrics
 from celery_exactonce.stores.sql.base import SqlCore
 
 _T = TypeVar("_T")
-
-logger = logging.getLogger("celery_exactonce")
 
 
 class _Open:
@@ -99,8 +98,14 @@ class SqlShared(SqlCore):
         for fn in open_.after:
             try:
                 fn()
-            except Exception:  # as Django's robust on_commit: the commit stands
-                logger.exception("%s: a function run after a commit failed", self._where)
+            except Exception as exc:  # as Django's robust on_commit: the commit stands
+                metrics.event(
+                    "after_commit_failed",
+                    f"{self._where}: a function run after a commit failed: {exc}",
+                    level=logging.ERROR,
+                    sentry=True,
+                    exc_info=exc,
+                )
 
     def after_commit(self) -> Callable[[Callable[[], None]], None] | None:
         """Inside :meth:`transaction` on this thread: how to run a function once it commits.
