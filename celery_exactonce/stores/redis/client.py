@@ -240,10 +240,10 @@ class Lane:
     redis-py's ``execute_command`` takes a connection from the pool and gives it
     back for every command: a lock taken twice, the pool's metrics recorded four
     times, and a ``poll`` of the socket to make sure nothing is left unread on it.
-    On a submit or a gate write, one script call each, that is a third of the
+    On a submit or a gate write, one script call each, that was a third of the
     client's cost of the round trip. :class:`Lane` takes a connection from the
-    client's pool once per thread and keeps it: a call is the script sent and its
-    answer read, nothing else.
+    client's pool once per thread and keeps it: a call is the poll, the script
+    sent and its answer read.
 
     A kept connection is given back to the pool when its thread ends (or dropped
     when the process forked: the pool then starts afresh by itself), and
