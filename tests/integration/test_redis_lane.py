@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import gc
 import multiprocessing
-import socket
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -112,10 +111,14 @@ def test_a_connection_lost_under_a_call_is_dropped_and_the_next_call_reconnects(
         State.DISPATCHED, frozenset({State.SCHEDULED}), node="n", reason="x", rev=new.rev
     )
     assert store.create(_new("j0")).created
-    kept = store._lane._local.kept  # type: ignore[union-attr]
+    conn = store._lane._local.kept.conn  # type: ignore[union-attr]
+
+    def gone(*args: Any, **kwargs: Any) -> Any:
+        del conn.read_response  # (once)
+        raise redis.ConnectionError("connection lost")
 
     def lost() -> None:  # while the script's answer is on the way, the link goes
-        kept.conn._sock.shutdown(socket.SHUT_RDWR)
+        conn.read_response = gone
 
     with pytest.raises(exceptions.StoreError):  # its answer lost: the outcome is unknown
         store.enqueue(new, request, meanwhile=lost)
