@@ -214,9 +214,9 @@ class _Kept:
         self.pid = os.getpid()
         self._given_back = weakref.finalize(self, pool.release, self.conn)
 
-    def give_back(self, *, disconnect: bool) -> None:
-        if disconnect:
-            self.conn.disconnect()
+    def drop(self) -> None:
+        """Disconnect it (an answer may be left on it) and give it back to the pool now."""
+        self.conn.disconnect()
         self._given_back()
 
 
@@ -313,4 +313,4 @@ class Lane:
         kept: _Kept | None = getattr(self._local, "kept", None)
         self._local.kept = None
         if kept is not None and kept.pid == os.getpid():
-            kept.give_back(disconnect=True)
+            kept.drop()

@@ -85,11 +85,9 @@ class SqlShared(SqlCore):
             try:
                 yield conn
             except BaseException:
-                self._shared.open = None
                 with contextlib.suppress(Exception):  # a broken connection: the server rolls back
                     begun.rollback()
                 raise
-            self._shared.open = None
             with self._guard("commit"):
                 begun.commit()
         finally:
