@@ -790,6 +790,18 @@ class Deployment:
         with self.app().connection_for_write() as conn:
             return int(conn.default_channel.queue_purge(self.queue) or 0)
 
+    def waiting(self) -> int:
+        """Messages in the deployment's queue on the broker, not yet delivered to a worker."""
+        with self.app().connection_for_write() as conn:
+            return int(conn.default_channel.queue_declare(queue=self.queue, passive=True)[1])
+
+    def broker_report(self) -> str:
+        """Where the deployment's messages are, and the last lines of each worker's log:
+        for the message of a test that waited on a delivery."""
+        unacked = f", {self.unacked()} delivered unacked" if self.broker == "redis" else ""
+        logs = "".join(f"\n--- {w.name} ---\n{w.log_tail(60)}" for w in self.workers)
+        return f"broker: {self.waiting()} waiting in {self.queue}{unacked}{logs}"
+
     def unacked(self) -> int:
         """Messages delivered and not yet acked (Redis only: the transport's ``unacked`` hash).
 

@@ -128,7 +128,7 @@ def never_timed_out(deployment: Deployment, ids: Iterable[str]) -> Callable[[], 
     def check() -> bool:
         found = states(deployment, ids)
         timed_out = {i: deployment.record(i).reason for i, s in found.items() if s is State.TIMEOUT}
-        assert not timed_out, f"live job(s) timed out: {timed_out}"
+        assert not timed_out, f"live job(s) timed out: {timed_out}; {deployment.broker_report()}"
         return True
 
     return check
