@@ -150,6 +150,9 @@ class ExactOnceConfig:
     """The address those endpoints listen on: ``"0.0.0.0"`` (the default; ``""`` means the
     same), every IPv4 interface; ``"::"`` every interface, IPv6 too where the host has it;
     or one address of the host (``"127.0.0.1"``)."""
+    overdue_periods: int = 2
+    """Beat's ``exactonce_entry_overdue`` gauge turns on for an entry none of whose last
+    this many slots succeeded, each given a whole period to. >= 1."""
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -182,6 +185,8 @@ class ExactOnceConfig:
                 raise _error(name, f"must be > 0, got {getattr(self, name)!r}")
         if self.max_skew < 0:
             raise _error("max_skew", f"must be >= 0, got {self.max_skew!r}")
+        if self.overdue_periods < 1:
+            raise _error("overdue_periods", f"must be >= 1, got {self.overdue_periods!r}")
         if self.min_replicas < 0:
             raise _error("min_replicas", f"must be >= 0, got {self.min_replicas!r}")
         if not 1 <= self.shards <= MAX_SHARDS:

@@ -27,6 +27,8 @@ from __future__ import annotations
 import logging
 import sys
 import traceback
+from collections.abc import Callable, Mapping
+from datetime import tzinfo
 from typing import Any, NoReturn
 
 from celery import signals
@@ -34,6 +36,7 @@ from celery import signals
 from celery_exactonce import config, runtime
 from celery_exactonce.core import exceptions
 from celery_exactonce.observe import gauges, metrics
+from celery_exactonce.observe.entry_health import EntryHealthReader
 from celery_exactonce.reconcile import task as reconcile_task
 from celery_exactonce.task import atomic
 from celery_exactonce.task.base import ExactOnceTask
@@ -245,11 +248,21 @@ def prometheus_module(setting: str) -> Any:
     return prometheus
 
 
-def serve_beat_metrics(rt: runtime.Runtime, beat: gauges.BeatGauges) -> Any:
-    """Beat's ``/metrics`` on ``exactonce_metrics_port`` (``None``: unset); refuses on failure."""
+def serve_beat_metrics(
+    rt: runtime.Runtime,
+    beat: gauges.BeatGauges,
+    entries: Callable[[], Mapping[str, Any]],
+    tz: tzinfo,
+) -> Any:
+    """Beat's ``/metrics`` on ``exactonce_metrics_port`` (``None``: unset); refuses on failure.
+
+    ``entries`` gives beat's schedule (a copy: the gauge thread calls it), whose
+    entries' health the endpoint shows.
+    """
     settings = rt.config
     if settings.metrics_port is None:
         return None
+    health = EntryHealthReader(rt.store, entries, tz=tz, periods=settings.overdue_periods)
     try:
         return prometheus_module("exactonce_metrics_port").serve_beat(
             rt.store,
@@ -257,6 +270,7 @@ def serve_beat_metrics(rt: runtime.Runtime, beat: gauges.BeatGauges) -> Any:
             port=settings.metrics_port,
             addr=settings.metrics_addr,
             reconcile_here=settings.reconcile_on == "beat",
+            health=health,
         )
     except Exception as exc:  # a taken port, no extra: beat must not start blind
         refuse("beat", exc)

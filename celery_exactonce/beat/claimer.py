@@ -51,7 +51,7 @@ from celery_exactonce.beat.store_loss import StoreLossGuard
 from celery_exactonce.core.jobs import Job
 from celery_exactonce.core.writes import NewJob
 from celery_exactonce.dispatch.dispatcher import BEAT_REASON
-from celery_exactonce.observe import metrics
+from celery_exactonce.observe import metrics, traces
 from celery_exactonce.observe.sentry_crons import Crons
 from celery_exactonce.runtime import Runtime
 
@@ -142,7 +142,9 @@ class Claimer:
         """
         planned = [(plan, new) for plan in plans for new in plan.claims]
         for i in range(0, len(planned), CLAIM_BATCH):
-            won = self._claim_batch(planned[i : i + CLAIM_BATCH], now, policies)
+            batch = planned[i : i + CLAIM_BATCH]
+            with traces.span("exactonce.claim", root=True, jobs=len(batch)):
+                won = self._claim_batch(batch, now, policies)
             if self._runner is not None:
                 for job in [job for job in won if _internal(job, policies)]:
                     won.remove(job)

@@ -145,7 +145,13 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
         self._gauges = BeatGauges(self._runtime.node)
         # Not for the lazy instance `celery beat` builds only to print its banner.
         lazy = kwargs.get("lazy", False)
-        self._metrics = None if lazy else startup.serve_beat_metrics(self._runtime, self._gauges)
+        self._metrics = (
+            None
+            if lazy
+            else startup.serve_beat_metrics(
+                self._runtime, self._gauges, lambda: dict(self.schedule), self._tz
+            )
+        )
 
     # -- celery.beat.Scheduler interface ---------------------------------------------
 

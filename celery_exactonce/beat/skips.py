@@ -59,6 +59,8 @@ class SkipReport:
     first: datetime
     last: datetime
     task: str | None = None
+    #: Whether every entry noted is of that task.
+    one_task: bool = True
 
     @property
     def message(self) -> str:
@@ -84,7 +86,8 @@ class SkipTally:
         for where, noted in skips.items():
             name, first, last, _, task = noted[0]
             total = sum(n for _, _, _, n, _ in noted)
-            yield SkipReport(where, total, len(noted), name, first, last, task)
+            one_task = all(t == task for *_, t in noted)
+            yield SkipReport(where, total, len(noted), name, first, last, task, one_task)
 
     def note(self, name: str, fires: list[datetime], where: str, task: str | None = None) -> None:
         """:meth:`add`, and a debug record of the entry's skipped range."""
@@ -93,6 +96,8 @@ class SkipTally:
             f"{name}: {len(fires)} slot(s) from {fires[0].isoformat()} to "
             f"{fires[-1].isoformat()} skipped ({where})",
             level=logging.DEBUG,
+            labels={"where": where, "entry": name, "task": task or ""},
+            count=len(fires),
             entry=name,
             where=where,
             slots=len(fires),
@@ -135,7 +140,13 @@ class SkipTally:
                 "slot_skipped",
                 report.message,
                 level=_level(report.where),
-                labels={"where": report.where},
+                # The entry and task fields are the first noted entry's: labels only
+                # where every slot counted is of that entry (or of that task).
+                labels={
+                    "where": report.where,
+                    "entry": report.entry if report.entries == 1 else "",
+                    "task": (report.task or "") if report.one_task else "",
+                },
                 sentry=report.where in TO_SENTRY,
                 count=report.total,
                 key=report.entry,

@@ -26,6 +26,7 @@ import hashlib
 from datetime import datetime, timezone
 
 from celery_exactonce.core import exceptions
+from celery_exactonce.core.refs import JobRef
 
 #: Version tag of the key format, part of both the hashed bytes and the prefix.
 KEY_FORMAT_VERSION = 1
@@ -125,3 +126,8 @@ def digest(key: str, instant: str, namespace: str) -> str:
 
 
 _DOMAIN_PREFIXED = _length_prefixed(_DOMAIN)
+
+
+def occurrence_ref(namespace: str, entry: str, fire_time: datetime) -> JobRef:
+    """The ref of ``entry``'s occurrence at ``fire_time``: its id is its idempotency key."""
+    return JobRef.occurrence(idempotency_key(entry, fire_time, namespace), entry)

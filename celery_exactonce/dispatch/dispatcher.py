@@ -244,6 +244,7 @@ class Dispatcher(DispatchFailures):
                 f"job {job.ref} already taken ({reply.status and reply.status.value})",
                 level=logging.DEBUG,
                 job_id=job.ref.id,
+                task=job.task,
             )
             lost = reply.status is TransitionStatus.LEASE_LOST
             error = (

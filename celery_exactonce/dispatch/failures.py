@@ -70,7 +70,10 @@ class DispatchFailures:
             # Someone (the gate: the message did land after all) moved it on.
             found = result.job.state if result.job else "nothing"
             metrics.event(
-                "rollback_superseded", f"rollback of {job.ref} found {found}", job_id=job.ref.id
+                "rollback_superseded",
+                f"rollback of {job.ref} found {found}",
+                job_id=job.ref.id,
+                task=job.task,
             )
             return result.job
         metrics.event(
@@ -197,6 +200,7 @@ class DispatchFailures:
                     f"could not write {state} for {job.ref}: {exc}",
                     level=logging.WARNING,
                     job_id=job.ref.id,
+                    task=job.task,
                     state=str(state),
                 )
             return [False] * len(listed)

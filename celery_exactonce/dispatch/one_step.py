@@ -119,6 +119,7 @@ class OneStep:
                 "this process publishes through the broker connection from now on",
                 level=logging.WARNING,
                 job_id=new.ref.id,
+                task=new.task,
             )
             return None
         except exceptions.StoreError:

@@ -31,7 +31,7 @@ from celery_exactonce.dispatch.capture import (
     push,
 )
 from celery_exactonce.dispatch.messages import CALL_OPTIONS, INTERNAL_OPTIONS, check_options
-from celery_exactonce.observe import metrics
+from celery_exactonce.observe import metrics, traces
 
 #: Transport commands a publish batch may buffer before kombu flushes it by itself:
 #: far above a chunk's (a message is one to a few), so only :meth:`CeleryPublisher.flush`
@@ -222,6 +222,7 @@ class CeleryPublisher:
                 f"message of {job.ref} not built by capture ({exc}): general path",
                 level=logging.DEBUG,
                 job_id=job.ref.id,
+                task=job.task,
             )
             return None
         finally:
@@ -347,17 +348,23 @@ class CeleryPublisher:
         return PublishFailed(str(exc), definite=connection_refused(exc))
 
     def _send_task(self, job: Job, producer: Any, options: Mapping[str, Any]) -> Any:
-        """Celery's ``send_task`` of ``job`` on ``producer``, kombu's publish retry off."""
-        return self.app.send_task(
-            job.task,
-            args=decode_payload(job.args),
-            kwargs=decode_payload(job.kwargs),
-            task_id=messages.message_task_id(job),
-            producer=producer,
-            retries=job.attempt,
-            retry=False,
-            **options,
-        )
+        """Celery's ``send_task`` of ``job`` on ``producer``, kombu's publish retry off.
+
+        In the trace of the code that submitted the job, if it was in one
+        (:func:`~celery_exactonce.observe.traces.publishing`).
+        """
+        key = (options.get("headers") or {}).get(messages.HEADER_IDEMPOTENCY_KEY)
+        with traces.publishing(job, job.attempt, key):
+            return self.app.send_task(
+                job.task,
+                args=decode_payload(job.args),
+                kwargs=decode_payload(job.kwargs),
+                task_id=messages.message_task_id(job),
+                producer=producer,
+                retries=job.attempt,
+                retry=False,
+                **options,
+            )
 
     def expired(self, job: Job) -> None:
         """Record ``job``, past its deadline and never sent, as a worker records an expired message.
@@ -376,6 +383,7 @@ class CeleryPublisher:
                 f"could not record the expiry of {job.ref} in the result backend: {exc}",
                 level=logging.WARNING,
                 job_id=job.ref.id,
+                task=job.task,
             )
 
     @staticmethod

@@ -4,7 +4,8 @@ Nothing here imports ``prometheus-client``: :mod:`celery_exactonce.observe.prome
 turns these values into metrics on each scrape.
 
 * :class:`StoreGauges`: the records per state and the due backlog
-  (:meth:`StateStore.count_by_state`, :meth:`StateStore.due_backlog`), read
+  (:meth:`StateStore.count_by_state`, :meth:`StateStore.due_backlog`), and on
+  beat each entry's health (:mod:`~celery_exactonce.observe.entry_health`), read
   by one thread of its own when a scrape finds them older than ``max_age``.
   A scrape waits for a read at most ``wait`` seconds and otherwise serves the
   last one; so neither a slow store nor many scrapes load the store or slow
@@ -28,6 +29,7 @@ from collections.abc import Callable
 from celery_exactonce.core import exceptions
 from celery_exactonce.core.states import State
 from celery_exactonce.observe import metrics
+from celery_exactonce.observe.entry_health import EntryHealth, EntryHealthReader
 from celery_exactonce.stores.base import DueBacklog, StateStore
 
 #: Seconds a read of the store's counts is served before a scrape reads again.
@@ -45,6 +47,8 @@ class StoreSnapshot:
     counts: dict[State, int] | None = None
     backlog: DueBacklog | None = None
     error: str | None = None
+    entries: tuple[EntryHealth, ...] = ()
+    """Each beat entry's health, when the gauges have an :class:`EntryHealthReader`."""
 
 
 class StoreGauges:
@@ -61,8 +65,10 @@ class StoreGauges:
         max_age: float = MAX_AGE,
         wait: float = WAIT,
         monotonic: Callable[[], float] = time.monotonic,
+        health: EntryHealthReader | None = None,
     ) -> None:
         self.store = store
+        self.health = health
         self.max_age = max_age
         self.wait = wait
         self._monotonic = monotonic
@@ -117,6 +123,7 @@ class StoreGauges:
         try:
             counts = self.store.count_by_state()
             backlog = self.store.due_backlog()
+            entries = () if self.health is None else tuple(self.health.read())
         except Exception as exc:  # a store error (or a bug) must not end the thread
             level = logging.WARNING if isinstance(exc, exceptions.StoreError) else logging.ERROR
             metrics.event(
@@ -127,7 +134,7 @@ class StoreGauges:
                 exc_info=None if isinstance(exc, exceptions.StoreError) else exc,
             )
             return StoreSnapshot(self._monotonic(), error=f"{type(exc).__name__}: {exc}")
-        return StoreSnapshot(self._monotonic(), counts, backlog)
+        return StoreSnapshot(self._monotonic(), counts, backlog, entries=entries)
 
 
 class BeatGauges:

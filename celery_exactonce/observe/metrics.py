@@ -38,8 +38,12 @@ from typing import Any
 logger = logging.getLogger("celery_exactonce")
 
 #: Label names that may appear on counters: a closed set keeps the metric's
-#: cardinality bounded (a job id is a log field, never a label).
-LABELS = ("phase", "where", "state", "task")
+#: cardinality bounded (task and entry names, never a job id: that is a log field).
+LABELS = ("phase", "where", "state", "task", "entry")
+
+#: Fields an event's counter takes as a label when its ``labels`` do not set it:
+#: field name -> label name (an occurrence's ``key`` is its beat entry).
+FIELD_LABELS = (("task", "task"), ("key", "entry"))
 
 
 class Counters:
@@ -50,9 +54,10 @@ class Counters:
         self._counts: Counter[tuple[str, tuple[tuple[str, str], ...]]] = Counter()
 
     def incr(self, action: str, labels: Mapping[str, str] | None = None, amount: int = 1) -> None:
-        """Add ``amount`` to ``action`` under ``labels`` (only names in :data:`LABELS` count)."""
+        """Add ``amount`` to ``action`` under ``labels`` (only names in :data:`LABELS` count,
+        and an empty value is no label)."""
         if labels:
-            pairs = sorted((k, str(v)) for k, v in labels.items() if k in LABELS)
+            pairs = sorted((k, str(v)) for k, v in labels.items() if k in LABELS and v)
             key = (action, tuple(pairs))
         else:
             key = (action, ())
@@ -140,9 +145,10 @@ def event(
     to Sentry, tagged with the action, the labels and the fields, if the host
     app initialised Sentry (once per burst for :data:`SENTRY_BURSTS`).
     """
-    COUNTERS.incr(action, labels, count)
+    counted = _counted_labels(labels, fields)
+    COUNTERS.incr(action, counted, count)
     for broader in also:
-        COUNTERS.incr(broader, labels, count)
+        COUNTERS.incr(broader, counted, count)
     if logger.isEnabledFor(level):
         extra = {"action": action, **dict(labels or {}), **fields}
         if count != 1:
@@ -161,6 +167,26 @@ def event(
                 tags["held_back"] = held
         text = message % args if args else message
         report_to_sentry(action, text, tags, exc_info, level=level)
+
+
+def _counted_labels(
+    labels: Mapping[str, str] | None, fields: Mapping[str, Any]
+) -> Mapping[str, str] | None:
+    """``labels``, with the :data:`FIELD_LABELS` the event's fields give and ``labels`` leave unset.
+
+    An event names its job's task (``task``) and an occurrence's entry (``key``)
+    as fields; its counter carries them as labels. An event whose ``task`` or
+    ``key`` field stands for more than what it counts (the first of several
+    entries) sets the label itself, empty.
+    """
+    promoted = None
+    for field, label in FIELD_LABELS:
+        value = fields.get(field)
+        if value and (labels is None or label not in labels):
+            if promoted is None:
+                promoted = dict(labels or {})
+            promoted[label] = str(value)
+    return labels if promoted is None else promoted
 
 
 def report_to_sentry(

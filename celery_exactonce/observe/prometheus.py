@@ -33,7 +33,8 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
+from datetime import datetime
 from typing import Any
 
 import prometheus_client
@@ -45,6 +46,7 @@ from celery_exactonce.config import DEFAULT_METRICS_ADDR
 from celery_exactonce.core import exceptions
 from celery_exactonce.core.states import State
 from celery_exactonce.observe import metrics
+from celery_exactonce.observe.entry_health import EntryHealth, EntryHealthReader
 from celery_exactonce.observe.gauges import MAX_AGE, BeatGauges, StoreGauges
 
 #: A snapshot of the store older than this many ``MAX_AGE`` counts as stale (store down).
@@ -113,6 +115,55 @@ class BeatCollector(Collector):
                 due.add_metric([], snapshot.backlog.count)
                 oldest.add_metric([], snapshot.backlog.oldest_age)
         yield from (up, jobs, due, oldest)
+        if self.store.health is not None:
+            yield from entry_families(snapshot.entries if with_values and ok and snapshot else ())
+
+
+#: Beat's per-entry gauges: name, help, the value of an :class:`EntryHealth` (``None``: none).
+ENTRY_GAUGES: tuple[tuple[str, str, Callable[[EntryHealth], float | None]], ...] = (
+    (
+        "exactonce_entry_last_claimed_timestamp_seconds",
+        "The newest slot of the entry any beat node claimed (fire time, UNIX time)",
+        lambda h: _stamp(h.last_claimed),
+    ),
+    (
+        "exactonce_entry_last_success_timestamp_seconds",
+        "The newest slot of the entry seen succeed: SUCCEEDED, or PUBLISHED for an ungated "
+        "task (fire time, UNIX time)",
+        lambda h: _stamp(h.last_success),
+    ),
+    (
+        "exactonce_entry_next_slot_timestamp_seconds",
+        "The entry's next slot (fire time, UNIX time)",
+        lambda h: _stamp(h.next_slot),
+    ),
+    (
+        "exactonce_entry_period_seconds",
+        "Seconds between the entry's next two slots",
+        lambda h: h.period,
+    ),
+    (
+        "exactonce_entry_overdue",
+        "1 when none of the entry's last exactonce_overdue_periods slots succeeded",
+        lambda h: 1.0 if h.overdue else 0.0,
+    ),
+)
+
+
+def _stamp(value: datetime | None) -> float | None:
+    return None if value is None else value.timestamp()
+
+
+def entry_families(found: Iterable[EntryHealth]) -> Iterator[Metric]:
+    """:data:`ENTRY_GAUGES`, labelled ``entry`` and ``task``, for each entry of ``found``."""
+    found = list(found)
+    for name, text, value_of in ENTRY_GAUGES:
+        family = GaugeMetricFamily(name, text, labels=["entry", "task"])
+        for health in found:
+            value = value_of(health)
+            if value is not None:
+                family.add_metric([health.entry, health.task], value)
+        yield family
 
 
 class _Joined(Collector):
@@ -211,11 +262,12 @@ def serve_beat(
     addr: str = DEFAULT_METRICS_ADDR,
     reconcile_here: bool = True,
     max_age: float = MAX_AGE,
+    health: EntryHealthReader | None = None,
 ) -> MetricsServer:
-    """Serve beat's ``/metrics``: the default registry and a :class:`BeatCollector`."""
-    collector = BeatCollector(
-        beat, StoreGauges(store, max_age=max_age), reconcile_here=reconcile_here
-    )
+    """Serve beat's ``/metrics``: the default registry and a :class:`BeatCollector`
+    (each entry's health too, with ``health``)."""
+    gauges = StoreGauges(store, max_age=max_age, health=health)
+    collector = BeatCollector(beat, gauges, reconcile_here=reconcile_here)
     return MetricsServer(
         port, addr, REGISTRY, setting="exactonce_metrics_port", collector=collector
     )

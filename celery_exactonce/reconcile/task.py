@@ -167,6 +167,7 @@ class BeatRunner:
                 f"(again before the next pass): {exc}",
                 level=logging.WARNING,
                 job_id=job.ref.id,
+                task=job.task,
                 state=str(state),
             )
             self._owe([(job.ref, request)])

@@ -56,7 +56,7 @@ from celery_exactonce.core.refs import JobRef
 from celery_exactonce.core.states import State
 from celery_exactonce.core.writes import Transition
 from celery_exactonce.dispatch import messages
-from celery_exactonce.observe import metrics
+from celery_exactonce.observe import metrics, traces
 from celery_exactonce.runtime import Runtime, runtime_for
 from celery_exactonce.stores import settle
 from celery_exactonce.task import atomic, call_options, eager, ends, later, requeues, submit
@@ -152,7 +152,9 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
                 run.later.append(later.as_celery_retry(retry))
                 return self.AsyncResult(self.request.id)
             return self._retry_next_attempt(run, args, kwargs, options)
-        return self._submit(args, kwargs, task_id, link, link_error, shadow, options)
+        task_id = task_id or str(uuid.uuid4())
+        with traces.span("exactonce.submit", job_id=task_id, task=self.name):
+            return self._submit(args, kwargs, task_id, link, link_error, shadow, options)
 
     def _apply_eagerly(
         self,
@@ -289,6 +291,7 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
                 "retry_refused",
                 f"{reason} of {run.ref} refused: the job moved on",
                 job_id=run.ref.id,
+                task=self.name,
             )
             return self.AsyncResult(self.request.id)
         if publish and job.state is State.DISPATCHED:  # a delayed retry waits PENDING
@@ -360,7 +363,9 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
         # otherwise the gate's CAS is brief (no record sent back and decoded). An atomic
         # run (of one of our messages) passes it in the body's transaction.
         atomic_run = self.exactonce_atomic and bool(key) and not request.is_eager
-        job = None if atomic_run else delivery.enter(args, kwargs, brief=bool(key))
+        gate = traces.span("exactonce.gate", job_id=ref.id, task=self.name, attempt=attempt)
+        with gate:
+            job = None if atomic_run else delivery.enter(args, kwargs, brief=bool(key))
         run_id = delivery.run_id  # fresh for this delivery (another if it took its own run over)
         if not key and job is not None:
             key = messages.job_idempotency_key(job, runtime.store.namespace)

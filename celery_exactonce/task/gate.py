@@ -275,6 +275,7 @@ class Delivery:
                 "trying the store and the broker again",
                 level=logging.WARNING,
                 job_id=request.id,
+                task=self.task.name,
             )
             return None
         finally:
@@ -383,4 +384,5 @@ def record_revoke(task: Any, request: Any, *, terminated: bool, expired: bool) -
             f"could not record the revoke of {ref}: {exc}",
             level=logging.WARNING,
             job_id=ref.id,
+            task=task.name,
         )

@@ -106,6 +106,8 @@ def _answered(outcome: Outcome, applied: bool, job: Job | None) -> None:
             state,
             level=logging.DEBUG,
             labels={"state": state.value},
+            task=outcome.task,
+            key=outcome.key,
         )
         return
     # The run no longer owns the job (the reconciler timed it out, a revoke cancelled
@@ -116,6 +118,7 @@ def _answered(outcome: Outcome, applied: bool, job: Job | None) -> None:
         f"late outcome {state} of {ref} ignored: the job is {current}",
         level=logging.WARNING,
         job_id=ref.id,
+        task=outcome.task,
         state=str(state),
     )
     if job is not None:

@@ -65,6 +65,7 @@ def requeue(
         "requeued",
         f"{task.name} rejected {ref} with requeue: running it again as attempt {attempt + 1}",
         job_id=ref.id,
+        task=task.name,
     )
     next_attempt(reason=f"requeued: {exc.reason}", requeued=True)
     raise Ignore()

@@ -38,7 +38,7 @@ from celery_exactonce.core.writes import NewJob
 from celery_exactonce.dispatch import messages
 from celery_exactonce.dispatch.one_step import ENQUEUED
 from celery_exactonce.dispatch.outcomes import Enqueued
-from celery_exactonce.observe import metrics
+from celery_exactonce.observe import metrics, traces
 from celery_exactonce.policy import task_policy
 from celery_exactonce.runtime import Runtime
 from celery_exactonce.stores import settle
@@ -131,6 +131,9 @@ def new_job(
     delayed = not eager and eta is not None and eta > datetime.now(timezone.utc)
     stored[messages.GATED_OPTION] = True
     stored[messages.POLICY_OPTION] = task_policy(task)
+    carrier = traces.capture()
+    if carrier is not None:  # the submitter's trace goes on wherever the job is published
+        stored[traces.TRACE_OPTION] = carrier
     reason = "apply_async (eager)" if eager else "apply_async"
     return NewJob(
         ref,

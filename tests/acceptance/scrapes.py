@@ -12,7 +12,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.acceptance.harness import poll
 
 Sample = tuple[str, tuple[tuple[str, str], ...]]
-LABELS = ("phase", "where", "state", "task")
 
 #: Seconds a scrape may take to show what the test waits for (store counts are
 #: read at most every 5 s; a beat or worker needs a few seconds to start).
@@ -40,10 +39,15 @@ def scrape(port: int) -> dict[Sample, float] | None:
     }
 
 
-def event(action: str, **labels: str) -> Sample:
-    """The sample of ``exactonce_events_total`` for ``action`` (unset labels are blank)."""
-    values = {"action": action, **dict.fromkeys(LABELS, ""), **labels}
-    return ("exactonce_events_total", tuple(sorted(values.items())))
+def count(samples: dict[Sample, float], action: str, **labels: str) -> float:
+    """``exactonce_events_total`` of ``action``, summed over every series with ``labels``
+    (whatever its other labels: the task, the entry...)."""
+    wanted = {("action", action), *labels.items()}
+    return sum(
+        value
+        for (name, found), value in samples.items()
+        if name == "exactonce_events_total" and wanted <= set(found)
+    )
 
 
 def jobs(state: str) -> Sample:

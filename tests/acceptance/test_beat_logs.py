@@ -29,7 +29,7 @@ from celery_exactonce.core.states import State
 from tests.acceptance import beats as b
 from tests.acceptance import scrapes
 from tests.acceptance.harness import BeatProcess, Deployment, Ledger, poll
-from tests.acceptance.scrapes import Sample, event, jobs
+from tests.acceptance.scrapes import Sample, count, jobs
 
 ENTRIES = 10
 START_MARGIN = 2
@@ -147,11 +147,12 @@ def assert_metrics_moved(
     first: dict[int, dict[Sample, float]], worker: int, beats: dict[int, BeatProcess]
 ) -> None:
     """Scraped again, every beat's and the worker's counters and gauges have moved."""
-    completed = event("completed", state="SUCCEEDED")
-    decided = (event("dispatched"), event("slot_already_claimed"))  # won, or found taken
 
-    def claims(samples: dict[Sample, float]) -> float:
-        return sum(samples.get(sample, 0) for sample in decided)
+    def completed(samples: dict[Sample, float]) -> float:
+        return count(samples, "completed", state="SUCCEEDED")
+
+    def claims(samples: dict[Sample, float]) -> float:  # won, or found taken
+        return count(samples, "dispatched") + count(samples, "slot_already_claimed")
 
     for port, beat in beats.items():
         tick = ("exactonce_beat_last_tick_timestamp_seconds", (("node", beat.node),))
@@ -167,4 +168,4 @@ def assert_metrics_moved(
             )
 
         scrapes.scrape_until(port, moved)
-    scrapes.scrape_until(worker, lambda s: s.get(completed, 0) > first[worker].get(completed, 0))
+    scrapes.scrape_until(worker, lambda s: completed(s) > completed(first[worker]))

@@ -13,12 +13,14 @@ a deadline until the next one shows every value moved.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
 
 from tests.acceptance.harness import Deployment, poll
-from tests.acceptance.scrapes import event, free_port, jobs, scrape_until, total
+from tests.acceptance.scrapes import Sample, count, free_port, jobs, scrape_until, total
+from tests.support import promtool
 
 
 @pytest.mark.timeout(170)
@@ -60,32 +62,28 @@ def test_scrapes_of_beat_and_of_a_prefork_worker_show_counters_and_gauges_moving
     assert worker.alive()
 
     # When both are scraped once things run, and again later
-    completed, last_pass = (
-        event("completed", state="SUCCEEDED"),
-        (
-            "exactonce_reconcile_last_pass_timestamp_seconds",
-            (),
-        ),
-    )
+    last_pass = ("exactonce_reconcile_last_pass_timestamp_seconds", ())
+
+    def completed(samples: dict[Sample, float]) -> float:  # each with its task as a label
+        return count(samples, "completed", state="SUCCEEDED", task="gated_beat")
+
     tick = ("exactonce_beat_last_tick_timestamp_seconds", (("node", beat.node),))
     first_beat = scrape_until(
         beat_port,
         lambda s: (
-            s.get(event("dispatched"), 0) > 0
+            count(s, "dispatched", task="gated_beat", entry="beat-00") > 0
             and s.get(("exactonce_store_up", ()), 0) == 1
             and s.get(jobs("SUCCEEDED"), 0) > 0
             and tick in s
         ),
     )
-    first_worker = scrape_until(
-        worker_port, lambda s: s.get(completed, 0) > 0 and s.get(last_pass, 0) > 0
-    )
+    first_worker = scrape_until(worker_port, lambda s: completed(s) > 0 and s.get(last_pass, 0) > 0)
 
     # Then beat's counters and gauges moved: dispatches, its tick, the store's counts
     second_beat = scrape_until(
         beat_port,
         lambda s: (
-            s.get(event("dispatched"), 0) > first_beat[event("dispatched")]
+            count(s, "dispatched") > count(first_beat, "dispatched")
             and s.get(tick, 0) > first_beat[tick]
             and s.get(jobs("SUCCEEDED"), 0) > first_beat[jobs("SUCCEEDED")]
         ),
@@ -97,11 +95,10 @@ def test_scrapes_of_beat_and_of_a_prefork_worker_show_counters_and_gauges_moving
     second_worker = scrape_until(
         worker_port,
         lambda s: (
-            s.get(completed, 0) > first_worker[completed]
-            and s.get(last_pass, 0) > first_worker[last_pass]
+            completed(s) > completed(first_worker) and s.get(last_pass, 0) > first_worker[last_pass]
         ),
     )
-    assert second_worker[completed] > first_worker[completed] > 0
+    assert completed(second_worker) > completed(first_worker) > 0
     assert len(list(multiproc.glob("counter_*.db"))) >= 2  # the children's own files
 
 
@@ -150,3 +147,113 @@ def listening_sockets() -> set[str]:
             octets = [str(int(address[i : i + 2], 16)) for i in (6, 4, 2, 0)]
             found.add(f"{'.'.join(octets)}:{int(port, 16)}")
     return found
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.acceptance_matrix(brokers=("redis",), stores=("redis",))
+def test_an_entry_whose_task_always_fails_turns_overdue_and_fires_the_shipped_alert(
+    deployment: Deployment, tmp_path: Path, gate: None
+) -> None:
+    """Issue 31: within a 60 s run, the failing entry's ``overdue`` gauge turns on (a healthy
+    entry's stays off), and the shipped ``ExactonceEntryOverdue`` rule, fed what was scraped,
+    fires for it alone (``promtool test rules``)."""
+    promtool.promtool()  # before anything starts: skipped (failed in CI) without it
+    port = free_port()
+    conf = {"exactonce_metrics_port": port, "exactonce_overdue_periods": 2}
+    # Given a beat serving /metrics with, every second, a gated entry that succeeds, an
+    # ungated one, and a gated one whose task always raises; and a worker
+    deployment.start_beat(
+        every=1,
+        extra_env={
+            "EXACTONCE_ACC_BEAT_EXTRA": "failing",
+            "EXACTONCE_ACC_EXTRA_CONF": json.dumps(conf),
+        },
+    )
+    deployment.start_worker(concurrency=2)
+
+    # When its gauges are scraped until the failing entry is overdue (60 s at most)
+    def gauge(samples: dict[Sample, float], name: str, entry: str, task: str) -> float | None:
+        return samples.get((f"exactonce_entry_{name}", (("entry", entry), ("task", task))))
+
+    entries = {
+        "always-failing": "gated_failing",
+        "gated-every": "gated_record",
+        "plain-every": "plain_record",
+    }
+    samples = scrape_until(
+        port,
+        lambda s: (
+            gauge(s, "overdue", "always-failing", "gated_failing") == 1.0
+            and all(
+                gauge(s, "last_success_timestamp_seconds", e, t)
+                for e, t in entries.items()
+                if e != "always-failing"
+            )
+        ),
+    )
+
+    # Then only the failing entry is overdue; each healthy one has a recent success
+    now = time.time()
+    for entry, task in entries.items():
+        claimed = gauge(samples, "last_claimed_timestamp_seconds", entry, task)
+        assert claimed is not None and now - claimed < 30, (entry, claimed)
+        assert gauge(samples, "period_seconds", entry, task) == 1.0
+        assert gauge(samples, "next_slot_timestamp_seconds", entry, task) is not None
+        overdue = gauge(samples, "overdue", entry, task)
+        assert overdue == (1.0 if entry == "always-failing" else 0.0), (entry, overdue)
+    assert (
+        gauge(samples, "last_success_timestamp_seconds", "always-failing", "gated_failing") is None
+    )
+    # ... each failed run counted under its task and entry
+    assert count(samples, "dispatched", task="gated_failing", entry="always-failing") > 0
+    # ... and the shipped rule, evaluated over what was scraped, fires for it alone
+    rule_test = {
+        "rule_files": [str(promtool.RULES)],
+        "evaluation_interval": "1m",
+        "tests": [
+            {
+                "interval": "1m",
+                "input_series": [
+                    promtool.series(
+                        "exactonce_entry_overdue",
+                        {"entry": entry, "task": task, "instance": f"127.0.0.1:{port}"},
+                        f"{gauge(samples, 'overdue', entry, task):g}x3",
+                    )
+                    for entry, task in entries.items()
+                ],
+                "alert_rule_test": [
+                    {
+                        "eval_time": "2m",
+                        "alertname": "ExactonceEntryOverdue",
+                        "exp_alerts": [
+                            {
+                                "exp_labels": {
+                                    "severity": "warning",
+                                    "entry": "always-failing",
+                                    "task": "gated_failing",
+                                },
+                                "exp_annotations": overdue_annotations(
+                                    "always-failing", "gated_failing"
+                                ),
+                            }
+                        ],
+                    }
+                ],
+            }
+        ],
+    }
+    path = tmp_path / "overdue_test.yml"
+    path.write_text(json.dumps(rule_test), encoding="utf-8")  # JSON is YAML
+    result = promtool.run("test", "rules", path)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def overdue_annotations(entry: str, task: str) -> dict[str, str]:
+    """The annotations alerts.yml gives ``ExactonceEntryOverdue`` for ``entry``."""
+    return {
+        "summary": f"Beat entry {entry} ({task}) has not succeeded lately",
+        "description": (
+            f"None of the last slots of {entry} succeeded. Its jobs: "
+            f"celery -A APP exactonce jobs --entry {entry}"
+        ),
+    }

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import re
+from datetime import timezone
 from pathlib import Path
 from typing import Any
 
 from prometheus_client.registry import REGISTRY
 
 from celery_exactonce.observe import metrics, prometheus
+from celery_exactonce.observe.entry_health import EntryHealthReader
 from celery_exactonce.observe.gauges import BeatGauges, StoreGauges
 from celery_exactonce.stores import InMemoryStore
 
@@ -19,7 +21,9 @@ DASHBOARD = Path(__file__).resolve().parents[2] / "examples" / "grafana" / "cele
 def exported() -> set[str]:
     """Every sample name the package exports: beat's gauges, the counter, the last pass."""
     metrics.ensure_prometheus()
-    collector = prometheus.BeatCollector(BeatGauges("n"), StoreGauges(InMemoryStore()))
+    store = InMemoryStore()
+    health = EntryHealthReader(store, dict, tz=timezone.utc, periods=2)
+    collector = prometheus.BeatCollector(BeatGauges("n"), StoreGauges(store, health=health))
     families = [*collector.describe(), *REGISTRY.collect()]
     names = set()
     for family in families:

@@ -176,6 +176,7 @@ RULES = (
     Rule("core is pure: it imports only core", ("core",), ("core", "schedules")),
     Rule("the public schedules are core: they import only core", ("schedules",), ("core",)),
     Rule("metrics is a leaf: every layer reports through it", ("observe.metrics",), ()),
+    Rule("traces is a leaf: every layer's spans go through it", ("observe.traces",), ()),
     Rule("stores stand on core alone", ("stores",), ("stores", "core", "observe.metrics")),
     Rule(
         "one store backend does not import another",
@@ -185,7 +186,7 @@ RULES = (
     Rule(
         "dispatch stands on stores and core",
         ("dispatch",),
-        ("dispatch", "stores", "core", "observe.metrics"),
+        ("dispatch", "stores", "core", "observe.metrics", "observe.traces"),
     ),
     Rule(
         "plumbing stands below the task, beat and the reconciler",

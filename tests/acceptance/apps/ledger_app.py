@@ -26,7 +26,9 @@ For ``celery beat -S exactonce`` (``harness.BeatProcess`` sets these):
                                        ``gated-every`` and ``plain-every``.
 ``EXACTONCE_ACC_BEAT_EXTRA``           comma-separated names of :data:`EXTRA_ENTRIES` sets to add
                                        to the schedule: ``typed`` (arguments kombu's JSON
-                                       carries), or one bad entry (``bad-argument``,
+                                       carries), ``failing`` (``always-failing``, of the
+                                       gated ``gated_failing``, which always raises), or
+                                       one bad entry (``bad-argument``,
                                        ``long-name``, ``control-name``, ``retry-option``,
                                        ``unknown-field``, ``text-schedule``)
 ``EXACTONCE_ACC_EVENTS``               file to append every ``celery_exactonce`` log record
@@ -222,6 +224,8 @@ def extra_entries(name: str, every: float) -> dict[str, dict[str, Any]]:
             }
             for kind in ("gated", "plain")
         }
+    if name == "failing":
+        return {"always-failing": {"task": "gated_failing", "schedule": every, "args": (name,)}}
     entry: dict[str, Any] = {"task": "plain_record", "schedule": every, "args": (name,)}
     if name == "bad-argument":
         entry["args"] = ({"a", "set"},)  # neither JSON nor kombu's JSON holds a set
@@ -336,6 +340,12 @@ def _register_tasks(app: Celery, ledger_path: str, *, gated: bool = True) -> Non
     def gated_redispatch(self: Task, *args: Any) -> None:
         """``gated_record`` opted in to the reconciler's redispatch of a stale message."""
         _record(self, ledger_path, "run", args)
+
+    @app.task(bind=True, shared=False, base=gate, name="gated_failing")
+    def gated_failing(self: Task, *args: Any) -> None:
+        """Raises, every time: its job ends ``FAILED``."""
+        _record(self, ledger_path, "run", args)
+        raise RuntimeError("fails on purpose, every time")
 
     @app.task(bind=True, shared=False, base=gate, name="gated_retry")
     def gated_retry(self: Task, n_fail: int, countdown: float, stage: int = 0) -> None:

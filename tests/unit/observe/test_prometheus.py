@@ -170,8 +170,16 @@ def test_beat_serves_metrics_on_its_port_and_stops_with_the_scheduler() -> None:
         assert first[("exactonce_store_up", ())] == 1.0
         tick = ("exactonce_beat_last_tick_timestamp_seconds", (("node", node._runtime.node),))
         assert first[tick] > 0
-        assert first[("exactonce_events_total", _with(action="dispatched"))] >= 3
+        # each dispatch counted under its task and entry (never its job id)
+        dispatched = _with(action="dispatched", task="plain.t", entry="tick")
+        assert first[("exactonce_events_total", dispatched)] >= 3
         assert sum(v for (name, _), v in first.items() if name == "exactonce_jobs") >= 3
+        # ... and the entry's health: claimed, published (it is ungated), not overdue
+        entry = (("entry", "tick"), ("task", "plain.t"))
+        assert first[("exactonce_entry_last_claimed_timestamp_seconds", entry)] > 0
+        assert first[("exactonce_entry_last_success_timestamp_seconds", entry)] > 0
+        assert first[("exactonce_entry_period_seconds", entry)] == 1.0
+        assert first[("exactonce_entry_overdue", entry)] == 0.0
     finally:
         node.close()
     with pytest.raises(urllib.error.URLError):
