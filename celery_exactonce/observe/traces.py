@@ -17,8 +17,9 @@ time as attributes.
 Our own spans (:func:`span`): ``exactonce.submit``, ``exactonce.claim``,
 ``exactonce.dispatch`` and ``exactonce.gate``, with the job id, the
 idempotency key, the attempt, and for an occurrence the entry and fire time
-(:data:`ATTRIBUTES`). Without ``opentelemetry-api`` every function here is
-a no-op costing one flag test, and nothing imports it.
+(:data:`ATTRIBUTES`). Without ``opentelemetry-api``, or with it and no tracer
+provider set up, every function here is a no-op costing a flag test (and an
+``isinstance``); without it nothing imports it.
 """
 
 from __future__ import annotations
@@ -44,26 +45,43 @@ ATTRIBUTES = {
 
 _api: Any = None
 _checked = False
+#: The tracer providers that record nothing: the API's stand-in before an application
+#: sets one, and the no-op one. With either, nothing here does any work.
+_inert: tuple[type, ...] = ()
+_tracer: Any = None
 
 
 def _opentelemetry() -> Any:
     """The ``opentelemetry`` API modules (``trace``, ``propagate``, ``context``), or ``None``."""
-    global _api, _checked  # noqa: PLW0603  (one answer per process)
+    global _api, _checked, _inert  # noqa: PLW0603  (one answer per process)
     if not _checked:
         if importlib.util.find_spec("opentelemetry") is not None:
             try:
                 from opentelemetry import context, propagate, trace
 
                 _api = (trace, propagate, context)
+                _inert = (trace.ProxyTracerProvider, trace.NoOpTracerProvider)
             except ImportError:  # a namespace package without the API
                 _api = None
         _checked = True
     return _api
 
 
+def _tracing() -> Any:
+    """The API modules where this process records spans (a tracer provider is set), or ``None``.
+
+    Many packages depend on ``opentelemetry-api``: installed with no provider set
+    up, it costs a flag test and an ``isinstance``, not a span per call.
+    """
+    api = _opentelemetry()
+    if api is None or isinstance(api[0].get_tracer_provider(), _inert):
+        return None
+    return api
+
+
 def capture() -> dict[str, str] | None:
     """The current trace context as a carrier to store with a job; ``None`` outside a trace."""
-    api = _opentelemetry()
+    api = _tracing()
     if api is None:
         return None
     trace, propagate, _ = api
@@ -76,7 +94,7 @@ def capture() -> dict[str, str] | None:
 
 def restored(carrier: Mapping[str, Any] | None) -> contextlib.AbstractContextManager[None]:
     """The context stored in ``carrier`` is the current one inside (nothing without one)."""
-    api = _opentelemetry()
+    api = _tracing()
     if api is None or not carrier:
         return contextlib.nullcontext()
     return _attached(api, carrier)
@@ -97,7 +115,8 @@ def span(
 ) -> contextlib.AbstractContextManager[Any]:
     """A span ``name`` around the block (``root``: of a trace of its own), with
     :data:`ATTRIBUTES` set from ``attributes`` (``None`` values left out)."""
-    api = _opentelemetry()
+    global _tracer  # noqa: PLW0603  (one per process: the API's tracer follows its provider)
+    api = _tracing()
     if api is None:
         return contextlib.nullcontext()
     trace, _, context = api
@@ -108,10 +127,11 @@ def span(
         for key, value in attributes.items()
         if value is not None
     }
-    tracer = trace.get_tracer("celery_exactonce")
+    if _tracer is None:
+        _tracer = trace.get_tracer("celery_exactonce")
     start = context.Context() if root else None
     # An exception through our spans is not theirs to mark (a duplicate's Ignore, a retry).
-    return tracer.start_as_current_span(  # type: ignore[no-any-return]
+    return _tracer.start_as_current_span(  # type: ignore[no-any-return]
         name,
         context=start,
         attributes=values,
@@ -123,7 +143,7 @@ def span(
 def publishing(job: Any, attempt: int, key: str | None) -> contextlib.AbstractContextManager[Any]:
     """Around the publish of ``job``: its submitter's context, and an ``exactonce.dispatch``
     span in it (an occurrence's: the root of its own trace, with the entry and fire time)."""
-    if _opentelemetry() is None:
+    if _tracing() is None:
         return contextlib.nullcontext()
     stack = contextlib.ExitStack()
     carrier = job.options.get(TRACE_OPTION)
