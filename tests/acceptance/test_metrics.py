@@ -254,6 +254,6 @@ def overdue_annotations(entry: str, task: str) -> dict[str, str]:
         "summary": f"Beat entry {entry} ({task}) has not succeeded lately",
         "description": (
             f"None of the last slots of {entry} succeeded. Its jobs: "
-            f"celery -A APP exactonce jobs --entry {entry}"
+            f"celery -A APP exactonce jobs --key {entry}"
         ),
     }
