@@ -27,13 +27,11 @@ from typing import Any
 
 from celery_exactonce import config as config_module
 from celery_exactonce.core import exceptions, keys, refs, slots
-from celery_exactonce.core.jobs import Job
 from celery_exactonce.core.refs import JobRef
 from celery_exactonce.core.states import State
 from celery_exactonce.core.writes import NewJob
 from celery_exactonce.dispatch.messages import GATED_OPTION, POLICY_OPTION, check_options
 from celery_exactonce.policy import TASK_FLAGS, TASK_TIMEOUTS, check_timeouts
-from celery_exactonce.stores.base import StateStore
 
 #: Entry option key holding per-entry overrides.
 ENTRY_OPTIONS = "exactonce"
@@ -52,13 +50,6 @@ _BEAT_OPTIONS = frozenset({ENTRY_OPTIONS, INTERNAL_OPTION})
 def occurrence_id(namespace: str, entry: str, fire_time: datetime) -> str:
     """The job id (Celery ``task_id``) of an occurrence: its idempotency key."""
     return keys.idempotency_key(entry, fire_time, namespace)
-
-
-def last_occurrence(store: StateStore, entry: str, fire: datetime | None) -> Job | None:
-    """The job of ``entry``'s slot at ``fire`` (its watermark), if it is still kept."""
-    if fire is None:
-        return None
-    return store.get(keys.occurrence_ref(store.namespace, entry, fire))
 
 
 @dataclasses.dataclass(frozen=True)

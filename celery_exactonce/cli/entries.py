@@ -1,8 +1,8 @@
 """The beat entries the CLI shows: ``beat_schedule``, beat's own, django-celery-beat's rows.
 
 :func:`beat_entries` gives each entry beat would run, by name, as a
-``celery.beat.ScheduleEntry`` (or the error that refuses it); :func:`with_last` adds
-the job of each one's watermark, the last slot any node claimed.
+``celery.beat.ScheduleEntry`` (or the error that refuses it); :func:`last_occurrence`
+reads the job of an entry's watermark, the last slot any node claimed.
 """
 
 from __future__ import annotations
@@ -13,10 +13,9 @@ from typing import Any
 
 from celery import beat
 
-from celery_exactonce.beat.entries import last_occurrence
 from celery_exactonce.beat.scheduler import internal_entries
 from celery_exactonce.config import ExactOnceConfig
-from celery_exactonce.core import exceptions
+from celery_exactonce.core import exceptions, keys
 from celery_exactonce.core.jobs import Job
 from celery_exactonce.stores.base import StateStore
 
@@ -90,3 +89,10 @@ def with_last(
         mark = marks.get(e.name)
         found.append((e, mark, last_occurrence(store, e.name, mark)))
     return found
+
+
+def last_occurrence(store: StateStore, entry: str, fire: datetime | None) -> Job | None:
+    """The job of ``entry``'s slot at ``fire`` (its watermark), if it is still kept."""
+    if fire is None:
+        return None
+    return store.get(keys.occurrence_ref(store.namespace, entry, fire))

@@ -354,7 +354,7 @@ class CeleryPublisher:
         (:func:`~celery_exactonce.observe.traces.publishing`).
         """
         key = (options.get("headers") or {}).get(messages.HEADER_IDEMPOTENCY_KEY)
-        with traces.publishing(job, job.attempt, key):
+        with traces.publishing(job, key):
             return self.app.send_task(
                 job.task,
                 args=decode_payload(job.args),

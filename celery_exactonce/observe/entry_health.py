@@ -78,6 +78,10 @@ class EntryHealthReader:
         self._open: dict[str, datetime] = {}
         self._read: dict[str, datetime] = {}
         self._since: dict[str, datetime] = {}
+        #: Per entry: its schedule, next slot and period, kept until that slot passes
+        #: (or the schedule is replaced): a read computes slots only for the entries
+        #: whose next slot came, not for every entry.
+        self._slots: dict[str, tuple[Any, datetime, float | None]] = {}
 
     def read(self) -> list[EntryHealth]:
         """Every entry's health now (:class:`~celery_exactonce.core.exceptions.StoreError`
@@ -87,7 +91,7 @@ class EntryHealthReader:
         marks = self.store.watermarks(list(schedule))
         for name in list(self._since):
             if name not in schedule:  # removed from the schedule: forget it
-                for seen in (self._succeeded, self._open, self._read, self._since):
+                for seen in (self._succeeded, self._open, self._read, self._since, self._slots):
                     seen.pop(name, None)
         found = []
         for name, entry in schedule.items():
@@ -111,15 +115,26 @@ class EntryHealthReader:
         elif not job.state.terminal:
             self._open[name] = mark
 
-    def _health(self, name: str, entry: Any, mark: datetime | None, now: datetime) -> EntryHealth:
-        upcoming = period = None
+    def _next(
+        self, name: str, schedule: Any, now: datetime
+    ) -> tuple[datetime | None, float | None]:
+        """``name``'s next slot after ``now`` and its period (``None``: none left, or refused)."""
+        kept = self._slots.get(name)
+        if kept is not None and kept[0] is schedule and kept[1] > now:
+            return kept[1], kept[2]
         try:
-            upcoming = slots.next_slot(entry.schedule, now, tz=self.tz, entry=name)
-            if upcoming is not None:
-                after = slots.next_slot(entry.schedule, upcoming, tz=self.tz, entry=name)
-                period = None if after is None else (after - upcoming).total_seconds()
+            upcoming = slots.next_slot(schedule, now, tz=self.tz, entry=name)
+            if upcoming is None:
+                return None, None
+            after = slots.next_slot(schedule, upcoming, tz=self.tz, entry=name)
         except exceptions.ConfigurationError:  # beat refuses it: no slot to show
-            pass
+            return None, None
+        period = None if after is None else (after - upcoming).total_seconds()
+        self._slots[name] = (schedule, upcoming, period)
+        return upcoming, period
+
+    def _health(self, name: str, entry: Any, mark: datetime | None, now: datetime) -> EntryHealth:
+        upcoming, period = self._next(name, entry.schedule, now)
         success = self._succeeded.get(name)
         since = success or self._since[name]
         overdue = period is not None and (now - since).total_seconds() > (self.periods + 1) * period

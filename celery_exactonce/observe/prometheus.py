@@ -102,6 +102,7 @@ class BeatCollector(Collector):
             "exactonce_oldest_due_job_age_seconds",
             "Seconds the oldest due delayed job has waited past its run_at (store time)",
         )
+        shown: tuple[EntryHealth, ...] = ()
         if with_values:
             snapshot = self.store.read()
             fresh = snapshot is not None and (
@@ -114,9 +115,11 @@ class BeatCollector(Collector):
                     jobs.add_metric([state.value], snapshot.counts.get(state, 0))
                 due.add_metric([], snapshot.backlog.count)
                 oldest.add_metric([], snapshot.backlog.oldest_age)
+            if ok and snapshot is not None:
+                shown = snapshot.entries
         yield from (up, jobs, due, oldest)
         if self.store.health is not None:
-            yield from entry_families(snapshot.entries if with_values and ok and snapshot else ())
+            yield from entry_families(shown)
 
 
 #: Beat's per-entry gauges: name, help, the value of an :class:`EntryHealth` (``None``: none).

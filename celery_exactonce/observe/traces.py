@@ -140,7 +140,7 @@ def span(
     )
 
 
-def publishing(job: Any, attempt: int, key: str | None) -> contextlib.AbstractContextManager[Any]:
+def publishing(job: Any, key: str | None) -> contextlib.AbstractContextManager[Any]:
     """Around the publish of ``job``: its submitter's context, and an ``exactonce.dispatch``
     span in it (an occurrence's: the root of its own trace, with the entry and fire time)."""
     if _tracing() is None:
@@ -154,7 +154,7 @@ def publishing(job: Any, attempt: int, key: str | None) -> contextlib.AbstractCo
             root=carrier is None and job.entry is not None,
             job_id=job.ref.id,
             task=job.task,
-            attempt=attempt,
+            attempt=job.attempt,
             idempotency_key=key,
             entry=job.entry,
             fire_time=None if job.fire_time is None else job.fire_time.isoformat(),

@@ -159,3 +159,19 @@ def test_beat_serves_each_entrys_gauges_labelled_with_entry_and_task() -> None:
     assert values[("exactonce_entry_next_slot_timestamp_seconds", labels)] == next_slot
     assert values[("exactonce_entry_period_seconds", labels)] == 60.0
     assert values[("exactonce_entry_overdue", labels)] == 0.0
+
+
+def test_an_entrys_next_slot_is_computed_again_once_it_passes_or_the_schedule_changes() -> None:
+    schedule_now = {"a": entry("a", "tasks.a", schedule(timedelta(minutes=1)))}
+    clock = FrozenClock(START + timedelta(seconds=1))
+    store = InMemoryStore("health", clock=clock)
+    reader = EntryHealthReader(store, lambda: dict(schedule_now), tz=timezone.utc, periods=2)
+    assert by_entry(reader.read())["a"].next_slot == START + timedelta(minutes=1)
+    clock.advance(58)  # still before it
+    assert by_entry(reader.read())["a"].next_slot == START + timedelta(minutes=1)
+    clock.advance(2)  # past it
+    assert by_entry(reader.read())["a"].next_slot == START + timedelta(minutes=2)
+    # a re-timed entry (a new schedule) is computed at once, whatever was kept
+    schedule_now["a"] = entry("a", "tasks.a", schedule(timedelta(seconds=10)))
+    health = by_entry(reader.read())["a"]
+    assert health.period == 10.0 and health.next_slot == START + timedelta(minutes=1, seconds=10)
