@@ -1,7 +1,8 @@
 """ExactOnceScheduler: leaderless beat; every node ticks, the store decides who dispatches.
 
 Load it with ``beat_scheduler = "exactonce"`` (or ``celery beat -S exactonce``).
-It reads the ordinary ``beat_schedule``. Every node derives the same nominal
+It reads the ordinary ``beat_schedule``, and the entries stored at run time
+(:mod:`~celery_exactonce.beat.stored`). Every node derives the same nominal
 slots (:mod:`celery_exactonce.core.slots`), claims each due one with a
 create-if-absent that also checks the store epoch and advances the entry's
 durable watermark, and dispatches the claims it won through the dispatch path
@@ -31,9 +32,8 @@ A node that has not decided an entry's slots lately (it started, or fell behind)
 starts from the entry's store watermark: what is at or below it was decided by
 whoever claimed it, and is neither planned nor counted again. A claim that
 fails on a store error leaves its slot undecided: the next tick inside the window tries
-again (fail closed). Entries added at run time through Celery's
-``Scheduler.add`` or ``update_from_dict`` join the heap on the next tick, each
-pushed again alone.
+again (fail closed). Entries added at run time (stored ones, or through Celery's
+``Scheduler.add`` or ``update_from_dict``) join the heap on the next tick.
 
 After the slots, each tick sweeps the due delayed jobs (``ExactOnceTask``
 submissions and retries with an ``eta`` or ``countdown``): claimed in
@@ -48,8 +48,6 @@ reconciler's to resolve: beat runs it too, as an internal entry
 from __future__ import annotations
 
 import logging
-import signal
-import threading
 from collections.abc import Mapping
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -64,8 +62,10 @@ from celery_exactonce.beat.claimer import Claimer, fail_closed
 from celery_exactonce.beat.due_heap import DueHeap
 from celery_exactonce.beat.entries import ENTRY_OPTIONS, INTERNAL_OPTION, EntryPolicy
 from celery_exactonce.beat.planner import Plan
+from celery_exactonce.beat.sigterm import HeldSigterm
 from celery_exactonce.beat.skips import SkipTally
 from celery_exactonce.beat.store_loss import StoreLossGuard
+from celery_exactonce.beat.stored import StoredEntries
 from celery_exactonce.config import ExactOnceConfig
 from celery_exactonce.core import exceptions, slots
 from celery_exactonce.observe import metrics
@@ -134,14 +134,14 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
         self._due = DueHeap()
         self._heap_ready = False  # False: every entry's next slot is computed again next tick
         self._stale: set[str] = set()  # entries changed at run time: pushed again next tick
-        self._in_tick = False
-        self._stop_requested = False
+        self._sigterm = HeldSigterm()
         self._started = False
+        self._stored: StoredEntries | None = None  # made with the schedule
         try:
             super().__init__(app, *args, **kwargs)  # setup_schedule checks every entry
         except exceptions.ConfigurationError as exc:  # a bad entry: refused as a bad setting is
             startup.refuse("beat", exc)
-        self._install_sigterm()
+        self._sigterm.install()
         self._gauges = BeatGauges(self._runtime.node)
         # Not for the lazy instance `celery beat` builds only to print its banner.
         lazy = kwargs.get("lazy", False)
@@ -156,7 +156,10 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
     # -- celery.beat.Scheduler interface ---------------------------------------------
 
     def setup_schedule(self) -> None:
+        """``beat_schedule`` and the stored entries; a name in both refuses beat, naming it."""
         self._setup_entries(self.app.conf.beat_schedule)
+        self._stored = StoredEntries(self._runtime.store, frozenset(self.schedule))
+        self._stored.start(self)
 
     def _setup_entries(self, schedule: Mapping[str, Any]) -> None:
         """Start from ``schedule`` and beat's own entries, each checked (a bad one raises)."""
@@ -216,12 +219,19 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
         self._due.discard(name)
         self._stale.discard(name)
 
+    def drop_entry(self, name: str) -> None:
+        """Take entry ``name`` out of the schedule (a stored one removed or paused)."""
+        if self.schedule.pop(name, None) is not None:
+            self._forget(name)
+
     def _tick_started(self, now: datetime) -> None:
         """A tick read the store's clock (``now``) and will plan next; the schedule may change.
 
-        Nothing to do here: a scheduler that keeps its entries elsewhere (the
-        django-celery-beat one) reads them again, with the tick's store time.
+        The stored entries are read again if they changed (a scheduler that keeps
+        its entries elsewhere, the django-celery-beat one, reads those instead).
         """
+        if self._stored is not None:
+            self._stored.tick(self)
 
     def _claimed(self, plans: list[Plan]) -> None:
         """After a tick's claims and their dispatch; each plan's :attr:`Plan.claimed` slots.
@@ -258,33 +268,11 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
         every claim made in it is dispatched (never left half-done by an
         exception raised mid-claim); then beat stops.
         """
-        self._in_tick = True
         try:
-            return self._tick()
+            with self._sigterm.ticking():
+                return self._tick()
         finally:
-            self._in_tick = False
             self._gauges.ticked()
-            if self._stop_requested:
-                metrics.event(
-                    "beat_stopping",
-                    "SIGTERM arrived during a tick: its claims are dispatched, beat stops",
-                )
-                raise SystemExit(0)
-
-    def _install_sigterm(self) -> None:
-        """Replace Celery's SIGTERM handler, which raises SystemExit wherever beat is."""
-        if threading.current_thread() is not threading.main_thread():
-            return  # embedded (beat -B in a worker thread): the host owns the signals
-
-        def on_sigterm(_signum: int, _frame: Any) -> None:
-            if self._in_tick:
-                # Finish the tick first. Nothing else here: a counter's lock may be held
-                # by the code this handler interrupted (reported when the tick ends).
-                self._stop_requested = True
-            else:
-                raise SystemExit(0)
-
-        signal.signal(signal.SIGTERM, on_sigterm)
 
     def _tick(self) -> float:
         interval = float(self._config.tick_interval)
@@ -332,7 +320,7 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
         self._skips.flush(self._runtime.store, self._runtime.node)
         for name, entry in popped:
             self._push(name, entry, now)
-        if sweeper.sweep(self._runtime, lambda: self._stop_requested):
+        if sweeper.sweep(self._runtime, lambda: self._sigterm.requested):
             return 0.0  # more delayed jobs are due: tick again at once
         upcoming = self._due.next_time()
         if upcoming is not None:

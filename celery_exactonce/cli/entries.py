@@ -1,4 +1,4 @@
-"""The beat entries the CLI shows: ``beat_schedule``, beat's own, django-celery-beat's rows.
+"""The beat entries the CLI shows: ``beat_schedule``, stored ones, beat's own, django's rows.
 
 :func:`beat_entries` gives each entry beat would run, by name, as a
 ``celery.beat.ScheduleEntry`` (or the error that refuses it); :func:`last_occurrence`
@@ -13,6 +13,7 @@ from typing import Any
 
 from celery import beat
 
+from celery_exactonce.beat import stored
 from celery_exactonce.beat.scheduler import internal_entries
 from celery_exactonce.config import ExactOnceConfig
 from celery_exactonce.core import exceptions, keys
@@ -32,8 +33,11 @@ class Entry:
     name: str
     entry: Any | None
     source: str
-    """``settings`` (``beat_schedule``), ``beat`` (beat's own) or ``row`` (django-celery-beat)."""
+    """``settings`` (``beat_schedule``), ``stored`` (:mod:`celery_exactonce.entries`),
+    ``beat`` (beat's own) or ``row`` (django-celery-beat)."""
     error: str | None = None
+    #: A stored entry paused: beat does not run it until it is resumed.
+    paused: bool = False
 
     @property
     def task(self) -> str | None:
@@ -54,12 +58,13 @@ def _entry(app: Any, name: str, fields: dict[str, Any], source: str) -> Entry:
         return Entry(name, None, source, f"{type(exc).__name__}: {exc}")
 
 
-def beat_entries(app: Any, config: ExactOnceConfig) -> list[Entry]:
+def beat_entries(app: Any, config: ExactOnceConfig, store: StateStore | None = None) -> list[Entry]:
     """Every entry beat would run for ``app``, beat's own last.
 
     With ``beat_scheduler = "exactonce-django"``: each enabled ``PeriodicTask``
     row (a row beat refuses shows its error), and the ``beat_schedule``
-    entries no row holds.
+    entries no row holds. Otherwise, given the ``store``, the stored entries
+    too (paused ones marked, one beat refuses with its error).
     """
     settings = dict(app.conf.beat_schedule or {})
     found: list[Entry] = []
@@ -75,7 +80,26 @@ def beat_entries(app: Any, config: ExactOnceConfig) -> list[Entry]:
             found.append(_entry(app, row.name, fields, "row"))
             settings.pop(row.name, None)
     found.extend(_entry(app, name, fields, "settings") for name, fields in settings.items())
+    if store is not None and not uses_django_rows(app):
+        found.extend(_stored(app, store, settings))
     found.extend(_entry(app, n, f, "beat") for n, f in internal_entries(config).items())
+    return found
+
+
+def _stored(app: Any, store: StateStore, settings: dict[str, Any]) -> list[Entry]:
+    _, definitions = store.read_entries()
+    found = []
+    for name, text in sorted(definitions.items()):
+        try:
+            data = stored.parse(name, text)
+            if name in settings:
+                raise stored.refused(name, "an entry of beat_schedule has this name")
+            made = _entry(app, name, stored.entry_fields(name, data), "stored")
+        except exceptions.ConfigurationError as exc:
+            found.append(Entry(name, None, "stored", str(exc)))
+            continue
+        made.paused = bool(data["paused"])
+        found.append(made)
     return found
 
 

@@ -39,7 +39,7 @@ def _oldest(store: StateStore, now: datetime) -> dict[str, Any]:
 
 def _entry_rows(s: base.Session) -> list[dict[str, Any]]:
     rows = []
-    for e, mark, job in with_last(s.store, beat_entries(s.app, s.config)):
+    for e, mark, job in with_last(s.store, beat_entries(s.app, s.config, s.store)):
         rows.append(
             {
                 "entry": e.name,
@@ -197,18 +197,24 @@ def _cursor_text(state: State, job: Job) -> str:
     return f"{state.value}:{times.to_micros(job.touched_at)}:{job.ref}"
 
 
+def parse_cursor(value: str) -> tuple[State, tuple[datetime, JobRef]]:
+    """A cursor :func:`list_page` gave, as it takes it back; ``ValueError`` naming it."""
+    try:
+        state, micros, ref = value.split(":", 2)
+        return State(state), (times.from_micros(int(micros)), JobRef.parse(ref))
+    except (ValueError, TypeError, OverflowError, exceptions.ExactOnceError):
+        raise ValueError(f"{value!r} is not a cursor this command printed") from None
+
+
 def _parse_cursor(
     _ctx: click.Context, param: click.Parameter, value: str | None
 ) -> tuple[State, tuple[datetime, JobRef]] | None:
     if value is None:
         return None
     try:
-        state, micros, ref = value.split(":", 2)
-        return State(state), (times.from_micros(int(micros)), JobRef.parse(ref))
-    except (ValueError, TypeError, OverflowError, exceptions.ExactOnceError):
-        raise click.BadParameter(
-            f"{value!r} is not a cursor this command printed", param=param
-        ) from None
+        return parse_cursor(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param=param) from None
 
 
 def list_page(
@@ -325,6 +331,12 @@ def find_job(store: StateStore, task_id: str) -> list[Job]:
     return [job for job in found if job is not None]
 
 
+def matching_ids(store: StateStore, prefix: str) -> list[str]:
+    """The ids that start with ``prefix`` (an id in both key spaces once), a few past
+    :data:`CANDIDATES` at most: more than one, and ``prefix`` is ambiguous."""
+    return list(dict.fromkeys(ref.id for ref in store.find_ids(prefix, 4 * CANDIDATES)))
+
+
 def resolve(store: StateStore, task_id: str) -> str:
     """The whole id ``task_id`` names: itself, or the one id it is a prefix of.
 
@@ -336,7 +348,7 @@ def resolve(store: StateStore, task_id: str) -> str:
     """
     if find_job(store, task_id):
         return task_id
-    ids = list(dict.fromkeys(ref.id for ref in store.find_ids(task_id, 4 * CANDIDATES)))
+    ids = matching_ids(store, task_id)
     if len(ids) > 1:
         shown = ", ".join(ids[:CANDIDATES]) + (", …" if len(ids) > CANDIDATES else "")
         raise click.BadParameter(

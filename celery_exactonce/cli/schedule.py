@@ -1,4 +1,5 @@
-"""``celery exactonce schedule``: each beat entry's next slots and last dispatched occurrence.
+"""``celery exactonce schedule``: each beat entry's next slots and last dispatched occurrence;
+``schedule add|remove|pause|resume``: the stored entries (:mod:`celery_exactonce.entries`).
 
 The slots are the ones every beat node computes (:mod:`celery_exactonce.core.slots`,
 on the store's clock and the app's time zone); the last occurrence is the job
@@ -13,7 +14,7 @@ from zoneinfo import ZoneInfo
 
 import click
 
-from celery_exactonce.cli import base
+from celery_exactonce.cli import base, stored_entries
 from celery_exactonce.cli.entries import beat_entries, with_last
 from celery_exactonce.core import slots
 
@@ -22,10 +23,10 @@ def schedule_data(s: base.Session, count: int) -> dict[str, Any]:
     now = s.store.now()
     tz = ZoneInfo(str(s.app.timezone))
     rows = []
-    for e, mark, job in with_last(s.store, beat_entries(s.app, s.config)):
+    for e, mark, job in with_last(s.store, beat_entries(s.app, s.config, s.store)):
         upcoming: list[str | None] = []
         error = e.error
-        if e.entry is not None:
+        if e.entry is not None and not e.paused:
             try:
                 found = slots.slots_between(
                     e.entry.schedule,
@@ -43,6 +44,7 @@ def schedule_data(s: base.Session, count: int) -> dict[str, Any]:
                 "entry": e.name,
                 "task": e.task,
                 "source": e.source,
+                "paused": e.paused,
                 "schedule": None if e.entry is None else base.unwrapped(str(e.entry.schedule)),
                 "next": upcoming,
                 "last_claimed": base.iso(mark),
@@ -55,7 +57,7 @@ def schedule_data(s: base.Session, count: int) -> dict[str, Any]:
     return {"store_time": base.iso(now), "timezone": str(tz), "entries": rows}
 
 
-@click.command()
+@click.group(invoke_without_command=True)
 @click.option(
     "--count",
     type=click.IntRange(1, 100),
@@ -69,9 +71,13 @@ def schedule_data(s: base.Session, count: int) -> dict[str, Any]:
 def schedule(ctx: click.Context, count: int, as_json: bool) -> None:
     """Each beat entry's next slots and its last claimed occurrence.
 
-    The entries of ``beat_schedule`` and beat's own; with ``beat_scheduler =
-    "exactonce-django"``, django-celery-beat's enabled rows as well.
+    The entries of ``beat_schedule``, the stored ones and beat's own; with
+    ``beat_scheduler = "exactonce-django"``, django-celery-beat's enabled rows
+    instead of stored ones. ``add``, ``remove``, ``pause`` and ``resume`` change
+    the stored entries, which every beat takes at its next tick.
     """
+    if ctx.invoked_subcommand is not None:
+        return
     with base.session(ctx) as s:
         data = schedule_data(s, count)
     if as_json:
@@ -82,6 +88,11 @@ def schedule(ctx: click.Context, count: int, as_json: bool) -> None:
     for e in data["entries"]:
         nxt = e["next"][0] if e["next"] else None
         last = e["last_claimed"] and f"{e['last_claimed']} {e['last_state'] or '(purged)'}"
-        rows.append([e["entry"], e["task"], e["schedule"], nxt, last, e["error"]])
+        note = "paused" if e["paused"] else e["error"]
+        rows.append([e["entry"], e["task"], e["schedule"], nxt, last, note])
         rows.extend(["", "", "", later, "", ""] for later in e["next"][1:])
     click.echo(base.table(["entry", "task", "schedule", "next", "last claimed", "error"], rows))
+
+
+for _command in stored_entries.COMMANDS:
+    schedule.add_command(_command)

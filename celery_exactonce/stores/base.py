@@ -33,6 +33,7 @@ from collections.abc import Callable, Sequence
 from datetime import datetime
 from typing import Protocol, runtime_checkable
 
+from celery_exactonce.core import refs
 from celery_exactonce.core.jobs import CreateResult, Job, TransitionResult
 from celery_exactonce.core.refs import JobRef
 from celery_exactonce.core.skipped_slots import SkippedSlots
@@ -42,6 +43,15 @@ from celery_exactonce.core.writes import NewJob, Transition
 #: Version of the key format / schema this code writes. A store holding a
 #: newer version refuses to start (a rolling deploy never mixes formats).
 FORMAT_VERSION = 1
+
+
+def check_entry_name(name: object) -> str:
+    """A stored beat entry's name, checked: 1-255 characters, no control characters.
+
+    Raises :class:`~celery_exactonce.core.exceptions.InvalidPayload` naming the value.
+    """
+    refs.validate_identifier(name, "entry name", refs.MAX_NAME_LENGTH)
+    return str(name)
 
 
 def format_written(store: object) -> int:
@@ -231,6 +241,31 @@ class StateStore(Protocol):
 
     def skipped(self, limit: int = 100) -> list[SkippedSlots]:
         """The newest records of :meth:`note_skipped`, newest first, at most ``limit``."""
+        ...
+
+    def entries_revision(self) -> int:
+        """The stored beat entries' revision: 0 before the first write, one more per write.
+
+        One cheap read, which each beat tick makes: the entries are read again
+        (:meth:`read_entries`) only when it moved.
+        """
+        ...
+
+    def read_entries(self) -> tuple[int, dict[str, str]]:
+        """Every stored beat entry's definition (JSON text) by name, and their revision.
+
+        One snapshot: the revision is the one these definitions are at.
+        """
+        ...
+
+    def write_entry(self, name: str, definition: str | None) -> int:
+        """Store ``definition`` as entry ``name``'s (``None`` deletes it); the new revision.
+
+        Writes are serialised: each gets its own revision, and a reader that
+        saw revision ``n`` sees every write up to ``n``. ``name`` is checked
+        with :func:`check_entry_name`. What a definition holds is
+        :mod:`celery_exactonce.entries`'s; the store keeps it as given.
+        """
         ...
 
     def count_by_state(self) -> dict[State, int]:

@@ -30,7 +30,7 @@ from celery_exactonce.core.refs import JobRef
 from celery_exactonce.core.skipped_slots import SkippedSlots
 from celery_exactonce.core.states import TERMINAL, State
 from celery_exactonce.core.writes import Lease, NewJob, Transition
-from celery_exactonce.stores.base import FORMAT_VERSION, SKIPPED_KEPT, DueBacklog
+from celery_exactonce.stores.base import FORMAT_VERSION, SKIPPED_KEPT, DueBacklog, check_entry_name
 
 
 class InMemoryStore:
@@ -62,6 +62,8 @@ class InMemoryStore:
         self._leases: dict[str, tuple[str, datetime]] = {}
         self._epoch: str | None = None
         self._skipped: collections.deque[SkippedSlots] = collections.deque(maxlen=SKIPPED_KEPT)
+        self._entries: dict[str, str] = {}
+        self._entries_revision = 0
 
     # -- properties ------------------------------------------------------------------
 
@@ -307,6 +309,29 @@ class InMemoryStore:
                 del self._jobs[job.ref]
                 self._by_state[job.state].discard(job.ref)
             return min(len(expired), max(limit, 0))
+
+    # -- stored beat entries -------------------------------------------------------------
+
+    def entries_revision(self) -> int:
+        with self._lock:
+            self._check_open()
+            return self._entries_revision
+
+    def read_entries(self) -> tuple[int, dict[str, str]]:
+        with self._lock:
+            self._check_open()
+            return self._entries_revision, dict(self._entries)
+
+    def write_entry(self, name: str, definition: str | None) -> int:
+        check_entry_name(name)
+        with self._lock:
+            self._check_open()
+            if definition is None:
+                self._entries.pop(name, None)
+            else:
+                self._entries[name] = definition
+            self._entries_revision += 1
+            return self._entries_revision
 
     # -- leases --------------------------------------------------------------------------
 

@@ -88,6 +88,16 @@ def normalize_keys(value: object, setting: str = "exactonce_signing_key") -> tup
     return tuple(keys)
 
 
+#: The field of a stored entry's definition that holds its signature.
+ENTRY_SIGNATURE = "signature"
+#: The field of a definition that says why beat must refuse the entry (and nothing else).
+ENTRY_REFUSED = "refused"
+
+
+def _entry_content(name: str, fields: object) -> bytes:
+    return json.dumps([name, fields], separators=(",", ":"), sort_keys=True).encode()
+
+
 class Signer:
     """Signs with the first of ``keys`` and verifies with any of them.
 
@@ -133,6 +143,32 @@ class Signer:
     def sign_new(self, new: NewJob) -> NewJob:
         """``new`` with its signature (one it had is replaced)."""
         return dataclasses.replace(new, signature=self.sign(new))
+
+    def sign_entry(self, name: str, definition: str) -> str:
+        """A stored entry's ``definition`` (a JSON object's text) with its signature in it.
+
+        The signature covers the entry's name too: a definition moved under
+        another name does not verify.
+        """
+        fields = json.loads(definition)
+        fields.pop(ENTRY_SIGNATURE, None)
+        fields[ENTRY_SIGNATURE] = self._digest(self._keys[0], _entry_content(name, fields))
+        return json.dumps(fields, separators=(",", ":"), sort_keys=True)
+
+    def verified_entry(self, name: str, definition: str) -> str:
+        """A stored entry's definition without its signature, if that verifies; else a
+        definition beat refuses, saying why (:data:`ENTRY_REFUSED`)."""
+        try:
+            fields = json.loads(definition)
+            signature = str(fields.pop(ENTRY_SIGNATURE, ""))
+        except (ValueError, AttributeError):
+            return json.dumps({ENTRY_REFUSED: "its definition is not a JSON object"})
+        content = _entry_content(name, fields)
+        for key in self._keys:
+            if hmac.compare_digest(signature.encode(), self._digest(key, content).encode()):
+                return json.dumps(fields, separators=(",", ":"), sort_keys=True)
+        why = "is not signed" if not signature else "does not match its signature"
+        return json.dumps({ENTRY_REFUSED: f"{REASON}: the stored entry {why}"})
 
     @staticmethod
     def _digest(key: bytes, content: bytes) -> str:
@@ -278,6 +314,19 @@ class SigningStore:
 
     def lease(self, name: str) -> tuple[str, datetime] | None:
         return self.inner.lease(name)
+
+    def entries_revision(self) -> int:
+        return self.inner.entries_revision()
+
+    def read_entries(self) -> tuple[int, dict[str, str]]:
+        """The stored entries, each verified: one that does not is refused by beat, named."""
+        revision, found = self.inner.read_entries()
+        verify = self.signer.verified_entry
+        return revision, {name: verify(name, text) for name, text in found.items()}
+
+    def write_entry(self, name: str, definition: str | None) -> int:
+        signed = None if definition is None else self.signer.sign_entry(name, definition)
+        return self.inner.write_entry(name, signed)
 
     def close(self) -> None:
         self.inner.close()

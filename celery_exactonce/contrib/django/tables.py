@@ -53,6 +53,13 @@ def drop_skipped(apps: Any, schema_editor: Any) -> None:
         sql_schema.build(prefix()).skipped.drop(conn, checkfirst=True)
 
 
+def drop_entries(apps: Any, schema_editor: Any) -> None:
+    """Migration step, backwards: drop the stored beat entries."""
+    engine = engine_for(schema_editor.connection.alias)
+    with engine.connect() as conn:
+        sql_schema.build(prefix()).entries.drop(conn, checkfirst=True)
+
+
 #: The admin's views: view suffix -> (table suffix, the columns of its key).
 VIEWS = {
     "admin_jobs": ("jobs", ("namespace", "space", "id")),

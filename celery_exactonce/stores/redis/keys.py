@@ -17,6 +17,8 @@ key                                   type    content
 ``base:epoch``                        STRING  the store epoch
 ``base:lease:<name>``                 STRING  the lease token, with a ``PX`` expiry
 ``base:meta``                         HASH    ``format_version``, ``namespace``
+``base:entries``                      HASH    stored beat entry -> its definition (JSON);
+                                              ``""`` -> their revision
 ====================================  ======  ==================================================
 
 Index members are ``str(JobRef)`` (``t:<id>``), and a record's key is the job

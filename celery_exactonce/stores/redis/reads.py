@@ -1,4 +1,4 @@
-"""The Redis store's reads for people: filtered listings and a lease's holder.
+"""The Redis store's reads for people (filtered listings, a lease's holder) and stored entries.
 
 Helpers of :class:`~celery_exactonce.stores.redis.store.RedisStore` that answer the
 CLI's questions, none of them on a hot path:
@@ -12,6 +12,10 @@ CLI's questions, none of them on a hot path:
 * **ids by prefix** (:meth:`RedisReads.find_ids`): every record is a member
   of exactly one state index, so ``ZSCAN … MATCH <space>:<prefix>*`` over the
   state indexes finds them, the server's other keys never walked.
+* **stored beat entries** (:meth:`RedisReads.read_entries` and the writes):
+  one hash, ``base:entries``, each entry's definition under its name, and the
+  revision under the empty name (no entry has it), moved by every write in the
+  same ``MULTI``.
 
 Not here: the operations themselves, the counts per state among them (one
 ``count_states`` script, :mod:`~celery_exactonce.stores.redis.store`), the key
@@ -28,6 +32,7 @@ from celery_exactonce.core import refs, times
 from celery_exactonce.core.jobs import Job
 from celery_exactonce.core.refs import JobRef
 from celery_exactonce.core.states import State
+from celery_exactonce.stores.base import check_entry_name
 from celery_exactonce.stores.redis.base import RedisCore
 from celery_exactonce.stores.redis.codec import as_text
 
@@ -35,6 +40,8 @@ from celery_exactonce.stores.redis.codec import as_text
 FILTER_PAGE = 500
 #: Index members a ``ZSCAN`` step of :meth:`RedisReads.find_ids` walks.
 SCAN_COUNT = 1000
+#: The field of the entries hash that holds their revision (no entry is named so).
+REVISION_FIELD = ""
 #: What a glob pattern (``MATCH``) reads as more than itself.
 _GLOB = re.compile(r"([*?\[\]\\^])")
 
@@ -53,7 +60,30 @@ class Lister(Protocol):
 
 
 class RedisReads(RedisCore):
-    """Filtered listings and lease holders, read for the CLI."""
+    """Filtered listings and lease holders, read for the CLI; the stored beat entries."""
+
+    def entries_revision(self) -> int:
+        with self._wrap("entries_revision"):
+            found = self._client.hget(self._key("entries"), REVISION_FIELD)
+        return 0 if found is None else int(found)
+
+    def read_entries(self) -> tuple[int, dict[str, str]]:
+        with self._wrap("read_entries"):
+            found = self._client.hgetall(self._key("entries"))
+        definitions = {as_text(k): as_text(v) for k, v in found.items()}
+        return int(definitions.pop(REVISION_FIELD, 0)), definitions
+
+    def write_entry(self, name: str, definition: str | None) -> int:
+        check_entry_name(name)
+        key = self._key("entries")
+        with self._wrap("write_entry"):
+            pipe = self._node(key).pipeline(transaction=True)
+            if definition is None:
+                pipe.hdel(key, name)
+            else:
+                pipe.hset(key, name, definition)
+            pipe.hincrby(key, REVISION_FIELD, 1)
+            return int(pipe.execute()[-1])
 
     def _lease(self, name: str) -> tuple[str, datetime] | None:
         key = self._key("lease", name)

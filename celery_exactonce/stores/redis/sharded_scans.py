@@ -183,6 +183,17 @@ class ShardedScans:
             purged += part.purge_expired(limit - purged)
         return purged
 
+    # -- stored beat entries: on the first shard, which every node reads ----------------
+
+    def entries_revision(self) -> int:
+        return self._parts[0].entries_revision()
+
+    def read_entries(self) -> tuple[int, dict[str, str]]:
+        return self._parts[0].read_entries()
+
+    def write_entry(self, name: str, definition: str | None) -> int:
+        return self._parts[0].write_entry(name, definition)
+
     # -- the namespace's lease: held on every shard, as a transition checks its shard's ------
 
     def acquire_lease(self, name: str, token: str, ttl: float) -> bool:

@@ -1,4 +1,4 @@
-"""The SQL store's leases: a named lease held by one token until it expires.
+"""The SQL store's named rows: leases held by one token until they expire, stored entries.
 
 :class:`SqlLeases` is the part of :class:`~celery_exactonce.stores.sql.store.SqlStore`
 that acquires, renews, releases and reads a lease inside its transaction, and that
@@ -9,6 +9,12 @@ holds it unexpired. A transition that carries a lease checks it with
 :meth:`SqlLeases._holds`, which locks the row shared: the lease cannot change
 hands before that transaction ends (SQLite has no row locks:
 ``BEGIN IMMEDIATE`` serialises its writers).
+
+Stored beat entries (:class:`SqlEntries`) are a row each in the entries
+table, and a row under the empty name holds their revision: a write locks
+that row first, moving the revision (inserting the row when absent; a
+competing insert reruns the transaction), so writes are serialised and each
+gets its own revision.
 
 Not here: the transitions that check a lease
 (:mod:`~celery_exactonce.stores.sql.transitions`), the transaction each
@@ -24,6 +30,7 @@ import sqlalchemy as sa
 
 from celery_exactonce.core import times
 from celery_exactonce.core.writes import Lease
+from celery_exactonce.stores.base import check_entry_name
 from celery_exactonce.stores.sql.base import Rerun
 from celery_exactonce.stores.sql.shared import SqlShared
 
@@ -110,3 +117,63 @@ class SqlLeases(SqlShared):
             c.token == token,
             c.expires_at > now,
         )
+
+
+#: The name of the entries table's row that holds their revision (no entry is named so).
+REVISION_ROW = ""
+
+
+class SqlEntries(SqlShared):
+    """Stored beat entries, inside their transaction."""
+
+    def _entries_revision_op(self) -> Callable[[sa.Connection], int]:
+        """The transaction of ``entries_revision``: the revision row's, 0 without one."""
+        c = self._t.entries.c
+        query = sa.select(c.revision).where(c.namespace == self._namespace, c.name == REVISION_ROW)
+
+        def op(conn: sa.Connection) -> int:
+            found = conn.execute(query).scalar()
+            return 0 if found is None else int(found)
+
+        return op
+
+    def _read_entries_op(self) -> Callable[[sa.Connection], tuple[int, dict[str, str]]]:
+        """The transaction of ``read_entries``: every row of the namespace, in one statement."""
+        c = self._t.entries.c
+        query = sa.select(c.name, c.definition, c.revision).where(c.namespace == self._namespace)
+
+        def op(conn: sa.Connection) -> tuple[int, dict[str, str]]:
+            revision, definitions = 0, {}
+            for row in conn.execute(query):
+                if row.name == REVISION_ROW:
+                    revision = int(row.revision)
+                else:
+                    definitions[str(row.name)] = str(row.definition)
+            return revision, definitions
+
+        return op
+
+    def _write_entry_op(self, name: str, definition: str | None) -> Callable[[sa.Connection], int]:
+        """The transaction of ``write_entry``: the revision moved first, then the entry's row."""
+        check_entry_name(name)
+        table = self._t.entries
+        mine = (table.c.namespace == self._namespace, table.c.name == name)
+        marker = (table.c.namespace == self._namespace, table.c.name == REVISION_ROW)
+
+        def op(conn: sa.Connection) -> int:
+            now = self._now(conn)
+            moved = conn.execute(
+                table.update().where(*marker).values(revision=table.c.revision + 1, changed_at=now)
+            )
+            if moved.rowcount != 1:
+                first = {"namespace": self._namespace, "name": REVISION_ROW, "definition": ""}
+                if not self._insert_absent(conn, table, first | {"revision": 1, "changed_at": now}):
+                    raise Rerun  # another writer made the row first: move it instead
+            revision = int(conn.execute(sa.select(table.c.revision).where(*marker)).scalar_one())
+            conn.execute(table.delete().where(*mine))
+            if definition is not None:
+                row = {"namespace": self._namespace, "name": name, "definition": definition}
+                conn.execute(table.insert().values(**row, revision=revision, changed_at=now))
+            return revision
+
+        return op

@@ -58,11 +58,12 @@ class Tables:
     meta: sa.Table
     schema: sa.Table
     skipped: sa.Table
+    entries: sa.Table
 
     @property
     def per_namespace(self) -> tuple[sa.Table, ...]:
         """The tables whose rows belong to a namespace (all but the schema version)."""
-        return (self.jobs, self.watermarks, self.leases, self.meta, self.skipped)
+        return (self.jobs, self.watermarks, self.leases, self.meta, self.skipped, self.entries)
 
 
 def _key(length: int) -> sa.types.TypeEngine[str]:
@@ -235,7 +236,20 @@ def build(
         sa.Index(f"{prefix}skipped_recent", "namespace", "noted_at"),
         **opts,
     )
-    return Tables(prefix, md, jobs, watermarks, leases, meta, schema, skipped)
+    # Stored beat entries (celery_exactonce.entries): a definition per name, and under the
+    # empty name (no entry's) the revision every write moves. Made by setup() as the
+    # skipped slots' table is, so an older database gets it without an upgrade.
+    entries = sa.Table(
+        f"{prefix}entries",
+        md,
+        sa.Column("revision", sa.BigInteger, nullable=False),
+        sa.Column("changed_at", sa.BigInteger, nullable=False),
+        sa.Column("namespace", _key(64), primary_key=True),
+        sa.Column("name", _key(255), primary_key=True),
+        sa.Column("definition", _text(), nullable=False),
+        **opts,
+    )
+    return Tables(prefix, md, jobs, watermarks, leases, meta, schema, skipped, entries)
 
 
 def mysql_collation(dialect: sa.Dialect) -> str:

@@ -79,14 +79,14 @@ from celery_exactonce.stores.sql import pgwire
 from celery_exactonce.stores.sql import schema as sql_schema
 from celery_exactonce.stores.sql.base import Slow
 from celery_exactonce.stores.sql.creates import SqlCreates
-from celery_exactonce.stores.sql.leases import SqlLeases
+from celery_exactonce.stores.sql.leases import SqlEntries, SqlLeases
 from celery_exactonce.stores.sql.scans import SqlScans
 from celery_exactonce.stores.sql.transitions import SqlTransitions
 
 __all__ = ["SqlStore"]
 
 
-class SqlStore(SqlCreates, SqlTransitions, SqlScans, SqlLeases):
+class SqlStore(SqlCreates, SqlTransitions, SqlScans, SqlLeases, SqlEntries):
     """A :class:`~celery_exactonce.stores.base.StateStore` in a SQL database.
 
     Parameters
@@ -399,3 +399,14 @@ class SqlStore(SqlCreates, SqlTransitions, SqlScans, SqlLeases):
 
     def lease(self, name: str) -> tuple[str, datetime] | None:
         return self._run("lease", self._lease_op(name), write=False)
+
+    # -- stored beat entries (stores.sql.leases) -----------------------------------------
+
+    def entries_revision(self) -> int:
+        return self._run("entries_revision", self._entries_revision_op(), write=False)
+
+    def read_entries(self) -> tuple[int, dict[str, str]]:
+        return self._run("read_entries", self._read_entries_op(), write=False)
+
+    def write_entry(self, name: str, definition: str | None) -> int:
+        return self._run("write_entry", self._write_entry_op(name, definition))

@@ -18,7 +18,7 @@ import warnings
 from collections.abc import Mapping
 from typing import Any, Literal, cast
 
-from celery_exactonce import unknown_settings
+from celery_exactonce.config import unknown as unknown_settings
 from celery_exactonce.core import exceptions, jobs, refs
 from celery_exactonce.stores import KNOWN_SCHEMES, redact_url, signing, validate_namespace
 
