@@ -167,14 +167,19 @@ def _option_row(option: click.Option, ctx: click.Context) -> str:
 
 
 def cli_reference(group: click.Group | None = None) -> str:
-    """Every subcommand of ``celery exactonce``: usage, help, arguments and options."""
+    """Every subcommand of ``celery exactonce`` (and theirs): usage, help, arguments, options."""
     group = cli.exactonce if group is None else group
     root = click.Context(group, info_name="celery -A APP exactonce")
+    return "\n".join(_command_reference(group, root, [])).rstrip()
+
+
+def _command_reference(group: click.Group, parent: click.Context, path: list[str]) -> list[str]:
     out: list[str] = []
     for name, command in group.commands.items():
-        ctx = click.Context(command, info_name=name, parent=root)
+        ctx = click.Context(command, info_name=name, parent=parent)
         usage = " ".join(command.collect_usage_pieces(ctx))
-        out += [f"## {name}", "", "```text", f"celery -A APP exactonce {name} {usage}", "```", ""]
+        full = " ".join([*path, name])
+        out += [f"## {full}", "", "```text", f"celery -A APP exactonce {full} {usage}", "```", ""]
         out += [_help_text(command.help), ""]
         arguments = [p for p in command.params if isinstance(p, click.Argument)]
         if arguments:
@@ -187,7 +192,9 @@ def cli_reference(group: click.Group | None = None) -> str:
         out += [_option_row(p, ctx) for p in command.params if isinstance(p, click.Option)]
         out.append("| `--help` | flag | Show the command's help and exit. |")
         out.append("")
-    return "\n".join(out).rstrip()
+        if isinstance(command, click.Group):
+            out += _command_reference(command, ctx, [*path, name])
+    return out
 
 
 # -- the regions ------------------------------------------------------------------------

@@ -33,7 +33,7 @@ The same from a shell: ``celery -A APP exactonce schedule add|remove|pause|resum
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 from zoneinfo import ZoneInfo
@@ -47,8 +47,10 @@ from celery_exactonce.beat.scheduler import entry_policy, internal_entries
 from celery_exactonce.core import exceptions, times
 from celery_exactonce.stores.base import StateStore, check_entry_name
 
-__all__ = ["StoredEntry", "delete", "get", "list_stored", "pause", "resume", "save"]
+__all__ = ["StoredEntry", "delete", "get", "list_stored", "pause", "resume", "save", "save_many"]
 
+#: What a spec of :func:`save_many` holds when it does not say.
+_SPEC_DEFAULTS: dict[str, Any] = {"args": (), "kwargs": None, "options": None, "paused": False}
 #: The ``beat_scheduler`` values that run django-celery-beat's rows instead.
 _DJANGO_SCHEDULERS = ("exactonce-django", "celery_exactonce.contrib.django_celery_beat")
 
@@ -104,32 +106,62 @@ def save(
     the entry and what is wrong with it (nothing is stored then), and
     ``StoreError`` when the store cannot be reached.
     """
+    fields = {"args": args, "kwargs": kwargs, "options": options, "paused": paused}
+    return save_many(app, [{"name": name, "task": task, "schedule": schedule, **fields}])[0]
+
+
+def save_many(app: Any, specs: Iterable[Mapping[str, Any]]) -> list[StoredEntry]:
+    """Store several entries, each ``{"name", "task", "schedule", "args", "kwargs",
+    "options", "paused"}`` as :func:`save` takes them; all are checked before any is
+    stored (a refusal names the entry, and nothing is stored then)."""
     _refuse_django(app)
-    name = _checked_name(app, name)
+    store = _store(app)
+    _, found = store.read_entries()
+    now = store.now()
+    built: dict[str, tuple[StoredEntry, str]] = {}
+    for spec in specs:
+        entry, text = _build(app, spec, found, now)
+        if entry.name in built:
+            raise stored.refused(entry.name, "given twice")
+        built[entry.name] = (entry, text)
+    for name, (_, text) in built.items():
+        store.write_entry(name, text)
+    return [entry for entry, _ in built.values()]
+
+
+def _build(
+    app: Any, spec: Mapping[str, Any], found: Mapping[str, str], now: datetime
+) -> tuple[StoredEntry, str]:
+    """The entry of ``spec`` and its definition, checked as beat checks it."""
+    name = _checked_name(app, spec.get("name"))
+    unknown = sorted(set(spec) - {*_SPEC_DEFAULTS, "name", "task", "schedule"})
+    if unknown:
+        raise stored.refused(name, f"unknown fields {unknown}")
+    spec = {**_SPEC_DEFAULTS, **spec}
     try:
-        sched = stored.encode_schedule(schedule)
+        sched = stored.encode_schedule(spec.get("schedule"))
     except ValueError as exc:
         raise stored.refused(name, f"schedule: {exc}") from exc
-    store = _store(app)
-    previous = _read(store, name)
+    previous = _parsed(name, found.get(name))
     keep = previous is not None and previous.schedule == sched and not previous.paused
     entry = StoredEntry(
         name=name,
-        task=task,
+        task=spec.get("task"),  # type: ignore[arg-type]  # checked below, as beat checks it
         schedule=sched,
-        args=list(args),
-        kwargs=dict(kwargs or {}),
-        options=dict(options or {}),
-        paused=bool(paused),
-        since=previous.since if keep and previous is not None else store.now(),
+        args=list(spec["args"] or ()),
+        kwargs=dict(spec["kwargs"] or {}),
+        options=dict(spec["options"] or {}),
+        paused=bool(spec["paused"]),
+        since=previous.since if keep and previous is not None else now,
     )
+    if not isinstance(entry.task, str) or not entry.task:
+        raise stored.refused(name, f"task must be a task's name, got {entry.task!r}")
     try:
-        definition = entry.definition()
+        text = entry.definition()
     except TypeError as exc:
         raise stored.refused(name, str(exc)) from exc
     _check(app, entry)
-    store.write_entry(name, definition)
-    return entry
+    return entry, text
 
 
 def delete(app: Any, name: str) -> bool:
@@ -182,6 +214,14 @@ def _read(store: StateStore, name: str) -> StoredEntry | None:
     _, found = store.read_entries()
     text = found.get(name)
     return None if text is None else StoredEntry.parse(name, text)
+
+
+def _parsed(name: str, text: str | None) -> StoredEntry | None:
+    """The stored entry ``text`` holds; ``None`` for none, or one beat refuses (replaced)."""
+    try:
+        return None if text is None else StoredEntry.parse(name, text)
+    except exceptions.ConfigurationError:
+        return None
 
 
 def _set_paused(app: Any, name: str, paused: bool) -> StoredEntry:

@@ -246,6 +246,7 @@ class StoredEntries:
             len(self.running),
             why="stored",
             rows=len(self.running),
+            revision=revision,
         )
         return True
 

@@ -22,7 +22,7 @@ from celery import beat
 
 from celery_exactonce import config as config_module
 from celery_exactonce import runtime, startup
-from celery_exactonce.beat import entries
+from celery_exactonce.beat import entries, stored
 from celery_exactonce.beat.scheduler import entry_policy, internal_entries
 from celery_exactonce.cli import base
 from celery_exactonce.cli.entries import uses_django_rows
@@ -127,6 +127,8 @@ def run_checks(app: Any) -> Report:
             report.run("eviction", lambda: _eviction(store))
             report.run("replicas", lambda: _replicas(store, config))
             report.run("clock", lambda: _clock(store, config))
+            if not uses_django_rows(app):
+                report.run("stored entries", lambda: _stored(app, config, store))
     finally:
         store.close()
     return report
@@ -192,28 +194,58 @@ def _retention(app: Any, config: ExactOnceConfig) -> str:
 
 def _entries(app: Any, config: ExactOnceConfig) -> str:
     """Each ``beat_schedule`` entry as beat checks it at start (a bad one names itself)."""
-    tz = ZoneInfo(str(app.timezone))
-    now = datetime.now(timezone.utc)
     schedule = {**(app.conf.beat_schedule or {}), **internal_entries(config)}
     internal = set(internal_entries(config))
     for name, fields in schedule.items():
-        with entries.reading(name):
-            entry = beat.ScheduleEntry(**dict(fields, name=name, app=app))
-
-        def policy(n: str, e: Any, internal: bool = name in internal) -> entries.EntryPolicy:
-            return entry_policy(app, config, n, e, internal=internal)
-
-        with entries.reading(name):
-            entries.check_entry(
-                name,
-                entry,
-                policy,
-                tz=tz,
-                now=now,
-                namespace=config.namespace,
-                node="check",
-            )
+        _check_entry(app, config, name, fields, internal=name in internal)
     return f"{len(schedule) - len(internal)} entry(ies) of beat_schedule accepted"
+
+
+def _check_entry(
+    app: Any, config: ExactOnceConfig, name: str, fields: Any, *, internal: bool = False
+) -> None:
+    """Entry ``name`` of ``fields`` as beat checks it; a refusal naming it."""
+    tz = ZoneInfo(str(app.timezone))
+    with entries.reading(name):
+        entry = beat.ScheduleEntry(**dict(fields, name=name, app=app))
+        entries.check_entry(
+            name,
+            entry,
+            lambda n, e: entry_policy(app, config, n, e, internal=internal),
+            tz=tz,
+            now=datetime.now(timezone.utc),
+            namespace=config.namespace,
+            node="check",
+        )
+
+
+def _stored(app: Any, config: ExactOnceConfig, store: StateStore) -> str:
+    """Each stored entry as beat checks it; one named as a ``beat_schedule`` entry refuses
+    beat's start, any other bad one is refused alone (beat runs the others)."""
+    try:
+        _, found = store.read_entries()
+    except exceptions.StoreError as exc:  # an SQL store set up before they existed
+        return f"none read ({base.one_line(exc)}): `exactonce migrate` makes their table"
+    fixed = {*(app.conf.beat_schedule or {}), *internal_entries(config)}
+    if clashes := sorted(set(found) & fixed):
+        raise exceptions.ConfigurationError(
+            f"stored entries {clashes} have the names of beat_schedule entries: beat refuses "
+            "to start; rename one, or remove the stored one (exactonce schedule remove NAME)",
+            setting="beat_schedule",
+        )
+    refused = []
+    for name, text in sorted(found.items()):
+        try:
+            _check_entry(app, config, name, stored.entry_fields(name, stored.parse(name, text)))
+        except exceptions.ConfigurationError as exc:
+            refused.append(str(exc))
+    if refused:
+        raise exceptions.ConfigurationError(
+            f"{len(refused)} of {len(found)} stored entry(ies) refused (beat runs the others): "
+            + "; ".join(refused),
+            setting="entries",
+        )
+    return f"{len(found)} stored entry(ies) accepted"
 
 
 def _rows(app: Any, config: ExactOnceConfig) -> str:
@@ -229,24 +261,13 @@ def _rows(app: Any, config: ExactOnceConfig) -> str:
     django_celery_beat.check_start(
         scheduler if isinstance(scheduler, type) else django_celery_beat.DatabaseScheduler
     )
-    tz = ZoneInfo(str(app.timezone))
-    now = datetime.now(timezone.utc)
     rows = periodic_tasks.enabled_rows()
     refused: list[str] = []
     for row in rows:
         try:
             fields = periodic_tasks.entry_of(row)
             periodic_tasks.check_task(app, row.name, fields)
-            entry = beat.ScheduleEntry(**dict(fields, name=row.name, app=app))
-            entries.check_entry(
-                row.name,
-                entry,
-                lambda n, e: entry_policy(app, config, n, e),
-                tz=tz,
-                now=now,
-                namespace=config.namespace,
-                node="check",
-            )
+            _check_entry(app, config, row.name, fields)
         except exceptions.ConfigurationError as exc:
             refused.append(str(exc))
         except Exception as exc:  # a row no check foresaw: still that row's

@@ -9,6 +9,9 @@ refusals on SQLite. The stores themselves are held to the contract on every back
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from tests.cli.cli_app import NIGHTLY
@@ -20,7 +23,7 @@ def _entry(data: dict, name: str) -> dict:  # type: ignore[type-arg]
 
 
 @pytest.mark.parametrize("deployment", ["redis", "postgres", "django"], indirect=True)
-def test_add_pause_resume_remove_show_in_schedule(deployment: Deployment) -> None:
+def test_add_pause_resume_remove_show_in_schedule(deployment: Deployment, tmp_path: Path) -> None:
     deployment.seed()
     # add: saved, and listed with its next slots
     saved = deployment.json(
@@ -49,12 +52,47 @@ def test_add_pause_resume_remove_show_in_schedule(deployment: Deployment) -> Non
     again = deployment.run("schedule", "remove", "report", expect=1)
     assert "no stored entry 'report'" in again.stderr
 
+    # Several at once: a file of entries, and several names
+    batch = tmp_path / "entries.json"
+    batch.write_text(
+        json.dumps(
+            [
+                {"name": "a", "task": "cli_app.bill", "every": "10s", "args": ["a"]},
+                {"name": "b", "task": "cli_app.mail", "cron": "0 4 * * *", "tz": "Europe/Berlin"},
+            ]
+        )
+    )
+    saved = deployment.json("schedule", "add", "--file", str(batch))["saved"]
+    assert [(e["entry"], e["schedule"]) for e in saved] == [
+        ("a", {"every": 10.0}),
+        ("b", {"cron": "0 4 * * *", "tz": "Europe/Berlin"}),
+    ]
+    assert [e["paused"] for e in deployment.json("schedule", "pause", "a", "b")["entries"]] == [
+        True,
+        True,
+    ]
+    missing = deployment.run("schedule", "remove", "a", "nope", "b", expect=1)
+    assert "no stored entry 'nope'" in missing.stderr
+    deployment.run("schedule", "remove", "a", "b")
+    assert deployment.store.read_entries()[1] == {}
+
 
 @pytest.mark.parametrize("deployment", ["sqlite"], indirect=True)
-def test_bad_input_is_refused_naming_it_and_stores_nothing(deployment: Deployment) -> None:
+def test_bad_input_is_refused_naming_it_and_stores_nothing(
+    deployment: Deployment, tmp_path: Path
+) -> None:
     deployment.seed()
     deployment.run("schedule", "add", "kept", "cli_app.bill", "--every", "30s")
     before = deployment.store.read_entries()
+    bad_file = tmp_path / "bad.json"  # the second one is refused: neither is saved
+    bad_file.write_text(
+        json.dumps(
+            [
+                {"name": "x", "task": "cli_app.bill", "every": 5},
+                {"name": "y", "task": "cli_app.bill", "cron": "0 25 * * *"},
+            ]
+        )
+    )
     refusals = [
         (["add", NIGHTLY, "cli_app.bill", "--every", "60"], 1, f"'{NIGHTLY}'"),
         (["add", "x", "cli_app.bill", "--cron", "61 * * * *"], 1, "61"),
@@ -64,6 +102,7 @@ def test_bad_input_is_refused_naming_it_and_stores_nothing(deployment: Deploymen
         (["add", "x", "nobody.has.it", "--every", "5"], 1, "not registered"),
         (["add", "x", "cli_app.bill", "--at", "2026-05-01T03:00:00"], 2, "--at"),
         (["pause", "nope"], 1, "no stored entry 'nope'"),
+        (["add", "--file", str(bad_file)], 1, "'y'"),
     ]
     for args, code, match in refusals:
         done = deployment.run("schedule", *args, expect=code)
