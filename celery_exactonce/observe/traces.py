@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import os
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -49,11 +50,14 @@ _checked = False
 #: sets one, and the no-op one. With either, nothing here does any work.
 _inert: tuple[type, ...] = ()
 _tracer: Any = None
+#: Whether the environment names a tracer provider for the API to load when first asked.
+_from_environment = False
+_UNREAD = object()
 
 
 def _opentelemetry() -> Any:
     """The ``opentelemetry`` API modules (``trace``, ``propagate``, ``context``), or ``None``."""
-    global _api, _checked, _inert  # noqa: PLW0603  (one answer per process)
+    global _api, _checked, _inert, _from_environment  # noqa: PLW0603  (one answer per process)
     if not _checked:
         if importlib.util.find_spec("opentelemetry") is not None:
             try:
@@ -61,6 +65,7 @@ def _opentelemetry() -> Any:
 
                 _api = (trace, propagate, context)
                 _inert = (trace.ProxyTracerProvider, trace.NoOpTracerProvider)
+                _from_environment = "OTEL_PYTHON_TRACER_PROVIDER" in os.environ
             except ImportError:  # a namespace package without the API
                 _api = None
         _checked = True
@@ -74,9 +79,17 @@ def _tracing() -> Any:
     up, it costs a flag test and an ``isinstance``, not a span per call.
     """
     api = _opentelemetry()
-    if api is None or isinstance(api[0].get_tracer_provider(), _inert):
+    if api is None:
         return None
-    return api
+    # The provider the API holds once one is set (None before): read as is, it spares the
+    # API's look-up of its environment variable at every call, unless that variable names
+    # a provider for the API to load.
+    provider = getattr(api[0], "_TRACER_PROVIDER", _UNREAD)
+    if provider is None and not _from_environment:
+        return None
+    if provider is _UNREAD or provider is None:
+        provider = api[0].get_tracer_provider()
+    return None if isinstance(provider, _inert) else api
 
 
 def capture() -> dict[str, str] | None:
