@@ -15,8 +15,9 @@ from zoneinfo import ZoneInfo
 import click
 
 from celery_exactonce.cli import base, stored_entries
-from celery_exactonce.cli.entries import beat_entries, with_last
+from celery_exactonce.cli.entries import Entry, beat_entries, with_last
 from celery_exactonce.core import slots
+from celery_exactonce.schedules import bounded
 
 
 def schedule_data(s: base.Session, count: int) -> dict[str, Any]:
@@ -45,7 +46,7 @@ def schedule_data(s: base.Session, count: int) -> dict[str, Any]:
                 "task": e.task,
                 "source": e.source,
                 "paused": e.paused,
-                "schedule": None if e.entry is None else base.unwrapped(str(e.entry.schedule)),
+                "schedule": None if e.entry is None else _shown(e),
                 "next": upcoming,
                 "last_claimed": base.iso(mark),
                 "last_state": None if job is None else job.state.value,
@@ -55,6 +56,15 @@ def schedule_data(s: base.Session, count: int) -> dict[str, Any]:
             }
         )
     return {"store_time": base.iso(now), "timezone": str(tz), "entries": rows}
+
+
+def _shown(e: Entry) -> str:
+    """The entry's schedule as its definition says it (a stored one's, without its start)."""
+    assert e.entry is not None  # noqa: S101 (the caller checked)
+    sched = e.entry.schedule
+    if e.source == "stored" and isinstance(sched, bounded):
+        sched = sched.schedule
+    return base.unwrapped(str(sched))
 
 
 @click.group(invoke_without_command=True)
