@@ -47,7 +47,17 @@ from celery_exactonce.beat.scheduler import entry_policy, internal_entries
 from celery_exactonce.core import exceptions, times
 from celery_exactonce.stores.base import StateStore, check_entry_name
 
-__all__ = ["StoredEntry", "delete", "get", "list_stored", "pause", "resume", "save", "save_many"]
+__all__ = [
+    "StoredEntry",
+    "check",
+    "delete",
+    "get",
+    "list_stored",
+    "pause",
+    "resume",
+    "save",
+    "save_many",
+]
 
 #: What a spec of :func:`save_many` holds when it does not say.
 _SPEC_DEFAULTS: dict[str, Any] = {"args": (), "kwargs": None, "options": None, "paused": False}
@@ -113,7 +123,12 @@ def save(
 def save_many(app: Any, specs: Iterable[Mapping[str, Any]]) -> list[StoredEntry]:
     """Store several entries, each ``{"name", "task", "schedule", "args", "kwargs",
     "options", "paused"}`` as :func:`save` takes them; all are checked before any is
-    stored (a refusal names the entry, and nothing is stored then)."""
+    stored (a refusal names the entry, and nothing is stored then).
+
+    A spec may also give ``since`` (an aware datetime): where its slots start,
+    instead of the save (an importer starts an entry after the last slot the
+    scheduler it comes from ran).
+    """
     _refuse_django(app)
     store = _store(app)
     _, found = store.read_entries()
@@ -129,12 +144,24 @@ def save_many(app: Any, specs: Iterable[Mapping[str, Any]]) -> list[StoredEntry]
     return [entry for entry, _ in built.values()]
 
 
+def check(app: Any, spec: Mapping[str, Any]) -> StoredEntry:
+    """The entry :func:`save_many` would store for ``spec``, checked, stored nowhere.
+
+    Raises :class:`~celery_exactonce.core.exceptions.ConfigurationError` naming
+    the entry, as :func:`save` does.
+    """
+    _refuse_django(app)
+    store = _store(app)
+    _, found = store.read_entries()
+    return _build(app, spec, found, store.now())[0]
+
+
 def _build(
     app: Any, spec: Mapping[str, Any], found: Mapping[str, str], now: datetime
 ) -> tuple[StoredEntry, str]:
     """The entry of ``spec`` and its definition, checked as beat checks it."""
     name = _checked_name(app, spec.get("name"))
-    unknown = sorted(set(spec) - {*_SPEC_DEFAULTS, "name", "task", "schedule"})
+    unknown = sorted(set(spec) - {*_SPEC_DEFAULTS, "name", "task", "schedule", "since"})
     if unknown:
         raise stored.refused(name, f"unknown fields {unknown}")
     spec = {**_SPEC_DEFAULTS, **spec}
@@ -152,7 +179,8 @@ def _build(
         kwargs=dict(spec["kwargs"] or {}),
         options=dict(spec["options"] or {}),
         paused=bool(spec["paused"]),
-        since=previous.since if keep and previous is not None else now,
+        since=_since(name, spec.get("since"))
+        or (previous.since if keep and previous is not None else now),
     )
     if not isinstance(entry.task, str) or not entry.task:
         raise stored.refused(name, f"task must be a task's name, got {entry.task!r}")
@@ -214,6 +242,15 @@ def _read(store: StateStore, name: str) -> StoredEntry | None:
     _, found = store.read_entries()
     text = found.get(name)
     return None if text is None else StoredEntry.parse(name, text)
+
+
+def _since(name: str, value: object) -> datetime | None:
+    """A spec's ``since`` (an aware datetime), or ``None`` when it gives none."""
+    if value is None:
+        return None
+    if not isinstance(value, datetime) or value.tzinfo is None:
+        raise stored.refused(name, f"since must be an aware datetime, got {value!r}")
+    return value
 
 
 def _parsed(name: str, text: str | None) -> StoredEntry | None:
