@@ -17,7 +17,7 @@ datetimes tagged too. Entries from RedBeat's ``beat_schedule`` are listed in
 * the slots start just after its ``last_run_at``, so the slot RedBeat ran
   last never runs again; one never run starts at the import;
 * a static entry whose name ``beat_schedule`` still has runs from there, and
-  is left out.
+  is left out, as is Celery's own ``celery.backend_cleanup``.
 
 Nothing here writes: the command saves the plan (:func:`celery_exactonce.entries.save_many`)
 unless ``--dry-run``. Reads with redis-py only; RedBeat need not be installed.
@@ -34,6 +34,8 @@ from zoneinfo import ZoneInfo
 
 #: RedBeat's default key prefix (``redbeat_key_prefix``).
 DEFAULT_PREFIX = "redbeat:"
+#: Entries Celery's beat installs by itself (RedBeat saves them as any other).
+CELERY_ENTRIES = frozenset({"celery.backend_cleanup"})
 #: The keys under the prefix that are RedBeat's own, not entries.
 _OWN = (":schedule", ":statics", ":lock")
 
@@ -118,6 +120,8 @@ def plan(found: Found, settings: Mapping[str, Any], now: datetime) -> Planned:
         return Planned(found, None, found.error)
     if found.static and found.name in settings:
         return Planned(found, None, "static: beat_schedule has it, and runs it")
+    if found.name in CELERY_ENTRIES:
+        return Planned(found, None, "Celery's own: beat installs it where the backend needs it")
     d = found.definition
     schedule = d.get("schedule")
     if not isinstance(schedule, dict):
