@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import click
@@ -46,6 +47,63 @@ def reconcile(ctx: click.Context, as_json: bool) -> None:
         base.fail(f"the pass met {report.errors} store error(s): see the log")
 
 
+@dataclasses.dataclass(frozen=True)
+class Cancelled:
+    """What cancelling a job did (:func:`cancel_job`): the CLI's ``cancel`` and the dashboard's."""
+
+    task_id: str
+    """The whole id (a prefix given was resolved)."""
+    cancelled: bool
+    """This call ended the job ``CANCELLED``."""
+    already: bool
+    """It was ``CANCELLED`` before: it will not run either."""
+    state: str | None
+    """The job's state after the call (``None``: no such submitted job)."""
+    refusal: str | None
+    """Why it was not cancelled (``None`` when it will not run)."""
+
+    def as_dict(self) -> dict[str, Any]:
+        """The ``cancel --json`` document."""
+        return {
+            "task_id": self.task_id,
+            "cancelled": self.cancelled,
+            "already_cancelled": self.already,
+            "state": self.state,
+        }
+
+
+def cancel_job(s: base.Session, task_id: str) -> Cancelled:
+    """Cancel the submitted job ``task_id`` (or the one id it starts) if not dispatched yet.
+
+    Writes through :func:`celery_exactonce.cancel` on the app's runtime, which
+    must be on ``s.store`` (the CLI installs it; the dashboard's session is
+    the runtime's). Raises ``click.BadParameter`` for an ambiguous prefix,
+    ``StoreError`` when the store cannot be written.
+    """
+    task_id = resolve(s.store, task_id)
+    cancelled = cancelling.cancel(task_id, s.app)
+    job = s.store.get(JobRef.submitted(task_id))
+    others = [j for j in find_job(s.store, task_id) if j.ref.space is Space.OCCURRENCE]
+    state = None if job is None else job.state.value
+    already = not cancelled and job is not None and job.state is State.CANCELLED
+    refusal = None
+    if cancelled or already:
+        pass
+    elif job is None and others:
+        refusal = (
+            f"{task_id!r} is a beat occurrence ({others[0].state.value}): "
+            "only submitted jobs cancel"
+        )
+    elif job is None:
+        refusal = f"no job {task_id!r} in namespace {s.config.namespace!r}"
+    else:
+        refusal = (
+            f"{task_id!r} is {state}: only a job not dispatched yet (PENDING, SCHEDULED) cancels"
+            + ("; revoke a dispatched one with `celery control revoke`" if not job.terminal else "")
+        )
+    return Cancelled(task_id, cancelled, already, state, refusal)
+
+
 @click.command()
 @click.argument("task_id", callback=base.validate_task_id)
 @base.json_option
@@ -61,38 +119,16 @@ def cancel(ctx: click.Context, task_id: str, as_json: bool) -> None:
     TASK_ID may be the start of an id, as long as no other job's id starts with it.
     """
     with base.session(ctx) as s:
-        task_id = resolve(s.store, task_id)
         runtime.install(s.app, s.store, s.config)
-        cancelled = cancelling.cancel(task_id, s.app)
-        job = s.store.get(JobRef.submitted(task_id))
-        others = [j for j in find_job(s.store, task_id) if j.ref.space is Space.OCCURRENCE]
-    state = None if job is None else job.state.value
-    already = not cancelled and job is not None and job.state is State.CANCELLED
-    data: dict[str, Any] = {
-        "task_id": task_id,
-        "cancelled": cancelled,
-        "already_cancelled": already,
-        "state": state,
-    }
+        done = cancel_job(s, task_id)
     if as_json:
-        base.emit_json(data)
-    elif cancelled:
-        click.echo(f"cancelled {task_id}: it will not run")
-    elif already:
-        click.echo(f"{task_id} was cancelled already (CANCELLED): it will not run")
-    if cancelled or already:
-        return
-    if job is None and others:
-        base.fail(
-            f"{task_id!r} is a beat occurrence ({others[0].state.value}): "
-            "only submitted jobs cancel"
-        )
-    if job is None:
-        base.fail(f"no job {task_id!r} in namespace {s.config.namespace!r}")
-    base.fail(
-        f"{task_id!r} is {state}: only a job not dispatched yet (PENDING, SCHEDULED) cancels"
-        + ("; revoke a dispatched one with `celery control revoke`" if not job.terminal else "")
-    )
+        base.emit_json(done.as_dict())
+    elif done.cancelled:
+        click.echo(f"cancelled {done.task_id}: it will not run")
+    elif done.already:
+        click.echo(f"{done.task_id} was cancelled already (CANCELLED): it will not run")
+    if done.refusal is not None:
+        base.fail(done.refusal)
 
 
 @click.command()

@@ -1,60 +1,28 @@
 """The admin in a real headless browser: log in, list the jobs, filter, open a job.
 
 Chromium and its driver are Debian's (``chromium``, ``chromium-driver``;
-``.ci/run`` installs them), driven by Selenium, against pytest-django's live
-server. Without them the test is skipped (failed under
-``EXACTONCE_REQUIRE_SERVICES``), as a test without its server is.
+``.ci/run`` installs them), driven by Selenium (:mod:`tests.support.browser`),
+against pytest-django's live server. Without them the test is skipped (failed
+under ``EXACTONCE_REQUIRE_SERVICES``), as a test without its server is.
 """
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from celery_exactonce.stores.base import StateStore
-from tests import services
 from tests.django_tests.test_admin import jobs_in_every_state
-
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
+from tests.support.browser import arrived
+from tests.support.browser import browser as headless
 
 
 @pytest.fixture
 def browser() -> Iterator[Any]:
-    if not (shutil.which(CHROMIUM) and shutil.which(CHROMEDRIVER)):
-        message = (
-            "chromium and chromedriver are not installed (apt-get install chromium chromium-driver)"
-        )
-        if services.required():
-            pytest.fail(message, pytrace=False)
-        pytest.skip(message)
-    webdriver = pytest.importorskip("selenium.webdriver")
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for argument in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"):
-        options.add_argument(argument)
-    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
-    driver.set_page_load_timeout(30)
-    driver.implicitly_wait(10)  # an element is looked for until the page that has it is there
-    try:
+    with headless() as driver:
         yield driver
-    finally:
-        driver.quit()
-
-
-def arrived(browser: Any, part: str, timeout: float = 15.0) -> None:
-    """Wait until the browser shows a page whose URL has ``part`` (a click navigated)."""
-    from selenium.webdriver.support.ui import WebDriverWait
-
-    WebDriverWait(browser, timeout).until(lambda driver: part in driver.current_url)
-    WebDriverWait(browser, timeout).until(
-        lambda driver: driver.execute_script("return document.readyState") == "complete"
-    )
 
 
 def test_an_operator_lists_filters_and_opens_jobs_in_a_browser(

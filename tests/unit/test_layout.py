@@ -160,8 +160,8 @@ def test_every_module_is_about_400_lines_or_fewer_and_says_what_it_holds() -> No
 #: Below the paths' users: what every one of them may import.
 LOWER = ("core", "schedules", "stores", "dispatch", "observe", "config", "runtime", "policy")
 #: The top: the package's front, the CLI, the dashboard, the stored entries' functions, the
-#: integrations, the demo, the pytest plugin, and the docs generator. They may import any module below; only the rules
-#: about who may import them apply to them.
+#: integrations, the demo, the pytest plugin, and the docs generator. They may import any
+#: module below; only the rules about who may import them apply to them.
 TOP = ("__init__", "__main__", "_docgen", "cli", "web", "entries", "contrib", "demo", "testing")
 
 
