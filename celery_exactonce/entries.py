@@ -36,15 +36,12 @@ import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from typing import Any
-from zoneinfo import ZoneInfo
-
-from celery.beat import ScheduleEntry
 
 from celery_exactonce import runtime
 from celery_exactonce.beat import stored
-from celery_exactonce.beat.entries import check_entry, reading
-from celery_exactonce.beat.scheduler import entry_policy, internal_entries
+from celery_exactonce.beat.checks import check_beat_entry, fixed_names, uses_django_rows
 from celery_exactonce.core import exceptions, times
+from celery_exactonce.schedules import at
 from celery_exactonce.stores.base import StateStore, check_entry_name
 
 __all__ = [
@@ -54,15 +51,16 @@ __all__ = [
     "get",
     "list_stored",
     "pause",
+    "resign",
     "resume",
     "save",
     "save_many",
 ]
 
-#: What a spec of :func:`save_many` holds when it does not say.
-_SPEC_DEFAULTS: dict[str, Any] = {"args": (), "kwargs": None, "options": None, "paused": False}
-#: The ``beat_scheduler`` values that run django-celery-beat's rows instead.
-_DJANGO_SCHEDULERS = ("exactonce-django", "celery_exactonce.contrib.django_celery_beat")
+#: What a spec of :func:`save_many` holds when it does not say (``paused``: as stored).
+_SPEC_DEFAULTS: dict[str, Any] = {"args": (), "kwargs": None, "options": None, "paused": None}
+#: Times a change is tried again when another writer changed the entry under it.
+_ATTEMPTS = 5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +99,7 @@ def save(
     args: Sequence[Any] = (),
     kwargs: Mapping[str, Any] | None = None,
     options: Mapping[str, Any] | None = None,
-    paused: bool = False,
+    paused: bool | None = None,
 ) -> StoredEntry:
     """Store entry ``name`` (replacing one of that name); every beat runs it from its next tick.
 
@@ -110,7 +108,8 @@ def save(
     ``crontab``), an :class:`~celery_exactonce.schedules.at` or Celery's
     ``solar``. ``options`` are ``apply_async``'s (``queue``, ``priority``,
     ``expires`` in seconds...) and ``options["exactonce"]`` the entry's policy,
-    as in ``beat_schedule``; everything must be JSON.
+    as in ``beat_schedule``; everything must be JSON. ``paused``: ``None``
+    keeps what is stored (a new entry runs).
 
     Raises :class:`~celery_exactonce.core.exceptions.ConfigurationError` naming
     the entry and what is wrong with it (nothing is stored then), and
@@ -127,75 +126,53 @@ def save_many(app: Any, specs: Iterable[Mapping[str, Any]]) -> list[StoredEntry]
 
     A spec may also give ``since`` (an aware datetime): where its slots start,
     instead of the save (an importer starts an entry after the last slot the
-    scheduler it comes from ran).
+    scheduler it comes from ran). Each write replaces the definition it was
+    built from: one another writer changed meanwhile is built again from the
+    new one (a pause made meanwhile stays).
     """
+    _refuse_django(app)
+    specs = list(specs)
+    store = _store(app)
+    _, found = store.read_entries()
+    now = store.now()
+    built = _built(app, specs, found, now)
+    saved = []
+    for spec, first in zip(specs, built, strict=True):
+        entry, text = first
+        for _ in range(_ATTEMPTS):
+            if store.write_entry(entry.name, text, expect=found.get(entry.name)) is not None:
+                break
+            _, found = store.read_entries()  # another writer's change: build on it
+            entry, text = _build(app, spec, found, now)
+        else:
+            raise _busy(entry.name)
+        saved.append(entry)
+    return saved
+
+
+def check(
+    app: Any, specs: Iterable[Mapping[str, Any]]
+) -> list[StoredEntry | exceptions.ConfigurationError]:
+    """What :func:`save_many` would store for each of ``specs``, checked alone, stored nowhere:
+    the entry, or the refusal naming it."""
     _refuse_django(app)
     store = _store(app)
     _, found = store.read_entries()
     now = store.now()
-    built: dict[str, tuple[StoredEntry, str]] = {}
+    checked: list[StoredEntry | exceptions.ConfigurationError] = []
     for spec in specs:
-        entry, text = _build(app, spec, found, now)
-        if entry.name in built:
-            raise stored.refused(entry.name, "given twice")
-        built[entry.name] = (entry, text)
-    for name, (_, text) in built.items():
-        store.write_entry(name, text)
-    return [entry for entry, _ in built.values()]
-
-
-def check(app: Any, spec: Mapping[str, Any]) -> StoredEntry:
-    """The entry :func:`save_many` would store for ``spec``, checked, stored nowhere.
-
-    Raises :class:`~celery_exactonce.core.exceptions.ConfigurationError` naming
-    the entry, as :func:`save` does.
-    """
-    _refuse_django(app)
-    store = _store(app)
-    _, found = store.read_entries()
-    return _build(app, spec, found, store.now())[0]
-
-
-def _build(
-    app: Any, spec: Mapping[str, Any], found: Mapping[str, str], now: datetime
-) -> tuple[StoredEntry, str]:
-    """The entry of ``spec`` and its definition, checked as beat checks it."""
-    name = _checked_name(app, spec.get("name"))
-    unknown = sorted(set(spec) - {*_SPEC_DEFAULTS, "name", "task", "schedule", "since"})
-    if unknown:
-        raise stored.refused(name, f"unknown fields {unknown}")
-    spec = {**_SPEC_DEFAULTS, **spec}
-    try:
-        sched = stored.encode_schedule(spec.get("schedule"))
-    except ValueError as exc:
-        raise stored.refused(name, f"schedule: {exc}") from exc
-    previous = _parsed(name, found.get(name))
-    keep = previous is not None and previous.schedule == sched and not previous.paused
-    entry = StoredEntry(
-        name=name,
-        task=spec.get("task"),  # type: ignore[arg-type]  # checked below, as beat checks it
-        schedule=sched,
-        args=list(spec["args"] or ()),
-        kwargs=dict(spec["kwargs"] or {}),
-        options=dict(spec["options"] or {}),
-        paused=bool(spec["paused"]),
-        since=_since(name, spec.get("since"))
-        or (previous.since if keep and previous is not None else now),
-    )
-    if not isinstance(entry.task, str) or not entry.task:
-        raise stored.refused(name, f"task must be a task's name, got {entry.task!r}")
-    try:
-        text = entry.definition()
-    except TypeError as exc:
-        raise stored.refused(name, str(exc)) from exc
-    _check(app, entry)
-    return entry, text
+        try:
+            checked.append(_build(app, spec, found, now)[0])
+        except exceptions.ConfigurationError as exc:
+            checked.append(exc)
+    return checked
 
 
 def delete(app: Any, name: str) -> bool:
-    """Remove stored entry ``name``; whether there was one. Beat fires it no more."""
+    """Remove stored entry ``name``, whatever it holds (one beat refuses too); whether there
+    was one. Beat fires it no more."""
     store = _store(app)
-    if _read(store, check_entry_name(name)) is None:
+    if check_entry_name(name) not in store.read_entries()[1]:
         return False
     store.write_entry(name, None)
     return True
@@ -204,7 +181,8 @@ def delete(app: Any, name: str) -> bool:
 def pause(app: Any, name: str) -> StoredEntry:
     """Pause stored entry ``name``: no node fires it until :func:`resume`.
 
-    Raises ``KeyError`` naming it when there is no such entry.
+    Raises ``KeyError`` naming it when there is no such entry, and the refusal
+    of one beat cannot read (:func:`delete` removes that).
     """
     return _set_paused(app, name, True)
 
@@ -214,13 +192,28 @@ def resume(app: Any, name: str) -> StoredEntry:
     return _set_paused(app, name, False)
 
 
+def resign(app: Any) -> list[str]:
+    """Write every stored entry again as it reads: signed with the first of
+    ``exactonce_signing_key``'s keys (after a rotation put a new key first, and before
+    the old one is dropped). One that does not verify is left as it is. The names
+    written."""
+    store = _store(app)
+    written = []
+    for name, text in sorted(store.read_entries()[1].items()):
+        if _parsed(name, text) is not None and store.write_entry(name, text, expect=text):
+            written.append(name)
+    return written
+
+
 def get(app: Any, name: str) -> StoredEntry | None:
-    """Stored entry ``name``, or ``None``."""
-    return _read(_store(app), check_entry_name(name))
+    """Stored entry ``name``, or ``None``; the refusal of a definition beat cannot read."""
+    text = _store(app).read_entries()[1].get(check_entry_name(name))
+    return None if text is None else StoredEntry.parse(name, text)
 
 
 def list_stored(app: Any) -> dict[str, StoredEntry | exceptions.ConfigurationError]:
-    """Every stored entry by name; one beat would refuse, as the refusal (naming it)."""
+    """Every stored entry by name; one whose definition beat cannot read (newer, not JSON,
+    not signed) as that refusal, naming it. ``exactonce check`` checks the rest as beat does."""
     _, found = _store(app).read_entries()
     listed: dict[str, StoredEntry | exceptions.ConfigurationError] = {}
     for name, text in sorted(found.items()):
@@ -238,10 +231,70 @@ def _store(app: Any) -> StateStore:
     return runtime.runtime_for(app).store
 
 
-def _read(store: StateStore, name: str) -> StoredEntry | None:
-    _, found = store.read_entries()
-    text = found.get(name)
-    return None if text is None else StoredEntry.parse(name, text)
+def _busy(name: str) -> exceptions.ExactOnceError:
+    return exceptions.ExactOnceError(
+        f"stored entry {name!r} changed {_ATTEMPTS} times while this change was made: try again"
+    )
+
+
+def _built(
+    app: Any, specs: list[Mapping[str, Any]], found: Mapping[str, str], now: datetime
+) -> list[tuple[StoredEntry, str]]:
+    built = [_build(app, spec, found, now) for spec in specs]
+    names = [entry.name for entry, _ in built]
+    if twice := sorted({n for n in names if names.count(n) > 1}):
+        raise stored.refused(twice[0], "given twice")
+    return built
+
+
+def _build(
+    app: Any, spec: Mapping[str, Any], found: Mapping[str, str], now: datetime
+) -> tuple[StoredEntry, str]:
+    """The entry of ``spec`` (over what ``found`` holds of it), checked as beat checks it."""
+    name = _checked_name(app, spec.get("name"))
+    unknown = sorted(set(spec) - {*_SPEC_DEFAULTS, "name", "task", "schedule", "since"})
+    if unknown:
+        raise stored.refused(name, f"unknown fields {unknown}")
+    spec = {**_SPEC_DEFAULTS, **spec}
+    kinds = (("args", (list, tuple)), ("kwargs", Mapping), ("options", Mapping))
+    for key, kind in kinds:
+        if spec[key] is not None and not isinstance(spec[key], kind):
+            raise stored.refused(name, f"{key} must be a {_kind(kind)}, got {spec[key]!r}")
+    if spec["paused"] is not None and not isinstance(spec["paused"], bool):
+        raise stored.refused(name, f"paused must be True or False, got {spec['paused']!r}")
+    try:
+        sched = stored.encode_schedule(spec.get("schedule"))
+    except ValueError as exc:
+        raise stored.refused(name, f"schedule: {exc}") from exc
+    previous = _parsed(name, found.get(name))
+    paused = spec["paused"] if spec["paused"] is not None else bool(previous and previous.paused)
+    keep = previous is not None and previous.schedule == sched and not previous.paused
+    since = _since(name, spec.get("since")) or (previous.since if previous and keep else now)
+    if isinstance(spec["schedule"], at) and spec["schedule"].instant < since:
+        raise stored.refused(name, f"its one slot, {spec['schedule'].instant}, is past")
+    entry = StoredEntry(
+        name=name,
+        task=spec.get("task"),  # type: ignore[arg-type]  # checked below, as beat checks it
+        schedule=sched,
+        args=list(spec["args"] or ()),
+        kwargs=dict(spec["kwargs"] or {}),
+        options=dict(spec["options"] or {}),
+        paused=paused,
+        since=since,
+    )
+    if not isinstance(entry.task, str) or not entry.task:
+        raise stored.refused(name, f"task must be a task's name, got {entry.task!r}")
+    try:
+        text = entry.definition()
+    except TypeError as exc:
+        raise stored.refused(name, str(exc)) from exc
+    fields = stored.entry_fields(name, stored.parse(name, text))
+    check_beat_entry(app, runtime.config_for(app), name, fields, node="entries.save")
+    return entry, text
+
+
+def _kind(kind: type | tuple[type, ...]) -> str:
+    return "list" if kind == (list, tuple) else "mapping"
 
 
 def _since(name: str, value: object) -> datetime | None:
@@ -263,15 +316,19 @@ def _parsed(name: str, text: str | None) -> StoredEntry | None:
 
 def _set_paused(app: Any, name: str, paused: bool) -> StoredEntry:
     store = _store(app)
-    entry = _read(store, check_entry_name(name))
-    if entry is None:
-        raise KeyError(f"no stored entry {name!r}")
-    if entry.paused == paused:
-        return entry
-    since = entry.since if paused else store.now()
-    changed = dataclasses.replace(entry, paused=paused, since=since)
-    store.write_entry(name, changed.definition())
-    return changed
+    check_entry_name(name)
+    for _ in range(_ATTEMPTS):
+        text = store.read_entries()[1].get(name)
+        if text is None:
+            raise KeyError(f"no stored entry {name!r}")
+        entry = StoredEntry.parse(name, text)
+        if entry.paused == paused:
+            return entry
+        since = entry.since if paused else store.now()
+        changed = dataclasses.replace(entry, paused=paused, since=since)
+        if store.write_entry(name, changed.definition(), expect=text) is not None:
+            return changed
+    raise _busy(name)
 
 
 def _checked_name(app: Any, name: object) -> str:
@@ -279,35 +336,15 @@ def _checked_name(app: Any, name: object) -> str:
         checked = check_entry_name(name)
     except exceptions.InvalidPayload as exc:
         raise exceptions.ConfigurationError(f"stored entry: {exc}", setting="entries") from exc
-    fixed = {*(app.conf.beat_schedule or {}), *internal_entries(runtime.config_for(app))}
-    if checked in fixed:
+    if checked in fixed_names(app, runtime.config_for(app)):
         raise stored.refused(
             checked, "beat_schedule (or beat itself) has an entry of this name: pick another"
         )
     return checked
 
 
-def _check(app: Any, entry: StoredEntry) -> None:
-    """What beat checks of an entry, checked before it is stored (a refusal names it)."""
-    config = runtime.config_for(app)
-    zone = ZoneInfo(str(app.timezone))
-    fields = stored.entry_fields(entry.name, stored.parse(entry.name, entry.definition()))
-    with reading(entry.name):
-        check_entry(
-            entry.name,
-            ScheduleEntry(name=entry.name, app=app, **fields),
-            lambda name, e: entry_policy(app, config, name, e),
-            tz=zone,
-            now=datetime.now(tz=zone),
-            namespace=config.namespace,
-            node="entries.save",
-        )
-
-
 def _refuse_django(app: Any) -> None:
-    scheduler = app.conf.beat_scheduler
-    name = scheduler if isinstance(scheduler, str) else getattr(scheduler, "__module__", "")
-    if any(name.startswith(known) for known in _DJANGO_SCHEDULERS):
+    if uses_django_rows(app):
         raise exceptions.ConfigurationError(
             "beat_scheduler runs django-celery-beat's rows (exactonce-django): add and edit "
             "PeriodicTask rows (the admin) rather than stored entries",

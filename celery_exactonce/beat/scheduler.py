@@ -223,6 +223,7 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
         """Take entry ``name`` out of the schedule (a stored one removed or paused)."""
         if self.schedule.pop(name, None) is not None:
             self._forget(name)
+        self._decided.pop(name, None)  # its watermark guards it, if it comes back
 
     def _tick_started(self, now: datetime) -> None:
         """A tick read the store's clock (``now``) and will plan next; the schedule may change.
@@ -231,7 +232,7 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
         its entries elsewhere, the django-celery-beat one, reads those instead).
         """
         if self._stored is not None:
-            self._stored.tick(self)
+            self._stored.tick(self, now)
 
     def _claimed(self, plans: list[Plan]) -> None:
         """After a tick's claims and their dispatch; each plan's :attr:`Plan.claimed` slots.

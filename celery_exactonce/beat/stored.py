@@ -44,6 +44,8 @@ from celery_exactonce.stores.base import StateStore
 DEFINITION_VERSION = 1
 #: The keys of a definition.
 FIELDS = ("v", "task", "schedule", "args", "kwargs", "options", "paused", "since")
+#: Seconds of store time after which beat reads the stored entries whatever their revision.
+FULL_READ_INTERVAL = 300.0
 #: The field a store puts in a definition it must not run (a signature that fails).
 REFUSED = "refused"
 
@@ -72,7 +74,7 @@ def encode_schedule(schedule: object) -> dict[str, Any]:
         return encode_schedule(cron(schedule))
     if isinstance(schedule, celery_schedules.crontab):
         fields = ("minute", "hour", "day_of_month", "month_of_year", "day_of_week")
-        expr = " ".join(str(getattr(schedule, f"_orig_{field}")) for field in fields)
+        expr = " ".join(_cron_field(getattr(schedule, f"_orig_{field}")) for field in fields)
         return encode_schedule(cron(expr))
     if isinstance(schedule, celery_schedules.solar):
         return {"solar": schedule.event, "lat": schedule.lat, "lon": schedule.lon}
@@ -90,6 +92,14 @@ def encode_schedule(schedule: object) -> dict[str, Any]:
         f"a stored entry's schedule is seconds, a timedelta, a cron expression, cron(), "
         f"crontab(), at() or solar(); got {type(schedule).__name__}"
     )
+
+
+def _cron_field(value: object) -> str:
+    """A crontab field as cron writes it (``[0, 30]`` as ``0,30``)."""
+    if isinstance(value, list | tuple | set | frozenset):
+        items = sorted(value) if isinstance(value, set | frozenset) else value
+        return ",".join(str(item) for item in items)
+    return str(value)
 
 
 def decode_schedule(name: str, data: object) -> Any:
@@ -192,6 +202,7 @@ class StoredEntries:
     store: StateStore
     fixed: frozenset[str] = frozenset()
     revision: int | None = None
+    read_at: datetime | None = None
     definitions: dict[str, str] = dataclasses.field(default_factory=dict)
     running: set[str] = dataclasses.field(default_factory=set)
 
@@ -213,10 +224,10 @@ class StoredEntries:
             )
         self.tick(target)
 
-    def tick(self, target: Schedule) -> None:
+    def tick(self, target: Schedule, now: datetime | None = None) -> None:
         """:meth:`refresh`, a store error said (the schedule stays, the next tick reads)."""
         try:
-            self.refresh(target)
+            self.refresh(target, now)
         except exceptions.StoreError as exc:
             metrics.event(
                 "schedule_read_failed",
@@ -224,15 +235,34 @@ class StoredEntries:
                 level=logging.WARNING,
             )
 
-    def refresh(self, target: Schedule) -> bool:
+    def refresh(self, target: Schedule, now: datetime | None = None) -> bool:
         """Apply what changed since the last read; whether anything was read.
 
-        A store error raises (``StoreError``) and changes nothing: the next
-        tick reads again.
+        Read when the revision moved, and every :data:`FULL_READ_INTERVAL` of
+        store time (``now``) whatever it says: a revision a store lost and
+        counted again to the same number hides no change longer than that. A
+        revision that went back (the store lost writes) is an error, said. A
+        store error raises (``StoreError``) and changes nothing: the next tick
+        reads again.
         """
-        if self.store.entries_revision() == self.revision:
+        due = now is not None and (
+            self.read_at is None or now - self.read_at >= timedelta(seconds=FULL_READ_INTERVAL)
+        )
+        if self.store.entries_revision() == self.revision and not due:
             return False
         revision, found = self.store.read_entries()
+        self.read_at = now
+        if self.revision is not None and revision < self.revision:
+            metrics.event(
+                "stored_entries_lost",
+                "the stored entries' revision went back from %d to %d: the store lost writes "
+                "to them (a failover to a replica behind, a restart without persistence); "
+                "beat runs what it holds now",
+                self.revision,
+                revision,
+                level=logging.ERROR,
+                sentry=True,
+            )
         for name in sorted(set(self.definitions) - set(found)):
             self._stop(target, name)
         for name, text in sorted(found.items()):

@@ -38,7 +38,7 @@ from celery_exactonce import runtime
 from celery_exactonce.config import ExactOnceConfig
 from celery_exactonce.core import exceptions, refs
 from celery_exactonce.core.jobs import Job
-from celery_exactonce.stores import open_store, redact_url
+from celery_exactonce.stores import open_store, redact_url, signing
 from celery_exactonce.stores.base import StateStore
 
 EXIT_OK = 0
@@ -134,7 +134,8 @@ def session(ctx: click.Context, *, set_up: bool = True) -> Iterator[Session]:
     """
     app = app_of(ctx)
     config = runtime.config_for(app)
-    store = open_store(config, setup=False)
+    # Signed where the app signs: stored entries read verified, as beat reads them.
+    store = signing.signed(open_store(config, setup=False), config.signing_key)
     try:
         if set_up and store.schema_version() is None:
             fail(

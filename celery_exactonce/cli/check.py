@@ -13,23 +13,20 @@ import dataclasses
 import time
 import warnings
 from collections.abc import Callable
-from datetime import datetime, timezone
 from typing import Any
-from zoneinfo import ZoneInfo
 
 import click
-from celery import beat
 
 from celery_exactonce import config as config_module
 from celery_exactonce import runtime, startup
-from celery_exactonce.beat import entries, stored
-from celery_exactonce.beat.scheduler import entry_policy, internal_entries
+from celery_exactonce.beat import stored
+from celery_exactonce.beat.checks import check_beat_entry, fixed_names, uses_django_rows
+from celery_exactonce.beat.scheduler import internal_entries
 from celery_exactonce.cli import base
-from celery_exactonce.cli.entries import uses_django_rows
 from celery_exactonce.config import ExactOnceConfig, UnknownSettingWarning
 from celery_exactonce.core import exceptions
 from celery_exactonce.reconcile import task as reconcile_task
-from celery_exactonce.stores import open_store, redact_url
+from celery_exactonce.stores import open_store, redact_url, signing
 from celery_exactonce.stores.base import StateStore, format_written
 from celery_exactonce.task.gate import validate_gated_task
 
@@ -115,7 +112,7 @@ def run_checks(app: Any) -> Report:
         report.run("periodic tasks", lambda: _rows(app, config))
     report.run("signing", lambda: _signing(config))
     try:
-        store = open_store(config, setup=False)
+        store = signing.signed(open_store(config, setup=False), config.signing_key)
     except exceptions.ExactOnceError as exc:
         error = exc
         report.run("store", lambda: _raise(error))
@@ -197,37 +194,18 @@ def _entries(app: Any, config: ExactOnceConfig) -> str:
     schedule = {**(app.conf.beat_schedule or {}), **internal_entries(config)}
     internal = set(internal_entries(config))
     for name, fields in schedule.items():
-        _check_entry(app, config, name, fields, internal=name in internal)
+        check_beat_entry(app, config, name, fields, internal=name in internal)
     return f"{len(schedule) - len(internal)} entry(ies) of beat_schedule accepted"
 
 
-def _check_entry(
-    app: Any, config: ExactOnceConfig, name: str, fields: Any, *, internal: bool = False
-) -> None:
-    """Entry ``name`` of ``fields`` as beat checks it; a refusal naming it."""
-    tz = ZoneInfo(str(app.timezone))
-    with entries.reading(name):
-        entry = beat.ScheduleEntry(**dict(fields, name=name, app=app))
-        entries.check_entry(
-            name,
-            entry,
-            lambda n, e: entry_policy(app, config, n, e, internal=internal),
-            tz=tz,
-            now=datetime.now(timezone.utc),
-            namespace=config.namespace,
-            node="check",
-        )
-
-
-def _stored(app: Any, config: ExactOnceConfig, store: StateStore) -> str:
+def _stored(app: Any, config: ExactOnceConfig, store: StateStore) -> str | tuple[str, str]:
     """Each stored entry as beat checks it; one named as a ``beat_schedule`` entry refuses
     beat's start, any other bad one is refused alone (beat runs the others)."""
     try:
         _, found = store.read_entries()
     except exceptions.StoreError as exc:  # an SQL store set up before they existed
-        return f"none read ({base.one_line(exc)}): `exactonce migrate` makes their table"
-    fixed = {*(app.conf.beat_schedule or {}), *internal_entries(config)}
-    if clashes := sorted(set(found) & fixed):
+        return WARN, f"not read ({base.one_line(exc)}); on SQL, `exactonce migrate` makes it"
+    if clashes := sorted(set(found) & fixed_names(app, config)):
         raise exceptions.ConfigurationError(
             f"stored entries {clashes} have the names of beat_schedule entries: beat refuses "
             "to start; rename one, or remove the stored one (exactonce schedule remove NAME)",
@@ -236,16 +214,10 @@ def _stored(app: Any, config: ExactOnceConfig, store: StateStore) -> str:
     refused = []
     for name, text in sorted(found.items()):
         try:
-            _check_entry(app, config, name, stored.entry_fields(name, stored.parse(name, text)))
+            check_beat_entry(app, config, name, stored.entry_fields(name, stored.parse(name, text)))
         except exceptions.ConfigurationError as exc:
             refused.append(str(exc))
-    if refused:
-        raise exceptions.ConfigurationError(
-            f"{len(refused)} of {len(found)} stored entry(ies) refused (beat runs the others): "
-            + "; ".join(refused),
-            setting="entries",
-        )
-    return f"{len(found)} stored entry(ies) accepted"
+    return _accepted(refused, len(found), "stored entry(ies)", "entries")
 
 
 def _rows(app: Any, config: ExactOnceConfig) -> str:
@@ -267,18 +239,25 @@ def _rows(app: Any, config: ExactOnceConfig) -> str:
         try:
             fields = periodic_tasks.entry_of(row)
             periodic_tasks.check_task(app, row.name, fields)
-            _check_entry(app, config, row.name, fields)
+            check_beat_entry(app, config, row.name, fields)
         except exceptions.ConfigurationError as exc:
             refused.append(str(exc))
         except Exception as exc:  # a row no check foresaw: still that row's
             refused.append(f"periodic task {row.name!r}: {type(exc).__name__}: {exc}")
+    what = "enabled row(s) of django_celery_beat.PeriodicTask"
+    return _accepted(refused, len(rows), what, "django_celery_beat.PeriodicTask")
+
+
+def _accepted(refused: list[str], total: int, what: str, setting: str) -> str:
+    """``total`` of ``what`` accepted; else a refusal naming each refused one (beat runs the
+    others, refusing these one by one: this check fails so that they are found first)."""
     if refused:
         raise exceptions.ConfigurationError(
-            f"{len(refused)} of {len(rows)} enabled row(s) refused (beat runs the others): "
+            f"{len(refused)} of {total} {what} refused (beat runs the others): "
             + "; ".join(refused),
-            setting="django_celery_beat.PeriodicTask",
+            setting=setting,
         )
-    return f"{len(rows)} enabled row(s) of django_celery_beat.PeriodicTask accepted"
+    return f"{total} {what} accepted"
 
 
 def _signing(config: ExactOnceConfig) -> str | tuple[str, str]:

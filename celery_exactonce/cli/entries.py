@@ -14,16 +14,12 @@ from typing import Any
 from celery import beat
 
 from celery_exactonce.beat import stored
+from celery_exactonce.beat.checks import fixed_names, uses_django_rows
 from celery_exactonce.beat.scheduler import internal_entries
 from celery_exactonce.config import ExactOnceConfig
 from celery_exactonce.core import exceptions, keys
 from celery_exactonce.core.jobs import Job
 from celery_exactonce.stores.base import StateStore
-
-#: ``beat_scheduler`` values that read django-celery-beat's rows.
-DJANGO_SCHEDULERS = frozenset(
-    {"exactonce-django", "celery_exactonce.contrib.django_celery_beat:DatabaseScheduler"}
-)
 
 
 @dataclasses.dataclass
@@ -42,13 +38,6 @@ class Entry:
     @property
     def task(self) -> str | None:
         return None if self.entry is None else str(self.entry.task)
-
-
-def uses_django_rows(app: Any) -> bool:
-    """Whether ``beat_scheduler`` is the exactonce-django scheduler (django-celery-beat rows)."""
-    scheduler = app.conf.beat_scheduler
-    name = scheduler if isinstance(scheduler, str) else getattr(scheduler, "__qualname__", "")
-    return name in DJANGO_SCHEDULERS or name == "DatabaseScheduler"
 
 
 def _entry(app: Any, name: str, fields: dict[str, Any], source: str) -> Entry:
@@ -81,19 +70,19 @@ def beat_entries(app: Any, config: ExactOnceConfig, store: StateStore | None = N
             settings.pop(row.name, None)
     found.extend(_entry(app, name, fields, "settings") for name, fields in settings.items())
     if store is not None and not uses_django_rows(app):
-        found.extend(_stored(app, store, settings))
+        found.extend(_stored(app, store, fixed_names(app, config)))
     found.extend(_entry(app, n, f, "beat") for n, f in internal_entries(config).items())
     return found
 
 
-def _stored(app: Any, store: StateStore, settings: dict[str, Any]) -> list[Entry]:
+def _stored(app: Any, store: StateStore, fixed: frozenset[str]) -> list[Entry]:
     _, definitions = store.read_entries()
     found = []
     for name, text in sorted(definitions.items()):
         try:
             data = stored.parse(name, text)
-            if name in settings:
-                raise stored.refused(name, "an entry of beat_schedule has this name")
+            if name in fixed:
+                raise stored.refused(name, "beat_schedule (or beat itself) has this name")
             made = _entry(app, name, stored.entry_fields(name, data), "stored")
         except exceptions.ConfigurationError as exc:
             found.append(Entry(name, None, "stored", str(exc)))

@@ -31,6 +31,8 @@ from celery_exactonce.stores import redact_url
 
 #: The ``where`` of the slots an import counts as missed (older than the look-back).
 MISSED = "import"
+#: Most missed slots counted per entry (a count that reaches it says "at least").
+MISSED_LIMIT = 100_000
 
 
 @click.group(name="import")
@@ -73,20 +75,28 @@ def redbeat(
     planned = [redbeat_entries.plan(f, settings, now) for f in found]
     rows, specs, missed = [], [], []
     lookback = timedelta(seconds=runtime.config_for(app).window_lookback)
+    candidates = [(p, p.spec) for p in planned if p.spec is not None]
+    verdicts = dict(
+        zip(
+            [id(p) for p, _ in candidates],
+            entries.check(app, [s for _, s in candidates]),
+            strict=True,
+        )
+    )
+    existing = set(store.read_entries()[1])
     for p in planned:
         row: dict[str, Any] = {"entry": p.found.name, "key": p.found.key, "static": p.found.static}
         rows.append(row)
-        if p.spec is None:
-            row.update(imported=False, why=p.why_not)
+        entry = verdicts.get(id(p))
+        if isinstance(entry, exceptions.ConfigurationError):
+            row.update(imported=False, why=base.one_line(entry))
             continue
-        try:
-            entry = entries.check(app, p.spec)
-        except exceptions.ConfigurationError as exc:
-            row.update(imported=False, why=base.one_line(exc))
+        if p.spec is None or entry is None:
+            row.update(imported=False, why=p.why_not)
             continue
         specs.append(p.spec)
         row.update(imported=True, task=entry.task, schedule=entry.schedule, paused=entry.paused)
-        row["since"] = base.iso(entry.since)
+        row.update(since=base.iso(entry.since), replaces=entry.name in existing)
         if p.found.last_run_at is not None and not entry.paused:
             old = _missed(app, entry, now - lookback)
             if old:
@@ -105,7 +115,9 @@ def _missed(app: Any, entry: entries.StoredEntry, until: datetime) -> list[datet
         return []
     sched = stored.decode_schedule(entry.name, entry.schedule)
     zone = ZoneInfo(str(app.timezone))
-    return slots.slots_between(sched, entry.since, until, tz=zone, limit=10_000, entry=entry.name)
+    return slots.slots_between(
+        sched, entry.since, until, tz=zone, limit=MISSED_LIMIT, entry=entry.name
+    )
 
 
 def _report(rows: list[dict[str, Any]], dry_run: bool, as_json: bool) -> None:
@@ -120,7 +132,14 @@ def _report(rows: list[dict[str, Any]], dry_run: bool, as_json: bool) -> None:
         if row["imported"]:
             state = "paused" if row["paused"] else f"from {row['since']}"
             missed = row.get("missed_older_than_lookback")
-            note = f"{missed} slot(s) missed, older than the look-back: counted" if missed else ""
+            least = "at least " if missed == MISSED_LIMIT else ""
+            note = (
+                f"{least}{missed} slot(s) missed, older than the look-back: counted"
+                if missed
+                else ""
+            )
+            if row["replaces"]:
+                note = "; ".join(filter(None, ["replaces the stored entry of this name", note]))
             table.append([row["entry"], row["task"], row["schedule"], state, note])
         else:
             table.append([row["entry"], "-", "-", "not imported", row["why"]])

@@ -13,7 +13,7 @@ from typing import IO, Any
 
 import click
 
-from celery_exactonce import entries
+from celery_exactonce import entries, runtime
 from celery_exactonce.cli import base
 from celery_exactonce.core import exceptions
 from celery_exactonce.schedules import at, cron
@@ -41,6 +41,8 @@ def _schedule(
     given = [value for value in (every, cron_expr, when) if value is not None]
     if len(given) != 1:
         raise click.UsageError("give the schedule as one of --every, --cron or --at")
+    if tz is not None and cron_expr is None:
+        raise click.UsageError("--tz is the zone of a --cron expression: give it with --cron")
     if every is not None:
         try:
             return base.parse_age(str(every))
@@ -186,6 +188,9 @@ def _names(verb: str, doc: str) -> click.Command:
     def command(ctx: click.Context, names: tuple[str, ...], as_json: bool) -> None:
         app = base.app_of(ctx)
         listed = entries.list_stored(app)
+        unreadable = [str(listed[n]) for n in names if isinstance(listed.get(n), Exception)]
+        if verb != "remove" and unreadable:  # remove takes those too
+            base.fail(f"{unreadable[0]}: nothing changed (remove it, or save it again)")
         if missing := [name for name in names if name not in listed]:
             base.fail(
                 f"no stored entry {missing[0]!r}" + (f" (nor {missing[1:]})" if missing[1:] else "")
@@ -208,6 +213,26 @@ def _names(verb: str, doc: str) -> click.Command:
     return command
 
 
+@click.command()
+@base.json_option
+@click.pass_context
+@base.handles_errors
+def resign(ctx: click.Context, as_json: bool) -> None:
+    """Sign every stored entry again with the first of exactonce_signing_key's keys.
+
+    After a key rotation put the new key first, and before the old one is dropped:
+    an entry signed with a key no longer configured is refused by every beat.
+    """
+    app = base.app_of(ctx)
+    if not runtime.config_for(app).signing_key:
+        base.fail("exactonce_signing_key is not set: nothing is signed")
+    written = entries.resign(app)
+    if as_json:
+        base.emit_json({"resigned": written})
+    else:
+        click.echo(f"{len(written)} stored entr(y/ies) signed again with the first key")
+
+
 #: The subcommands of ``schedule``.
 COMMANDS = (
     add,
@@ -217,4 +242,5 @@ COMMANDS = (
         "resume",
         "Resume the stored entries NAMES from now (what fell due while paused does not run).",
     ),
+    resign,
 )

@@ -17,7 +17,9 @@ datetimes tagged too. Entries from RedBeat's ``beat_schedule`` are listed in
 * the slots start just after its ``last_run_at``, so the slot RedBeat ran
   last never runs again; one never run starts at the import;
 * a static entry whose name ``beat_schedule`` still has runs from there, and
-  is left out, as is Celery's own ``celery.backend_cleanup``.
+  is left out; so is one ``beat_schedule`` no longer has (RedBeat would delete
+  it at its next start), but for Celery's own ``celery.backend_cleanup``,
+  which Celery's scheduler installs and ours does not.
 
 Nothing here writes: the command saves the plan (:func:`celery_exactonce.entries.save_many`)
 unless ``--dry-run``. Reads with redis-py only; RedBeat need not be installed.
@@ -32,9 +34,12 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 from zoneinfo import ZoneInfo
 
+from celery.schedules import crontab
+
 #: RedBeat's default key prefix (``redbeat_key_prefix``).
 DEFAULT_PREFIX = "redbeat:"
-#: Entries Celery's beat installs by itself (RedBeat saves them as any other).
+#: Entries Celery's scheduler installs by itself (RedBeat saves them, as statics); ours
+#: does not, so they are imported.
 CELERY_ENTRIES = frozenset({"celery.backend_cleanup"})
 #: The keys under the prefix that are RedBeat's own, not entries.
 _OWN = (":schedule", ":statics", ":lock")
@@ -100,16 +105,17 @@ def read(client: Any, prefix: str = DEFAULT_PREFIX) -> Iterator[Found]:
             got = _decode(json.loads(_text(meta))) if meta else {}
             if not isinstance(decoded, dict) or not isinstance(got, dict):
                 raise ValueError("not a JSON object")
-        except ValueError as exc:
+            last = got.get("last_run_at")
+            count = int(got.get("total_run_count") or 0)
+        except Exception as exc:  # any value RedBeat would not have written: this entry's
             yield Found(key, name, None, None, 0, name in statics, f"unreadable: {exc}")
             continue
-        last = got.get("last_run_at")
         yield Found(
             key,
             str(decoded.get("name") or name),
             decoded,
             last if isinstance(last, datetime) else None,
-            int(got.get("total_run_count") or 0),
+            count,
             name in statics,
         )
 
@@ -120,19 +126,20 @@ def plan(found: Found, settings: Mapping[str, Any], now: datetime) -> Planned:
         return Planned(found, None, found.error)
     if found.static and found.name in settings:
         return Planned(found, None, "static: beat_schedule has it, and runs it")
-    if found.name in CELERY_ENTRIES:
-        return Planned(found, None, "Celery's own: beat installs it where the backend needs it")
+    if found.static and found.name not in CELERY_ENTRIES:
+        why = "static, and no longer in beat_schedule (RedBeat removes it at its next start)"
+        return Planned(found, None, why)
     d = found.definition
     schedule = d.get("schedule")
     if not isinstance(schedule, dict):
         return Planned(found, None, f"schedule {schedule!r} is not one RedBeat writes")
     kind = schedule.get("__type__")
-    when: float | str
+    when: object
     if kind == "interval":
         when = float(schedule["every"])
     elif kind == "crontab":
         fields = ("minute", "hour", "day_of_month", "month_of_year", "day_of_week")
-        when = " ".join(str(schedule.get(f, "*")) for f in fields)
+        when = crontab(**{field: schedule.get(field, "*") for field in fields})
     else:
         return Planned(found, None, f"a {kind} schedule has no equal here (cron or interval)")
     last = found.last_run_at

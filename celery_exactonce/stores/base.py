@@ -45,6 +45,19 @@ from celery_exactonce.core.writes import NewJob, Transition
 FORMAT_VERSION = 1
 
 
+class Unchecked:
+    """The type of :data:`UNCHECKED`: a write that replaces whatever is there."""
+
+
+#: ``write_entry(..., expect=UNCHECKED)``: no comparison, the write replaces what is there.
+UNCHECKED = Unchecked()
+
+
+def matches(current: str | None, expect: str | Unchecked | None) -> bool:
+    """Whether an entry whose definition is ``current`` (``None``: absent) is as ``expect``."""
+    return isinstance(expect, Unchecked) or current == expect
+
+
 def check_entry_name(name: object) -> str:
     """A stored beat entry's name, checked: 1-255 characters, no control characters.
 
@@ -244,23 +257,23 @@ class StateStore(Protocol):
         ...
 
     def entries_revision(self) -> int:
-        """The stored beat entries' revision: 0 before the first write, one more per write.
-
-        One cheap read, which each beat tick makes: the entries are read again
-        (:meth:`read_entries`) only when it moved.
-        """
+        """The stored beat entries' revision: 0 before the first write, one more per write
+        (one cheap read each beat tick: :meth:`read_entries` only when it moved)."""
         ...
 
     def read_entries(self) -> tuple[int, dict[str, str]]:
-        """Every stored beat entry's definition (JSON text) by name, and their revision.
-
-        One snapshot: the revision is the one these definitions are at.
-        """
+        """Every stored beat entry's definition (JSON text) by name, and their revision
+        (one snapshot: the revision these definitions are at)."""
         ...
 
-    def write_entry(self, name: str, definition: str | None) -> int:
+    def write_entry(
+        self, name: str, definition: str | None, *, expect: str | Unchecked | None = UNCHECKED
+    ) -> int | None:
         """Store ``definition`` as entry ``name``'s (``None`` deletes it); the new revision.
 
+        With ``expect``, only if the entry's definition is that text (``None``:
+        there is none), atomically with the write; else nothing is written and
+        the answer is ``None`` (a concurrent writer changed it: read again).
         Writes are serialised: each gets its own revision, and a reader that
         saw revision ``n`` sees every write up to ``n``. ``name`` is checked
         with :func:`check_entry_name`. What a definition holds is

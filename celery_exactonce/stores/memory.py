@@ -30,7 +30,15 @@ from celery_exactonce.core.refs import JobRef
 from celery_exactonce.core.skipped_slots import SkippedSlots
 from celery_exactonce.core.states import TERMINAL, State
 from celery_exactonce.core.writes import Lease, NewJob, Transition
-from celery_exactonce.stores.base import FORMAT_VERSION, SKIPPED_KEPT, DueBacklog, check_entry_name
+from celery_exactonce.stores.base import (
+    FORMAT_VERSION,
+    SKIPPED_KEPT,
+    UNCHECKED,
+    DueBacklog,
+    Unchecked,
+    check_entry_name,
+    matches,
+)
 
 
 class InMemoryStore:
@@ -322,10 +330,14 @@ class InMemoryStore:
             self._check_open()
             return self._entries_revision, dict(self._entries)
 
-    def write_entry(self, name: str, definition: str | None) -> int:
+    def write_entry(
+        self, name: str, definition: str | None, *, expect: str | Unchecked | None = UNCHECKED
+    ) -> int | None:
         check_entry_name(name)
         with self._lock:
             self._check_open()
+            if not matches(self._entries.get(name), expect):
+                return None
             if definition is None:
                 self._entries.pop(name, None)
             else:

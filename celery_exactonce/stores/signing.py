@@ -36,7 +36,13 @@ from celery_exactonce.core.refs import JobRef
 from celery_exactonce.core.skipped_slots import SkippedSlots
 from celery_exactonce.core.states import State
 from celery_exactonce.core.writes import NewJob, Transition
-from celery_exactonce.stores.base import DueBacklog, StateStore, partitions_of
+from celery_exactonce.stores.base import (
+    UNCHECKED,
+    DueBacklog,
+    StateStore,
+    Unchecked,
+    partitions_of,
+)
 
 #: Prefix of every signature this version writes (the scheme, should it change).
 SCHEME = "v1"
@@ -173,6 +179,12 @@ class Signer:
     @staticmethod
     def _digest(key: bytes, content: bytes) -> str:
         return f"{SCHEME}:{hmac.new(key, content, hashlib.sha256).hexdigest()}"
+
+
+def signed(store: StateStore, keys: str | Sequence[str] | None) -> StateStore:
+    """``store`` wrapped in a :class:`SigningStore` when ``keys`` (the setting) are set."""
+    signer = Signer.from_setting(keys)
+    return store if signer is None else SigningStore(store, signer)
 
 
 class SigningStore:
@@ -324,9 +336,19 @@ class SigningStore:
         verify = self.signer.verified_entry
         return revision, {name: verify(name, text) for name, text in found.items()}
 
-    def write_entry(self, name: str, definition: str | None) -> int:
+    def write_entry(
+        self, name: str, definition: str | None, *, expect: str | Unchecked | None = UNCHECKED
+    ) -> int | None:
+        """The definition signed; ``expect`` is compared with what :meth:`read_entries` gives
+        (verified), and the write with the signed text it was read from."""
         signed = None if definition is None else self.signer.sign_entry(name, definition)
-        return self.inner.write_entry(name, signed)
+        if isinstance(expect, Unchecked):
+            return self.inner.write_entry(name, signed)
+        raw = self.inner.read_entries()[1].get(name)
+        seen = None if raw is None else self.signer.verified_entry(name, raw)
+        if seen != expect:
+            return None
+        return self.inner.write_entry(name, signed, expect=raw)
 
     def close(self) -> None:
         self.inner.close()

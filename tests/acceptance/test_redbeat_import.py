@@ -166,7 +166,8 @@ def test_redbeat_entries_imported_run_on_our_beats_with_no_slot_twice(
     dry = cli(deployment, "import", "redbeat", "--dry-run")
     assert deployment.store().read_entries() == (0, {})
     rows = {row["entry"]: row for row in dry["entries"]}
-    assert {n for n, r in rows.items() if r["imported"]} == {f"rt-{i}" for i in range(RUNTIME)}
+    imported = {n for n, r in rows.items() if r["imported"]} - {"celery.backend_cleanup"}
+    assert imported == {f"rt-{i}" for i in range(RUNTIME)}  # and Celery's own, if installed
     assert all("beat_schedule has it" in rows[f"st-{i:02}"]["why"] for i in range(STATIC))
     cli(deployment, "import", "redbeat")
     ours = b.start_beats(deployment, [{}, {}, {}], entries=0, every=0)

@@ -137,7 +137,9 @@ def test_scenario_73_shape_stored_entries_edited_through_the_cli_while_three_bea
     assert max(waits) <= READ_WITHIN, f"seconds until every beat read a change: {waits}"
     # And every slot of the window ran once: the kept entries on their grid from the add,
     # the re-timed ones on their new grid from the edit
-    start = added + timedelta(seconds=1)  # the entries' first slots come after their save
+    # the entries' first slots come after their save, and after the claim floor of the
+    # store's epoch (born at the beats' first tick): no slot before it is ever claimed
+    start = max(added, b.claim_floor(deployment)) + timedelta(seconds=1)
     expected = {(n, f) for n in KEPT for f in grid(start, window_end, EVERY)}
     expected |= {
         (n, f) for n in RETIMED for f in grid(edits["retimed"][1], window_end, RETIMED_EVERY)

@@ -70,3 +70,41 @@ def test_concurrent_writers_each_get_a_revision_of_their_own(store_factory: Fact
     assert revisions == list(range(1, 41))
     revision, found = stores[0].read_entries()
     assert revision == 40 and len(found) == 40
+
+
+def test_a_write_that_expects_a_definition_writes_only_over_that_one(
+    store_factory: Factory,
+) -> None:
+    store = store_factory()
+    # Expected absent: the first writer makes it, the second finds it and writes nothing
+    assert store.write_entry("a", '"one"', expect=None) == 1
+    assert store.write_entry("a", '"two"', expect=None) is None
+    # Expected as read: written; as read before another's write: not written
+    assert store.write_entry("a", '"three"', expect='"one"') == 2
+    assert store.write_entry("a", '"four"', expect='"one"') is None
+    assert store.read_entries() == (2, {"a": '"three"'})
+    # A delete that expects what is there
+    assert store.write_entry("a", None, expect='"two"') is None
+    assert store.write_entry("a", None, expect='"three"') == 3
+    assert store.read_entries() == (3, {})
+
+
+def test_concurrent_read_modify_writes_lose_no_change(store_factory: Factory) -> None:
+    """Eight writers each add their mark to one entry, reading again when another won."""
+    stores = [store_factory() for _ in range(8)]
+    stores[0].write_entry("shared", "")
+    barrier = threading.Barrier(len(stores))
+
+    def writer(i: int) -> None:
+        barrier.wait(timeout=10)
+        while True:
+            current = stores[i].read_entries()[1]["shared"]
+            if stores[i].write_entry("shared", current + str(i), expect=current) is not None:
+                return
+
+    threads = [threading.Thread(target=writer, args=(i,)) for i in range(len(stores))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert sorted(stores[0].read_entries()[1]["shared"]) == [str(i) for i in range(8)]

@@ -18,39 +18,13 @@ from celery_exactonce.core.jobs import Job as Record
 from celery_exactonce.core.skipped_slots import SkippedSlots
 from celery_exactonce.core.states import State
 from celery_exactonce.stores.base import StateStore
-from tests.support.helpers import move, occurrence, task_job
-
-#: The states a job goes through to reach each state, from its creation.
-PATHS = {
-    State.PENDING: [],
-    State.SCHEDULED: [],
-    State.DISPATCHED: [State.DISPATCHED],
-    State.PUBLISHED: [State.DISPATCHED, State.PUBLISHED],
-    State.RUNNING: [State.DISPATCHED, State.RUNNING],
-    State.SUCCEEDED: [State.DISPATCHED, State.RUNNING, State.SUCCEEDED],
-    State.FAILED: [State.DISPATCHED, State.RUNNING, State.FAILED],
-    State.CANCELLED: [State.CANCELLED],
-    State.TIMEOUT: [State.DISPATCHED, State.TIMEOUT],
-}
+from tests.support import helpers
+from tests.support.helpers import move, occurrence
 
 
 def jobs_in_every_state(store: StateStore) -> dict[State, Record]:
     """A job of its own in each state, and a beat occurrence (``nightly``) ``DISPATCHED``."""
-    made = {}
-    later = datetime.now(timezone.utc) + timedelta(hours=1)
-    for state, path in PATHS.items():
-        delayed = state is State.PENDING
-        new = task_job(
-            f"job-{state.value.lower()}",
-            State.PENDING if delayed else State.SCHEDULED,
-            run_at=later if delayed else None,
-            task=f"tasks.{state.value.lower()}",
-        )
-        job = store.create(new).job
-        assert job is not None
-        for to in path:
-            job = move(store, job, to)
-        made[state] = job
+    made = helpers.jobs_in_every_state(store)
     fired = store.create(occurrence("nightly", datetime(2026, 5, 1, 3, tzinfo=timezone.utc))).job
     assert fired is not None
     move(store, fired, State.DISPATCHED)

@@ -137,18 +137,43 @@ def test_every_kind_of_redbeat_entry_imports_or_says_why_and_runs_from_its_next_
 
 
 def test_what_cannot_be_imported_is_named_and_the_rest_is_imported(prefix: str) -> None:
+    import redis
+    from redbeat import RedBeatSchedulerEntry
     from redbeat.schedules import rrule
 
     with isolated():
         rb = redbeat_app(prefix)
         write(rb, "good", schedule(timedelta(seconds=5)), None)
+        write(rb, "halves", crontab(minute=[0, 30]), None)
         write(rb, "rrule", rrule("MINUTELY", dtstart=START), None)
-        from redbeat import RedBeatSchedulerEntry
-
+        write(rb, "bad-zone", schedule(timedelta(seconds=5)), None)
+        write(rb, "gone-static", schedule(timedelta(seconds=5)), None)
+        write(rb, "celery.backend_cleanup", crontab(minute="0", hour="4"), None)
         RedBeatSchedulerEntry("unknown-task", "nobody.has.it", 5, app=rb).save()
+        client = redis.Redis.from_url(services.REDIS_URL)
+        client.sadd(f"{prefix}:statics", "gone-static", "celery.backend_cleanup")
+        meta = {
+            "last_run_at": {
+                "__type__": "datetime",
+                "year": 2026,
+                "month": 1,
+                "day": 1,
+                "hour": 0,
+                "minute": 0,
+                "second": 0,
+                "microsecond": 0,
+                "timezone": "Nowhere/Atlantis",
+            }
+        }
+        client.hset(f"{prefix}bad-zone", "meta", json.dumps(meta))
         c = our_cluster(prefix)
+        entries.save(c.app, "good", "plain.t", 60)  # stored already: the import replaces it
         rows = {row["entry"]: row for row in run(c.app)["entries"]}
-        assert rows["good"]["imported"] is True
+        assert (rows["good"]["imported"], rows["good"]["replaces"]) == (True, True)
+        assert rows["halves"]["schedule"] == {"cron": "0,30 * * * *", "tz": None}
         assert "rrule schedule has no equal" in rows["rrule"]["why"]
         assert "not registered" in rows["unknown-task"]["why"]
-        assert set(entries.list_stored(c.app)) == {"good"}
+        assert "unreadable" in rows["bad-zone"]["why"] and "Atlantis" in rows["bad-zone"]["why"]
+        assert "no longer in beat_schedule" in rows["gone-static"]["why"]
+        assert rows["celery.backend_cleanup"]["imported"] is True  # ours does not install it
+        assert set(entries.list_stored(c.app)) == {"good", "halves", "celery.backend_cleanup"}

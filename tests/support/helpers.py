@@ -8,7 +8,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any, TypeVar
 
 from celery_exactonce.core.jobs import Job
@@ -84,6 +84,46 @@ def move(store: StateStore, job: Job, to: State) -> Job:
     result = store.transition(job.ref, request)
     assert result.applied and result.job is not None, (job.ref, to, result.status)
     return result.job
+
+
+#: How each state is reached from the one a job is created in.
+PATHS = {
+    State.PENDING: [],
+    State.SCHEDULED: [],
+    State.DISPATCHED: [State.DISPATCHED],
+    State.PUBLISHED: [State.DISPATCHED, State.PUBLISHED],
+    State.RUNNING: [State.DISPATCHED, State.RUNNING],
+    State.SUCCEEDED: [State.DISPATCHED, State.RUNNING, State.SUCCEEDED],
+    State.FAILED: [State.DISPATCHED, State.RUNNING, State.FAILED],
+    State.CANCELLED: [State.CANCELLED],
+    State.TIMEOUT: [State.DISPATCHED, State.TIMEOUT],
+}
+
+
+def jobs_in_every_state(
+    store: StateStore, prefix: str = "job", task_prefix: str = "tasks"
+) -> dict[State, Job]:
+    """A submitted job of its own in each state, ``<prefix>-<state>`` (lower case), of the
+    task ``<task_prefix>.<state>``, each touched after the one before; the ``PENDING`` one
+    due in an hour."""
+    later = store.now() + timedelta(hours=1)
+    made = {}
+    for state, path in PATHS.items():
+        delayed = state is State.PENDING
+        new = task_job(
+            f"{prefix}-{state.value.lower()}",
+            State.PENDING if delayed else State.SCHEDULED,
+            run_at=later if delayed else None,
+            task=f"{task_prefix}.{state.value.lower()}",
+        )
+        result = store.create(new)
+        assert result.created and result.job is not None
+        job = result.job
+        for step in path:
+            job = move(store, job, step)
+        made[state] = job
+        wait_store_past(store, job.touched_at)  # distinct touch times: one order
+    return made
 
 
 def poll(check: Callable[[], T | None], timeout: float = 10.0, interval: float = 0.02) -> T:

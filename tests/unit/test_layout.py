@@ -26,7 +26,7 @@ PACKAGE = Path(celery_exactonce.__file__).parent
 #: The modules above the dispatcher: the Celery task, the schedulers (ours and the
 #: django-celery-beat one), what runs the reconcile task, the start-up checks,
 #: the package's front (``__init__``, ``__main__``, ``reconcile.cancel``, ``entries``,
-#: which checks an entry as beat does), the CLI
+#: and ``beat.checks``, with which it checks an entry as beat does), the CLI
 #: (``celery_exactonce.cli``), the dashboard (``celery_exactonce.web``, which reads
 #: through the CLI), the demo, and ``_docgen`` (which reads the CLI to write its
 #: reference page). Every other module is below them.
@@ -41,6 +41,7 @@ ABOVE = {
     "celery_exactonce.contrib.django_celery_beat",
     "celery_exactonce._docgen",
     "celery_exactonce.entries",
+    "celery_exactonce.beat.checks",
 }
 
 

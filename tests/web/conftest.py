@@ -32,7 +32,8 @@ from celery_exactonce.stores import InMemoryStore, store_from_url
 from celery_exactonce.stores.base import StateStore
 from celery_exactonce.web import Auth
 from tests import services
-from tests.support.helpers import NODE, move, task_job, wait_store_past
+from tests.support import helpers
+from tests.support.helpers import NODE, move
 
 pytest.importorskip("starlette", reason="the web extra is not installed")
 
@@ -44,18 +45,6 @@ BROKER_URL = f"amqp://guest:{BROKER_SECRET}@127.0.0.1:1//"
 #: The beat entry of the seeded occurrence, and its slot.
 NIGHTLY = "nightly-billing"
 FIRE = datetime(2026, 5, 1, 3, tzinfo=timezone.utc)
-#: How each state is reached from the one a job is created in.
-PATHS = {
-    State.PENDING: [],
-    State.SCHEDULED: [],
-    State.DISPATCHED: [State.DISPATCHED],
-    State.PUBLISHED: [State.DISPATCHED, State.PUBLISHED],
-    State.RUNNING: [State.DISPATCHED, State.RUNNING],
-    State.SUCCEEDED: [State.DISPATCHED, State.RUNNING, State.SUCCEEDED],
-    State.FAILED: [State.DISPATCHED, State.RUNNING, State.FAILED],
-    State.CANCELLED: [State.CANCELLED],
-    State.TIMEOUT: [State.DISPATCHED, State.TIMEOUT],
-}
 #: Where the web tests run: the memory store, a SQLite file, and the servers of
 #: tests/services.py.
 WEB_BACKENDS = ("memory", "redis", "postgres", "mysql", "sqlite")
@@ -90,26 +79,9 @@ def make_app(url: str, namespace: str) -> Celery:
 
 
 def jobs_in_every_state(store: StateStore, prefix: str = "job") -> dict[State, Job]:
-    """A submitted job of its own in each state, ``<prefix>-<state>`` (lower case),
-    of the task ``web.<state>``, each touched after the one before."""
-    later = store.now() + timedelta(hours=1)
-    made = {}
-    for state, path in PATHS.items():
-        delayed = state is State.PENDING
-        new = task_job(
-            f"{prefix}-{state.value.lower()}",
-            State.PENDING if delayed else State.SCHEDULED,
-            run_at=later if delayed else None,
-            task=f"web.{state.value.lower()}",
-        )
-        result = store.create(new)
-        assert result.created and result.job is not None
-        job = result.job
-        for to in path:
-            job = move(store, job, to)
-        made[state] = job
-        wait_store_past(store, job.touched_at)  # distinct touch times: one order
-    return made
+    """A submitted job of its own in each state, ``<prefix>-<state>``, of the task
+    ``web.<state>`` (:func:`tests.support.helpers.jobs_in_every_state`)."""
+    return helpers.jobs_in_every_state(store, prefix, task_prefix="web")
 
 
 class Site:

@@ -80,7 +80,7 @@ __all__ = ["COUNTED", "SCRIPT_BATCH", "NotReplicated", "RedisCore"]
 SCRIPT_BATCH = 64
 
 #: The scripts whose write counts only once ``min_replicas`` replicas confirm it.
-COUNTED = frozenset({"create", "transition", "enqueue"})
+COUNTED = frozenset({"create", "transition", "enqueue", "entry_write"})
 
 #: The class :meth:`RedisCore.from_url` builds (the store).
 _Store = TypeVar("_Store", bound="RedisCore")
@@ -102,6 +102,7 @@ _SCRIPTS = (
     "enqueue",
     "count_states",
     "due_backlog",
+    "entry_write",
 )
 
 

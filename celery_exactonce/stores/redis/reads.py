@@ -15,7 +15,8 @@ CLI's questions, none of them on a hot path:
 * **stored beat entries** (:meth:`RedisReads.read_entries` and the writes):
   one hash, ``base:entries``, each entry's definition under its name, and the
   revision under the empty name (no entry has it), moved by every write in the
-  same ``MULTI``.
+  same script (``entry_write``: compare, write, count; with ``min_replicas``
+  a counted write, as a job's).
 
 Not here: the operations themselves, the counts per state among them (one
 ``count_states`` script, :mod:`~celery_exactonce.stores.redis.store`), the key
@@ -32,7 +33,7 @@ from celery_exactonce.core import refs, times
 from celery_exactonce.core.jobs import Job
 from celery_exactonce.core.refs import JobRef
 from celery_exactonce.core.states import State
-from celery_exactonce.stores.base import check_entry_name
+from celery_exactonce.stores.base import UNCHECKED, Unchecked, check_entry_name
 from celery_exactonce.stores.redis.base import RedisCore
 from celery_exactonce.stores.redis.codec import as_text
 
@@ -73,17 +74,22 @@ class RedisReads(RedisCore):
         definitions = {as_text(k): as_text(v) for k, v in found.items()}
         return int(definitions.pop(REVISION_FIELD, 0)), definitions
 
-    def write_entry(self, name: str, definition: str | None) -> int:
+    def write_entry(
+        self, name: str, definition: str | None, *, expect: str | Unchecked | None = UNCHECKED
+    ) -> int | None:
         check_entry_name(name)
-        key = self._key("entries")
+        checked = not isinstance(expect, Unchecked)
+        args = [
+            name,
+            definition or "",
+            "del" if definition is None else "put",
+            "1" if checked else "0",
+            expect if isinstance(expect, str) else "",
+            "1" if checked and expect is None else "0",
+        ]
         with self._wrap("write_entry"):
-            pipe = self._node(key).pipeline(transaction=True)
-            if definition is None:
-                pipe.hdel(key, name)
-            else:
-                pipe.hset(key, name, definition)
-            pipe.hincrby(key, REVISION_FIELD, 1)
-            return int(pipe.execute()[-1])
+            revision = self._run("entry_write", [self._key("entries")], args)
+        return None if revision is None else int(revision)
 
     def _lease(self, name: str) -> tuple[str, datetime] | None:
         key = self._key("lease", name)

@@ -31,7 +31,7 @@ from celery_exactonce.core.jobs import Job
 from celery_exactonce.core.refs import JobRef, Space
 from celery_exactonce.core.skipped_slots import SkippedSlots
 from celery_exactonce.core.states import State
-from celery_exactonce.stores.base import DueBacklog
+from celery_exactonce.stores.base import UNCHECKED, DueBacklog, Unchecked
 from celery_exactonce.stores.redis.store import RedisStore
 
 #: How many ``o:`` refs' shards a store remembers (the oldest forgotten first).
@@ -191,8 +191,10 @@ class ShardedScans:
     def read_entries(self) -> tuple[int, dict[str, str]]:
         return self._parts[0].read_entries()
 
-    def write_entry(self, name: str, definition: str | None) -> int:
-        return self._parts[0].write_entry(name, definition)
+    def write_entry(
+        self, name: str, definition: str | None, *, expect: str | Unchecked | None = UNCHECKED
+    ) -> int | None:
+        return self._parts[0].write_entry(name, definition, expect=expect)
 
     # -- the namespace's lease: held on every shard, as a transition checks its shard's ------
 

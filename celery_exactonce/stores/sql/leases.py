@@ -12,9 +12,10 @@ hands before that transaction ends (SQLite has no row locks:
 
 Stored beat entries (:class:`SqlEntries`) are a row each in the entries
 table, and a row under the empty name holds their revision: a write locks
-that row first, moving the revision (inserting the row when absent; a
-competing insert reruns the transaction), so writes are serialised and each
-gets its own revision.
+that row first (inserting it when absent; a competing insert reruns the
+transaction), compares the entry with what the writer expects, then writes
+it and moves the revision, so writes are serialised and each gets its own
+revision.
 
 Not here: the transitions that check a lease
 (:mod:`~celery_exactonce.stores.sql.transitions`), the transaction each
@@ -30,7 +31,7 @@ import sqlalchemy as sa
 
 from celery_exactonce.core import times
 from celery_exactonce.core.writes import Lease
-from celery_exactonce.stores.base import check_entry_name
+from celery_exactonce.stores.base import Unchecked, check_entry_name, matches
 from celery_exactonce.stores.sql.base import Rerun
 from celery_exactonce.stores.sql.shared import SqlShared
 
@@ -153,23 +154,29 @@ class SqlEntries(SqlShared):
 
         return op
 
-    def _write_entry_op(self, name: str, definition: str | None) -> Callable[[sa.Connection], int]:
-        """The transaction of ``write_entry``: the revision moved first, then the entry's row."""
+    def _write_entry_op(
+        self, name: str, definition: str | None, expect: str | Unchecked | None
+    ) -> Callable[[sa.Connection], int | None]:
+        """The transaction of ``write_entry``: the revision row locked first (made when
+        absent), the entry compared with ``expect``, then written and the revision moved."""
         check_entry_name(name)
         table = self._t.entries
         mine = (table.c.namespace == self._namespace, table.c.name == name)
         marker = (table.c.namespace == self._namespace, table.c.name == REVISION_ROW)
 
-        def op(conn: sa.Connection) -> int:
+        def op(conn: sa.Connection) -> int | None:
             now = self._now(conn)
-            moved = conn.execute(
-                table.update().where(*marker).values(revision=table.c.revision + 1, changed_at=now)
-            )
-            if moved.rowcount != 1:
+            held = self._locked(conn, table, marker)
+            if held is None:
                 first = {"namespace": self._namespace, "name": REVISION_ROW, "definition": ""}
-                if not self._insert_absent(conn, table, first | {"revision": 1, "changed_at": now}):
-                    raise Rerun  # another writer made the row first: move it instead
-            revision = int(conn.execute(sa.select(table.c.revision).where(*marker)).scalar_one())
+                if not self._insert_absent(conn, table, first | {"revision": 0, "changed_at": now}):
+                    raise Rerun  # another writer made the row first: lock it instead
+                held = self._locked(conn, table, marker)
+            current = conn.execute(sa.select(table.c.definition).where(*mine)).scalar()
+            if held is None or not matches(current, expect):
+                return None
+            revision = int(held.revision) + 1
+            conn.execute(table.update().where(*marker).values(revision=revision, changed_at=now))
             conn.execute(table.delete().where(*mine))
             if definition is not None:
                 row = {"namespace": self._namespace, "name": name, "definition": definition}

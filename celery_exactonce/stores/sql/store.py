@@ -73,7 +73,7 @@ from celery_exactonce.core.refs import JobRef
 from celery_exactonce.core.skipped_slots import SkippedSlots
 from celery_exactonce.core.states import State
 from celery_exactonce.core.writes import NewJob, Transition
-from celery_exactonce.stores.base import DueBacklog, Run
+from celery_exactonce.stores.base import UNCHECKED, DueBacklog, Run, Unchecked
 from celery_exactonce.stores.sql import engine as sql_engine
 from celery_exactonce.stores.sql import pgwire
 from celery_exactonce.stores.sql import schema as sql_schema
@@ -408,5 +408,7 @@ class SqlStore(SqlCreates, SqlTransitions, SqlScans, SqlLeases, SqlEntries):
     def read_entries(self) -> tuple[int, dict[str, str]]:
         return self._run("read_entries", self._read_entries_op(), write=False)
 
-    def write_entry(self, name: str, definition: str | None) -> int:
-        return self._run("write_entry", self._write_entry_op(name, definition))
+    def write_entry(
+        self, name: str, definition: str | None, *, expect: str | Unchecked | None = UNCHECKED
+    ) -> int | None:
+        return self._run("write_entry", self._write_entry_op(name, definition, expect))

@@ -279,3 +279,88 @@ def test_scenario_73_shape_two_hundred_stored_entries_edited_while_three_nodes_r
             15 if i % 4 == 2 else 10,
         )
         assert fires == expected, i
+
+
+def test_a_save_keeps_the_pause_and_a_pause_keeps_a_save_made_meanwhile() -> None:
+    c = cluster(nodes=1)
+    entries.save(c.app, "report", "plain.s", 10, args=[1])
+    entries.pause(c.app, "report")
+    # new arguments for a paused entry: still paused
+    assert entries.save(c.app, "report", "plain.s", 10, args=[2]).paused is True
+    entries.resume(c.app, "report")
+    # a pause whose first write finds the entry changed under it reads again
+    store, write = c.store, c.store.write_entry
+    raced: list[str] = []
+
+    def first_write_loses(name: str, text: str | None, **kw: object) -> int | None:
+        if not raced:  # another writer saves new arguments just before this write lands
+            raced.append(name)
+            entries.save(c.app, "report", "plain.s", 10, args=[3], paused=False)
+        return write(name, text, **kw)  # type: ignore[arg-type]
+
+    store.write_entry = first_write_loses  # type: ignore[method-assign]
+    paused = entries.pause(c.app, "report")
+    assert (paused.paused, paused.args) == (True, [3])
+    stored = entries.get(c.app, "report")
+    assert stored is not None and (stored.paused, stored.args) == (True, [3])
+
+
+def test_an_entry_beat_refuses_can_be_removed_and_is_named_by_pause() -> None:
+    c = cluster(nodes=1)
+    c.store.write_entry("broken", "{")
+    with pytest.raises(ConfigurationError, match="'broken'"):
+        entries.pause(c.app, "broken")
+    assert entries.delete(c.app, "broken") is True
+    assert c.store.read_entries()[1] == {}
+
+
+def test_values_of_the_wrong_kind_and_a_past_instant_are_refused() -> None:
+    c = cluster(nodes=1)
+    cases = [
+        ({"args": "hello"}, "args must be a list"),
+        ({"kwargs": ["a"]}, "kwargs must be a mapping"),
+        ({"paused": "false"}, "paused must be True or False"),
+        ({"schedule": at(START - timedelta(seconds=1))}, "is past"),
+    ]
+    for fields, match in cases:
+        spec = {"name": "x", "task": "plain.s", "schedule": 10, **fields}
+        with pytest.raises(ConfigurationError, match=match):
+            entries.save_many(c.app, [spec])
+    assert c.store.read_entries() == (0, {})
+    # a crontab of lists, as Celery takes it
+    saved = entries.save(c.app, "halves", "plain.s", crontab(minute=[0, 30], hour="*/2"))
+    assert saved.schedule == {"cron": "0,30 */2 * * *", "tz": None}
+
+
+def test_a_revision_that_goes_back_is_said_and_a_full_read_comes_every_five_minutes(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    c = cluster(nodes=1)
+    entries.save(c.app, "a", "plain.s", 10)
+    entries.save(c.app, "b", "plain.s", 10)
+    c.tick_all()
+    node = c.nodes[0]
+    assert {"a", "b"} <= set(node.schedule)
+    # The store loses its last write, then counts to the same revision with other content
+    c.store._entries.pop("b")  # type: ignore[attr-defined]
+    c.store._entries_revision -= 1  # type: ignore[attr-defined]
+    with caplog.at_level(logging.ERROR, logger="celery_exactonce"):
+        c.run(2)
+    assert "b" not in node.schedule
+    assert [r for r in caplog.records if getattr(r, "action", "") == "stored_entries_lost"]
+    c.store._entries["c"] = c.store._entries["a"]  # type: ignore[attr-defined]  # same revision
+    c.run(10)
+    assert "c" not in node.schedule  # the revision did not move
+    c.run(stored.FULL_READ_INTERVAL)
+    assert "c" in node.schedule  # the five-minute read finds it
+
+
+def test_resign_signs_every_entry_with_the_first_key() -> None:
+    c = cluster(nodes=1, exactonce_signing_key=["o" * 32])
+    signing = SigningStore(c.store, Signer("o" * 32))
+    runtime.runtime_for(c.app).store = signing
+    entries.save(c.app, "a", "plain.s", 10)
+    signing.signer = Signer(["n" * 32, "o" * 32])  # the rotation's second step
+    assert entries.resign(c.app) == ["a"]
+    signing.signer = Signer("n" * 32)  # the old key dropped
+    assert isinstance(entries.list_stored(c.app)["a"], entries.StoredEntry)
