@@ -213,7 +213,7 @@ class StoredEntries:
         error leaves them to the first tick, which refuses such an entry alone.
         """
         try:
-            _, found = self.store.read_entries()
+            revision, found = self.store.read_entries()
         except exceptions.StoreError:
             return
         if clashes := sorted(set(found) & self.fixed):
@@ -222,7 +222,7 @@ class StoredEntries:
                 "one, or remove the stored one (celery -A APP exactonce schedule remove NAME)",
                 setting="beat_schedule",
             )
-        self.tick(target)
+        self._take(target, revision, found, None)
 
     def tick(self, target: Schedule, now: datetime | None = None) -> None:
         """:meth:`refresh`, a store error said (the schedule stays, the next tick reads)."""
@@ -251,6 +251,13 @@ class StoredEntries:
         if self.store.entries_revision() == self.revision and not due:
             return False
         revision, found = self.store.read_entries()
+        self._take(target, revision, found, now)
+        return True
+
+    def _take(
+        self, target: Schedule, revision: int, found: dict[str, str], now: datetime | None
+    ) -> None:
+        """The schedule made what ``found`` (read at ``revision``, store time ``now``) says."""
         self.read_at = now
         if self.revision is not None and revision < self.revision:
             metrics.event(
@@ -278,7 +285,6 @@ class StoredEntries:
             rows=len(self.running),
             revision=revision,
         )
-        return True
 
     def _apply(self, target: Schedule, name: str, text: str) -> None:
         try:
@@ -310,8 +316,3 @@ class StoredEntries:
         if name in self.running:
             self.running.discard(name)
             target.drop_entry(name)
-
-
-def since_of(now: datetime) -> int:
-    """A definition's ``since`` for store time ``now``."""
-    return times.to_micros(now)

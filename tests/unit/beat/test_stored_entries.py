@@ -19,6 +19,7 @@ from celery.schedules import crontab, solar
 
 from celery_exactonce import ConfigurationError, entries, runtime
 from celery_exactonce.beat import stored
+from celery_exactonce.core import times
 from celery_exactonce.observe import metrics
 from celery_exactonce.schedules import at, cron
 from celery_exactonce.stores.signing import Signer, SigningStore
@@ -145,7 +146,7 @@ def _definition(since: datetime, schedule: dict | None = None) -> str:  # type: 
             "kwargs": {},
             "options": {},
             "paused": False,
-            "since": stored.since_of(since),
+            "since": times.to_micros(since),
         }
     )
 
@@ -212,7 +213,7 @@ def test_schedules_read_back_as_saved() -> None:
         "cron": ("*/5 * * * *", {"cron": "*/5 * * * *", "tz": None}),
         "cron-zone": (cron("0 3 * * *", tz=zone), {"cron": "0 3 * * *", "tz": zone}),
         "crontab": (crontab(minute="0", hour="*/2"), {"cron": "0 */2 * * *", "tz": None}),
-        "at": (at(START), {"at": stored.since_of(START)}),
+        "at": (at(START), {"at": times.to_micros(START)}),
         "solar": (solar("sunrise", 52.5, 13.4), {"solar": "sunrise", "lat": 52.5, "lon": 13.4}),
     }
     for name, (schedule, encoded) in cases.items():
