@@ -795,6 +795,18 @@ class Deployment:
         with self.app().connection_for_write() as conn:
             return int(conn.default_channel.queue_declare(queue=self.queue, passive=True)[1])
 
+    def exactonce(self, *args: str) -> subprocess.CompletedProcess[str]:
+        """``celery -A <ledger app> exactonce ARGS`` as an operator runs it, on the
+        deployment's settings; it must succeed."""
+        env = {**os.environ, **self.env}
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+        argv = [sys.executable, "-m", "celery", "-A", APP_MODULE, "exactonce", *args]
+        done = subprocess.run(
+            argv, env=env, capture_output=True, text=True, timeout=120, check=False
+        )
+        assert done.returncode == 0, (args[:3], done.stdout, done.stderr)
+        return done
+
     def broker_report(self) -> str:
         """Where the deployment's messages are, and the last lines of each worker's log:
         for the message of a test that waited on a delivery."""

@@ -21,9 +21,6 @@ Minutes long: ``tox -e chaos``.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from collections import Counter
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -31,7 +28,7 @@ from typing import Any
 import pytest
 
 from tests.acceptance import beats as b
-from tests.acceptance.harness import REPO_ROOT, BeatProcess, Deployment, Ledger, poll
+from tests.acceptance.harness import BeatProcess, Deployment, Ledger, poll
 
 EVERY = 5
 STATIC, RUNTIME, DISABLED = 40, 10, 5
@@ -66,19 +63,8 @@ def settings(prefix: str, broker_url: str) -> dict[str, Any]:
 
 
 def cli(deployment: Deployment, *args: str) -> Any:
-    env = {**os.environ, **deployment.env}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    command = [sys.executable, "-m", "celery", "-A", "tests.acceptance.apps.ledger_app"]
-    done = subprocess.run(
-        [*command, "exactonce", *args, "--json"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert done.returncode == 0, (args, done.stdout, done.stderr)
-    return json.loads(done.stdout)
+    """The command's ``--json`` answer."""
+    return json.loads(deployment.exactonce(*args, "--json").stdout)
 
 
 def runs_by_redbeat(ledger: Ledger) -> dict[str, list[float]]:

@@ -23,9 +23,6 @@ rules are held in-process on every node order in
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -33,7 +30,7 @@ from pathlib import Path
 import pytest
 
 from tests.acceptance import beats as b
-from tests.acceptance.harness import REPO_ROOT, BeatProcess, Deployment, Ledger, poll
+from tests.acceptance.harness import BeatProcess, Deployment, Ledger, poll
 
 ENTRIES = 200
 EVERY, RETIMED_EVERY = 10, 15
@@ -51,19 +48,6 @@ def names(indexes: range) -> list[str]:
 
 
 RETIMED, PAUSED, REMOVED, KEPT = (names(range(i, i + 50)) for i in (0, 50, 100, 150))
-
-
-def cli(deployment: Deployment, *args: str) -> subprocess.CompletedProcess[str]:
-    """``celery -A ledger_app exactonce ARGS`` as an operator runs it, on the deployment."""
-    env = {**os.environ, **deployment.env}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    argv = [sys.executable, "-m", "celery", "-A", "tests.acceptance.apps.ledger_app"]
-    command = [*argv, "exactonce", *args]
-    done = subprocess.run(
-        command, env=env, capture_output=True, text=True, timeout=120, check=False
-    )
-    assert done.returncode == 0, (args[:3], done.stdout, done.stderr)
-    return done
 
 
 def add_file(path: Path, entries: list[str], every: int) -> Path:
@@ -110,7 +94,7 @@ def test_scenario_73_shape_stored_entries_edited_through_the_cli_while_three_bea
 
     # Given 200 entries added through the CLI while three beats run
     first_file = add_file(tmp_path / "a.json", names(range(ENTRIES)), EVERY)
-    cli(deployment, "schedule", "add", "--file", str(first_file))
+    deployment.exactonce("schedule", "add", "--file", str(first_file))
     added = b.store_now(deployment)
     waits = [read_by_every_beat(deployment, beats)]
     b.run_until(deployment, added + timedelta(seconds=BEFORE_EDITS), beats)
@@ -123,7 +107,7 @@ def test_scenario_73_shape_stored_entries_edited_through_the_cli_while_three_bea
         ("removed", ["remove", *REMOVED]),
     ):
         before = b.store_now(deployment)
-        cli(deployment, "schedule", *args)
+        deployment.exactonce("schedule", *args)
         edits[what] = (before, b.store_now(deployment))
         waits.append(read_by_every_beat(deployment, beats))
     edited = edits["removed"][1]
