@@ -32,6 +32,7 @@ from celery_exactonce.stores import store_from_url
 from celery_exactonce.stores.base import StateStore
 from tests import services
 from tests.cli.cli_app import NIGHTLY
+from tests.support import backends
 from tests.support.backends import SHARED_BACKENDS
 from tests.support.helpers import NODE, task_job, to, wait_store_past
 
@@ -139,12 +140,7 @@ class Deployment:
         return made
 
     def close(self) -> None:
-        try:
-            drop = getattr(self.store, "drop_namespace", None)
-            if drop is not None:
-                drop()
-        finally:
-            self.store.close()
+        backends.discard(self.store)
 
 
 @pytest.fixture(params=CLI_BACKENDS)

@@ -108,6 +108,16 @@ def migrate_django_store(alias: str) -> None:
     sql_schema.create(engine_for(alias), sql_schema.build(tables.prefix()), f"django {alias}")
 
 
+def discard(store: Any) -> None:
+    """Drop what ``store`` holds of its namespace (where it can: not in memory), then close it."""
+    try:
+        drop = getattr(store, "drop_namespace", None)
+        if drop is not None:
+            drop()
+    finally:
+        store.close()
+
+
 def lose_data(store: Any) -> None:
     """Make ``store`` forget everything of its namespace, as a restart without persistence would."""
     if isinstance(store, InMemoryStore):

@@ -32,7 +32,7 @@ from celery_exactonce.stores import InMemoryStore, store_from_url
 from celery_exactonce.stores.base import StateStore
 from celery_exactonce.web import Auth
 from tests import services
-from tests.support import helpers
+from tests.support import backends, helpers
 from tests.support.helpers import NODE, move
 
 pytest.importorskip("starlette", reason="the web extra is not installed")
@@ -137,12 +137,7 @@ class Site:
 
     def close(self) -> None:
         runtime.reset(self.app)
-        try:
-            drop = getattr(self.store, "drop_namespace", None)
-            if drop is not None:
-                drop()
-        finally:
-            self.store.close()
+        backends.discard(self.store)
 
 
 @pytest.fixture(params=WEB_BACKENDS)
