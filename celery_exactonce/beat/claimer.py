@@ -36,10 +36,12 @@ how far each entry is decided, the heap and the tick
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
+import zlib
 from collections.abc import Mapping
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any, Protocol
 
 from celery_exactonce.beat import claims, entries
@@ -49,6 +51,7 @@ from celery_exactonce.beat.planner import Plan
 from celery_exactonce.beat.skips import SkipTally
 from celery_exactonce.beat.store_loss import StoreLossGuard
 from celery_exactonce.core.jobs import Job
+from celery_exactonce.core.refs import JobRef
 from celery_exactonce.core.writes import NewJob
 from celery_exactonce.dispatch.dispatcher import BEAT_REASON
 from celery_exactonce.observe import metrics, traces
@@ -95,17 +98,27 @@ class Claimer:
         self._runner = runner
         self._conflicts = ConflictWatch(runtime.store, runtime.node)
         self._crons = Crons(runtime.app)
+        self._jobs: dict[str, _Kept] = {}
 
     def occurrence(self, name: str, entry: Any, policy: EntryPolicy, fire: datetime) -> NewJob:
-        """The job of ``entry``'s slot at ``fire`` (:func:`entries.occurrence`), signed."""
-        new = entries.occurrence(
-            name,
-            entry,
-            fire,
-            policy,
-            namespace=self._runtime.store.namespace,
-            node=self._runtime.node,
-        )
+        """The job of ``entry``'s slot at ``fire`` (:func:`entries.occurrence`), signed.
+
+        Built from the entry's job of an earlier slot while the entry and its
+        policy are as they were (:meth:`NewJob.for_slot`): every node builds
+        the job of every due slot, most of them to find it claimed already.
+        """
+        namespace, node = self._runtime.store.namespace, self._runtime.node
+        kept = self._jobs.get(name)
+        if kept is not None and kept.holds(entry, policy):
+            deadline = None if policy.deadline is None else timedelta(seconds=policy.deadline)
+            new = kept.job.for_slot(
+                JobRef.occurrence(entries.occurrence_id(namespace, name, fire)),
+                fire,
+                None if deadline is None else fire + deadline,
+            )
+        else:
+            new = entries.occurrence(name, entry, fire, policy, namespace=namespace, node=node)
+            self._jobs[name] = _Kept.of(entry, policy, new)
         if not policy.internal:
             monitor = self._crons.headers(name, entry.schedule, new.ref.id)
             if monitor is not None:  # Sentry Crons: the same headers on every publish of it
@@ -140,7 +153,9 @@ class Claimer:
         :meth:`Plan.decided_to`, so the next tick inside the window plans it
         again (fail closed). ``policies`` are the entries' policies, by name.
         """
-        planned = [(plan, new) for plan in plans for new in plan.claims]
+        planned = [
+            (plan, new) for plan in rotated(plans, self._runtime.node) for new in plan.claims
+        ]
         for i in range(0, len(planned), CLAIM_BATCH):
             batch = planned[i : i + CLAIM_BATCH]
             with traces.span("exactonce.claim", root=True, jobs=len(batch)):
@@ -208,6 +223,43 @@ class Claimer:
         for new in lost:
             self.skipped(entry_of(new), [fire_of(new)], "store_loss", policies, new.task)
         self._guard.epoch_refused(self._runtime.store, [entry_of(new) for new in lost])
+
+
+def rotated(plans: list[Plan], node: str) -> list[Plan]:
+    """``plans`` from a place of their own for ``node``: nodes that tick together claim apart.
+
+    Every node claims every due slot; in the same order, they would all race
+    for the same batch, each paying for the claims the fastest won. Each
+    starts at the place its node id hashes to and goes round: a node meets
+    the slots others claimed once it has claimed its own share, when a read
+    answers them (``EXISTS``) without a write. An entry's slots keep their order.
+    """
+    if len(plans) < 2:
+        return plans
+    start = zlib.crc32(node.encode("utf-8")) % len(plans)
+    return plans[start:] + plans[:start]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Kept:
+    """An entry's job of an earlier slot, and what it was built from (a deep copy)."""
+
+    job: NewJob
+    policy: EntryPolicy
+    source: tuple[Any, ...]
+
+    @classmethod
+    def of(cls, entry: Any, policy: EntryPolicy, job: NewJob) -> _Kept:
+        return cls(job, policy, copy.deepcopy(_source(entry)))
+
+    def holds(self, entry: Any, policy: EntryPolicy) -> bool:
+        """Whether a job built now would be built from the same entry and policy."""
+        return policy == self.policy and _source(entry) == self.source
+
+
+def _source(entry: Any) -> tuple[Any, ...]:
+    """What an entry's job is built from (:func:`entries.occurrence`)."""
+    return (entry.task, entry.args, entry.kwargs, entry.options)
 
 
 def _internal(job: Job, policies: Mapping[str, EntryPolicy]) -> bool:

@@ -18,6 +18,7 @@ How each backend runs a request: :mod:`celery_exactonce.stores`.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import enum
 import functools
@@ -146,6 +147,28 @@ class NewJob:
     @property
     def payload(self) -> dict[str, Any]:
         return {"args": self.args, "kwargs": self.kwargs, "options": self.options}
+
+    def for_slot(self, ref: JobRef, fire_time: datetime, deadline: datetime | None) -> NewJob:
+        """This occurrence's job for another slot of its entry, checked and encoded once.
+
+        ``ref``, ``fire_time`` and ``deadline`` are the slot's, ``rev`` is new,
+        ``signature`` none (it covered this job's id); the rest, the payload
+        and its JSON texts included, is this job's (a request's payload is
+        never changed once built), so the slot's job costs no second check or
+        encoding. Beat builds each entry's job once and takes one per slot
+        from it.
+        """
+        if self.entry is None or ref.space is not Space.OCCURRENCE:
+            raise exceptions.InvalidRequest(f"job {self.ref}: only an occurrence has slots")
+        job = copy.copy(self)
+        object.__setattr__(job, "ref", ref)
+        object.__setattr__(job, "fire_time", require_aware(fire_time, "fire_time"))
+        if deadline is not None:
+            deadline = require_aware(deadline, "deadline")
+        object.__setattr__(job, "deadline", deadline)
+        object.__setattr__(job, "rev", new_token())
+        object.__setattr__(job, "signature", None)
+        return job
 
 
 @dataclasses.dataclass(frozen=True)
