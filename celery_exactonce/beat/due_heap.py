@@ -50,14 +50,15 @@ class DueHeap:
         self._heap.clear()
         self._live.clear()
 
-    def pop_due(self, now: datetime) -> list[str]:
-        """The names whose slot is at or before ``now``, in (slot, name) order, taken out."""
-        due: list[str] = []
+    def pop_due(self, now: datetime) -> list[tuple[str, datetime]]:
+        """The names whose slot is at or before ``now``, each with that slot, in (slot, name)
+        order, taken out."""
+        due: list[tuple[str, datetime]] = []
         while self._heap and self._heap[0][0] <= now:
-            _, name, seq = heapq.heappop(self._heap)
+            when, name, seq = heapq.heappop(self._heap)
             if self._live.get(name) == seq:
                 del self._live[name]
-                due.append(name)
+                due.append((name, when))
         return due
 
     def next_time(self) -> datetime | None:

@@ -61,8 +61,8 @@ from celery_exactonce.beat import log as beat_log
 from celery_exactonce.beat.claimer import Claimer, fail_closed
 from celery_exactonce.beat.due_heap import DueHeap
 from celery_exactonce.beat.entries import ENTRY_OPTIONS, INTERNAL_OPTION, EntryPolicy
+from celery_exactonce.beat.holds import HeldSigterm, collector_held
 from celery_exactonce.beat.planner import Plan
-from celery_exactonce.beat.sigterm import HeldSigterm
 from celery_exactonce.beat.skips import SkipTally
 from celery_exactonce.beat.store_loss import StoreLossGuard
 from celery_exactonce.beat.stored import StoredEntries
@@ -267,10 +267,11 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
 
         A SIGTERM that arrives during the pass is held until the pass ends, so
         every claim made in it is dispatched (never left half-done by an
-        exception raised mid-claim); then beat stops.
+        exception raised mid-claim); then beat stops. The cyclic garbage
+        collector waits for the pass too (:func:`~celery_exactonce.beat.holds.collector_held`).
         """
         try:
-            with self._sigterm.ticking():
+            with self._sigterm.ticking(), collector_held():
                 return self._tick()
         finally:
             self._gauges.ticked()
@@ -300,13 +301,12 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
             )
         self._tick_started(now)
         self._queue_changes(now)
+        due = self._due.pop_due(now)
         popped = [
-            (name, entry)
-            for name in self._due.pop_due(now)
-            if (entry := self.schedule.get(name)) is not None
+            (name, entry) for name, _ in due if (entry := self.schedule.get(name)) is not None
         ]
         try:
-            self._load_watermarks([name for name, _ in popped], now)
+            self._load_watermarks(due, now)
         except exceptions.StoreError as exc:
             for name, entry in popped:
                 self._push(name, entry, now)
@@ -370,15 +370,19 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
             policy = self._policies[name] = self._policy_of(name, entry)
         return policy
 
-    def _load_watermarks(self, names: list[str], now: datetime) -> None:
-        """Start entries this node has not decided lately from their store watermark.
+    def _load_watermarks(self, due: list[tuple[str, datetime]], now: datetime) -> None:
+        """Start entries this node is behind on from their store watermark.
 
-        Slots at or below an entry's watermark are decided (claimed, or skipped
-        by whoever claimed a newer one), so a restarted node, or one that fell
-        behind, neither re-plans nor counts them.
+        ``due`` are the popped entries with the slot each was queued at: the
+        first after the slot this node decided last. On time for it (within
+        two ticks), the node missed none of the entry's slots, and the claim
+        answers whether another node took this one. Otherwise (a restarted
+        node, or one that fell behind) slots at or below the watermark are
+        decided (claimed, or skipped by whoever claimed a newer one): the node
+        neither re-plans nor counts them.
         """
         behind = now - timedelta(seconds=2 * self._config.tick_interval)
-        stale = [n for n in names if (s := self._decided.get(n)) is None or s < behind]
+        stale = [n for n, slot in due if n not in self._decided or slot < behind]
         if not stale:
             return
         for name, mark in self._runtime.store.watermarks(stale).items():

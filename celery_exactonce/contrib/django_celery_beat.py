@@ -211,17 +211,17 @@ class DatabaseScheduler(ExactOnceScheduler):
             self._rows[name], self._definitions[name] = row, definition
             self._row_names.read(name, row)
 
-    def _load_watermarks(self, names: list[str], now: datetime) -> None:
+    def _load_watermarks(self, due: list[tuple[str, datetime]], now: datetime) -> None:
         """The store watermarks of due entries; the rows read renamed or anew held back.
 
         A store error raises before anything is kept: the tick claims nothing
         (fail closed), and what the rows' names need is read again next tick
         (:mod:`~celery_exactonce.contrib.row_names`).
         """
-        before = {name: self._decided.get(name) for name in names}
+        before = {name: self._decided.get(name) for name, _ in due}
         store = self._runtime.store
         self._row_names.load(store)
-        super()._load_watermarks(names, now)
+        super()._load_watermarks(due, now)
         self._count_passed(before, now)
         self._row_names.hold(store, functools.partial(self._skip_held, now))
 

@@ -34,7 +34,7 @@ def test_pops_what_is_due_in_slot_then_name_order() -> None:
     heap = DueHeap()
     for name, when in (("b", 5), ("a", 5), ("c", 1), ("d", 9)):
         heap.push(name, at(when))
-    assert heap.pop_due(at(5)) == ["c", "a", "b"]
+    assert heap.pop_due(at(5)) == [("c", at(1)), ("a", at(5)), ("b", at(5))]
     assert heap.next_time() == at(9) and len(heap) == 1 and "d" in heap
 
 
@@ -44,7 +44,7 @@ def test_a_name_pushed_again_is_due_once_at_its_new_slot() -> None:
     heap.push("a", at(7))  # edited: its next slot moved
     assert heap.pop_due(at(5)) == []
     assert heap.next_time() == at(7)
-    assert heap.pop_due(at(7)) == ["a"]
+    assert heap.pop_due(at(7)) == [("a", at(7))]
     assert heap.pop_due(at(100)) == [] and heap.next_time() is None
 
 
@@ -55,7 +55,7 @@ def test_a_discarded_name_never_comes_up() -> None:
     heap.discard("a")
     assert "a" not in heap
     assert heap.next_time() == at(2)
-    assert heap.pop_due(at(10)) == ["b"]
+    assert heap.pop_due(at(10)) == [("b", at(2))]
 
 
 def test_many_pushes_of_one_name_do_not_grow_the_heap_without_bound() -> None:
@@ -63,7 +63,7 @@ def test_many_pushes_of_one_name_do_not_grow_the_heap_without_bound() -> None:
     for i in range(10_000):
         heap.push("a", at(i))
     assert len(heap._heap) < 200  # the dead items were dropped
-    assert heap.pop_due(at(20_000)) == ["a"]
+    assert heap.pop_due(at(20_000)) == [("a", at(9_999))]
 
 
 def test_an_edit_recomputes_only_the_edited_entry(monkeypatch: pytest.MonkeyPatch) -> None:
