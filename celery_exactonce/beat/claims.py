@@ -66,7 +66,10 @@ def claim(
         else:
             metrics.event(
                 "slot_already_claimed",
-                f"{entry_of(new)} at {new.fire_time} already claimed ({result.status.value})",
+                "%s at %s already claimed (%s)",
+                entry_of(new),
+                new.fire_time,
+                result.status.value,
                 level=logging.DEBUG,
                 entry=entry_of(new),
             )

@@ -95,7 +95,11 @@ def run(deployment: Deployment, *, nodes: int, entries: int, every: float, slots
     """
     if deployment.store_kind == "postgres":
         services.vacuum_postgres()  # the rows the runs before deleted
-    beats = b.start_beats(deployment, [{}] * nodes, entries=entries, every=every)
+    from tests.acceptance.apps.ledger_app import LOG_LEVEL  # the app, imported where used
+
+    # Beats log at INFO, as users run them: not a debug record per slot another node won.
+    quiet = {LOG_LEVEL: "INFO"}
+    beats = b.start_beats(deployment, [quiet] * nodes, entries=entries, every=every)
     floor = b.claim_floor(deployment)
     begin = max(b.store_now(deployment), floor) + timedelta(seconds=1)
     first = datetime.fromtimestamp((begin.timestamp() // every + 1) * every, timezone.utc)

@@ -112,6 +112,11 @@ GATED_TASKS = (
 #: still on code from before the gate would (scenario 65).
 NO_GATE = "EXACTONCE_ACC_NO_GATE"
 
+#: The ``celery_exactonce`` loggers' level (``DEBUG`` unless set): a run that measures beat at
+#: scale sets ``INFO``, as users run it (a debug record per slot another node claimed
+#: would be its own workload).
+LOG_LEVEL = "EXACTONCE_ACC_LOG_LEVEL"
+
 #: A slim beat app: no task registered (``1``), entries declaring ``gated`` (``declared``).
 SLIM = "EXACTONCE_ACC_SLIM"
 
@@ -185,7 +190,7 @@ def make_app(env: Mapping[str, str] = os.environ, *, set_as_current: bool = True
     if env.get("EXACTONCE_ACC_EXTRA_CONF"):
         app.conf.update(json.loads(env["EXACTONCE_ACC_EXTRA_CONF"]))
     # The gate logs suppressed duplicates at debug: let the worker log show them.
-    logging.getLogger("celery_exactonce").setLevel(logging.DEBUG)
+    logging.getLogger("celery_exactonce").setLevel(env.get(LOG_LEVEL) or logging.DEBUG)
     ledger_path = env.get("EXACTONCE_ACC_LEDGER", "")
     if not slim:
         _register_tasks(app, ledger_path, gated=not _flag(env.get(NO_GATE)))
