@@ -57,6 +57,15 @@ json_option = click.option(
 )
 
 
+def wants_json(ctx: click.Context, as_json: bool) -> bool:
+    """``--json`` given to this command or to a group it is under (``schedule --json add``)."""
+    parent = ctx.parent
+    while not as_json and parent is not None:
+        as_json = bool(parent.params.get("as_json"))
+        parent = parent.parent
+    return as_json
+
+
 class Failed(Exception):
     """The command could not do its work: ``message`` on stderr, exit :data:`EXIT_FAILED`."""
 

@@ -146,6 +146,7 @@ def add(
         sched = _schedule(every, cron_expr, tz, when)
         fields = {"args": args, "kwargs": kwargs, "options": options, "paused": paused}
         specs = [{"name": name, "task": task, "schedule": sched, **fields}]
+    as_json = base.wants_json(ctx, as_json)
     saved = entries.save_many(base.app_of(ctx), specs)
     if as_json and from_file is not None:
         base.emit_json({"saved": [_data(entry) for entry in saved]})
@@ -186,6 +187,7 @@ def _names(verb: str, doc: str) -> click.Command:
     @click.pass_context
     @base.handles_errors
     def command(ctx: click.Context, names: tuple[str, ...], as_json: bool) -> None:
+        as_json = base.wants_json(ctx, as_json)
         app = base.app_of(ctx)
         listed = entries.list_stored(app)
         unreadable = [str(listed[n]) for n in names if isinstance(listed.get(n), Exception)]
@@ -223,6 +225,7 @@ def resign(ctx: click.Context, as_json: bool) -> None:
     After a key rotation put the new key first, and before the old one is dropped:
     an entry signed with a key no longer configured is refused by every beat.
     """
+    as_json = base.wants_json(ctx, as_json)
     app = base.app_of(ctx)
     if not runtime.config_for(app).signing_key:
         base.fail("exactonce_signing_key is not set: nothing is signed")

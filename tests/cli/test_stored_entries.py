@@ -44,7 +44,8 @@ def test_add_pause_resume_remove_show_in_schedule(deployment: Deployment, tmp_pa
     paused = _entry(deployment.json("schedule"), "report")
     assert (paused["paused"], paused["next"]) == (True, [])
     assert "paused" in deployment.run("schedule").stdout
-    resumed = deployment.json("schedule", "resume", "report")
+    # (the group's --json serves its commands too)
+    resumed = json.loads(deployment.run("schedule", "--json", "resume", "report").stdout)
     assert resumed["paused"] is False and resumed["since"] >= saved["since"]
     # remove: gone; removing again fails, naming it
     assert deployment.json("schedule", "remove", "report") == {"entry": "report", "removed": True}
