@@ -20,7 +20,13 @@ from typing import Any, Literal, cast
 
 from celery_exactonce.config import unknown as unknown_settings
 from celery_exactonce.core import exceptions, jobs, refs
-from celery_exactonce.stores import KNOWN_SCHEMES, redact_url, signing, validate_namespace
+from celery_exactonce.stores import (
+    EXPECTED_SCHEMES,
+    KNOWN_SCHEMES,
+    redact_url,
+    signing,
+    validate_namespace,
+)
 
 PREFIX = "exactonce_"
 
@@ -381,7 +387,7 @@ def _check_store_url(url: str) -> None:
     if scheme not in KNOWN_SCHEMES:
         raise exceptions.ConfigurationError(
             f"{PREFIX}store_url={redact_url(url)!r} is not a store URL "
-            f"(expected one of {', '.join(s + '://' for s in sorted(KNOWN_SCHEMES))})",
+            f"(expected {EXPECTED_SCHEMES})",
             setting=PREFIX + "store_url",
         )
 

@@ -35,6 +35,7 @@ from celery_exactonce.stores.base import FORMAT_VERSION, StateStore
 from celery_exactonce.stores.memory import InMemoryStore
 
 __all__ = [
+    "EXPECTED_SCHEMES",
     "FORMAT_VERSION",
     "KNOWN_SCHEMES",
     "REDACTED",
@@ -63,6 +64,11 @@ _REDIS_SCHEMES = frozenset({"redis", "rediss", "unix"})
 
 #: URL schemes (before any ``+driver``) that name a store.
 KNOWN_SCHEMES = frozenset({"memory", "django", *_REDIS_SCHEMES, *_SQL_DRIVERS})
+#: What a store URL may start with, as a refusal of one lists them.
+EXPECTED_SCHEMES = (
+    "redis://, rediss://, redis+sentinel://, redis+cluster://, unix://, postgresql://, "
+    "mysql://, mariadb://, sqlite:///, django:// or memory://"
+)
 
 
 def validate_namespace(namespace: object, setting: str = "exactonce_namespace") -> str:
@@ -321,7 +327,7 @@ def store_from_url(
         )
     raise exceptions.ConfigurationError(
         f"exactonce_store_url={redact_url(url)!r}: unknown scheme {scheme!r} "
-        "(expected redis://, postgresql://, mysql://, sqlite:///, django:// or memory://)",
+        f"(expected {EXPECTED_SCHEMES})",
         setting="exactonce_store_url",
     )
 

@@ -54,7 +54,9 @@ class InMemoryStore:
     ) -> None:
         refs.validate_identifier(namespace, "namespace", refs.MAX_NAME_LENGTH)
         if retention <= 0:
-            raise exceptions.ConfigurationError("retention must be > 0", setting="retention")
+            raise exceptions.ConfigurationError(
+                "exactonce_retention must be > 0", setting="exactonce_retention"
+            )
         self._namespace = namespace
         self._retention = float(retention)
         self._clock = clock or SystemClock()

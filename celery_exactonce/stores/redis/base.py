@@ -144,7 +144,9 @@ class RedisCore(RedisKeys):
         validate_namespace(namespace)
         base = shard_base(key_base(prefix, namespace), shard, shards)
         if retention <= 0:
-            raise exceptions.ConfigurationError("retention must be > 0", setting="retention")
+            raise exceptions.ConfigurationError(
+                "exactonce_retention must be > 0", setting="exactonce_retention"
+            )
         self._client = client
         self._namespace = namespace
         self._retention = float(retention)
