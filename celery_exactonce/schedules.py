@@ -153,6 +153,10 @@ def _zone(tz: str | tzinfo | None, expr: str) -> tzinfo | None:
 class cron(crontab):  # type: ignore[misc]  # celery is untyped; lower case as its schedules
     """A cron expression as a beat schedule.
 
+    A bad expression or zone does not raise here: it is kept in :attr:`error`.
+    Beat refuses the entry at start with that error and the entry's name, and
+    using the schedule (``is_due``, ``remaining_estimate``) raises it.
+
     Parameters
     ----------
     expr:
@@ -162,10 +166,6 @@ class cron(crontab):  # type: ignore[misc]  # celery is untyped; lower case as i
     tz:
         The zone the expression is read in: a name (``"Europe/Berlin"``) or a
         ``tzinfo``. ``None`` reads it in the app's ``timezone``.
-
-    A bad expression or zone does not raise here: it is kept in :attr:`error`.
-    Beat refuses the entry at start with that error and the entry's name, and
-    using the schedule (``is_due``, ``remaining_estimate``) raises it.
     """
 
     #: Why the expression or the zone is unusable (naming the expression and the

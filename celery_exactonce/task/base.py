@@ -86,7 +86,14 @@ _current: contextvars.ContextVar[_Run | None] = contextvars.ContextVar(
 
 
 class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
-    """A Celery task whose body runs at most once per attempt (see the module docs)."""
+    """A Celery task whose body runs at most once per attempt.
+
+    ``apply_async`` and ``delay`` create the job in the store before publishing
+    it; on the worker, the gate lets one delivery of each attempt run the body
+    and acks any other unrun. An ``eta`` or ``countdown`` waits in the store,
+    and a beat node dispatches the job when it falls due.
+    docs/howto/worker-gate.md tells the whole story.
+    """
 
     #: How long the gate keeps retrying a store error before sending the
     #: delivery back through Celery's retry mechanism.

@@ -8,6 +8,7 @@ settings and CLI references with what the code gives now.
 
 from __future__ import annotations
 
+import html
 import os
 import re
 import shutil
@@ -23,7 +24,7 @@ from celery_exactonce import _docgen, config
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
-BUILD_TIMEOUT = 120  # seconds; a build takes about one
+BUILD_TIMEOUT = 120  # seconds; a build takes about five (most of it the Python API page)
 
 
 def _build(config_file: Path, site: Path) -> subprocess.CompletedProcess[str]:
@@ -39,17 +40,44 @@ def _build(config_file: Path, site: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_the_site_builds_strict_with_no_warning(tmp_path: Path) -> None:
-    result = _build(ROOT / "mkdocs.yml", tmp_path / "site")
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The site as CI builds it (once for the tests of this module that read it)."""
+    out = tmp_path_factory.mktemp("built") / "site"
+    result = _build(ROOT / "mkdocs.yml", out)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
     assert not re.search(r"^(WARNING|ERROR)\b", output, re.MULTILINE), output
+    return out
+
+
+def test_the_site_builds_strict_with_no_warning(site: Path) -> None:
     for page in ("index.html", "quickstart/index.html", "reference/settings/index.html"):
-        assert (tmp_path / "site" / page).is_file(), page
-    guarantees = (tmp_path / "site" / "discussions" / "guarantees" / "index.html").read_text(
-        encoding="utf-8"
-    )
+        assert (site / page).is_file(), page
+    guarantees = (site / "discussions" / "guarantees" / "index.html").read_text(encoding="utf-8")
     assert "Residual risks" in guarantees
+    assert not (site / "_ext").exists()  # the build's Griffe extension is not a page
+
+
+def test_the_python_api_reference_is_made_from_the_docstrings(site: Path) -> None:
+    page = (site / "reference" / "api" / "index.html").read_text(encoding="utf-8")
+    text = re.sub(r"\s+", " ", html.unescape(re.sub(r"<[^>]+>", " ", page)))
+    for name in (
+        "celery_exactonce.ExactOnceTask",
+        "celery_exactonce.ExactOnceScheduler",
+        "celery_exactonce.cancel",
+        "celery_exactonce.idempotency_key",
+        "celery_exactonce.entries.save",
+        "celery_exactonce.schedules.cron",
+        "celery_exactonce.web.create_app",
+    ):
+        assert f" {name} " in text, name
+    # A `#:` comment is its attribute's docstring, and a role is a link to what the page shows.
+    assert "Opt in to re-running a RUNNING job" in text
+    assert 'href="#celery_exactonce.entries.save"' in page
+    assert not re.search(r":(class|func|meth|mod|attr|data|exc):`", text)
+    # Only public names: no heading of a private one.
+    assert not re.search(r'id="celery_exactonce(\.\w+)*\._', page)
 
 
 @pytest.mark.parametrize(
