@@ -21,8 +21,8 @@ from typing import Any, Literal, cast
 from celery_exactonce.config import unknown as unknown_settings
 from celery_exactonce.core import exceptions, jobs, refs
 from celery_exactonce.stores import (
-    EXPECTED_SCHEMES,
     KNOWN_SCHEMES,
+    not_a_store_url,
     redact_url,
     signing,
     validate_namespace,
@@ -385,11 +385,7 @@ def _check_type(name: str, value: object, annotation: object) -> None:
 def _check_store_url(url: str) -> None:
     scheme = url.split("://", 1)[0].lower().split("+", 1)[0] if "://" in url else ""
     if scheme not in KNOWN_SCHEMES:
-        raise exceptions.ConfigurationError(
-            f"{PREFIX}store_url={redact_url(url)!r} is not a store URL "
-            f"(expected {EXPECTED_SCHEMES})",
-            setting=PREFIX + "store_url",
-        )
+        raise not_a_store_url(url, "is not a store URL")
 
 
 #: Every setting's name without the prefix.

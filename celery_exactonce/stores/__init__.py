@@ -16,8 +16,7 @@ URL                                       store                          extra
 ``sqlite:///path/to/file.db``             ``SqlStore``                   ``sqlite``
 ========================================  =============================  ==========
 
-A SQLAlchemy URL with an explicit driver (``postgresql+psycopg2://``) is used
-as given.
+An explicit SQLAlchemy driver (``postgresql+psycopg2://``) is used as given.
 """
 
 from __future__ import annotations
@@ -35,7 +34,6 @@ from celery_exactonce.stores.base import FORMAT_VERSION, StateStore
 from celery_exactonce.stores.memory import InMemoryStore
 
 __all__ = [
-    "EXPECTED_SCHEMES",
     "FORMAT_VERSION",
     "KNOWN_SCHEMES",
     "REDACTED",
@@ -64,11 +62,6 @@ _REDIS_SCHEMES = frozenset({"redis", "rediss", "unix"})
 
 #: URL schemes (before any ``+driver``) that name a store.
 KNOWN_SCHEMES = frozenset({"memory", "django", *_REDIS_SCHEMES, *_SQL_DRIVERS})
-#: What a store URL may start with, as a refusal of one lists them.
-EXPECTED_SCHEMES = (
-    "redis://, rediss://, redis+sentinel://, redis+cluster://, unix://, postgresql://, "
-    "mysql://, mariadb://, sqlite:///, django:// or memory://"
-)
 
 
 def validate_namespace(namespace: object, setting: str = "exactonce_namespace") -> str:
@@ -186,10 +179,8 @@ def redact_url(url: str) -> str:
 
 
 def _check_ports(netloc: str) -> None:
-    """Raise ``ValueError`` unless each ``host:port`` of ``netloc`` has a valid port or none.
-
-    Sentinel's netloc is a comma list (``:pw@h1:26379,h2:26379``): each host is checked.
-    """
+    """Raise ``ValueError`` unless each ``host:port`` of ``netloc`` has a valid port or none
+    (Sentinel's netloc is a comma list, ``:pw@h1:26379,h2:26379``: each host is checked)."""
     for host in netloc.rpartition("@")[2].split(","):
         urlsplit(f"x://{host}").port  # noqa: B018 (raises ValueError on a malformed port)
 
@@ -291,11 +282,7 @@ def store_from_url(
     """
     validate_namespace(namespace)
     if not isinstance(url, str) or "://" not in url:
-        raise exceptions.ConfigurationError(
-            f"exactonce_store_url={redact_url(str(url))!r} is not a URL "
-            "(expected redis://, postgresql://, mysql://, sqlite:///, django:// or memory://)",
-            setting="exactonce_store_url",
-        )
+        raise not_a_store_url(url, "is not a URL")
     scheme = url.split("://", 1)[0].lower()
     base = scheme.split("+", 1)[0]
     compaction = options.get("compaction", KEEP)
@@ -325,9 +312,15 @@ def store_from_url(
         return module.SqlStore.from_url(  # type: ignore[no-any-return]
             sa_url, namespace=namespace, retention=retention, **options
         )
-    raise exceptions.ConfigurationError(
-        f"exactonce_store_url={redact_url(url)!r}: unknown scheme {scheme!r} "
-        f"(expected {EXPECTED_SCHEMES})",
+    raise not_a_store_url(url, f"has an unknown scheme {scheme!r}")
+
+
+def not_a_store_url(url: object, why: str) -> exceptions.ConfigurationError:
+    """The refusal of ``url`` (``why`` it names no store), listing what names one."""
+    return exceptions.ConfigurationError(
+        f"exactonce_store_url={redact_url(str(url))!r} {why} (expected redis://, rediss://, "
+        "redis+sentinel://, redis+cluster://, unix://, postgresql://, mysql://, mariadb://, "
+        "sqlite:///, django:// or memory://)",
         setting="exactonce_store_url",
     )
 

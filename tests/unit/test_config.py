@@ -162,7 +162,7 @@ def test_credentials_never_show() -> None:
 
 def test_store_from_url_memory_and_bad_scheme() -> None:
     assert isinstance(store_from_url("memory://", namespace="n"), InMemoryStore)
-    with pytest.raises(ConfigurationError, match="unknown scheme"):
+    with pytest.raises(ConfigurationError, match="has an unknown scheme"):
         store_from_url("mongodb://u:pw@h/x")
     with pytest.raises(ConfigurationError, match="exactonce_namespace"):
         store_from_url("memory://", namespace="bad ns")
