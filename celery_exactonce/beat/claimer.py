@@ -41,7 +41,7 @@ import dataclasses
 import logging
 import zlib
 from collections.abc import Mapping
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Any, Protocol
 
 from celery_exactonce.beat import claims, entries
@@ -110,11 +110,10 @@ class Claimer:
         namespace, node = self._runtime.store.namespace, self._runtime.node
         kept = self._jobs.get(name)
         if kept is not None and kept.holds(entry, policy):
-            deadline = None if policy.deadline is None else timedelta(seconds=policy.deadline)
             new = kept.job.for_slot(
                 JobRef.occurrence(entries.occurrence_id(namespace, name, fire)),
                 fire,
-                None if deadline is None else fire + deadline,
+                entries.deadline_of(policy, fire),
             )
         else:
             new = entries.occurrence(name, entry, fire, policy, namespace=namespace, node=node)

@@ -200,7 +200,6 @@ def occurrence(
     options[GATED_OPTION] = policy.gated
     if policy.gated:
         options[POLICY_OPTION] = dict(policy.task_policy)
-    deadline = policy.deadline
     return NewJob(
         JobRef.occurrence(occurrence_id(namespace, name, fire)),
         entry.task,
@@ -211,9 +210,14 @@ def occurrence(
         options=options,
         entry=name,
         fire_time=fire,
-        deadline=None if deadline is None else fire + timedelta(seconds=deadline),
+        deadline=deadline_of(policy, fire),
         reason="beat claim",
     )
+
+
+def deadline_of(policy: EntryPolicy, fire: datetime) -> datetime | None:
+    """The deadline of the slot at ``fire`` (``None``: the policy sets none)."""
+    return None if policy.deadline is None else fire + timedelta(seconds=policy.deadline)
 
 
 def entry_of(new: NewJob) -> str:

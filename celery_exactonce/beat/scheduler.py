@@ -301,10 +301,8 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
             )
         self._tick_started(now)
         self._queue_changes(now)
-        due = self._due.pop_due(now)
-        popped = [
-            (name, entry) for name, _ in due if (entry := self.schedule.get(name)) is not None
-        ]
+        due = [(name, slot) for name, slot in self._due.pop_due(now) if name in self.schedule]
+        popped = [(name, self.schedule[name]) for name, _ in due]
         try:
             self._load_watermarks(due, now)
         except exceptions.StoreError as exc:
