@@ -37,6 +37,7 @@ from celery_exactonce import config, runtime
 from celery_exactonce.core import exceptions
 from celery_exactonce.observe import gauges, metrics
 from celery_exactonce.observe.entry_health import EntryHealthReader
+from celery_exactonce.observe.health import BeatProbes, WorkerProbes
 from celery_exactonce.reconcile import task as reconcile_task
 from celery_exactonce.task import atomic
 from celery_exactonce.task.base import ExactOnceTask
@@ -271,6 +272,7 @@ def serve_beat_metrics(
             addr=settings.metrics_addr,
             reconcile_here=settings.reconcile_on == "beat",
             health=health,
+            probes=BeatProbes(beat, settings.tick_interval),
         )
     except Exception as exc:  # a taken port, no extra: beat must not start blind
         refuse("beat", exc)
@@ -288,7 +290,10 @@ def serve_worker_metrics(worker: Any) -> Any:
     pool = get_implementation(worker.pool_cls)
     prefork = isinstance(pool, type) and issubclass(pool, TaskPool)
     server = prometheus_module("exactonce_worker_metrics_port").serve_worker(
-        port=settings.worker_metrics_port, addr=settings.metrics_addr, prefork=prefork
+        port=settings.worker_metrics_port,
+        addr=settings.metrics_addr,
+        prefork=prefork,
+        probes=WorkerProbes(worker, runtime.runtime_for(app).store.now),
     )
     _worker_servers.append(server)
     return server

@@ -270,11 +270,8 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
         exception raised mid-claim); then beat stops. The cyclic garbage
         collector waits for the pass too (:func:`~celery_exactonce.beat.holds.collector_held`).
         """
-        try:
-            with self._sigterm.ticking(), collector_held():
-                return self._tick()
-        finally:
-            self._gauges.ticked()
+        with self._gauges.ticking(), self._sigterm.ticking(), collector_held():
+            return self._tick()
 
     def _tick(self) -> float:
         interval = float(self._config.tick_interval)
@@ -287,7 +284,9 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
                     self._started = True
                     beat_log.started(self._config, self._runtime.node, self._guard, now)
             forgotten = self._guard.recheck(store, now)
+            self._gauges.reached()
         except exceptions.StoreError as exc:
+            self._gauges.reached(exc)
             what = "beat cannot reach the store: nothing claimed"
             fail_closed(self._runtime, "tick_read", what, exc)
             return interval

@@ -15,6 +15,7 @@ one of its own commands, after ``-A APP`` loaded the app. The subcommands:
 ``migrate``               create or upgrade the store's schema
 ``import redbeat``        RedBeat's entries moved into stored entries
 ``web``                   serve the jobs dashboard (the ``web`` extra; docs/howto/dashboard.md)
+``probe beat|worker``     ask a beat or worker on this host whether it is live (``--ready``: ready)
 ========================  ==============================================================
 
 Each but ``web`` takes ``--json``. Exit codes: 0 success, 1 a check or the command
@@ -30,6 +31,7 @@ from celery_exactonce.cli.act import cancel, migrate, reconcile
 from celery_exactonce.cli.check import check
 from celery_exactonce.cli.imports import import_
 from celery_exactonce.cli.inspect import jobs, show, status
+from celery_exactonce.cli.probe import probe
 from celery_exactonce.cli.schedule import schedule
 from celery_exactonce.cli.web import web_command
 
@@ -41,6 +43,18 @@ def exactonce() -> None:
     """celery-exactonce: check the set-up, look at jobs and entries, act on them."""
 
 
-_COMMANDS = (check, status, jobs, show, schedule, reconcile, cancel, migrate, import_, web_command)
+_COMMANDS = (
+    check,
+    status,
+    jobs,
+    show,
+    schedule,
+    reconcile,
+    cancel,
+    migrate,
+    import_,
+    web_command,
+    probe,
+)
 for _command in _COMMANDS:
     exactonce.add_command(_command)

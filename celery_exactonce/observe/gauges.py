@@ -20,11 +20,12 @@ the event counters (:mod:`celery_exactonce.observe.metrics`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from celery_exactonce.core import exceptions
 from celery_exactonce.core.states import State
@@ -146,10 +147,25 @@ class BeatGauges:
         self.started = wall()
         #: Wall time the last tick ended (``None``: none yet).
         self.last_tick: float | None = None
+        #: Wall time the tick in progress began (``None``: not in a tick).
+        self.tick_began: float | None = None
+        #: Whether the last tick reached the store (``None``: no tick yet), and why not.
+        self.store_reached: bool | None = None
+        self.store_error = ""
 
-    def ticked(self) -> None:
-        """A tick ended (one float written: cheap enough for every tick)."""
-        self.last_tick = self._wall()
+    @contextlib.contextmanager
+    def ticking(self) -> Iterator[None]:
+        """Around a tick: when it began, and when it ended (cheap enough for every tick)."""
+        self.tick_began = self._wall()
+        try:
+            yield
+        finally:
+            self.last_tick, self.tick_began = self._wall(), None
+
+    def reached(self, error: BaseException | None = None) -> None:
+        """This tick reached the store (``error``: it could not)."""
+        self.store_reached = error is None
+        self.store_error = "" if error is None else " ".join(str(error).split())
 
     def reconcile_lag(self) -> float:
         """Seconds since this process last finished a reconcile pass (or started, if none)."""

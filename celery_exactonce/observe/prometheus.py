@@ -36,10 +36,12 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from datetime import datetime
 from typing import Any
+from wsgiref import simple_server
 
 import prometheus_client
 from prometheus_client import multiprocess, values
 from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import REGISTRY, Collector, CollectorRegistry
 
 from celery_exactonce.config import DEFAULT_METRICS_ADDR
@@ -48,6 +50,7 @@ from celery_exactonce.core.states import State
 from celery_exactonce.observe import metrics
 from celery_exactonce.observe.entry_health import EntryHealth, EntryHealthReader
 from celery_exactonce.observe.gauges import MAX_AGE, BeatGauges, StoreGauges
+from celery_exactonce.observe.health import Probes, with_probes
 
 #: A snapshot of the store older than this many ``MAX_AGE`` counts as stale (store down).
 STALE_AFTER = 3
@@ -185,7 +188,8 @@ class MetricsServer:
 
     It serves ``registry`` and, for beat, its :class:`BeatCollector`, which is
     registered nowhere (two schedulers of one process, each with its port,
-    never clash).
+    never clash); with ``probes``, ``/healthz`` and ``/readyz`` too
+    (:mod:`~celery_exactonce.observe.health`).
     """
 
     def __init__(
@@ -196,17 +200,22 @@ class MetricsServer:
         *,
         setting: str,
         collector: BeatCollector | None = None,
+        probes: Probes | None = None,
     ) -> None:
         self.collector = collector
+        self.probes = probes
         addr = addr or DEFAULT_METRICS_ADDR  # prometheus-client cannot bind ""
         metrics.ensure_prometheus()  # the event families exist before the first event
         served = registry if collector is None else _Joined(registry, collector)
+        app = with_probes(prometheus_client.make_wsgi_app(served), probes)
         try:
-            self._server, self._thread = prometheus_client.start_http_server(
-                port, addr=addr, registry=served
-            )
+            self._server = _server(addr, port, app)
         except OSError as exc:
             raise refusal(setting, port, addr, exc) from exc
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, name="exactonce-metrics", daemon=True
+        )
+        self._thread.start()
         self.port = int(self._server.server_address[1])
         self._closed = threading.Event()
 
@@ -220,6 +229,26 @@ class MetricsServer:
         self._thread.join(5.0)
         if self.collector is not None:
             self.collector.store.close()
+        close = getattr(self.probes, "close", None)
+        if close is not None:
+            close()
+
+
+class _Quiet(simple_server.WSGIRequestHandler):
+    """A request handler that logs nothing (a probe every few seconds is no news)."""
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+def _server(addr: str, port: int, app: Any) -> simple_server.WSGIServer:
+    """An HTTP server of ``app`` on ``addr:port`` (a thread per request), not serving yet."""
+    family = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+
+    class Server(ThreadingWSGIServer):
+        address_family = family
+
+    return simple_server.make_server(addr, port, app, Server, handler_class=_Quiet)
 
 
 def refusal(setting: str, port: int, addr: str, exc: OSError) -> exceptions.ConfigurationError:
@@ -266,18 +295,21 @@ def serve_beat(
     reconcile_here: bool = True,
     max_age: float = MAX_AGE,
     health: EntryHealthReader | None = None,
+    probes: Probes | None = None,
 ) -> MetricsServer:
     """Serve beat's ``/metrics``: the default registry and a :class:`BeatCollector`
-    (each entry's health too, with ``health``)."""
+    (each entry's health too, with ``health``); ``/healthz`` and ``/readyz`` with ``probes``."""
     gauges = StoreGauges(store, max_age=max_age, health=health)
     collector = BeatCollector(beat, gauges, reconcile_here=reconcile_here)
     return MetricsServer(
-        port, addr, REGISTRY, setting="exactonce_metrics_port", collector=collector
+        port, addr, REGISTRY, setting="exactonce_metrics_port", collector=collector, probes=probes
     )
 
 
-def serve_worker(*, port: int, addr: str = DEFAULT_METRICS_ADDR, prefork: bool) -> MetricsServer:
-    """Serve a worker's ``/metrics`` from its main process.
+def serve_worker(
+    *, port: int, addr: str = DEFAULT_METRICS_ADDR, prefork: bool, probes: Probes | None = None
+) -> MetricsServer:
+    """Serve a worker's ``/metrics`` from its main process (``/healthz``, ``/readyz``: ``probes``).
 
     Under ``PROMETHEUS_MULTIPROC_DIR``: every process's files, merged; without
     it, this process's registry, which a prefork pool cannot use (its
@@ -293,7 +325,7 @@ def serve_worker(*, port: int, addr: str = DEFAULT_METRICS_ADDR, prefork: bool) 
                 "their own events, merged from there",
                 setting=setting,
             )
-        return MetricsServer(port, addr, REGISTRY, setting=setting)
+        return MetricsServer(port, addr, REGISTRY, setting=setting, probes=probes)
     if not os.path.isdir(directory):
         raise exceptions.ConfigurationError(
             f"{setting}: {MULTIPROC_ENV}={directory!r} is not a directory",
@@ -307,4 +339,4 @@ def serve_worker(*, port: int, addr: str = DEFAULT_METRICS_ADDR, prefork: bool) 
         )
     registry = CollectorRegistry()
     multiprocess.MultiProcessCollector(registry, path=directory)  # type: ignore[no-untyped-call]
-    return MetricsServer(port, addr, registry, setting=setting)
+    return MetricsServer(port, addr, registry, setting=setting, probes=probes)

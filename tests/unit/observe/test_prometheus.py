@@ -100,7 +100,8 @@ def test_beat_collector_reports_the_store_counts_and_the_backlog() -> None:
     assert 90 <= values[("exactonce_oldest_due_job_age_seconds", ())] < 120
     assert not any(name == "exactonce_beat_last_tick_timestamp_seconds" for name, _ in values)
     assert ("exactonce_reconcile_lag_seconds", ()) not in values
-    beat.ticked()
+    with beat.ticking():
+        pass
     ticked = collected(collector)
     assert ticked[("exactonce_beat_last_tick_timestamp_seconds", (("node", "node-a"),))] > 0
 
