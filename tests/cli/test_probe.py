@@ -14,23 +14,11 @@ import sys
 from collections.abc import Iterator
 
 import pytest
-from prometheus_client import CollectorRegistry
 
 from celery_exactonce.observe.health import Verdict
-from celery_exactonce.observe.prometheus import MetricsServer
 from tests.cli.conftest import APP, COMMAND_TIMEOUT, REPO_ROOT
 from tests.integration.servers import free_port
-
-
-class Fixed:
-    def __init__(self, live: Verdict, ready: Verdict) -> None:
-        self._live, self._ready = live, ready
-
-    def live(self) -> Verdict:
-        return self._live
-
-    def ready(self) -> Verdict:
-        return self._ready
+from tests.support import probes
 
 
 def probe(*args: str, **conf: object) -> subprocess.CompletedProcess[str]:
@@ -48,14 +36,8 @@ def probe(*args: str, **conf: object) -> subprocess.CompletedProcess[str]:
 
 @pytest.fixture
 def served() -> Iterator[int]:
-    probes = Fixed(Verdict(True, "ticking"), Verdict(False, "the store is down"))
-    server = MetricsServer(
-        free_port(), "127.0.0.1", CollectorRegistry(), setting="x", probes=probes
-    )
-    try:
-        yield server.port
-    finally:
-        server.close()
+    with probes.served(Verdict(True, "ticking"), Verdict(False, "the store is down")) as port:
+        yield port
 
 
 def test_probe_asks_the_port_of_the_roles_setting(served: int) -> None:

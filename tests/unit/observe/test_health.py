@@ -16,6 +16,7 @@ from celery_exactonce.observe import health, prometheus
 from celery_exactonce.observe.gauges import BeatGauges
 from celery_exactonce.observe.health import BeatProbes, Verdict, WorkerProbes
 from tests.integration.servers import free_port
+from tests.support import probes
 
 
 class Clock:
@@ -162,29 +163,10 @@ def test_the_answer_is_asked_once_within_its_age(asked: list[int]) -> None:
         probes.close()
 
 
-class Fixed:
-    def __init__(self, live: Verdict, ready: Verdict) -> None:
-        self._live, self._ready = live, ready
-
-    def live(self) -> Verdict:
-        return self._live
-
-    def ready(self) -> Verdict:
-        return self._ready
-
-
 @pytest.fixture
 def served() -> Iterator[int]:
-    probes = Fixed(Verdict(True, "ticking"), Verdict(False, "store down"))
-    from prometheus_client import CollectorRegistry
-
-    server = prometheus.MetricsServer(
-        free_port(), "127.0.0.1", CollectorRegistry(), setting="x", probes=probes
-    )
-    try:
-        yield server.port
-    finally:
-        server.close()
+    with probes.served(Verdict(True, "ticking"), Verdict(False, "store down")) as port:
+        yield port
 
 
 def get(port: int, path: str) -> tuple[int, str]:
