@@ -166,6 +166,8 @@ class CreateStatus(str, enum.Enum):
     """No record, but the entry's watermark is at or past this slot: decided, never claimed."""
     EPOCH_MISMATCH = "epoch_mismatch"
     """The store's epoch is not the one the caller holds: the store lost data."""
+    UNIQUE_HELD = "unique_held"
+    """A live job holds the request's unique key (``job`` is it): nothing was written."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -60,6 +60,11 @@ class Action(str, enum.Enum):
             return None
 
 
+#: The option a unique submission's key is stored under (``ExactOnceTask.exactonce_unique``):
+#: while a live job holds it, a submission with the same key is that job.
+UNIQUE_OPTION = "exactonce_unique"
+
+
 @dataclasses.dataclass(frozen=True)
 class NewJob:
     """A request to create a job if no record with its ``ref`` exists.
@@ -92,6 +97,12 @@ class NewJob:
     encoded once when the request is built; ``None`` for a payload with kombu-typed
     values (a store encodes those itself). The payload of a request is not changed
     after it is built."""
+
+    @property
+    def unique(self) -> str | None:
+        """The key of a unique submission (:data:`UNIQUE_OPTION`), or ``None``."""
+        key = self.options.get(UNIQUE_OPTION)
+        return key if isinstance(key, str) else None
 
     def __post_init__(self) -> None:
         validate_identifier(self.task, "task name", MAX_NAME_LENGTH)

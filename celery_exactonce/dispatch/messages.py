@@ -19,6 +19,7 @@ from typing import Any
 from celery_exactonce.core import exceptions, keys, times
 from celery_exactonce.core.jobs import Job
 from celery_exactonce.core.refs import JobRef, Space
+from celery_exactonce.core.writes import UNIQUE_OPTION
 from celery_exactonce.observe.traces import TRACE_OPTION
 
 HEADER_JOB_ID = "exactonce_job_id"
@@ -50,7 +51,9 @@ GATED_OPTION = "exactonce_gated"
 POLICY_OPTION = "exactonce_policy"
 
 #: Stored job options that are ours and never go to ``send_task``.
-INTERNAL_OPTIONS = frozenset({GATED_OPTION, POLICY_OPTION, MESSAGE_ID_OPTION, TRACE_OPTION})
+INTERNAL_OPTIONS = frozenset(
+    {GATED_OPTION, POLICY_OPTION, MESSAGE_ID_OPTION, TRACE_OPTION, UNIQUE_OPTION}
+)
 
 #: ``send_task`` keywords that belong to one call (the caller's), never stored:
 #: ``result_cls`` builds the result it returns, ``add_to_parent`` adds that result to

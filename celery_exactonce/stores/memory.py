@@ -69,6 +69,7 @@ class InMemoryStore:
         self._jobs: dict[JobRef, Job] = {}
         self._by_state: dict[State, set[JobRef]] = {state: set() for state in State}
         self._watermarks: dict[str, datetime] = {}
+        self._unique: dict[str, JobRef] = {}  # a unique key's last job
         self._leases: dict[str, tuple[str, datetime]] = {}
         self._epoch: str | None = None
         self._skipped: collections.deque[SkippedSlots] = collections.deque(maxlen=SKIPPED_KEPT)
@@ -139,6 +140,20 @@ class InMemoryStore:
         self, news: Sequence[NewJob], *, epoch: str | None = None, brief: bool = False
     ) -> list[CreateResult]:
         return [self.create(new, epoch=epoch) for new in news]
+
+    def create_unique(self, new: NewJob) -> CreateResult:
+        key = new.unique
+        if key is None:
+            raise exceptions.InvalidRequest(f"job {new.ref}: a unique create needs a key")
+        with self._lock:
+            self._check_open()
+            holder = self._jobs.get(self._unique.get(key, new.ref))
+            if holder is not None and holder.ref != new.ref and not holder.state.terminal:
+                return CreateResult(CreateStatus.UNIQUE_HELD, holder, epoch=self._epoch)
+            result = self.create(new)
+            if result.created:
+                self._unique[key] = new.ref
+            return result
 
     def get(self, ref: JobRef) -> Job | None:
         with self._lock:

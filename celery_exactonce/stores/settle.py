@@ -45,6 +45,7 @@ from celery_exactonce.core.jobs import (
 from celery_exactonce.core.refs import JobRef
 from celery_exactonce.core.writes import NewJob, Transition
 from celery_exactonce.stores.base import StateStore
+from celery_exactonce.stores.unique import keeps_unique
 
 __all__ = [
     "READ_BACK_DELAY",
@@ -209,6 +210,27 @@ def create(
             (answer,) = store.create_many([new], epoch=epoch, brief=True)
         else:
             answer = store.create(new, epoch=epoch)
+    except exceptions.StoreError as exc:
+        return _lost_create(store, new, exc, tries)
+    return _answered_create(new, answer)
+
+
+def create_unique(
+    store: StateStore, new: NewJob, *, tries: int = READ_BACK_TRIES
+) -> Written[CreateStatus]:
+    """:func:`create` of a unique submission (``UNIQUE_HELD``: a live job holds its key).
+
+    Raises :class:`~celery_exactonce.core.exceptions.ConfigurationError` on a store
+    that keeps no unique keys.
+    """
+    if not keeps_unique(store):
+        raise exceptions.ConfigurationError(
+            f"{new.task}.exactonce_unique: the store of exactonce_store_url keeps no unique "
+            "keys (Redis, not sharded; PostgreSQL, MySQL, SQLite and django:// do)",
+            setting="exactonce_unique",
+        )
+    try:
+        answer = store.create_unique(new)  # type: ignore[attr-defined]
     except exceptions.StoreError as exc:
         return _lost_create(store, new, exc, tries)
     return _answered_create(new, answer)

@@ -240,6 +240,10 @@ class SigningStore:
     def create(self, new: NewJob, *, epoch: str | None = None) -> CreateResult:
         return self.inner.create(self._signed_new(new), epoch=epoch)
 
+    def create_unique(self, new: NewJob) -> CreateResult:
+        result: CreateResult = self.inner.create_unique(self._signed_new(new))  # type: ignore[attr-defined]
+        return result
+
     def create_many(
         self, news: Sequence[NewJob], *, epoch: str | None = None, brief: bool = False
     ) -> list[CreateResult]:

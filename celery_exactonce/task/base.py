@@ -106,6 +106,9 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
     #: Run the gate, the body and its end in one transaction of the store's database,
     #: which the body writes to (``django://``): :mod:`~celery_exactonce.task.atomic`.
     exactonce_atomic: bool = False
+    #: What makes two calls one job while it is live: argument names, or a function of the
+    #: call's arguments returning the key (:mod:`~celery_exactonce.task.unique`).
+    exactonce_unique: Any = None
 
     # -- submission ----------------------------------------------------------------
 
@@ -210,7 +213,7 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
             options=options,
         )
         delayed = new.state is State.PENDING
-        enqueued = None if delayed else submit.enqueue(runtime, new, call)
+        enqueued = None if delayed or new.unique else submit.enqueue(runtime, new, call)
         if enqueued is not None and enqueued.created:
             # One store write made the record DISPATCHED (with its message on a shared
             # Redis), then published it: send_task's result, or none if that failed.
@@ -224,6 +227,8 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
                 call = {**call, "add_to_parent": False}
         else:
             job = submit.create(runtime, new)
+            if job.ref != new.ref:  # a live job holds the unique key: it is this call's job
+                return submit.result_of(self, messages.message_task_id(job), call, options)
             on_commit = submit.after_commit(runtime)
             if on_commit is not None and (job.state is State.SCHEDULED or submit.republishes(job)):
                 # In the caller's transaction: published once it commits; a rollback

@@ -33,7 +33,7 @@ from celery_exactonce.dispatch import messages
 from celery_exactonce.observe import metrics
 from celery_exactonce.policy import check_timeouts, task_policy, task_timeouts
 from celery_exactonce.runtime import Runtime, config_for, runtime_for
-from celery_exactonce.task import outcomes
+from celery_exactonce.task import outcomes, unique
 
 #: Set (to the attempt) while the gate sends a delivery back unchanged: the
 #: task's ``apply_async`` then publishes it as plain Celery would.
@@ -339,6 +339,7 @@ def validate_gated_task(task: Task) -> None:
     check_timeouts(
         config_for(task.app), task_timeouts(task), prefix=f"{task.name}: task attribute "
     )
+    unique.spec_of(task)
     task._exactonce_validated = True
 
 

@@ -26,6 +26,7 @@ and what Celery's ``apply_async`` does around it (:mod:`~celery_exactonce.task.b
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime, timezone
 from typing import Any
@@ -34,7 +35,7 @@ from celery_exactonce.core import exceptions, jobs
 from celery_exactonce.core.jobs import CreateStatus, Job
 from celery_exactonce.core.refs import JobRef
 from celery_exactonce.core.states import State
-from celery_exactonce.core.writes import NewJob
+from celery_exactonce.core.writes import UNIQUE_OPTION, NewJob
 from celery_exactonce.dispatch import messages
 from celery_exactonce.dispatch.one_step import ENQUEUED
 from celery_exactonce.dispatch.outcomes import Enqueued
@@ -42,7 +43,7 @@ from celery_exactonce.observe import metrics, traces
 from celery_exactonce.policy import task_policy
 from celery_exactonce.runtime import Runtime
 from celery_exactonce.stores import settle
-from celery_exactonce.task import call_options
+from celery_exactonce.task import call_options, unique
 
 
 def before_send(
@@ -131,6 +132,9 @@ def new_job(
     delayed = not eager and eta is not None and eta > datetime.now(timezone.utc)
     stored[messages.GATED_OPTION] = True
     stored[messages.POLICY_OPTION] = task_policy(task)
+    key = None if eager else unique.key_of(task, args, kwargs)
+    if key is not None:
+        stored[UNIQUE_OPTION] = key
     carrier = traces.capture()
     if carrier is not None:  # the submitter's trace goes on wherever the job is published
         stored[traces.TRACE_OPTION] = carrier
@@ -171,10 +175,17 @@ def create(runtime: Runtime, new: NewJob) -> Job:
     Brief: a created record is not sent back, it is ``new`` as created, on
     this process's clock (as a brief ``DISPATCHED`` write computes its
     record), but where a signing key is set (the store signs the record).
-    A job that exists is read.
+    A job that exists is read. A unique submission (``new.unique``) whose key
+    a live job holds gets that job (another ``ref``), nothing created.
     """
-    brief = runtime.dispatcher.signer is None
-    result = settle.create(runtime.store, new, brief=brief, tries=1)
+    brief = runtime.dispatcher.signer is None and new.unique is None
+    if new.unique is not None:
+        result = settle.create_unique(runtime.store, new, tries=1)
+        if result.status is CreateStatus.UNIQUE_HELD and result.job is not None:
+            unique_hit(result.job, new)
+            return result.job
+    else:
+        result = settle.create(runtime.store, new, brief=brief, tries=1)
     if result.applied and result.job is None:
         return jobs.job_from_new(new, datetime.now(timezone.utc))
     job, decision = result.job, result.decision
@@ -186,6 +197,22 @@ def create(runtime: Runtime, new: NewJob) -> Job:
     if decision is not settle.Decision.APPLIED:
         resubmitted(job, new)
     return job
+
+
+def unique_hit(holder: Job, new: NewJob) -> None:
+    """A unique submission answered by the live job that holds its key (logged, counted)."""
+    metrics.event(
+        "unique_hit",
+        "%s submitted while job %s (%s) holds its unique key: that job is the answer, "
+        "no job created",
+        new.task,
+        holder.ref.id,
+        holder.state,
+        level=logging.DEBUG,
+        job_id=holder.ref.id,
+        task=new.task,
+        state=str(holder.state),
+    )
 
 
 def republishes(job: Job) -> bool:

@@ -80,13 +80,14 @@ __all__ = ["COUNTED", "SCRIPT_BATCH", "NotReplicated", "RedisCore"]
 SCRIPT_BATCH = 64
 
 #: The scripts whose write counts only once ``min_replicas`` replicas confirm it.
-COUNTED = frozenset({"create", "transition", "enqueue", "entry_write"})
+COUNTED = frozenset({"create", "create_unique", "transition", "enqueue", "entry_write"})
 
 #: The class :meth:`RedisCore.from_url` builds (the store).
 _Store = TypeVar("_Store", bound="RedisCore")
 
 _SCRIPTS = (
     "create",
+    "create_unique",
     "transition",
     "heartbeat",
     "annotate",

@@ -76,3 +76,49 @@ local function record_of(key, member)
   flat[#flat + 1] = member
   return flat
 end
+
+-- The store's epoch (KEYS[1]), whether the caller's (ARGV[1], optional) is another, and
+-- whether the reply is brief (ARGV[2]): how create.lua and create_unique.lua begin.
+local function create_context()
+  local current = redis.call('GET', KEYS[1])
+  local want = opt(ARGV[1])
+  return current, want ~= nil and current ~= want, ARGV[2] == '1'
+end
+
+-- Create the job at KEYS record key `key`, its arguments from ARGV[a] on (create.lua's
+-- layout), KEYS 2 and 3 the watermarks and the due index; `current` the store's epoch,
+-- `stale_epoch` whether the caller's is another. The reply of create.lua for one job.
+local function create_job(key, a, current, stale_epoch, brief)
+  if stale_epoch then
+    return {'epoch_mismatch', current}
+  end
+  if redis.call('EXISTS', key) == 1 then
+    if brief then return {'exists', current} end
+    return {'exists', current, record_of(key, ARGV[a + 2])}
+  end
+  local entry, fire_time, member, state = ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3]
+  if entry ~= '' then
+    local mark = redis.call('HGET', KEYS[2], entry)
+    if mark and tonumber(fire_time) <= tonumber(mark) then
+      return {'below_watermark', current}
+    end
+    redis.call('HSET', KEYS[2], entry, fire_time)
+  end
+  local at = clock()
+  local now = us(at)
+  local fields = {'attempt', '0', 'dispatches', '0', 'created_at', now, 'touched_at', now,
+                  'history', history_append(nil, nil, state, at, ARGV[a + 5], ARGV[a + 6],
+                                            ARGV[a + 7])}
+  for i = a + 9, a + 8 + tonumber(ARGV[a + 8]) do fields[#fields + 1] = ARGV[i] end
+  if state == 'RUNNING' then
+    fields[#fields + 1] = 'heartbeat_at'
+    fields[#fields + 1] = now
+  end
+  redis.call('HSET', key, unpack(fields))
+  redis.call('ZADD', state_key(4, state), now, member)
+  if ARGV[a + 4] ~= '' then
+    redis.call('ZADD', KEYS[3], ARGV[a + 4], member)
+  end
+  if brief then return {'created', current} end
+  return {'created', current, redis.call('HGETALL', key)}
+end

@@ -74,7 +74,9 @@ def test_min_replicas_on_a_cluster_builds_a_waiting_store_touching_no_server() -
     try:
         assert isinstance(store, RedisStore)
         assert store._min_replicas == 1 and store._wait_ms == 2000
-        assert store._counted == frozenset({"create", "transition", "enqueue", "entry_write"})
+        assert store._counted == frozenset(
+            {"create", "create_unique", "transition", "enqueue", "entry_write"}
+        )
         client = store._client
         assert isinstance(client, ClusterClient) and client._cluster is None
         # the socket waits for the script, then for WAIT

@@ -1,0 +1,108 @@
+"""``exactonce_unique``: the key of a unique submission, from a gated task's arguments.
+
+A gated task declares what makes two calls "the same work"::
+
+    @app.task(base=ExactOnceTask, exactonce_unique=("user_id",))
+    def sync(user_id, full=False): ...
+
+    @app.task(base=ExactOnceTask, exactonce_unique=lambda user_id, **_: f"user-{user_id}")
+    def resync(user_id, reason): ...
+
+With names, the key is the task and the values of those parameters, bound as
+Python binds the call (``sync(5)`` and ``sync(user_id=5)`` are one key;
+defaults count); with a function, the task and what it returns for the call's
+arguments. Either must be JSON (a value that is not names the culprit). The
+stored key is a SHA-256 of that (``u:`` and 64 hex digits): the same length
+for every key, and no argument value in the store's index.
+
+While a job with the key is live, a submission with it is that job
+(:mod:`celery_exactonce.stores.unique`). Not here: the submit
+(:mod:`~celery_exactonce.task.submit`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from celery_exactonce.core import exceptions
+
+#: The attribute of a gated task that makes its submissions unique.
+ATTRIBUTE = "exactonce_unique"
+
+
+def spec_of(task: Any) -> Sequence[str] | Callable[..., Any] | None:
+    """The task's ``exactonce_unique``, checked (``None``: its submissions are not unique).
+
+    Raises :class:`~celery_exactonce.core.exceptions.ConfigurationError` naming the
+    task and the attribute: not a function nor names, an empty list, a name the
+    task's function does not take.
+    """
+    # As set on the class (a function there is no method of the task: it takes the call's
+    # arguments, not the task).
+    spec = inspect.getattr_static(task, ATTRIBUTE, None)
+    if isinstance(spec, (staticmethod, classmethod)):
+        spec = getattr(task, ATTRIBUTE)
+    if spec is None or callable(spec):
+        return spec  # type: ignore[no-any-return]
+    where = f"{task.name}.{ATTRIBUTE}"
+    if isinstance(spec, str) or not isinstance(spec, (tuple, list)) or not spec:
+        raise exceptions.ConfigurationError(
+            f"{where} = {spec!r}: give the names of the arguments that make two calls the "
+            '"same work" (a tuple: ("user_id",)), or a function of the call\'s arguments',
+            setting=ATTRIBUTE,
+        )
+    takes = _parameters(task)
+    for name in spec:
+        if not isinstance(name, str) or (takes is not None and name not in takes):
+            raise exceptions.ConfigurationError(
+                f"{where}: {name!r} is not an argument of {task.name}"
+                + (f" (it takes {', '.join(takes) or 'none'})" if takes is not None else ""),
+                setting=ATTRIBUTE,
+            )
+    return tuple(spec)
+
+
+def key_of(task: Any, args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None) -> str | None:
+    """The unique key of a call of ``task`` (``None``: the task's submissions are not unique).
+
+    Raises :class:`~celery_exactonce.core.exceptions.InvalidPayload` when the
+    values the key is made of are not JSON, or the call does not bind.
+    """
+    spec = spec_of(task)
+    if spec is None:
+        return None
+    args, kwargs = tuple(args or ()), dict(kwargs or {})
+    if callable(spec):
+        values: Any = spec(*args, **kwargs)
+    else:
+        try:
+            bound = inspect.signature(task.run).bind(*args, **kwargs)
+        except TypeError as exc:
+            raise exceptions.InvalidPayload(
+                f"{task.name}: the call does not bind to its arguments, so its "
+                f"{ATTRIBUTE} key cannot be made: {exc}"
+            ) from exc
+        bound.apply_defaults()
+        values = [bound.arguments[name] for name in spec]
+    try:
+        text = json.dumps([task.name, values], sort_keys=True, separators=(",", ":"))
+    except (TypeError, ValueError) as exc:
+        raise exceptions.InvalidPayload(
+            f"{task.name}: the values of its {ATTRIBUTE} key are not JSON: {exc}"
+        ) from exc
+    return "u:" + hashlib.sha256(text.encode()).hexdigest()
+
+
+def _parameters(task: Any) -> list[str] | None:
+    """The names the task's function takes (``None``: it takes any, ``**kwargs``)."""
+    try:
+        parameters = inspect.signature(task.run).parameters.values()
+    except (TypeError, ValueError):  # a builtin: nothing to check against
+        return None
+    if any(p.kind is p.VAR_KEYWORD for p in parameters):
+        return None
+    return [p.name for p in parameters if p.kind is not p.VAR_POSITIONAL]
