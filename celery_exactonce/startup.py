@@ -39,7 +39,8 @@ from celery_exactonce.observe import gauges, metrics
 from celery_exactonce.observe.entry_health import EntryHealthReader
 from celery_exactonce.observe.health import BeatProbes, WorkerProbes
 from celery_exactonce.reconcile import task as reconcile_task
-from celery_exactonce.task import atomic
+from celery_exactonce.stores.unique import keeps_unique
+from celery_exactonce.task import atomic, unique
 from celery_exactonce.task.base import ExactOnceTask
 from celery_exactonce.task.gate import validate_gated_task
 
@@ -180,6 +181,12 @@ def check_worker(app: Any) -> None:
     for task in tasks:
         if getattr(task, "exactonce_atomic", False):
             atomic.check_store(task, store)
+        if unique.spec_of(task) is not None and not keeps_unique(store):
+            raise exceptions.ConfigurationError(
+                f"{task.name}.exactonce_unique: the store of exactonce_store_url keeps no "
+                "unique keys (a sharded Redis: exactonce_shards)",
+                setting="exactonce_unique",
+            )
 
 
 def check_beat(app: Any) -> runtime.Runtime:

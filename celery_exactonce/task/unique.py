@@ -41,6 +41,8 @@ def spec_of(task: Any) -> Sequence[str] | Callable[..., Any] | None:
     task and the attribute: not a function nor names, an empty list, a name the
     task's function does not take.
     """
+    unwrap = getattr(task, "_get_current_object", None)  # a task Celery has not made yet
+    task = unwrap() if unwrap is not None else task
     # As set on the class (a function there is no method of the task: it takes the call's
     # arguments, not the task).
     spec = inspect.getattr_static(task, ATTRIBUTE, None)

@@ -115,7 +115,7 @@ def test_racers_for_one_key_create_one_job(unique_store: StateStore, store_facto
                 else:
                     assert result.status is CreateStatus.UNIQUE_HELD, result.status
                     holders.add(result.job.ref.id)
-        except BaseException as exc:  # noqa: BLE001 (reported below)
+        except BaseException as exc:
             errors.append(exc)
 
     threads = [threading.Thread(target=race) for _ in range(RACERS)]

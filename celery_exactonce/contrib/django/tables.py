@@ -10,6 +10,7 @@ gives each record the one-column key Django's admin needs:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from celery_exactonce.contrib.django.connection import engine_for
@@ -46,18 +47,19 @@ def downgrade_to_1(apps: Any, schema_editor: Any) -> None:
         sql_schema.downgrade_to_1(conn, sql_schema.build(prefix()))
 
 
-def drop_skipped(apps: Any, schema_editor: Any) -> None:
-    """Migration step, backwards: drop the records of skipped slots."""
-    engine = engine_for(schema_editor.connection.alias)
-    with engine.connect() as conn:
-        sql_schema.build(prefix()).skipped.drop(conn, checkfirst=True)
+def dropping(table: str) -> Callable[[Any, Any], None]:
+    """Migration step, backwards: drop one table added by a later migration (``skipped``...)."""
+
+    def drop_table(apps: Any, schema_editor: Any) -> None:
+        engine = engine_for(schema_editor.connection.alias)
+        with engine.connect() as conn:
+            getattr(sql_schema.build(prefix()), table).drop(conn, checkfirst=True)
+
+    return drop_table
 
 
-def drop_entries(apps: Any, schema_editor: Any) -> None:
-    """Migration step, backwards: drop the stored beat entries."""
-    engine = engine_for(schema_editor.connection.alias)
-    with engine.connect() as conn:
-        sql_schema.build(prefix()).entries.drop(conn, checkfirst=True)
+#: The records of skipped slots, the stored beat entries, the unique keys.
+drop_skipped, drop_entries, drop_unique = (dropping(t) for t in ("skipped", "entries", "unique"))
 
 
 #: The admin's views: view suffix -> (table suffix, the columns of its key).

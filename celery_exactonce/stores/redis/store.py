@@ -62,6 +62,7 @@ from celery_exactonce.observe import metrics
 from celery_exactonce.stores import shards
 from celery_exactonce.stores.base import FORMAT_VERSION, SKIPPED_KEPT, DueBacklog, Run
 from celery_exactonce.stores.redis.base import SCRIPT_BATCH
+from celery_exactonce.stores.redis.batches import RedisUnique
 from celery_exactonce.stores.redis.client import masters, maxmemory_policy, same_server
 from celery_exactonce.stores.redis.cluster import ClusterClient
 from celery_exactonce.stores.redis.codec import (
@@ -76,7 +77,6 @@ from celery_exactonce.stores.redis.codec import (
 )
 from celery_exactonce.stores.redis.enqueue import Push, PushRefused, RedisEnqueue
 from celery_exactonce.stores.redis.reads import RedisReads, filtered
-from celery_exactonce.stores.redis.unique import RedisUnique
 
 __all__ = ["SCRIPT_BATCH", "Push", "PushRefused", "RedisStore"]
 

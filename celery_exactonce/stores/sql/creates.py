@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy import exc as sa_exc
@@ -254,14 +255,8 @@ class SqlCreates(SqlClaims):
             # Lock the entry's watermark first: creates of one entry queue
             # here, so the existence check below sees the winner's record.
             where = (wm.c.namespace == self._namespace, wm.c.entry == new.entry)
-            row = self._locked(conn, wm, where)
-            if row is None:
-                values = {"namespace": self._namespace, "entry": new.entry, "fire_time": None}
-                self._insert_absent(conn, wm, values)
-                row = self._locked(conn, wm, where)
-                if row is None:
-                    raise Rerun
-            mark = row.fire_time
+            values = {"namespace": self._namespace, "entry": new.entry, "fire_time": None}
+            mark = self._lock_or_insert(conn, wm, where, values).fire_time
         # An occurrence checks for its record before its watermark (an existing record
         # answers EXISTS even below the mark); any other job just tries the insert.
         existing = self._select_job(conn, new.ref) if occurrence else None
@@ -286,3 +281,42 @@ class SqlCreates(SqlClaims):
                 .values(fire_time=times.to_micros_opt(new.fire_time))
             )
         return CreateResult(CreateStatus.CREATED, job, epoch=stored)
+
+    def _create_unique_op(self, new: NewJob) -> Callable[[sa.Connection], CreateResult]:
+        """The transaction of ``create_unique``: the key's row locked (the unique creates of
+        one key queue there), its holder read, then the create, which becomes the holder."""
+        key = new.unique
+        if key is None:
+            raise exceptions.InvalidRequest(f"job {new.ref}: a unique create needs a key")
+        unique = self._t.unique
+        where = (unique.c.namespace == self._namespace, unique.c.ukey == key)
+        values = {"namespace": self._namespace, "ukey": key, "holder": ""}
+
+        def op(conn: sa.Connection) -> CreateResult:
+            holder = self._lock_or_insert(conn, unique, where, values).holder
+            if holder and holder != str(new.ref):
+                job = self._select_job(conn, refs.JobRef.parse(holder))
+                if job is not None and not job.state.terminal:
+                    return CreateResult(CreateStatus.UNIQUE_HELD, job)
+            result = self._create(conn, new, None)
+            if result.created:
+                conn.execute(unique.update().where(*where).values(holder=str(new.ref)))
+            return result
+
+        return op
+
+    def _lock_or_insert(
+        self,
+        conn: sa.Connection,
+        table: sa.Table,
+        where: tuple[sa.ColumnElement[bool], ...],
+        values: dict[str, Any],
+    ) -> sa.Row[Any]:
+        """The row ``where`` names, locked; inserted with ``values`` first when absent."""
+        row = self._locked(conn, table, where)
+        if row is None:
+            self._insert_absent(conn, table, values)
+            row = self._locked(conn, table, where)
+            if row is None:
+                raise Rerun
+        return row

@@ -13,11 +13,10 @@ job's row versions cost no index entry they do not need; MySQL/MariaDB have
 no partial index, and SQLite would not use these (a query's ``state = ?``
 does not prove an index's ``state IN (...)`` there), so both keep full ones.
 
-Upgrades run step by step: :data:`UPGRADES` maps a version ``n`` to the
-function that moves a database from ``n`` to ``n + 1``, under the lock on the
-schema row. Version 2 (:data:`SCHEMA_VERSION`) changed the jobs table's
-indexes (:func:`_upgrade_1`); each step tolerates tables that :func:`create`
-already made in their new shape, and another process making the same change.
+Upgrades run step by step (:data:`UPGRADES`: version ``n`` to ``n + 1``, under
+the lock on the schema row; version 2 changed the jobs table's indexes), each
+tolerating tables :func:`create` made in their new shape, and another process
+making the same change. A table added since is made by :func:`create` alone.
 """
 
 from __future__ import annotations
@@ -36,10 +35,9 @@ from celery_exactonce.core.states import LIVE, TERMINAL, State
 #: The schema version this code writes (the SQL stores'; the Redis key format has its own).
 SCHEMA_VERSION = 2
 #: The jobs table's ``autovacuum_vacuum_scale_factor`` on PostgreSQL (since version 2;
-#: the server's default is 0.2). Every write of a live job leaves a dead row version
-#: (and an entry in each index); the table holds them, and the room they leave once
-#: vacuumed, until autovacuum comes: when they reach that share of its rows. At 0.2 a
-#: terminal job cost about 60 bytes more (docs/design/scale.md).
+#: the server's: 0.2). Each write of a live job leaves a dead row version (and index
+#: entries), held until autovacuum comes at that share of the rows: at 0.2 a terminal
+#: job cost about 60 bytes more (docs/design/scale.md).
 JOBS_VACUUM_SCALE = 0.05
 VACUUM_DDL = f"ALTER TABLE %(table)s SET (autovacuum_vacuum_scale_factor = {JOBS_VACUUM_SCALE})"
 #: Attempts at creating the tables when another process creates them at once.
@@ -59,11 +57,13 @@ class Tables:
     schema: sa.Table
     skipped: sa.Table
     entries: sa.Table
+    unique: sa.Table
 
     @property
     def per_namespace(self) -> tuple[sa.Table, ...]:
         """The tables whose rows belong to a namespace (all but the schema version)."""
-        return (self.jobs, self.watermarks, self.leases, self.meta, self.skipped, self.entries)
+        return (self.jobs, self.watermarks, self.leases, self.meta, self.skipped, self.entries,
+                self.unique)  # fmt: skip
 
 
 def _key(length: int) -> sa.types.TypeEngine[str]:
@@ -238,7 +238,7 @@ def build(
     )
     # Stored beat entries (celery_exactonce.entries): a definition per name, and under the
     # empty name (no entry's) the revision every write moves. Made by setup() as the
-    # skipped slots' table is, so an older database gets it without an upgrade.
+    # skipped slots' table is (and the unique keys' one: a key's last job, stores.unique).
     entries = sa.Table(
         f"{prefix}entries",
         md,
@@ -249,7 +249,12 @@ def build(
         sa.Column("definition", _text(), nullable=False),
         **opts,
     )
-    return Tables(prefix, md, jobs, watermarks, leases, meta, schema, skipped, entries)
+    unique = sa.Table(
+        f"{prefix}unique", md, sa.Column("namespace", _key(64), primary_key=True),
+        sa.Column("ukey", _key(66), primary_key=True),
+        sa.Column("holder", sa.String(255), nullable=False), **opts,
+    )  # fmt: skip
+    return Tables(prefix, md, jobs, watermarks, leases, meta, schema, skipped, entries, unique)
 
 
 def mysql_collation(dialect: sa.Dialect) -> str:

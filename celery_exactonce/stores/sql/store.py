@@ -222,6 +222,9 @@ class SqlStore(SqlCreates, SqlTransitions, SqlScans, SqlLeases, SqlEntries):
             return self._run("create", lambda conn: self._create(conn, new, epoch))
         return self._run("create", lambda conn: self._create_one(conn, new, epoch))
 
+    def create_unique(self, new: NewJob) -> CreateResult:
+        return self._run("create_unique", self._create_unique_op(new))
+
     def create_many(
         self, news: Sequence[NewJob], *, epoch: str | None = None, brief: bool = False
     ) -> list[CreateResult]:
