@@ -138,3 +138,37 @@ def test_ten_submitters_get_the_live_job_and_a_crashed_holder_frees_its_key(
             drop()
         store.close()
         empty_redis([broker])
+
+
+@pytest.mark.timeout(120)
+def test_control_celery_once_keeps_a_crashed_holders_lock_until_its_ttl(tmp_path: Path) -> None:
+    """The same crash under celery-once: its lock outlives the worker, and refuses calls for
+    the rest of its hour."""
+    (broker,) = fresh_redis(BROKER_DB)
+    queue = f"once-{uuid.uuid4().hex[:10]}"
+    env = process_env(
+        EXACTONCE_UNIQ_BROKER=broker, EXACTONCE_UNIQ_QUEUE=queue, EXACTONCE_UNIQ_DIR=str(tmp_path)
+    )
+    once = "tests.acceptance.apps.once_app"
+    worker = WorkerProcess(env, tmp_path / "worker.log", queue=queue, app_module=once)
+
+    def call() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", once, "k"],
+            cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+
+    try:
+        worker.start().wait_ready()
+        assert call().returncode == 0
+        poll(lambda: any(tmp_path.glob("started-*")), timeout=60, interval=0.1)
+        worker.kill()
+        refused = call()
+        assert refused.returncode == 3, refused.stdout + refused.stderr  # AlreadyQueued
+        left = float(refused.stdout.split()[-1])
+        assert left > 3500  # the lock outlives its holder: refused for about an hour
+        print(f"\ncelery-once: holder SIGKILLed; calls refused, its lock has {left:.0f} s left")
+    finally:
+        (tmp_path / "release-k").touch()
+        worker.kill()
+        empty_redis([broker])

@@ -18,15 +18,12 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 from pathlib import Path
 
 from celery import Celery
 
 from celery_exactonce import ExactOnceTask
-
-#: Seconds a body waits for its release at most.
-HOLD_FOR = 120.0
+from tests.acceptance.apps.holding import held
 
 app = Celery("unique_app", set_as_current=False)
 app.conf.update(
@@ -45,12 +42,7 @@ app.conf.update(
 
 @app.task(base=ExactOnceTask, bind=True, name="unique_app.hold", exactonce_unique=("key",))
 def hold(self: ExactOnceTask, key: str) -> None:
-    """Mark the start, then wait for ``release-<key>`` (a sync that takes a while)."""
-    where = Path(os.environ["EXACTONCE_UNIQ_DIR"])
-    (where / f"started-{self.request.id}").touch()
-    deadline = time.monotonic() + HOLD_FOR
-    while not (where / f"release-{key}").exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    held(self.request.id, key)
 
 
 if __name__ == "__main__":  # KEY N OUT: N submissions of hold(KEY), their ids in OUT
