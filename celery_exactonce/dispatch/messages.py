@@ -75,6 +75,7 @@ RESERVED_OPTIONS = frozenset(
         "router",
         "result_cls",
         "publisher",
+        UNIQUE_OPTION,  # the task's exactonce_unique makes it
     }
 )
 

@@ -147,8 +147,8 @@ class InMemoryStore:
             raise exceptions.InvalidRequest(f"job {new.ref}: a unique create needs a key")
         with self._lock:
             self._check_open()
-            holder = self._jobs.get(self._unique.get(key, new.ref))
-            if holder is not None and holder.ref != new.ref and not holder.state.terminal:
+            holder = self._jobs.get(self._unique.get(key, new.ref))  # (its own ref: EXISTS)
+            if holder is not None and new.ref not in self._jobs and not holder.state.terminal:
                 return CreateResult(CreateStatus.UNIQUE_HELD, holder, epoch=self._epoch)
             result = self.create(new)
             if result.created:

@@ -132,7 +132,8 @@ def new_job(
     delayed = not eager and eta is not None and eta > datetime.now(timezone.utc)
     stored[messages.GATED_OPTION] = True
     stored[messages.POLICY_OPTION] = task_policy(task)
-    key = None if eager else unique.key_of(task, args, kwargs)
+    # A replacement stands in for the job it replaces (which may hold the key itself).
+    key = None if eager or nesting else unique.key_of(task, args, kwargs)
     if key is not None:
         stored[UNIQUE_OPTION] = key
     carrier = traces.capture()
@@ -200,15 +201,21 @@ def create(runtime: Runtime, new: NewJob) -> Job:
 
 
 def unique_hit(holder: Job, new: NewJob) -> None:
-    """A unique submission answered by the live job that holds its key (logged, counted)."""
+    """A unique submission answered by the live job that holds its key (logged, counted).
+
+    A warning when the call brought links or a canvas of its own: they are not the
+    holder's, and do not run.
+    """
+    brought = ("link", "link_error", *call_options.CANVAS_OPTIONS)
+    dropped = [name for name in brought if new.options.get(name)]
     metrics.event(
         "unique_hit",
         "%s submitted while job %s (%s) holds its unique key: that job is the answer, "
-        "no job created",
+        "no job created" + (f"; the call's {', '.join(dropped)} not attached" if dropped else ""),
         new.task,
         holder.ref.id,
         holder.state,
-        level=logging.DEBUG,
+        level=logging.WARNING if dropped else logging.DEBUG,
         job_id=holder.ref.id,
         task=new.task,
         state=str(holder.state),

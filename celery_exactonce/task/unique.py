@@ -10,8 +10,10 @@ A gated task declares what makes two calls "the same work"::
 
 With names, the key is the task and the values of those parameters, bound as
 Python binds the call (``sync(5)`` and ``sync(user_id=5)`` are one key;
-defaults count); with a function, the task and what it returns for the call's
-arguments. Either must be JSON (a value that is not names the culprit). The
+defaults count; a name a ``**kwargs`` takes must be in the call); with a
+function (of the call's arguments, not a method of the task), the task and
+what it returns. Either must be JSON; a call the key cannot be made from is
+refused (``InvalidPayload``, naming the task), before anything is stored. The
 stored key is a SHA-256 of that (``u:`` and 64 hex digits): the same length
 for every key, and no argument value in the store's index.
 
@@ -78,18 +80,16 @@ def key_of(task: Any, args: Sequence[Any] | None, kwargs: Mapping[str, Any] | No
     if spec is None:
         return None
     args, kwargs = tuple(args or ()), dict(kwargs or {})
-    if callable(spec):
-        values: Any = spec(*args, **kwargs)
-    else:
-        try:
-            bound = inspect.signature(task.run).bind(*args, **kwargs)
-        except TypeError as exc:
-            raise exceptions.InvalidPayload(
-                f"{task.name}: the call does not bind to its arguments, so its "
-                f"{ATTRIBUTE} key cannot be made: {exc}"
-            ) from exc
-        bound.apply_defaults()
-        values = [bound.arguments[name] for name in spec]
+    try:
+        if callable(spec):
+            values: Any = spec(*args, **kwargs)
+        else:
+            values = _named(inspect.signature(task.run).bind(*args, **kwargs), spec)
+    except (TypeError, KeyError) as exc:
+        raise exceptions.InvalidPayload(
+            f"{task.name}: its {ATTRIBUTE} key cannot be made from this call: "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
     try:
         text = json.dumps([task.name, values], sort_keys=True, separators=(",", ":"))
     except (TypeError, ValueError) as exc:
@@ -97,6 +97,24 @@ def key_of(task: Any, args: Sequence[Any] | None, kwargs: Mapping[str, Any] | No
             f"{task.name}: the values of its {ATTRIBUTE} key are not JSON: {exc}"
         ) from exc
     return "u:" + hashlib.sha256(text.encode()).hexdigest()
+
+
+def _named(bound: inspect.BoundArguments, names: Sequence[str]) -> list[Any]:
+    """The values of ``names`` in a bound call, defaults filled in (from ``**kwargs`` too)."""
+    bound.apply_defaults()
+    extra: dict[str, Any] = {}
+    for parameter in bound.signature.parameters.values():
+        if parameter.kind is parameter.VAR_KEYWORD:
+            extra = bound.arguments.get(parameter.name, {})
+    values = []
+    for name in names:
+        if name in bound.arguments:
+            values.append(bound.arguments[name])
+        elif name in extra:
+            values.append(extra[name])
+        else:
+            raise KeyError(f"the call gives no {name!r}")
+    return values
 
 
 def _parameters(task: Any) -> list[str] | None:

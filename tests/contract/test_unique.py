@@ -90,6 +90,12 @@ def test_a_repeated_unique_create_answers_as_a_repeated_create(unique_store: Sta
     again = create(unique_store, new)
     assert again.status is CreateStatus.EXISTS
     assert again.job is not None and again.job.rev == new.rev
+    move(unique_store, unique_store.get(new.ref), State.CANCELLED)  # type: ignore[arg-type]
+    taker = unique_job(new.unique or "")
+    assert create(unique_store, taker).created
+    again = create(unique_store, new)  # its own id again, ended, another holds the key now
+    assert again.status is CreateStatus.EXISTS
+    assert again.job is not None and again.job.ref == new.ref
     plain = task_job()  # an id taken without a key: EXISTS, the key stays free
     assert unique_store.create(plain).created
     clash = dataclasses.replace(unique_job(f"u:{uuid.uuid4().hex}"), ref=plain.ref)

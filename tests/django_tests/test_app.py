@@ -21,6 +21,7 @@ TABLES = {
     "exactonce_jobs",
     "exactonce_watermarks",
     "exactonce_leases",
+    "exactonce_unique",
     "exactonce_meta",
     "exactonce_skipped",
 }
@@ -75,6 +76,20 @@ def test_without_the_migration_setup_says_to_run_it(alias: str) -> None:
     try:
         store = DjangoStore(alias, namespace="app-test", retention=60)
         with pytest.raises(exceptions.ConfigurationError, match=r"run `python manage\.py migrate`"):
+            store.setup()
+        store.close()
+    finally:
+        call_command("migrate", "celery_exactonce", database=alias, verbosity=0)
+
+
+def test_a_database_behind_the_last_migration_says_to_run_it(alias: str) -> None:
+    from django.core.management import call_command
+
+    call_command("migrate", "celery_exactonce", "0005", database=alias, verbosity=0)
+    try:
+        store = DjangoStore(alias, namespace="app-test", retention=60)
+        missing = r"lacks the celery-exactonce table\(s\) exactonce_unique: run `python manage"
+        with pytest.raises(exceptions.ConfigurationError, match=missing):
             store.setup()
         store.close()
     finally:

@@ -143,6 +143,18 @@ class DjangoStore(SqlStore):
                 f"{self._where} holds schema version {version}; this celery-exactonce writes "
                 f"version {sql_schema.SCHEMA_VERSION}: run `python manage.py migrate`"
             )
+        missing = self._run("setup", self._missing_tables)
+        if missing:
+            raise exceptions.ConfigurationError(
+                f"{self._where} lacks the celery-exactonce table(s) {', '.join(missing)}: "
+                "run `python manage.py migrate`",
+                setting="exactonce_store_url",
+            )
+
+    def _missing_tables(self, conn: sa.Connection) -> list[str]:
+        """The tables a later migration made that the database lacks (its version unchanged)."""
+        present = set(sa.inspect(conn).get_table_names())
+        return [t.name for t in self._t.per_namespace if t.name not in present]
 
     def _attempt(self, fn: Callable[[sa.Connection], _T], *, write: bool, autocommit: bool) -> _T:
         """Run ``fn`` once in an ``atomic`` block: a transaction, or a savepoint of a caller's.

@@ -294,8 +294,10 @@ class SqlCreates(SqlClaims):
 
         def op(conn: sa.Connection) -> CreateResult:
             holder = self._lock_or_insert(conn, unique, where, values).holder
-            if holder and holder != str(new.ref):
-                job = self._select_job(conn, refs.JobRef.parse(holder))
+            # The job's own record answers EXISTS (a repeat, a resubmitted task id), whoever
+            # holds the key; the holder is read as committed, not as a caller's snapshot.
+            if holder and holder != str(new.ref) and self._select_existing(conn, new.ref) is None:
+                job = self._select_existing(conn, refs.JobRef.parse(holder))
                 if job is not None and not job.state.terminal:
                     return CreateResult(CreateStatus.UNIQUE_HELD, job)
             result = self._create(conn, new, None)

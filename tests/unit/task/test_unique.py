@@ -78,8 +78,38 @@ def test_the_key_binds_the_call_as_python_does(world: World) -> None:
 def test_a_key_of_values_that_are_not_json_is_refused_naming_the_task(world: World) -> None:
     with pytest.raises(InvalidPayload, match=r"u\.sync: the values of its exactonce_unique key"):
         unique.key_of(world.task("u.sync"), (object(),), {})
-    with pytest.raises(InvalidPayload, match="does not bind"):
+    with pytest.raises(InvalidPayload, match="cannot be made from this call: TypeError"):
         unique.key_of(world.task("u.sync"), (), {"nobody": 1})
+    with pytest.raises(InvalidPayload, match="cannot be made from this call: TypeError"):
+        unique.key_of(world.task("u.bucket"), (), {})  # the key function's own TypeError
+
+
+def test_a_name_taken_by_kwargs_must_be_in_the_call(world: World) -> None:
+    def loose(**kwargs: Any) -> None:
+        """Takes anything."""
+
+    task = world.app.task(
+        name="u.loose", base=ExactOnceTask, shared=False, exactonce_unique=("user_id",)
+    )(loose)
+    validate_gated_task(task)  # a **kwargs takes any name
+    assert unique.key_of(task, (), {"user_id": 5, "x": 1}) == unique.key_of(
+        task, (), {"user_id": 5}
+    )
+    with pytest.raises(InvalidPayload, match="the call gives no 'user_id'"):
+        unique.key_of(task, (), {"x": 1})
+
+
+def test_a_caller_cannot_set_the_key_nor_a_replacement_hold_one(world: World) -> None:
+    with pytest.raises(InvalidPayload, match="option 'exactonce_unique' cannot be set"):
+        world.task("u.plain").apply_async((5,), exactonce_unique="mine")
+    from celery_exactonce.task import submit
+
+    sync_task = world.task("u.sync")
+    replacing = submit.new_job(
+        sync_task, "n", "t-1", (5,), None, link=None, link_error=None, shadow=None,
+        options={"replaced_task_nesting": 1},
+    )  # fmt: skip
+    assert replacing.unique is None  # it stands in for the job it replaces
 
 
 @pytest.mark.parametrize(
@@ -145,3 +175,16 @@ def test_a_store_without_unique_keys_refuses_the_submit(world: World) -> None:
     with pytest.raises(ConfigurationError, match=r"u\.sync\.exactonce_unique: the store"):
         world.task("u.sync").delay(5)
     assert world.sent == []
+
+
+def test_a_hit_that_brought_links_warns_they_are_not_attached(
+    world: World, caplog: pytest.LogCaptureFixture
+) -> None:
+    sync_task = world.task("u.sync")
+    first = sync_task.delay(9)
+    with caplog.at_level("DEBUG", logger="celery_exactonce"):
+        again = sync_task.apply_async((9,), link=world.task("u.plain").s())
+    assert again.id == first.id
+    (hit,) = [r for r in caplog.records if getattr(r, "action", None) == "unique_hit"]
+    assert hit.levelname == "WARNING"
+    assert "the call's link not attached" in hit.getMessage()

@@ -16,7 +16,10 @@ if holder ~= seen then
   return {'moved', holder}
 end
 local member = ARGV[5]
-if holder ~= '' and holder ~= member and not stale_epoch then
+-- A record with the job's own ref answers EXISTS (a repeat, or a resubmitted task id),
+-- whoever holds the key now.
+if holder ~= '' and holder ~= member and not stale_epoch
+    and redis.call('EXISTS', KEYS[13]) == 0 then
   local state = redis.call('HGET', KEYS[15], 'state')
   if state and not TERMINAL[state] then
     return {'unique_held', current, record_of(KEYS[15], holder)}
