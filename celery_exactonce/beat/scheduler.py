@@ -142,7 +142,7 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
         except exceptions.ConfigurationError as exc:  # a bad entry: refused as a bad setting is
             startup.refuse("beat", exc)
         self._sigterm.install()
-        self._gauges = BeatGauges(self._runtime.node)
+        self._gauges = BeatGauges(self._runtime.node, store_errors=self._store_error_at)
         # Not for the lazy instance `celery beat` builds only to print its banner.
         lazy = kwargs.get("lazy", False)
         self._metrics = (
@@ -257,6 +257,9 @@ class ExactOnceScheduler(beat.Scheduler):  # type: ignore[misc]  # celery is unt
             self._policies = policies
             raise
         self._stale.update(names)
+
+    def _store_error_at(self) -> float | None:
+        return self._runtime.store_error_at
 
     @property
     def info(self) -> str:

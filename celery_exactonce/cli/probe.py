@@ -77,11 +77,13 @@ def probe(
             err=True,
         )
         ctx.exit(base.EXIT_USAGE)
-    host = host or _loopback_for(settings.metrics_addr)
     path = READY_PATH if ready else LIVE_PATH
-    status, answer = _ask(host, port, path, timeout)
+    for tried in [host] if host else _loopbacks_for(settings.metrics_addr):
+        status, answer = _ask(tried, port, path, timeout)
+        if status is not None:
+            break
     ok = status == 200
-    where = f"{_bracketed(host)}:{port}{path}"
+    where = f"{_bracketed(tried)}:{port}{path}"
     if as_json:
         base.emit_json(
             {"ok": ok, "role": role, "probe": "ready" if ready else "live", "url": where,
@@ -92,13 +94,13 @@ def probe(
     ctx.exit(base.EXIT_OK if ok else base.EXIT_FAILED)
 
 
-def _loopback_for(addr: str) -> str:
-    """Where to reach a server bound to ``addr`` from this host."""
+def _loopbacks_for(addr: str) -> list[str]:
+    """Where to reach a server bound to ``addr`` from this host, in the order to try."""
     if addr in ("", "0.0.0.0"):  # noqa: S104 (every interface: reached on loopback)
-        return "127.0.0.1"
-    if addr == "::":
-        return "::1"
-    return addr
+        return ["127.0.0.1"]
+    if addr == "::":  # IPv4 too, and a container's loopback may have no IPv6
+        return ["127.0.0.1", "::1"]
+    return [addr]
 
 
 def _bracketed(host: str) -> str:

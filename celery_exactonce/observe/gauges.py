@@ -139,33 +139,61 @@ class StoreGauges:
 
 
 class BeatGauges:
-    """This beat node's times: its last tick, and its reconciler's last pass."""
+    """This beat node's times: its ticks, whether they reached the store, its reconciler's
+    last pass.
 
-    def __init__(self, node: str, *, wall: Callable[[], float] = time.time) -> None:
+    ``store_errors`` gives the monotonic time of the process's last store error
+    (:attr:`Runtime.store_error_at <celery_exactonce.runtime.Runtime.store_error_at>`):
+    a tick during which one came did not fully reach the store.
+    """
+
+    def __init__(
+        self,
+        node: str,
+        *,
+        wall: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
+        store_errors: Callable[[], float | None] = lambda: None,
+    ) -> None:
         self.node = node
-        self._wall = wall
+        self._wall, self._monotonic, self._store_errors = wall, monotonic, store_errors
         self.started = wall()
-        #: Wall time the last tick ended (``None``: none yet).
+        #: Wall time the last tick ended (``None``: none yet), for the metric.
         self.last_tick: float | None = None
-        #: Wall time the tick in progress began (``None``: not in a tick).
-        self.tick_began: float | None = None
+        #: Monotonic times: the start, the last tick's end, the tick in progress's start.
+        self.started_at = monotonic()
+        self.ended_at: float | None = None
+        self.began_at: float | None = None
         #: Whether the last tick reached the store (``None``: no tick yet), and why not.
         self.store_reached: bool | None = None
         self.store_error = ""
 
     @contextlib.contextmanager
     def ticking(self) -> Iterator[None]:
-        """Around a tick: when it began, and when it ended (cheap enough for every tick)."""
-        self.tick_began = self._wall()
+        """Around a tick: when it began and ended, and whether a store call failed in it."""
+        began = self.began_at = self._monotonic()
         try:
             yield
         finally:
-            self.last_tick, self.tick_began = self._wall(), None
+            self.last_tick, self.ended_at, self.began_at = self._wall(), self._monotonic(), None
+            failed = self._store_errors()
+            if self.store_reached and failed is not None and failed >= began:
+                self.store_reached = False
+                self.store_error = "a store call failed during it (fail_closed in beat's log)"
 
     def reached(self, error: BaseException | None = None) -> None:
         """This tick reached the store (``error``: it could not)."""
         self.store_reached = error is None
         self.store_error = "" if error is None else " ".join(str(error).split())
+
+    def since_tick(self) -> tuple[str, float]:
+        """The last sign of a tick, and how many seconds ago it was (on the monotonic clock)."""
+        now = self._monotonic()
+        if self.began_at is not None:
+            return "the tick in progress began", now - self.began_at
+        if self.ended_at is not None:
+            return "the last tick ended", now - self.ended_at
+        return "no tick yet; started", now - self.started_at
 
     def reconcile_lag(self) -> float:
         """Seconds since this process last finished a reconcile pass (or started, if none)."""

@@ -8,9 +8,11 @@ from a shell, for an ``exec`` probe or a container's ``HEALTHCHECK``.
 * **beat is live** while it ticks: its last tick ended, or the tick it is in
   began, less than :func:`stall_after` seconds ago (before its first tick:
   since it started). A beat that fails that is stuck: restart it.
-* **beat is ready** when its last tick reached the store. One that cannot
-  claims nothing (it fails closed) and says why; restarting it would not
-  bring the store back, so that is readiness, not liveness.
+* **beat is ready** when its last tick reached the store, and no store call
+  failed during it. One that cannot claims nothing (it fails closed) and
+  says why; restarting it would not bring the store back, so that is
+  readiness, not liveness. Times are on the monotonic clock: a step of the
+  wall clock neither fails nor hides a stall.
 * **a worker is live** while its main process answers and it has not begun
   to stop.
 * **a worker is ready** when its consumer is connected to the broker and the
@@ -75,26 +77,12 @@ def stall_after(tick_interval: float) -> float:
 class BeatProbes:
     """Beat's answers, from its :class:`~celery_exactonce.observe.gauges.BeatGauges`."""
 
-    def __init__(
-        self,
-        gauges: BeatGauges,
-        tick_interval: float,
-        *,
-        wall: Callable[[], float] = time.time,
-    ) -> None:
+    def __init__(self, gauges: BeatGauges, tick_interval: float) -> None:
         self.gauges = gauges
         self.stall = stall_after(tick_interval)
-        self._wall = wall
 
     def live(self) -> Verdict:
-        gauges, now = self.gauges, self._wall()
-        began, ended = gauges.tick_began, gauges.last_tick
-        if began is not None:
-            what, since = "the tick in progress began", now - began
-        elif ended is not None:
-            what, since = "the last tick ended", now - ended
-        else:
-            what, since = "no tick yet; started", now - gauges.started
+        what, since = self.gauges.since_tick()
         text = f"{what} {since:.1f} s ago (stuck after {self.stall:g} s)"
         return Verdict(since < self.stall, text)
 

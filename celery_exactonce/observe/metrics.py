@@ -277,7 +277,22 @@ def ensure_prometheus() -> None:
             )
         except (ImportError, ValueError):
             _prometheus_counter = _prometheus_last_pass = None
+        except OSError as exc:  # multiprocess mode's directory cannot be written
+            _prometheus_off(exc)
         _prometheus_checked = True
+
+
+def _prometheus_off(exc: OSError) -> None:
+    """Stop mirroring into Prometheus, saying why once: an export that cannot be written
+    must not stop the process (the counters in :data:`COUNTERS` go on)."""
+    global _prometheus_counter, _prometheus_last_pass  # noqa: PLW0603
+    _prometheus_counter = _prometheus_last_pass = None
+    logger.warning(
+        "prometheus-client cannot write its values (%s): this process's events are not "
+        "exported; PROMETHEUS_MULTIPROC_DIR must name an existing directory, and only a "
+        "prefork worker's processes need it",
+        exc,
+    )
 
 
 def _prometheus_incr(key: tuple[str, tuple[tuple[str, str], ...]], amount: int) -> None:
@@ -285,8 +300,11 @@ def _prometheus_incr(key: tuple[str, tuple[tuple[str, str], ...]], amount: int) 
     ensure_prometheus()
     if _prometheus_counter is not None:
         child = _prometheus_children.get(key)
-        if child is None:  # prometheus_client's labels() looks the child up under a lock
-            labels = dict(key[1])
-            child = _prometheus_counter.labels(key[0], *(labels.get(n, "") for n in LABELS))
-            _prometheus_children[key] = child
-        child.inc(amount)
+        try:
+            if child is None:  # prometheus_client's labels() looks the child up under a lock
+                labels = dict(key[1])
+                child = _prometheus_counter.labels(key[0], *(labels.get(n, "") for n in LABELS))
+                _prometheus_children[key] = child
+            child.inc(amount)
+        except OSError as exc:
+            _prometheus_off(exc)

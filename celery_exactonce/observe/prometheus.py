@@ -298,7 +298,17 @@ def serve_beat(
     probes: Probes | None = None,
 ) -> MetricsServer:
     """Serve beat's ``/metrics``: the default registry and a :class:`BeatCollector`
-    (each entry's health too, with ``health``); ``/healthz`` and ``/readyz`` with ``probes``."""
+    (each entry's health too, with ``health``); ``/healthz`` and ``/readyz`` with ``probes``.
+
+    Refused under ``PROMETHEUS_MULTIPROC_DIR``: beat serves its own registry, and in that
+    mode its counters would go to files no one merges.
+    """
+    if os.environ.get(MULTIPROC_ENV):
+        raise exceptions.ConfigurationError(
+            f"exactonce_metrics_port: {MULTIPROC_ENV} is set in beat's environment, where "
+            "beat's counters would go to files no one reads: set it for prefork workers only",
+            setting="exactonce_metrics_port",
+        )
     gauges = StoreGauges(store, max_age=max_age, health=health)
     collector = BeatCollector(beat, gauges, reconcile_here=reconcile_here)
     return MetricsServer(

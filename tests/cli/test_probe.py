@@ -66,6 +66,7 @@ def test_probe_of_a_port_nothing_answers_on_fails() -> None:
     port = free_port()
     done = probe("beat", exactonce_metrics_port=port, exactonce_metrics_addr="::")
     assert done.returncode == 1
+    # "::" takes IPv4 too: 127.0.0.1 first, then ::1 (the last one tried is named)
     assert done.stdout.startswith(f"beat liveness ([::1]:{port}/healthz): failing: nothing answers")
 
 

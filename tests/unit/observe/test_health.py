@@ -27,10 +27,17 @@ class Clock:
         return self.now
 
 
-def beat_probes(tick_interval: float = 1.0) -> tuple[BeatProbes, BeatGauges, Clock]:
+def beat_probes(
+    tick_interval: float = 1.0, errors: list[float] | None = None
+) -> tuple[BeatProbes, BeatGauges, Clock]:
     clock = Clock()
-    gauges = BeatGauges("node-a", wall=clock)
-    return BeatProbes(gauges, tick_interval, wall=clock), gauges, clock
+    errors = [] if errors is None else errors
+
+    def last_error() -> float | None:
+        return errors[-1] if errors else None
+
+    gauges = BeatGauges("node-a", wall=lambda: 0.0, monotonic=clock, store_errors=last_error)
+    return BeatProbes(gauges, tick_interval), gauges, clock
 
 
 def test_beat_is_live_until_no_tick_ended_for_the_stall_time() -> None:
@@ -64,6 +71,29 @@ def test_the_stall_time_grows_with_a_long_tick_interval() -> None:
     probes, _, clock = beat_probes(tick_interval=30.0)
     clock.now += 299
     assert probes.live().ok
+
+
+def test_a_store_call_that_failed_during_a_tick_makes_beat_not_ready() -> None:
+    errors: list[float] = []
+    probes, gauges, clock = beat_probes(errors=errors)
+    with gauges.ticking():
+        gauges.reached()
+    assert probes.ready().ok
+    errors.append(clock.now - 5)  # an error before this tick: not this tick's
+    with gauges.ticking():
+        gauges.reached()
+        clock.now += 1
+        errors.append(clock.now)  # a claim's write failed (fail_closed)
+    verdict = probes.ready()
+    assert not verdict.ok
+    assert verdict.why == (
+        "the last tick could not reach the store: a store call failed during it "
+        "(fail_closed in beat's log)"
+    )
+    clock.now += 1
+    with gauges.ticking():
+        gauges.reached()
+    assert probes.ready().ok  # the next tick went well
 
 
 def test_beat_is_ready_when_its_last_tick_reached_the_store() -> None:

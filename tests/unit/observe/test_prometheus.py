@@ -287,3 +287,44 @@ print("ok")
         env=env,
     )
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+def test_a_multiprocess_directory_that_cannot_be_written_stops_the_export_not_the_process(
+    tmp_path: Path,
+) -> None:
+    """A process given a PROMETHEUS_MULTIPROC_DIR that does not exist (a container's image
+    setting it for every role) goes on, its events counted, with one warning."""
+    script = """
+import logging
+from celery_exactonce.observe import metrics
+seen = []
+logging.getLogger("celery_exactonce").addHandler(logging.Handler())
+logging.getLogger("celery_exactonce").handlers[-1].emit = seen.append
+metrics.event("completed", "done", task="t")
+metrics.event("completed", "done", task="t")
+metrics.reconcile_pass_finished()
+assert metrics.COUNTERS.get("completed") == 2
+warned = [r.getMessage() for r in seen if "cannot write its values" in r.getMessage()]
+assert len(warned) == 1, warned
+print("ok")
+"""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PROMETHEUS_MULTIPROC_DIR": str(tmp_path / "no")}
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        check=False,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ok"
+
+
+def test_beat_metrics_refuse_a_multiprocess_directory(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv(prometheus.MULTIPROC_ENV, str(tmp_path))
+    with pytest.raises(ConfigurationError, match="set it for prefork workers only") as refused:
+        prometheus.serve_beat(InMemoryStore("ns"), BeatGauges("n"), port=free_port())
+    assert refused.value.setting == "exactonce_metrics_port"
