@@ -583,6 +583,13 @@ def _redis_broker_url(db: int) -> str:
 SKIPPED_MARK = "duplicate delivery of"
 
 
+def in_tree(env: Mapping[str, str], tree: Path) -> dict[str, str]:
+    """``env`` with the source tree ``tree`` (another version's) first on ``PYTHONPATH``, in
+    place of this repository: a process started with it imports that tree's package."""
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(REPO_ROOT)]
+    return {**env, "PYTHONPATH": os.pathsep.join([str(tree), *paths])}
+
+
 def process_env(**settings: str) -> dict[str, str]:
     """The environment of a test's ``celery`` process: this one's, without any
     ``EXACTONCE_ACC_*`` of it, the repository first on ``PYTHONPATH``, and ``settings``."""
@@ -727,14 +734,19 @@ class Deployment:
         timeout: float = READY_TIMEOUT,
         extra_args: Iterable[str] = (),
         app_module: str = APP_MODULE,
+        tree: Path | None = None,
     ) -> WorkerProcess:
-        """Start a worker on the deployment's queue; by default wait until it is ready."""
+        """Start a worker on the deployment's queue; by default wait until it is ready.
+
+        ``tree``: the source tree of another version of the package, which the worker
+        runs instead of this one's (:func:`in_tree`).
+        """
         if gate_available():
             self.store()  # schema and namespace exist before any gate runs
         self.app()  # the queue exists before the worker consumes
         index = len(self.workers) + 1
         worker = WorkerProcess(
-            self.env,
+            self.env if tree is None else in_tree(self.env, tree),
             self.tmp_path / f"worker-{index}.log",
             queue=self.queue,
             concurrency=concurrency,
@@ -742,6 +754,8 @@ class Deployment:
             extra_args=extra_args,
             app_module=app_module,
         )
+        if tree is not None:  # `python -m` puts its folder first on sys.path
+            worker.cwd = tree
         self.workers.append(worker)
         worker.start()
         if wait:
@@ -756,13 +770,15 @@ class Deployment:
         extra_env: Mapping[str, str] | None = None,
         wait: bool = True,
         timeout: float = READY_TIMEOUT,
+        tree: Path | None = None,
     ) -> BeatProcess:
         """Start ``celery beat -S exactonce`` with the ledger app's beat schedule.
 
         ``every`` and ``entries`` are ``EXACTONCE_ACC_BEAT_EVERY`` and
         ``EXACTONCE_ACC_BEAT_ENTRIES`` (see ``apps/ledger_app.py``); ``extra_env``
         is added to this beat's environment only (a skewed clock, say). By
-        default waits until beat has started.
+        default waits until beat has started. ``tree``: the source tree of another version
+        of the package, which beat runs instead of this one's (:func:`in_tree`).
         """
         if gate_available():
             self.store()  # schema and namespace exist before any beat claims
@@ -773,7 +789,10 @@ class Deployment:
             "EXACTONCE_ACC_BEAT_ENTRIES": str(entries),
             **(extra_env or {}),
         }
+        env = env if tree is None else in_tree(env, tree)
         beat = BeatProcess(env, self.tmp_path, f"beat-{len(self.beats) + 1}")
+        if tree is not None:  # `python -m` puts its folder first on sys.path
+            beat.cwd = tree
         self.beats.append(beat)
         beat.start()
         if wait:
