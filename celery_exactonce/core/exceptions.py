@@ -63,6 +63,11 @@ class SchemaMismatch(StoreError):
     """The store holds data of a newer, unknown schema or key-format version."""
 
 
+class FormatTooNew(SchemaMismatch):
+    """A record or message of a newer format than this version reads
+    (:mod:`celery_exactonce.core.formats`): upgrade this process."""
+
+
 class LeaseLost(ExactOnceError):
     """We no longer hold a lease we were working under.
 

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from celery_exactonce.core import exceptions, keys, times
+from celery_exactonce.core.formats import MESSAGE_FORMAT
 from celery_exactonce.core.jobs import Job
 from celery_exactonce.core.refs import JobRef, Space
 from celery_exactonce.core.writes import UNIQUE_OPTION
@@ -27,6 +28,8 @@ HEADER_ATTEMPT = "exactonce_attempt"
 HEADER_IDEMPOTENCY_KEY = "idempotency_key"
 HEADER_KEY = "exactonce_key"
 HEADER_FIRE_TIME = "exactonce_fire_time"
+#: The format of our headers (:mod:`celery_exactonce.core.formats`): a worker refuses newer.
+HEADER_FORMAT = "exactonce_format"
 #: Header carrying the run ids that earlier deliveries of this message wrote
 #: (or may have written) at the gate before a store error sent them back.
 HEADER_GATE_RUNS = "exactonce_gate_runs"
@@ -133,6 +136,7 @@ def message_headers(job: Job, namespace: str) -> dict[str, Any]:
         HEADER_JOB_ID: job.ref.id,
         HEADER_ATTEMPT: job.attempt,
         HEADER_IDEMPOTENCY_KEY: job_idempotency_key(job, namespace),
+        HEADER_FORMAT: MESSAGE_FORMAT,
     }
     if job.ref.space is Space.OCCURRENCE and job.fire_time is not None:
         headers[HEADER_KEY] = job.entry
@@ -177,6 +181,7 @@ def headers_of(request: Any) -> dict[str, Any]:
         HEADER_FIRE_TIME,
         HEADER_GATE_RUNS,
         HEADER_REQUEUED,
+        HEADER_FORMAT,
     )
     if isinstance(request, Mapping):
         nested = request.get("headers") or {}

@@ -25,7 +25,7 @@ from typing import Any, NoReturn
 from celery import Task
 from celery.exceptions import Ignore, Reject, Retry
 
-from celery_exactonce.core import exceptions, refs
+from celery_exactonce.core import exceptions, formats, refs
 from celery_exactonce.core.jobs import Job
 from celery_exactonce.core.states import State
 from celery_exactonce.core.writes import NewJob, Transition
@@ -76,6 +76,7 @@ class Delivery:
         runtime, ref, run_id = self.runtime, self.ref, self.run_id
         headers = self.headers
         tickets = frozenset(str(t) for t in headers.get(messages.HEADER_GATE_RUNS) or ())
+        self._refuse_newer(tickets)
         gate = self.gate_write("gate")
         deadline = time.monotonic() + self.task.exactonce_gate_timeout
         give_up: float | None = None  # past the deadline: until when to keep trying
@@ -248,6 +249,24 @@ class Delivery:
             first_delivery=first,
         )
         raise Ignore()
+
+    def _refuse_newer(self, tickets: frozenset[str]) -> None:
+        """A message of a newer format than this worker reads is not run here: sent back,
+        delayed, for a worker of its version (one line naming both versions, at error)."""
+        try:
+            found = self.headers.get(messages.HEADER_FORMAT)
+            formats.refuse_newer("message", found, f"the message of job {self.ref}")
+        except exceptions.FormatTooNew as exc:
+            metrics.event(
+                "format_too_new",
+                str(exc),
+                level=logging.ERROR,
+                sentry=True,
+                job_id=self.ref.id,
+                task=self.task.name,
+            )
+            delay = self.runtime.config.retry_delay_store
+            raise (self._send_back(tickets, delay, exc) or self._give_back(exc)) from exc
 
     def _send_back(
         self, tickets: frozenset[str], delay: float, exc: BaseException

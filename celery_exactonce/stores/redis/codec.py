@@ -34,7 +34,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from celery_exactonce.core import jobs, times
+from celery_exactonce.core import formats, jobs, times
 from celery_exactonce.core.jobs import (
     CreateResult,
     CreateStatus,
@@ -108,6 +108,8 @@ def record_fields(new: NewJob, state: str, rev: str, node: str, reason: str) -> 
     if texts is None:  # kombu-typed values: stored in kombu's encoding
         texts = (to_json(new.args), to_json(new.kwargs), to_json(new.options))
     fields: list[Any] = [
+        "format",
+        formats.RECORD_FORMAT,
         "ref",
         str(new.ref),
         "task",
@@ -220,6 +222,7 @@ def decode_job(flat: Sequence[Any], ref: JobRef | None = None) -> Job:
     }
     if ref is not None:
         data.setdefault("ref", str(ref))
+    formats.refuse_newer("record", data.get("format"), f"job {data.get('ref')}")
     for field in ("args", "kwargs", "options", "history"):
         data[field] = json.loads(data.get(field) or "null")
     return jobs.job_from_json(data)

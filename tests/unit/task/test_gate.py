@@ -20,11 +20,17 @@ import pytest
 from celery import Celery, signals
 
 from celery_exactonce import StoreUnavailable, runtime
+from celery_exactonce.core.formats import MESSAGE_FORMAT
 from celery_exactonce.core.jobs import Job
 from celery_exactonce.core.refs import JobRef
 from celery_exactonce.core.states import State
 from celery_exactonce.core.writes import NewJob, Transition
-from celery_exactonce.dispatch.messages import GATED_OPTION, HEADER_GATE_RUNS, message_headers
+from celery_exactonce.dispatch.messages import (
+    GATED_OPTION,
+    HEADER_FORMAT,
+    HEADER_GATE_RUNS,
+    message_headers,
+)
 from celery_exactonce.observe import metrics
 from celery_exactonce.task.base import ExactOnceTask
 from celery_exactonce.testing import InMemoryStore
@@ -430,3 +436,16 @@ def test_two_deliveries_at_the_same_moment_run_the_attempt_once(world: World) ->
     world.store.before_transition = None
     assert sorted(outcomes) == ["ignored", "ran"]
     assert world.runs == [("t.body", job.ref.id, 0)]
+
+
+def test_a_message_of_a_newer_format_is_sent_back_not_run(world: World) -> None:
+    """A newer version sent it: this worker cannot read its headers, and says so."""
+    job = dispatched(world)
+    headers = {**headers_of(job), HEADER_FORMAT: MESSAGE_FORMAT + 1}
+    outcome = deliver(world, "t.body", job.ref.id, headers)
+    assert outcome == "sent_back"
+    assert world.runs == []
+    assert state_of(world, job).state is State.DISPATCHED  # untouched, for a newer worker
+    assert metrics.COUNTERS.get("format_too_new", task="t.body") == 1
+    assert headers_of(job)[HEADER_FORMAT] == MESSAGE_FORMAT  # what this version sends
+    assert deliver(world, "t.body", job.ref.id, headers_of(job)) == "ran"
