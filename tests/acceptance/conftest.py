@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests import services
+from tests import evidence, services
 from tests.acceptance.django_project import django_database  # noqa: F401  (a fixture)
 from tests.acceptance.harness import (
     BROKERS,
@@ -112,6 +112,8 @@ def deployment(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Deplo
         report = getattr(request.node, "acceptance_call_report", None)
         if report is not None and report.failed and (deployment.workers or deployment.beats):
             print(f"worker and beat logs of {deployment!r}:\n{deployment.logs()}")
+        outcome = None if report is None else report.outcome
+        evidence.record_deployment(request.node.nodeid, outcome, deployment)  # if asked
     finally:
         deployment.close()
 
