@@ -76,6 +76,7 @@ def test_atomic_charges_are_made_exactly_once_while_workers_are_killed(
         "--kill-every", "1", "--kills", "8", pause=0.3,
     )  # fmt: skip
     report = line["report"]
+    print(json.dumps(line))  # (the figures the evidence page shows)
     assert report["charged_once"] == 100, line
     assert (report["missing"], report["charged_twice"]) == (0, 0), line
     assert status == 0
