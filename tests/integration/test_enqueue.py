@@ -208,6 +208,11 @@ def test_a_job_is_written_dispatched_with_its_message_in_one_step(server: RedisS
     assert record.history[-1].reason == f"apply_async {ENQUEUED}"
     assert record.rev == record.history[-1].rev
     assert _queued(server) == 1
+    # ... and the DISPATCHED index names it, so the reconciler finds it when it stalls
+    # (fails before the fix: a field written before the record's ref took its place)
+    assert store.count_by_state()[State.DISPATCHED] == 1
+    members = store._client.zrange(store._state_key(State.DISPATCHED), 0, -1)
+    assert [m.decode() if isinstance(m, bytes) else m for m in members] == [str(record.ref)]
 
 
 def test_an_existing_job_is_returned_and_nothing_is_pushed_again(server: RedisServer) -> None:

@@ -108,10 +108,10 @@ def record_fields(new: NewJob, state: str, rev: str, node: str, reason: str) -> 
     if texts is None:  # kombu-typed values: stored in kombu's encoding
         texts = (to_json(new.args), to_json(new.kwargs), to_json(new.options))
     fields: list[Any] = [
+        "ref",  # first: the enqueue script takes its value as the index member
+        str(new.ref),
         "format",
         formats.RECORD_FORMAT,
-        "ref",
-        str(new.ref),
         "task",
         new.task,
         "state",

@@ -27,10 +27,10 @@ def test_an_absent_format_is_one_and_a_newer_one_is_refused_naming_both() -> Non
 def test_a_redis_record_names_its_format_and_a_newer_one_is_not_decoded() -> None:
     new = task_job("a")
     fields = record_fields(new, "SCHEDULED", new.rev, new.node, new.reason)
-    assert fields[:2] == ["format", formats.RECORD_FORMAT]
+    assert fields[:4] == ["ref", "t:a", "format", formats.RECORD_FORMAT]  # ref first (enqueue.lua)
     flat = [str(v) for v in fields] + ["attempt", "0", "created_at", "0", "touched_at", "0"]
     flat += ["dispatches", "0", "history", "[]"]
     assert decode_job(flat).ref == new.ref
-    newer = ["format", str(formats.RECORD_FORMAT + 1), *flat[2:]]
+    newer = [*flat[:2], "format", str(formats.RECORD_FORMAT + 1), *flat[4:]]
     with pytest.raises(FormatTooNew, match="job t:a is a record of format 2"):
         decode_job(newer)
