@@ -138,6 +138,11 @@ class StoreGauges:
         return StoreSnapshot(self._monotonic(), counts, backlog, entries=entries)
 
 
+def one_line(error: BaseException) -> str:
+    """``error``'s text on one line (a store's error may span several)."""
+    return " ".join(str(error).split())
+
+
 class BeatGauges:
     """This beat node's times: its ticks, whether they reached the store, its reconciler's
     last pass.
@@ -184,7 +189,7 @@ class BeatGauges:
     def reached(self, error: BaseException | None = None) -> None:
         """This tick reached the store (``error``: it could not)."""
         self.store_reached = error is None
-        self.store_error = "" if error is None else " ".join(str(error).split())
+        self.store_error = "" if error is None else one_line(error)
 
     def since_tick(self) -> tuple[str, float]:
         """The last sign of a tick, and how many seconds ago it was (on the monotonic clock)."""

@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
-from celery_exactonce.observe.gauges import BeatGauges
+from celery_exactonce.observe.gauges import BeatGauges, one_line
 
 #: Beat is stuck when no tick ended (and none began) for this many tick intervals...
 STALL_TICKS = 10
@@ -133,7 +133,8 @@ class WorkerProbes:
         except concurrent.futures.TimeoutError:
             return Verdict(False, f"the store did not answer within {self.wait:g} s")
         except Exception as exc:  # the store's errors name the store, secrets blanked
-            return Verdict(False, f"the store did not answer: {_one_line(exc)}")
+            why = one_line(exc) or type(exc).__name__
+            return Verdict(False, f"the store did not answer: {why}")
         return Verdict(True, "connected to the broker; the store answers")
 
     def _answer(self) -> concurrent.futures.Future[object]:
@@ -174,10 +175,6 @@ def _consumer_problem(consumer: Any) -> str | None:
     if connection is None or not connection.connected:
         return "the worker is not connected to the broker"
     return None
-
-
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 TEXT = "text/plain; charset=utf-8"
