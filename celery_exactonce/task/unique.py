@@ -45,6 +45,10 @@ def spec_of(task: Any) -> Sequence[str] | Callable[..., Any] | None:
     """
     unwrap = getattr(task, "_get_current_object", None)  # a task Celery has not made yet
     task = unwrap() if unwrap is not None else task
+    if getattr(type(task), ATTRIBUTE, None) is None and ATTRIBUTE not in getattr(
+        task, "__dict__", {}
+    ):
+        return None  # the common case, on every gated submit: asked cheaply
     # As set on the class (a function there is no method of the task: it takes the call's
     # arguments, not the task).
     spec = inspect.getattr_static(task, ATTRIBUTE, None)
