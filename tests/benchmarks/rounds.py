@@ -23,6 +23,9 @@ class Rounds:
     work: int
     plain: tuple[float, ...]
     ours: tuple[float, ...]
+    #: Rounds of a third arm, where a suite has one: plain Celery's work plus only what the
+    #: physics of ours cannot avoid (the submit suite: one store write before each call).
+    floor: tuple[float, ...] = ()
 
     @property
     def plain_rate(self) -> float:
@@ -43,19 +46,34 @@ class Rounds:
     def ratio(self) -> float:
         return statistics.median(self.ratios)
 
+    @property
+    def floor_ratio(self) -> float | None:
+        """The median of each pair's rate floor / plain (``None``: no floor rounds)."""
+        if not self.floor:
+            return None
+        return statistics.median(p / f for p, f in zip(self.plain, self.floor, strict=True))
+
 
 def alternate(
-    rounds: int, work: int, plain: Callable[[], float], ours: Callable[[], float]
+    rounds: int,
+    work: int,
+    plain: Callable[[], float],
+    ours: Callable[[], float],
+    floor: Callable[[], float] | None = None,
 ) -> Rounds:
-    """``rounds`` pairs of ``plain()`` then ``ours()``, each returning the seconds of its round."""
+    """``rounds`` pairs of ``plain()`` then ``ours()``, each returning the seconds of its round;
+    with ``floor``, each pair has its round between the two."""
     if rounds < 1:
         raise ValueError(f"rounds must be at least 1, got {rounds}")
     plains: list[float] = []
     ourses: list[float] = []
+    floors: list[float] = []
     for _ in range(rounds):
         plains.append(plain())
+        if floor is not None:
+            floors.append(floor())
         ourses.append(ours())
-    return Rounds(work, tuple(plains), tuple(ourses))
+    return Rounds(work, tuple(plains), tuple(ourses), tuple(floors))
 
 
 def table(label: str, unit: str, rows: Sequence[tuple[str, Rounds]]) -> list[str]:

@@ -19,14 +19,19 @@ connections. Queues and the store namespace (the SQLite file) are removed
 afterwards.
 
 :func:`write_floor` measures, in the same run, what one store write costs on
-the store's own server and driver: a one-row ``INSERT`` and its commit in a
-scratch table (on the Redis store: one round trip). Against plain's time per
-call it says how near the physics a gated submit could come if it cost
-plain's work plus that write and nothing else.
+the store's own server and driver: a one-row ``INSERT`` of a record's size and
+its commit in a scratch table (on the Redis store: one ``SET``, a round trip).
+Against plain's time per call it says how near the physics a gated submit
+could come if it cost plain's work plus that write and nothing else. The
+*floor* rounds measure that: between each pair's plain and gated rounds, the
+plain task's calls, each after one such write, so that what the write costs
+beside a publish (waking the store's server, caches, a broker's confirm after
+a longer gap) is in the figure, not only its time alone.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import tempfile
@@ -48,6 +53,8 @@ from tests.support.backends import DJANGO_BACKENDS, SHARED_BACKENDS, store_url
 
 #: Writes a floor measure times, in each of its batches (the median batch counts).
 FLOOR_WRITES = 500
+#: The size of the value a floor write writes: about a submitted job's record.
+RECORD_BYTES = 1000
 FLOOR_BATCHES = 3
 
 #: Stores a gated app can run on (the in-process memory store is no deployment), and the
@@ -168,66 +175,98 @@ def bench_app(store: str, broker: str, name: str = "bench") -> Iterator[Bench]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _timed(bench: Bench, task: Task, count: int, what: str) -> float:
-    """Seconds for ``count`` calls of ``task.delay``; every message must be on the broker."""
+def _timed(
+    bench: Bench,
+    task: Task,
+    count: int,
+    what: str,
+    before: Callable[[int], Any] | None = None,
+) -> float:
+    """Seconds for ``count`` calls of ``task.delay`` (each after ``before(i)``, if given);
+    every message must be on the broker."""
     call: Callable[..., Any] = task.delay
     start = time.perf_counter()
-    for i in range(count):
-        call(i)
+    if before is None:
+        for i in range(count):
+            call(i)
+    else:
+        for i in range(count):
+            before(i)
+            call(i)
     elapsed = time.perf_counter() - start
     bench.settle(task.queue, count, what)
     return elapsed
 
 
 def measure(store: str, broker: str, count: int, rounds: int) -> Rounds:
-    """``rounds`` pairs of ``count`` plain and ``count`` gated ``.delay()`` calls."""
-    with bench_app(store, broker) as bench:
+    """``rounds`` pairs of ``count`` plain and ``count`` gated ``.delay()`` calls, and
+    between them the floor: ``count`` plain calls, each after one :func:`store_writer` write."""
+    with bench_app(store, broker) as bench, store_writer(store) as write:
         for task in (bench.plain, bench.gated):  # connections opened, queues declared
             task.delay(-1)
             bench.settle(task.queue, 1, f"submit warm-up ({task.name})")
+        write(-1)
         where = f"{store} store, {broker} broker"
         return alternate(
             rounds,
             count,
             lambda: _timed(bench, bench.plain, count, f"submit plain, {where}"),
             lambda: _timed(bench, bench.gated, count, f"submit gated, {where}"),
+            lambda: _timed(bench, bench.plain, count, f"submit floor, {where}", before=write),
         )
 
 
 def write_floor(store: str, writes: int = FLOOR_WRITES) -> float:
     """Seconds one write and its commit take on ``store``'s server, by its driver (median batch).
 
+    The write of :func:`store_writer`, in tight batches: the server and the
+    driver warm, nothing else between the writes.
+    """
+    with store_writer(store) as write:
+        return _batches(writes, write)
+
+
+@contextmanager
+def store_writer(store: str) -> Iterator[Callable[[int], Any]]:
+    """``write(i)``: one write of a record's size to ``store``'s server, by its driver
+    (``i`` is the caller's count; each write makes a row of its own).
+
     SQL: a one-row ``INSERT`` into a scratch table, in autocommit, on a
     connection of the store's own engine (its settings and listeners); the
-    ``django://`` store on PostgreSQL measures PostgreSQL. Redis: one round
-    trip (``PING``) on the store's server. The table goes afterwards.
+    ``django://`` store on PostgreSQL writes to PostgreSQL. Redis: one ``SET``
+    of :data:`RECORD_BYTES` on the store's server, a round trip. The table
+    and the key go afterwards.
     """
+    run = uuid.uuid4().hex
     if store == "redis":
         import redis
 
         client = redis.Redis.from_url(services.REDIS_URL)
+        key, value = f"exactonce-floor-{run}", "x" * RECORD_BYTES
         try:
-            return _batches(writes, lambda i: client.ping())
+            yield lambda i: client.set(key, value)
         finally:
+            client.delete(key)
             client.close()
+        return
     from celery_exactonce.stores import store_from_url
 
     tmp = tempfile.mkdtemp(prefix="exactonce-floor-")
     url = store_url("postgres" if store == "django-postgres" else store, tmp)
-    table = f"exactonce_floor_{uuid.uuid4().hex[:12]}"
+    table = f"exactonce_floor_{run[:12]}"
     sql_store = store_from_url(url, namespace="floor")  # its engine, never set up
     raw = sql_store.engine.raw_connection()  # type: ignore[attr-defined]
     try:
         driver = raw.driver_connection
         marker = "?" if store == "sqlite" else "%s"
         cursor = driver.cursor()  # type: ignore[union-attr]
-        cursor.execute(f"CREATE TABLE {table} (id VARCHAR(64) PRIMARY KEY, v VARCHAR(64))")
+        cursor.execute(f"CREATE TABLE {table} (id VARCHAR(64) PRIMARY KEY, v TEXT)")
         driver.commit()  # type: ignore[union-attr]
         _autocommit(driver)
-        run = uuid.uuid4().hex
         insert = f"INSERT INTO {table} (id, v) VALUES ({marker}, {marker})"
-        try:
-            return _batches(writes, lambda i: cursor.execute(insert, (f"{run}-{i}", "x")))
+        value, ids = "x" * RECORD_BYTES, itertools.count()
+        try:  # a new row each write, whatever ``i`` the caller counts
+            yield lambda i: cursor.execute(insert, (f"{run}-{next(ids)}", value))
         finally:
             cursor.execute(f"DROP TABLE {table}")
             cursor.close()
