@@ -53,9 +53,9 @@ from tests.support.backends import DJANGO_BACKENDS, SHARED_BACKENDS, store_url
 
 #: Writes a floor measure times, in each of its batches (the median batch counts).
 FLOOR_WRITES = 500
+FLOOR_BATCHES = 3
 #: The size of the value a floor write writes: about a submitted job's record.
 RECORD_BYTES = 1000
-FLOOR_BATCHES = 3
 
 #: Stores a gated app can run on (the in-process memory store is no deployment), and the
 #: ``django://`` store on PostgreSQL.
@@ -180,9 +180,9 @@ def _timed(
     task: Task,
     count: int,
     what: str,
-    before: Callable[[int], Any] | None = None,
+    before: Callable[[], Any] | None = None,
 ) -> float:
-    """Seconds for ``count`` calls of ``task.delay`` (each after ``before(i)``, if given);
+    """Seconds for ``count`` calls of ``task.delay`` (each after ``before()``, if given);
     every message must be on the broker."""
     call: Callable[..., Any] = task.delay
     start = time.perf_counter()
@@ -191,7 +191,7 @@ def _timed(
             call(i)
     else:
         for i in range(count):
-            before(i)
+            before()
             call(i)
     elapsed = time.perf_counter() - start
     bench.settle(task.queue, count, what)
@@ -205,7 +205,7 @@ def measure(store: str, broker: str, count: int, rounds: int) -> Rounds:
         for task in (bench.plain, bench.gated):  # connections opened, queues declared
             task.delay(-1)
             bench.settle(task.queue, 1, f"submit warm-up ({task.name})")
-        write(-1)
+        write()
         where = f"{store} store, {broker} broker"
         return alternate(
             rounds,
@@ -227,9 +227,9 @@ def write_floor(store: str, writes: int = FLOOR_WRITES) -> float:
 
 
 @contextmanager
-def store_writer(store: str) -> Iterator[Callable[[int], Any]]:
-    """``write(i)``: one write of a record's size to ``store``'s server, by its driver
-    (``i`` is the caller's count; each write makes a row of its own).
+def store_writer(store: str) -> Iterator[Callable[[], Any]]:
+    """``write()``: one write of a record's size to ``store``'s server, by its driver
+    (on SQL, a row of its own each time).
 
     SQL: a one-row ``INSERT`` into a scratch table, in autocommit, on a
     connection of the store's own engine (its settings and listeners); the
@@ -244,7 +244,7 @@ def store_writer(store: str) -> Iterator[Callable[[int], Any]]:
         client = redis.Redis.from_url(services.REDIS_URL)
         key, value = f"exactonce-floor-{run}", "x" * RECORD_BYTES
         try:
-            yield lambda i: client.set(key, value)
+            yield lambda: client.set(key, value)
         finally:
             client.delete(key)
             client.close()
@@ -265,8 +265,8 @@ def store_writer(store: str) -> Iterator[Callable[[int], Any]]:
         _autocommit(driver)
         insert = f"INSERT INTO {table} (id, v) VALUES ({marker}, {marker})"
         value, ids = "x" * RECORD_BYTES, itertools.count()
-        try:  # a new row each write, whatever ``i`` the caller counts
-            yield lambda i: cursor.execute(insert, (f"{run}-{next(ids)}", value))
+        try:
+            yield lambda: cursor.execute(insert, (f"{run}-{next(ids)}", value))
         finally:
             cursor.execute(f"DROP TABLE {table}")
             cursor.close()
@@ -286,12 +286,12 @@ def _autocommit(driver: Any) -> None:
         driver.autocommit = True
 
 
-def _batches(writes: int, write: Callable[[int], Any]) -> float:
+def _batches(writes: int, write: Callable[[], Any]) -> float:
     """Seconds per call of ``write``: the median of :data:`FLOOR_BATCHES` timed batches."""
     per_write = []
-    for batch in range(FLOOR_BATCHES):
+    for _ in range(FLOOR_BATCHES):
         start = time.perf_counter()
-        for i in range(writes):
-            write(batch * writes + i)
+        for _ in range(writes):
+            write()
         per_write.append((time.perf_counter() - start) / writes)
     return sorted(per_write)[len(per_write) // 2]
