@@ -7,7 +7,6 @@ when the pid changes. The config is read and validated once per app.
 
 from __future__ import annotations
 
-import os
 import socket
 import threading
 import time
@@ -15,6 +14,7 @@ import weakref
 from typing import Any
 
 from celery_exactonce.config import ExactOnceConfig
+from celery_exactonce.core.refs import process_id
 from celery_exactonce.dispatch import publisher
 from celery_exactonce.dispatch.dispatcher import Dispatcher
 from celery_exactonce.dispatch.retrier import Retrier
@@ -35,7 +35,7 @@ class Runtime:
     ) -> None:
         self.app = app
         self.config = config
-        self.pid = os.getpid()
+        self.pid = process_id()
         self.node = config.node_id or f"{socket.gethostname()}:{self.pid}"
         self.owns_store = store is None
         self.store = store if store is not None else open_store(config, setup=setup)
@@ -91,12 +91,12 @@ def runtime_for(app: Any, *, setup: bool = True) -> Runtime:
     """
     with _lock:
         runtime = _runtimes.get(app)
-        if runtime is not None and runtime.pid == os.getpid():
+        if runtime is not None and runtime.pid == process_id():
             return runtime
     config = config_for(app)
     with _lock:
         runtime = _runtimes.get(app)
-        if runtime is None or runtime.pid != os.getpid():
+        if runtime is None or runtime.pid != process_id():
             runtime = _runtimes[app] = Runtime(app, config, setup=setup)
         return runtime
 
@@ -105,7 +105,7 @@ def installed(app: Any) -> Runtime | None:
     """The runtime of ``app`` already built in this process, or ``None`` (no I/O, no config)."""
     with _lock:
         runtime = _runtimes.get(app)
-    return runtime if runtime is not None and runtime.pid == os.getpid() else None
+    return runtime if runtime is not None and runtime.pid == process_id() else None
 
 
 def install(app: Any, store: StateStore, config: ExactOnceConfig | None = None) -> Runtime:
@@ -118,7 +118,7 @@ def install(app: Any, store: StateStore, config: ExactOnceConfig | None = None) 
     with _lock:
         replaced = _runtimes.get(app)
         _runtimes[app] = runtime
-    if replaced is not None and replaced.pid == os.getpid() and replaced.store is not store:
+    if replaced is not None and replaced.pid == process_id() and replaced.store is not store:
         replaced.close()
     return runtime
 
@@ -128,5 +128,5 @@ def reset(app: Any) -> None:
     with _lock:
         runtime = _runtimes.pop(app, None)
         _configs.pop(app, None)
-    if runtime is not None and runtime.pid == os.getpid():
+    if runtime is not None and runtime.pid == process_id():
         runtime.close()

@@ -3,6 +3,7 @@
 Here: :class:`JobRef`, a job's identity (its key :class:`Space` and its id);
 :func:`new_token`, the random tokens that name writes, runs, leases and store
 lives, and the birth time a store writes into its epoch (:func:`epoch_born`);
+:func:`process_id`, the process whatever is kept per process belongs to;
 the length limits every stored name is held to, :func:`validate_identifier`,
 which refuses a bad task name, job id, entry key, node id or rev, and
 :func:`sanitize_text`, which makes free text (reasons) storable on every
@@ -37,6 +38,28 @@ MAX_REASON_LENGTH = 500
 def new_token() -> str:
     """A globally unique token (revs, run ids, lease tokens, op ids): 128 random bits, in hex."""
     return os.urandom(16).hex()
+
+
+_pid = os.getpid()
+
+
+def process_id() -> int:
+    """This process's id, as ``os.getpid()`` says it, without asking the kernel each time.
+
+    Whatever a process keeps per process (its runtime, kept connections, a
+    worker's in-flight runs) is checked against it on hot paths, every submit
+    and every gate write: a forked child sees its own id from the fork on
+    (``os.register_at_fork``), and starts afresh.
+    """
+    return _pid
+
+
+def _forked() -> None:
+    global _pid  # noqa: PLW0603  (one per process)
+    _pid = os.getpid()
+
+
+os.register_at_fork(after_in_child=_forked)
 
 
 #: Separates an epoch's random part from its birth time (store clock, microseconds).

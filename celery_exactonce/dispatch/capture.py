@@ -17,10 +17,11 @@ message into commands (5.7's ``PublishBatch``), can be captured
 from __future__ import annotations
 
 import dataclasses
-import os
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any
+
+from celery_exactonce.core.refs import process_id
 
 #: kombu's Redis commands of a publish that an atomic enqueue runs (``PublishBatch.add``).
 PUSH_COMMANDS = frozenset({"lpush", "pexpire", "publish"})
@@ -74,7 +75,7 @@ class Captures:
     def __init__(self, app: Any) -> None:
         self.app = app
         self._lock = threading.Lock()
-        self._pid = os.getpid()
+        self._pid = process_id()
         #: Per kind (``True``: on the store's server), the free channels and whether the
         #: broker can be captured (absent: not known yet).
         self._free: dict[bool, list[Capturing]] = {True: [], False: []}
@@ -88,15 +89,17 @@ class Captures:
     def possible(self, *, shared: bool) -> bool:
         """Whether :meth:`take` may answer one, for a broker on the store's server (``shared``)
         or anywhere: ``False`` once this process found it cannot."""
-        return self._pid != os.getpid() or self._possible.get(shared) is not False
+        return self._pid != process_id() or self._possible.get(shared) is not False
 
     def take(self, where: Where) -> Capturing | None:
         """A capturing channel for a broker ``where`` says suits, or ``None``: not capturable."""
         kind = where is not None
         with self._lock:
-            if self._pid != os.getpid():  # a forked child: its parent's connections are not its own
+            if (
+                self._pid != process_id()
+            ):  # a forked child: its parent's connections are not its own
                 self._free, self._possible = {True: [], False: []}, {}
-                self._pid = os.getpid()
+                self._pid = process_id()
             if self._possible.get(kind) is False:
                 return None
             if self._free[kind]:
@@ -130,7 +133,7 @@ class Captures:
     def give(self, target: Capturing, where: Where) -> None:
         """Give back a channel :meth:`take` answered for ``where``."""
         with self._lock:
-            if self._pid == os.getpid():
+            if self._pid == process_id():
                 self._free[where is not None].append(target)
 
 

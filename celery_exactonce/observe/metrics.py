@@ -45,6 +45,10 @@ LABELS = ("phase", "where", "state", "task", "entry")
 #: field name -> label name (an occurrence's ``key`` is its beat entry).
 FIELD_LABELS = (("task", "task"), ("key", "entry"))
 
+#: Label sets whose counter key a process remembers (:class:`Counters`); past this many,
+#: a key is worked out at each increment.
+KEYS_KEPT = 10_000
+
 
 class Counters:
     """Thread-safe event counters keyed by ``(action, labels)``."""
@@ -52,18 +56,32 @@ class Counters:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._counts: Counter[tuple[str, tuple[tuple[str, str], ...]]] = Counter()
+        #: ``(action, *labels.items())`` -> its counter's key, for labels of text values
+        #: (their number is bounded as the counters' is): a hot path's event, say every
+        #: submit's, sorts and filters its labels once per process, not once per call.
+        self._keys: dict[tuple[Any, ...], tuple[str, tuple[tuple[str, str], ...]]] = {}
 
     def incr(self, action: str, labels: Mapping[str, str] | None = None, amount: int = 1) -> None:
         """Add ``amount`` to ``action`` under ``labels`` (only names in :data:`LABELS` count,
         and an empty value is no label)."""
-        if labels:
-            pairs = sorted((k, str(v)) for k, v in labels.items() if k in LABELS and v)
-            key = (action, tuple(pairs))
-        else:
-            key = (action, ())
+        key = self._key(action, labels) if labels else (action, ())
         with self._lock:
             self._counts[key] += amount
         _prometheus_incr(key, amount)
+
+    def _key(
+        self, action: str, labels: Mapping[str, str]
+    ) -> tuple[str, tuple[tuple[str, str], ...]]:
+        asked = (action, *labels.items())
+        try:
+            return self._keys[asked]
+        except (KeyError, TypeError):  # not yet, or a value that does not hash
+            pass
+        pairs = tuple(sorted((k, str(v)) for k, v in labels.items() if k in LABELS and v))
+        key = (action, pairs)
+        if all(isinstance(v, str) for v in labels.values()) and len(self._keys) < KEYS_KEPT:
+            self._keys[asked] = key
+        return key
 
     def get(self, action: str, **labels: str) -> int:
         """The count of ``action``, summed over every label set that includes ``labels``."""

@@ -14,13 +14,12 @@ import dataclasses
 import itertools
 import logging
 import math
-import os
 import threading
 import time
 from collections.abc import Callable
 
 from celery_exactonce.core import exceptions
-from celery_exactonce.core.refs import JobRef
+from celery_exactonce.core.refs import JobRef, process_id
 from celery_exactonce.observe import metrics
 from celery_exactonce.runtime import Runtime
 
@@ -80,8 +79,8 @@ class Heartbeats:
     def _started(self) -> None:
         """The thread, started (under the lock) in this process: the first use here, or a
         forked child's."""
-        if self._pid != os.getpid():
-            self._pid, self._runs, self._calls, self._wakes_at = os.getpid(), {}, {}, -math.inf
+        if self._pid != process_id():
+            self._pid, self._runs, self._calls, self._wakes_at = process_id(), {}, {}, -math.inf
             threading.Thread(target=self._loop, name="exactonce-heartbeat", daemon=True).start()
 
     def stop(self, token: int) -> None:

@@ -35,7 +35,6 @@ import atexit
 import contextlib
 import dataclasses
 import logging
-import os
 import threading
 import time
 from typing import Any
@@ -44,7 +43,7 @@ from celery import signals
 
 from celery_exactonce.core import exceptions, refs
 from celery_exactonce.core.jobs import Job, TransitionResult
-from celery_exactonce.core.refs import JobRef
+from celery_exactonce.core.refs import JobRef, process_id
 from celery_exactonce.core.writes import Transition
 from celery_exactonce.observe import metrics
 from celery_exactonce.runtime import Runtime
@@ -160,7 +159,7 @@ class Carried:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._pid = os.getpid()
+        self._pid = process_id()
         self._slots: dict[int, tuple[Outcome, float]] = {}
         #: When each thread's last run ended (monotonic), until its next gate write.
         self._ended: dict[int, float] = {}
@@ -172,8 +171,8 @@ class Carried:
 
     def _here(self) -> None:
         """(Under the lock.) A forked child's first call: its parent's state is not its own."""
-        if self._pid != os.getpid():
-            self._pid, self._slots, self._ended, self._busy = os.getpid(), {}, {}, set()
+        if self._pid != process_id():
+            self._pid, self._slots, self._ended, self._busy = process_id(), {}, {}, set()
 
     def finish(self, outcome: Outcome, *, carry: bool) -> None:
         """Carry ``outcome`` if ``carry`` and this thread is busy (one carried before it is
@@ -217,7 +216,7 @@ class Carried:
         """Write the outcomes past their due time (``every``: all of them)."""
         now = time.monotonic()
         with self._lock:
-            if self._pid != os.getpid():
+            if self._pid != process_id():
                 return
             due = [k for k, (_, at) in self._slots.items() if every or at <= now]
             taken = [self._slots.pop(k)[0] for k in due]

@@ -21,7 +21,7 @@ from celery import Celery
 
 from celery_exactonce import ConfigurationError, StoreError, StoreUnavailable, runtime
 from celery_exactonce.config import ExactOnceConfig
-from celery_exactonce.core.refs import JobRef
+from celery_exactonce.core.refs import JobRef, process_id
 from celery_exactonce.core.states import State
 from celery_exactonce.core.writes import NewJob
 from celery_exactonce.stores import signing
@@ -166,6 +166,23 @@ def test_a_runtime_inherited_across_a_fork_is_rebuilt_the_parents_store_left_ope
     assert runtime.runtime_for(app) is rebuilt
     # and leaves the parent's store open: closing it would close the parent's sockets
     assert inherited.store.get(JobRef.submitted("r-1")) is not None
+
+
+def test_a_forked_child_is_told_its_own_process_id_without_asking_the_kernel_each_time() -> None:
+    # Given this process's id, as every per-process cache checks it
+    assert process_id() == os.getpid()
+    # When the process forks, the child reports what it is told
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover (the child's lines run in the child)
+        os.write(write, f"{process_id()} {os.getpid()}".encode())
+        os._exit(0)
+    os.close(write)
+    told, actual = os.read(read, 64).decode().split()
+    os.close(read)
+    assert os.waitpid(child, 0)[1] == 0
+    # Then the child was told its own id, not its parent's
+    assert int(told) == int(actual) == child != process_id()
 
 
 def test_reset_closes_the_store_the_runtime_opened(make_app: Callable[..., Celery]) -> None:

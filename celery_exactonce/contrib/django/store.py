@@ -35,6 +35,7 @@ import sqlalchemy as sa
 from celery_exactonce.contrib.django.connection import engine_for, require_immediate
 from celery_exactonce.contrib.django.tables import prefix
 from celery_exactonce.core import exceptions, jobs
+from celery_exactonce.core.refs import process_id
 from celery_exactonce.stores.sql import pgwire
 from celery_exactonce.stores.sql import schema as sql_schema
 from celery_exactonce.stores.sql.shared import driver_error
@@ -279,6 +280,5 @@ class DjangoStore(SqlStore):
 
     def _forget_pool(self) -> None:
         """Nothing pooled here: Django gives each process and thread its own connection."""
-        import os
 
-        self._pid = os.getpid()
+        self._pid = process_id()

@@ -34,7 +34,6 @@ does with a policy it reads
 from __future__ import annotations
 
 import _thread
-import os
 import threading
 import weakref
 from collections.abc import Mapping
@@ -47,6 +46,7 @@ from redis.connection import HiredisRespSerializer
 from redis.retry import Retry
 
 from celery_exactonce.core import exceptions
+from celery_exactonce.core.refs import process_id
 from celery_exactonce.stores import redact_message, redact_url
 from celery_exactonce.stores.redis.cluster import ClusterClient, cluster_client, is_cluster_url
 from celery_exactonce.stores.redis.codec import as_text
@@ -211,7 +211,7 @@ class _Kept:
 
     def __init__(self, pool: redis.ConnectionPool) -> None:
         self.conn: Any = pool.get_connection()
-        self.pid = os.getpid()
+        self.pid = process_id()
         self._given_back = weakref.finalize(self, pool.release, self.conn)
 
     def drop(self) -> None:
@@ -283,7 +283,7 @@ class Lane:
     def send(self, command: tuple[Any, ...]) -> Any:
         """Send ``command`` on this thread's connection; the connection, to :meth:`read` from."""
         kept: _Kept | None = getattr(self._local, "kept", None)
-        if kept is None or kept.pid != os.getpid():  # none yet, or the parent's
+        if kept is None or kept.pid != process_id():  # none yet, or the parent's
             kept = self._local.kept = _Kept(self._pool)
         conn = kept.conn
         try:
@@ -312,5 +312,5 @@ class Lane:
         """Disconnect this thread's connection (an answer may be left on it) and give it back."""
         kept: _Kept | None = getattr(self._local, "kept", None)
         self._local.kept = None
-        if kept is not None and kept.pid == os.getpid():
+        if kept is not None and kept.pid == process_id():
             kept.drop()

@@ -36,7 +36,7 @@ from sqlalchemy import exc as sa_exc
 
 from celery_exactonce.core import exceptions, jobs
 from celery_exactonce.core.jobs import Job
-from celery_exactonce.core.refs import JobRef
+from celery_exactonce.core.refs import JobRef, process_id
 from celery_exactonce.stores import redact_secrets, url_secrets, validate_namespace
 from celery_exactonce.stores.base import Run
 from celery_exactonce.stores.sql import engine as sql_engine
@@ -152,7 +152,7 @@ class SqlCore:
         )
         self._owns_engine = False
         self._closed = False
-        self._pid = os.getpid()
+        self._pid = process_id()
         if engine.dialect.name == "sqlite" and self.owns_transactions:
             sql_engine.install_sqlite_listeners(engine)
         _LIVE.add(self)
@@ -327,7 +327,7 @@ class SqlCore:
     def _check_usable(self) -> None:
         if self._closed:
             raise exceptions.StoreError("the store is closed")
-        if os.getpid() != self._pid:
+        if process_id() != self._pid:
             self._forget_pool()
 
     def _mark_closed(self) -> None:
@@ -338,7 +338,7 @@ class SqlCore:
     def _forget_pool(self) -> None:
         """In a forked child: drop the parent's pooled connections without closing them."""
         self._engine.dispose(close=False)
-        self._pid = os.getpid()
+        self._pid = process_id()
 
     def _empty(self, value: _T) -> _T:
         """The answer to a request for nothing (``limit <= 0``), once the store is checked."""

@@ -22,6 +22,29 @@ def test_event_counts_by_the_given_amount() -> None:
     assert metrics.COUNTERS.get("slot_skipped") == 8
 
 
+def test_a_label_set_counts_under_one_key_however_often_and_in_whatever_order_it_comes() -> None:
+    # Given one label set, the second time remembered, and the same in another order
+    counters = metrics.Counters()
+    for labels in (
+        {"task": "t", "where": "w"},
+        {"task": "t", "where": "w"},
+        {"where": "w", "task": "t"},
+    ):
+        counters.incr("dispatched", labels)
+    # And labels that are no counter's, empty, or not text
+    counters.incr("dispatched", {"task": "t", "where": "w", "job_id": "j-1", "entry": ""})
+    counters.incr("dispatched", {"task": "t", "where": ["w"]})  # type: ignore[dict-item]
+    counters.incr("dispatched", {"state": 1})  # type: ignore[dict-item]
+    counters.incr("dispatched", {"state": True})  # type: ignore[dict-item]
+    # Then each is the counter its sorted text labels name
+    assert counters.snapshot() == {
+        "dispatched{state=1}": 1,
+        "dispatched{state=True}": 1,
+        "dispatched{task=t,where=['w']}": 1,
+        "dispatched{task=t,where=w}": 4,
+    }
+
+
 def test_failed_rollback_reaches_sentry_when_the_app_initialised_it() -> None:
     import sentry_sdk
     from sentry_sdk.transport import Transport
