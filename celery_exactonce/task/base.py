@@ -98,6 +98,11 @@ class ExactOnceTask(Task):  # type: ignore[misc]  # celery is untyped
     #: How long the gate keeps retrying a store error before sending the
     #: delivery back through Celery's retry mechanism.
     exactonce_gate_timeout: float = 30.0
+    #: The reconciler's timeouts for this task's jobs, in seconds, over the settings of
+    #: the same names (``exactonce_dispatch_timeout``...); ``None``: the setting's.
+    exactonce_dispatch_timeout: float | None = None
+    exactonce_dispatch_deadline: float | None = None
+    exactonce_running_timeout: float | None = None
     #: Opt in to redispatch of a stale ``DISPATCHED`` job by the reconciler
     #: (asserts that every consumer of the queue runs the gate).
     exactonce_redispatch: bool = False
