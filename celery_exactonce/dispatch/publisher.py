@@ -18,6 +18,8 @@ import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol
 
+from kombu.exceptions import LimitExceeded, OperationalError
+
 from celery_exactonce.core.jobs import Job
 from celery_exactonce.core.payload import decode_payload
 from celery_exactonce.dispatch import messages
@@ -37,6 +39,8 @@ from celery_exactonce.observe import metrics, traces
 #: far above a chunk's (a message is one to a few), so only :meth:`CeleryPublisher.flush`
 #: sends, and a failure is known to concern exactly the chunk.
 PUBLISH_BUFFER_MAX = 100_000
+#: A setting not read yet.
+_UNREAD: Any = object()
 
 
 class PublishFailed(Exception):
@@ -114,6 +118,7 @@ class CeleryPublisher:
         self.timeout = timeout
         self._local = threading.local()
         self._captures = Captures(app)
+        self._acquire_timeout: Any = _UNREAD
 
     @contextlib.contextmanager
     def batch(self, *, buffered: bool = True) -> Iterator[None]:
@@ -127,7 +132,7 @@ class CeleryPublisher:
         if getattr(local, "producer", None) is not None:
             yield  # nested: the outer batch's producer serves
             return
-        with self.app.producer_or_acquire(None) as producer:
+        with self._acquire() as producer:
             local.producer, local.checked, local.connect_error = producer, False, None
             local.buffer, local.buffered = None, buffered
             try:
@@ -139,6 +144,25 @@ class CeleryPublisher:
                 if buffer is not None:
                     error = RuntimeError("publish batch abandoned")
                     buffer.__exit__(RuntimeError, error, None)  # discards
+
+    def _acquire(self) -> Any:
+        """A producer from the app's pool, as ``app.producer_or_acquire(None)`` takes one.
+
+        Its acquire timeout (``broker_pool_acquire_timeout``) is read once per
+        publisher, not at each batch: a lookup in Celery's settings costs as much
+        as a tenth of a gated submit's own work.
+        """
+        timeout = self._acquire_timeout
+        if timeout is _UNREAD:
+            timeout = self._acquire_timeout = self.app.conf.get("broker_pool_acquire_timeout")
+        try:
+            return self.app.producer_pool.acquire(block=True, timeout=timeout)
+        except LimitExceeded as exc:  # as Celery says it
+            raise OperationalError(
+                f"Timed out waiting for a broker producer after {timeout}s: every one of "
+                f"broker_pool_limit ({self.app.conf.broker_pool_limit}) is in use; raise "
+                "broker_pool_limit or broker_pool_acquire_timeout"
+            ) from exc
 
     def flush(self) -> None:
         """Send the messages this thread's batch buffered; :class:`PublishFailed` if not all did.
