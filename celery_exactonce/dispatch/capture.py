@@ -95,9 +95,8 @@ class Captures:
         """A capturing channel for a broker ``where`` says suits, or ``None``: not capturable."""
         kind = where is not None
         with self._lock:
-            if (
-                self._pid != process_id()
-            ):  # a forked child: its parent's connections are not its own
+            # A forked child: its parent's connections are not its own.
+            if self._pid != process_id():
                 self._free, self._possible = {True: [], False: []}, {}
                 self._pid = process_id()
             if self._possible.get(kind) is False:

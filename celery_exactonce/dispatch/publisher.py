@@ -39,8 +39,6 @@ from celery_exactonce.observe import metrics, traces
 #: far above a chunk's (a message is one to a few), so only :meth:`CeleryPublisher.flush`
 #: sends, and a failure is known to concern exactly the chunk.
 PUBLISH_BUFFER_MAX = 100_000
-#: A setting not read yet.
-_UNREAD: Any = object()
 
 
 class PublishFailed(Exception):
@@ -118,7 +116,9 @@ class CeleryPublisher:
         self.timeout = timeout
         self._local = threading.local()
         self._captures = Captures(app)
-        self._acquire_timeout: Any = _UNREAD
+        #: ``broker_pool_acquire_timeout``, read once: a lookup in Celery's settings costs
+        #: as much as a tenth of a gated submit's own work.
+        self._acquire_timeout = app.conf.get("broker_pool_acquire_timeout")
 
     @contextlib.contextmanager
     def batch(self, *, buffered: bool = True) -> Iterator[None]:
@@ -146,15 +146,9 @@ class CeleryPublisher:
                     buffer.__exit__(RuntimeError, error, None)  # discards
 
     def _acquire(self) -> Any:
-        """A producer from the app's pool, as ``app.producer_or_acquire(None)`` takes one.
-
-        Its acquire timeout (``broker_pool_acquire_timeout``) is read once per
-        publisher, not at each batch: a lookup in Celery's settings costs as much
-        as a tenth of a gated submit's own work.
-        """
+        """A producer from the app's pool, as ``app.producer_or_acquire(None)`` takes one
+        (but for its timeout, read when the publisher was made)."""
         timeout = self._acquire_timeout
-        if timeout is _UNREAD:
-            timeout = self._acquire_timeout = self.app.conf.get("broker_pool_acquire_timeout")
         try:
             return self.app.producer_pool.acquire(block=True, timeout=timeout)
         except LimitExceeded as exc:  # as Celery says it

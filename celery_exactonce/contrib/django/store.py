@@ -280,5 +280,4 @@ class DjangoStore(SqlStore):
 
     def _forget_pool(self) -> None:
         """Nothing pooled here: Django gives each process and thread its own connection."""
-
         self._pid = process_id()
