@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import shutil
 import signal
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -330,6 +331,7 @@ def submit_figures(args: argparse.Namespace) -> int:
                     f"{figures.ours_rate:,.0f} calls/s",
                     figures.ratio,
                     summary.SUBMIT_TARGETS.get((store, broker)),
+                    pairs=tuple(figures.ratios),
                 )
             )
     if not rows:
@@ -402,6 +404,7 @@ def e2e_figures(args: argparse.Namespace) -> int:
                 f"{figures.ours_rate:,.0f} tasks/s",
                 figures.ratio,
                 target,
+                pairs=tuple(figures.ratios),
             )
         )
     if not rows and not atomic_rows:
@@ -570,7 +573,7 @@ def beat_figures(args: argparse.Namespace) -> int:
             status = 1
             continue
         print(f"\nbeat on the {summary.store_name(store)} store and a Redis broker\n")
-        rows, ratio = beat.run(args.entries, args.rounds, slot, store)
+        rows, ratios = beat.run(args.entries, args.rounds, slot, store)
         for name, value in rows:
             print(f"{name:<45}{value:>30}")
         figures = dict(rows)
@@ -579,9 +582,10 @@ def beat_figures(args: argparse.Namespace) -> int:
                 f"{args.entries:,} entries due at once, one beat, {summary.store_name(store)}",
                 figures[f"plain apply_async x {args.entries:,} (median)"].split(" (")[0],
                 figures[f"beat, {args.entries:,} due in one slot (median)"].split(" (")[0],
-                ratio,
+                statistics.median(ratios),
                 summary.BEAT_TARGETS.get(store),
                 time=True,
+                pairs=tuple(ratios),
             )
         )
     return status
