@@ -38,6 +38,9 @@ def race(
         return run_threads(racer, stores, threading.Barrier(len(args)), args)
     from tests.contract.racers import process_main
 
+    # A store made here, so that the factory's cleanup drops the namespace the processes
+    # wrote (it drops the namespaces of the stores it made).
+    factory()
     context = multiprocessing.get_context("spawn")
     with context.Manager() as manager:
         barrier = manager.Barrier(processes)
