@@ -19,6 +19,7 @@ Two kinds of ratio, as the targets are set:
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 
 #: Floors of the rate ratios, by (store, broker) of the submit suite.
@@ -50,18 +51,21 @@ BROKER_NAMES = {"redis": "Redis", "rabbitmq": "RabbitMQ (confirms)"}
 
 @dataclass(frozen=True)
 class Row:
-    """One figure: what was measured, plain's and ours', the ratio and its target."""
+    """One figure: what was measured, plain's and ours', each pair's ratio and the target."""
 
     what: str
     plain: str
     ours: str
-    ratio: float
+    #: Each pair's ratio (ours / plain), in any order; the row's ratio is their median.
+    pairs: tuple[float, ...]
     #: The target's bound, or ``None`` where none is set.
     target: float | None = None
     #: Whether the ratio is of times (lower is better) rather than rates.
     time: bool = False
-    #: Each pair's ratio, whose median ``ratio`` is (none: the ratio alone is known).
-    pairs: tuple[float, ...] = ()
+
+    @property
+    def ratio(self) -> float:
+        return statistics.median(self.pairs)
 
     @property
     def verdict(self) -> str:
