@@ -111,8 +111,10 @@ def _lua_header() -> str:
     """The Python constants the scripts share, so Lua cannot drift from them."""
     states = ", ".join(f"'{s.value}'" for s in State)
     terminal = ", ".join(f"{s.value} = true" for s in State if s in TERMINAL)
+    positions = ", ".join(f"{s.value} = {i}" for i, s in enumerate(State, 1))
     return (
         f"local STATES = {{{states}}}\n"
+        f"local STATE_POS = {{{positions}}}\n"
         f"local TERMINAL = {{{terminal}}}\n"
         f"local HISTORY_LIMIT = {jobs.HISTORY_LIMIT}\n"
     )

@@ -14,7 +14,7 @@ value then fits a listpack (Redis' compact hash encoding, values of at most
   (:func:`create_args`, :func:`transition_args`), an optional argument
   (:func:`opt`: ``''`` when absent, ``'=' + value`` when present), JSON text
   (:func:`to_json`), a history entry as JSON text open for its store time
-  (:func:`history_entry`), a lease ttl in milliseconds (:func:`lease_ms`);
+  (:func:`history_entry`, :func:`history_tail`), a lease ttl in milliseconds (:func:`lease_ms`);
 * **replies**: a record from its ``HGETALL`` reply (:func:`decode_job`), the
   ``create`` and ``transition`` scripts' answers (:func:`create_result`,
   :func:`transition_result`), the ``due_backlog`` script's
@@ -87,16 +87,29 @@ def lease_ms(ttl: float) -> int:
 def history_entry(src: str | None, dst: str, node: str, reason: str, rev: str) -> str:
     """A history entry as JSON text, open at the end for its time: ``…,"at":"``.
 
-    The text the scripts' ``history_append`` writes (one ``"rev"`` key, ``at``
+    The text the scripts' ``history_entry`` writes (one ``"rev"`` key, ``at``
     a decimal string), for a script that only has to add the store time.
     """
-    return f'{_history_head(src, dst, node, reason)}{to_json(rev)},"at":"'
+    return f'{{"from":{to_json(src)},{history_tail(dst, node, reason, rev)}'
+
+
+def history_tail(dst: str, node: str, reason: str, rev: str, action: str | None = None) -> str:
+    """A history entry's JSON text without its opening and ``from``: ``"to":…,"at":"``.
+
+    The ``transition`` script opens it with the state it read and closes it
+    with the store time.
+    """
+    return f'{_entry_fields(dst, node, reason, action)}{to_json(rev)},"at":"'
 
 
 @functools.lru_cache(maxsize=1024)
-def _history_head(src: str | None, dst: str, node: str, reason: str) -> str:
-    """An entry's text up to its rev (``…,"rev":``), remembered: a process writes few."""
-    return to_json({"from": src, "to": dst, "node": node, "reason": reason, "rev": ""})[:-3]
+def _entry_fields(dst: str, node: str, reason: str, action: str | None) -> str:
+    """An entry's fields from ``to`` up to its rev (``"to":…,"rev":``), remembered: a process
+    writes few."""
+    fields = {"to": dst, "node": node, "reason": reason}
+    if action is not None:
+        fields["action"] = action
+    return to_json({**fields, "rev": ""})[1:-3]
 
 
 def record_fields(new: NewJob, state: str, rev: str, node: str, reason: str) -> list[Any]:
@@ -187,7 +200,13 @@ def transition_args(ref: JobRef, request: Transition) -> list[Any]:
         opt(None if request.kwargs is None else to_json(request.kwargs)),
         opt(request.task),
         opt(request.signature),
-        opt(None if request.action is None else request.action.value),
+        history_tail(
+            request.to.value,
+            request.node,
+            request.reason,
+            request.new_rev,
+            None if request.action is None else request.action.value,
+        ),
     ]
 
 

@@ -7,9 +7,6 @@
 -- member, where KEYS[i] is the namespace's job key prefix); optional ARGV
 -- values are '' when absent and '=' .. value when present.
 
-local STATE_POS = {}
-for i, s in ipairs(STATES) do STATE_POS[s] = i end
-
 -- The store's clock, in microseconds (exact in a double until year 2255).
 local function clock()
   local t = redis.call('TIME')
@@ -32,9 +29,9 @@ local function state_key(first, state)
   return KEYS[first + STATE_POS[state] - 1]
 end
 
--- The history JSON array with one entry appended, capped to HISTORY_LIMIT.
--- `action` (the reconciler's, or nil: then the entry has no such key) is what its caps count.
--- `at` is stored as a decimal string: cjson would round a 16-digit number.
+-- The history: a JSON array of entries, capped to HISTORY_LIMIT. An entry's `action` (the
+-- reconciler's, or nil: then the entry has no such key) is what its caps count; its `at`
+-- is the store time as a decimal string (us): cjson would round a 16-digit number.
 -- Below the cap the entry is appended to the text as it is (no decode): every
 -- entry has exactly one "rev" key, and a quote inside a string is escaped, so
 -- counting '"rev":' counts the entries. They are counted by a plain find, up to
@@ -49,9 +46,14 @@ local function history_entries(raw)
   return count
 end
 
-local function history_append(raw, src, dst, at, node, reason, rev, action)
-  local entry = cjson.encode({['from'] = src or cjson.null, to = dst, at = us(at),
-                              node = node, reason = reason, rev = rev, action = action})
+-- A history entry's JSON text (`src` nil for a create's).
+local function history_entry(src, dst, at, node, reason, rev, action)
+  return cjson.encode({['from'] = src or cjson.null, to = dst, at = at,
+                       node = node, reason = reason, rev = rev, action = action})
+end
+
+-- The history JSON array `raw` (or none) with the entry text `entry` appended.
+local function history_append(raw, entry)
   if not raw then return '[' .. entry .. ']' end
   local count = history_entries(raw)
   if count == 0 then return '[' .. entry .. ']' end
@@ -107,8 +109,8 @@ local function create_job(key, a, current, stale_epoch, brief)
   local at = clock()
   local now = us(at)
   local fields = {'attempt', '0', 'dispatches', '0', 'created_at', now, 'touched_at', now,
-                  'history', history_append(nil, nil, state, at, ARGV[a + 5], ARGV[a + 6],
-                                            ARGV[a + 7])}
+                  'history', history_append(nil, history_entry(nil, state, now, ARGV[a + 5],
+                                                               ARGV[a + 6], ARGV[a + 7]))}
   for i = a + 9, a + 8 + tonumber(ARGV[a + 8]) do fields[#fields + 1] = ARGV[i] end
   if state == 'RUNNING' then
     fields[#fields + 1] = 'heartbeat_at'

@@ -10,7 +10,7 @@
 --       node, reason, rev (opt), attempt (opt), run_id (opt), lease token (opt),
 --       stale_for seconds (opt), new rev, new run_id (opt), next_attempt ('1' or '0'),
 --       run_at (opt), args JSON (opt), kwargs JSON (opt), task name (opt), signature (opt),
---       the reconciler's action (opt)
+--       the history entry but its "from" and time (codec.history_tail)
 -- Answer: per job {status[, HGETALL of the record]}
 -- The hot path (beat's DISPATCHED and PUBLISHED writes) is as few commands as it
 -- can be: one read, one write of the record, and the index moves it needs.
@@ -34,10 +34,7 @@ local function transition(key, lease_key, a)
   local now = clock()
   local ok = not TERMINAL[state]
   if ok then
-    ok = false
-    for s in string.gmatch(ARGV[a + 2], '[^,]+') do
-      if s == state then ok = true break end
-    end
+    ok = string.find(',' .. ARGV[a + 2] .. ',', ',' .. state .. ',', 1, true) ~= nil
   end
   local rev, attempt, run_id = opt(ARGV[a + 5]), opt(ARGV[a + 6]), opt(ARGV[a + 7])
   if ok and rev and cur[2] ~= rev then ok = false end
@@ -55,17 +52,18 @@ local function transition(key, lease_key, a)
 
   local member, to, node, reason = ARGV[a], ARGV[a + 1], ARGV[a + 3], ARGV[a + 4]
   local new_rev, next_attempt = ARGV[a + 10], ARGV[a + 12] == '1'
-  local set = {'state', to, 'rev', new_rev, 'touched_at', us(now), 'node', node,
+  local at = us(now)
+  local entry = '{"from":"' .. state .. '",' .. ARGV[a + 18] .. at .. '"}'
+  local set = {'state', to, 'rev', new_rev, 'touched_at', at, 'node', node,
                'reason', reason,
-               'history', history_append(cur[7], state, to, now, node, reason, new_rev,
-                                           opt(ARGV[a + 18]))}
+               'history', history_append(cur[7], entry)}
   local del = {}
   local function put(field, value) set[#set + 1] = field; set[#set + 1] = value end
   if next_attempt then put('attempt', us(tonumber(cur[3]) + 1)) end
   if to == 'DISPATCHED' then put('dispatches', us(tonumber(cur[8] or '0') + 1)) end
   if to == 'RUNNING' then
     put('run_id', opt(ARGV[a + 11]))
-    put('heartbeat_at', us(now))
+    put('heartbeat_at', at)
   elseif next_attempt and cur[4] then
     del[#del + 1] = 'run_id'
   end
@@ -85,7 +83,7 @@ local function transition(key, lease_key, a)
     del[#del + 1] = 'signature'
   end
   if TERMINAL[to] then
-    put('terminal_at', us(now))
+    put('terminal_at', at)
     -- Compacted (jobs.compact_terminal): the history and payload as the settings keep
     -- them, and no 'ref' (the key holds it), so the record's values stay short.
     if compacts then
@@ -97,7 +95,7 @@ local function transition(key, lease_key, a)
       for i = 1, #set, 2 do
         local field, value = set[i], set[i + 1]
         if field == 'history' and keep_history == 'last' then
-          value = history_append(nil, state, to, now, node, reason, new_rev, opt(ARGV[a + 18]))
+          value = history_append(nil, entry)
         end
         if not drop[field] then kept[#kept + 1] = field; kept[#kept + 1] = value end
       end
@@ -127,7 +125,7 @@ local function transition(key, lease_key, a)
   if to ~= state then
     redis.call('ZREM', state_key(1, state), member)
   end
-  redis.call('ZADD', state_key(1, to), us(now), member)
+  redis.call('ZADD', state_key(1, to), at, member)
   if to == 'PENDING' then
     redis.call('ZADD', KEYS[10], run_at, member)
   elseif state == 'PENDING' then
