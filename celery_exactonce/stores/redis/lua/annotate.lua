@@ -9,6 +9,6 @@ if cur[2] and string.find(cur[2], '"rev":"' .. ARGV[3] .. '"', 1, true) then
   return 1
 end
 redis.call('HSET', KEYS[1], 'history',
-           history_append(cur[2], history_entry(cur[1], cur[1], us(clock()), ARGV[1], ARGV[2],
+           history_append(cur[2], history_entry(cur[1], cur[1], clock_text(), ARGV[1], ARGV[2],
                                                 ARGV[3])))
 return 1

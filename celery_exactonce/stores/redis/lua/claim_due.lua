@@ -1,7 +1,7 @@
 -- Move due PENDING jobs to SCHEDULED, in run_at order, each with a new rev.
 -- KEYS: 1 due, 2 PENDING index, 3 SCHEDULED index, 4 job key prefix
 -- ARGV: 1 limit, 2 rev prefix (unique per call), 3 node, 4 reason
-local now = us(clock())
+local now = clock_text()
 local members = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', '0', ARGV[1])
 local out = {}
 for i, member in ipairs(members) do

@@ -7,15 +7,25 @@
 -- member, where KEYS[i] is the namespace's job key prefix); optional ARGV
 -- values are '' when absent and '=' .. value when present.
 
--- The store's clock, in microseconds (exact in a double until year 2255).
-local function clock()
-  local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000000 + tonumber(t[2])
-end
-
 -- An integer as a decimal string (tostring and cjson would print 1.7e+15).
 local function us(n)
   return string.format('%.0f', n)
+end
+
+-- The store's clock, in microseconds (exact in a double until year 2255), and as text
+-- (`clock_text`). Read once per call: every job of a batch is written at one store time.
+local now_us, now_text
+local function clock()
+  if not now_us then
+    local t = redis.call('TIME')
+    now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
+  end
+  return now_us
+end
+
+local function clock_text()
+  if not now_text then now_text = us(clock()) end
+  return now_text
 end
 
 -- An optional ARGV value: nil when absent.
@@ -106,8 +116,7 @@ local function create_job(key, a, current, stale_epoch, brief)
     end
     redis.call('HSET', KEYS[2], entry, fire_time)
   end
-  local at = clock()
-  local now = us(at)
+  local now = clock_text()
   local fields = {'attempt', '0', 'dispatches', '0', 'created_at', now, 'touched_at', now,
                   'history', history_append(nil, history_entry(nil, state, now, ARGV[a + 5],
                                                                ARGV[a + 6], ARGV[a + 7]))}

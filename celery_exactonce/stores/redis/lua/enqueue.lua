@@ -77,8 +77,7 @@ end
 if broker_db ~= store_db then redis.call('SELECT', store_db) end
 
 -- The record.
-local at = clock()
-local now = us(at)
+local now = clock_text()
 local history = table.concat({ARGV[3], now, ARGV[4], now, '"}]'})
 -- One HSET for the whole record (all or nothing), then its index entry.
 local reply = redis.pcall('HSET', key, 'attempt', '0', 'dispatches', '1', 'created_at', now,

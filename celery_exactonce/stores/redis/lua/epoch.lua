@@ -4,6 +4,6 @@
 local current = redis.call('GET', KEYS[1])
 local replace = opt(ARGV[2])
 if current and current ~= replace then return current end
-local epoch = ARGV[1] .. '@' .. us(clock())
+local epoch = ARGV[1] .. '@' .. clock_text()
 redis.call('SET', KEYS[1], epoch)
 return epoch

@@ -4,7 +4,7 @@ local cur = redis.call('HMGET', KEYS[1], 'state', 'run_id')
 if cur[1] ~= 'RUNNING' or cur[2] ~= ARGV[1] then
   return 0
 end
-local now = us(clock())
+local now = clock_text()
 redis.call('HSET', KEYS[1], 'touched_at', now, 'heartbeat_at', now)
 redis.call('ZADD', KEYS[2], now, ARGV[2])
 return 1

@@ -52,7 +52,7 @@ local function transition(key, lease_key, a)
 
   local member, to, node, reason = ARGV[a], ARGV[a + 1], ARGV[a + 3], ARGV[a + 4]
   local new_rev, next_attempt = ARGV[a + 10], ARGV[a + 12] == '1'
-  local at = us(now)
+  local at = clock_text()
   local entry = '{"from":"' .. state .. '",' .. ARGV[a + 18] .. at .. '"}'
   local set = {'state', to, 'rev', new_rev, 'touched_at', at, 'node', node,
                'reason', reason,
